@@ -1,0 +1,366 @@
+"""The asyncio client: ``Client.connect(url)`` and the methods of DESIGN.md's API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transferd import __version__
+from transferd.protocol.constants import (
+    DEFAULT_MAX_BODY,
+    PROTO_MAJOR,
+    PROTO_MINOR,
+    Command,
+)
+from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.frames import Frame
+from transferd.protocol.messages import Tensor
+
+from .connection import Connection
+from .queue import QueuedGet, QueuedSet, chunks, segments
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The A/B switches of PROTOCOL.md, read once at connect time."""
+
+    batched_get: bool = True
+    batched_set: bool = True
+    async_copy: bool = True
+    stats_ms: int = 0
+
+    @classmethod
+    def from_env(cls) -> Switches:
+        stats_ms = 0
+        if _env_flag("TRANSFERD_STATS"):
+            stats_ms = int(os.environ.get("TRANSFERD_STATS_MS", "5000") or 5000)
+        return cls(
+            batched_get=not _env_flag("TRANSFERD_NO_BATCHED_GET"),
+            batched_set=not _env_flag("TRANSFERD_NO_BATCHED_SET"),
+            async_copy=not _env_flag("TRANSFERD_NO_ASYNC_COPY"),
+            stats_ms=stats_ms,
+        )
+
+
+@dataclass(frozen=True)
+class RemoteBuffer:
+    """A buffer on the daemon, named by id."""
+
+    id: int
+    size: int
+    device: str = "cpu"
+
+    def tensor(self, offset: int = 0, size: int | None = None) -> Tensor:
+        if size is None:
+            size = self.size - offset
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise BadRequest(
+                f"[{offset}, {offset + size}) is outside buffer {self.id} of {self.size} bytes"
+            )
+        return Tensor(self.id, offset, size)
+
+
+def _as_view(data: Any) -> memoryview:
+    return memoryview(data).cast("B")
+
+
+def _tensor(t: Tensor | Sequence[int]) -> Tensor:
+    return t if isinstance(t, Tensor) else Tensor(*t)
+
+
+class Client:
+    """Async client.  ``async with await Client.connect(url) as c: ...``"""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        name: str | None = None,
+        max_minor: int = PROTO_MINOR,
+    ) -> None:
+        self.url = url
+        self.token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.name = name or f"transferd-client/{__version__}"
+        # Speak at most this minor (1 makes this an old client, for tests and A/B).
+        self.max_minor = max_minor
+        self.switches = Switches()
+        self.version: tuple[int, int, int] = (0, 0, 0)
+        self.server = ""
+        self.features: list[str] = []
+        self.max_body = DEFAULT_MAX_BODY
+        self.max_payload = 1 << 34
+        self._conn: Connection | None = None
+        self._queue: list[QueuedSet | QueuedGet] = []
+        self._stats_task: asyncio.Task[None] | None = None
+        self._engine: Any = None
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str, token: str | None = None, **kw: Any) -> Client:
+        c = cls(url, token=token, **kw)
+        await c.open()
+        return c
+
+    async def open(self) -> None:
+        self.switches = Switches.from_env()
+        self._conn = await Connection.open(self.url, self.connect_timeout)
+        self._conn.on_event = self._on_event
+        body: dict[str, Any] = {"major": PROTO_MAJOR, "minor": self.max_minor, "client": self.name}
+        if self.token:
+            body["token"] = self.token
+        try:
+            reply = await self._conn.request(Command.HELLO, body, timeout=self.connect_timeout)
+        except TransferdError:
+            await self._conn.close()
+            raise
+        b = reply.body
+        self.version = (int(b["major"]), int(b["minor"]), int(b["patch"]))
+        self.server = str(b.get("server", ""))
+        self.features = list(b.get("features", []))
+        self.max_body = int(b.get("max_body", DEFAULT_MAX_BODY))
+        self.max_payload = int(b.get("max_payload", self.max_payload))
+        self._conn.decoder.max_body = max(DEFAULT_MAX_BODY, self.max_body)
+        if self.switches.stats_ms:
+            self._stats_task = asyncio.ensure_future(self._print_stats(self.switches.stats_ms))
+
+    async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        if self._conn is not None:
+            try:
+                if self._conn.lost is None:
+                    await self.flush()
+            finally:
+                await self._conn.close()
+
+    async def __aenter__(self) -> Client:
+        if self._conn is None:
+            await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def minor(self) -> int:
+        """The minor this client speaks: the smaller of its own and the server's."""
+        return min(self.max_minor, self.version[1])
+
+    @property
+    def conn(self) -> Connection:
+        if self._conn is None:
+            raise TransferdError("not connected: call open() or use Client.connect()")
+        return self._conn
+
+    async def _call(
+        self,
+        cmd: Command,
+        body: dict[str, Any] | None = None,
+        payload: Sequence[Any] = (),
+        sink: Any = None,
+    ) -> Frame:
+        """A synchronous command: a flush point, then one round trip."""
+        if self._queue:
+            await self.flush()
+        return await self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
+
+    # -- devices and buffers --------------------------------------------------------
+
+    async def get_devices(self) -> list[dict[str, Any]]:
+        return list((await self._call(Command.GET_DEVICES)).body["devices"])
+
+    async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
+        r = await self._call(Command.ALLOC_BUFFER, {"device": device, "size": size})
+        return RemoteBuffer(int(r.body["buffer"]), int(r.body["size"]), device)
+
+    async def free_buffer(self, buf: RemoteBuffer | int) -> None:
+        await self._call(Command.FREE_BUFFER, {"buffer": getattr(buf, "id", buf)})
+
+    async def buffer_clear(self, buf: RemoteBuffer | int, value: int = 0) -> None:
+        await self._call(Command.BUFFER_CLEAR, {"buffer": getattr(buf, "id", buf), "value": value})
+
+    # -- tensors, synchronous ---------------------------------------------------------
+
+    async def set_tensor(self, t: Tensor | Sequence[int], data: Any) -> None:
+        t = _tensor(t)
+        view = _as_view(data)
+        if view.nbytes != t.size:
+            raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
+        await self._call(Command.SET_TENSOR, {"tensor": t.to_wire()}, [view])
+
+    async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
+        t = _tensor(t)
+        dest = self._out_view(t, out)
+        await self._call(Command.GET_TENSOR, {"tensor": t.to_wire()}, sink=[dest])
+        return out if out is not None else dest.obj
+
+    async def copy_tensor(self, src: Tensor | Sequence[int], dst: Tensor | Sequence[int]) -> None:
+        await self._call(
+            Command.COPY_TENSOR, {"src": _tensor(src).to_wire(), "dst": _tensor(dst).to_wire()}
+        )
+
+    async def synchronize(self) -> None:
+        await self._call(Command.SYNCHRONIZE)
+        self._raise_failures()
+
+    async def server_stats(self) -> dict[str, Any]:
+        return dict((await self._call(Command.STATS)).body)
+
+    def stats(self) -> dict[str, Any]:
+        """Client-side counts per command sent, and bytes each way."""
+        return self.conn.stats.snapshot()
+
+    # -- the queue --------------------------------------------------------------------
+
+    def set_tensor_async(self, t: Tensor | Sequence[int], data: Any, *, copy: bool = True) -> None:
+        """Queue a write; sent at the next flush point.
+
+        The tensor is held by value.  Data in a mutable buffer is copied now
+        (``copy=False`` trusts the caller to leave it alone until the flush);
+        immutable ``bytes`` are held as they are.
+        """
+        t = _tensor(t)
+        view = _as_view(data)
+        if view.nbytes != t.size:
+            raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
+        if copy and not view.readonly:
+            data = bytes(view)
+        self._queue.append(QueuedSet(t, data))
+
+    def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
+        """Queue a read; the future resolves at the next flush point.
+
+        With ``out`` (any writable buffer of the tensor's size) the bytes are
+        received straight into it and the future resolves to ``out``.
+        """
+        t = _tensor(t)
+        dest = self._out_view(t, out) if out is not None else None
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append(QueuedGet(t, fut, dest, out))
+        return fut
+
+    async def flush(self) -> None:
+        """Send everything queued: one SET_TENSORS and one GET_TENSORS per segment."""
+        ops, self._queue = self._queue, []
+        conn = self.conn
+        waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
+        try:
+            for seg in segments(ops):
+                self._send_sets(seg.sets)
+                waits += self._send_gets(seg.gets)
+        except TransferdError as exc:
+            for op in ops:
+                if isinstance(op, QueuedGet) and not op.future.done():
+                    op.future.set_exception(exc)
+            raise
+        first_error: BaseException | None = None
+        for gets, fut in waits:
+            try:
+                await fut
+            except TransferdError as exc:
+                first_error = first_error or exc
+                for g in gets:
+                    if not g.future.done():
+                        g.future.set_exception(exc)
+                continue
+            for g in gets:
+                if not g.future.done():
+                    g.future.set_result(g.result)
+        self._raise_failures()
+        if first_error is not None:
+            raise first_error
+        await conn.drain()
+
+    def _send_sets(self, sets: list[QueuedSet]) -> None:
+        if not sets:
+            return
+        conn = self.conn
+        if self.minor >= 2 and self.switches.batched_set:
+            for part in chunks(sets, self.max_body, self.max_payload):
+                conn.send_oneway(
+                    Command.SET_TENSORS,
+                    {"tensors": [s.tensor.to_wire() for s in part]},
+                    [s.data for s in part],
+                )
+        else:
+            for s in sets:
+                conn.send_oneway(Command.SET_TENSOR, {"tensor": s.tensor.to_wire()}, [s.data])
+
+    def _send_gets(
+        self, gets: list[QueuedGet]
+    ) -> list[tuple[list[QueuedGet], asyncio.Future[Frame]]]:
+        if not gets:
+            return []
+        conn = self.conn
+        for g in gets:
+            if g.out is None:
+                g.result = bytearray(g.tensor.size)
+                g.out = memoryview(g.result)
+        waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
+        if self.minor >= 2 and self.switches.batched_get:
+            for part in chunks(gets, self.max_body, self.max_payload):
+                fut = conn.request(
+                    Command.GET_TENSORS,
+                    {"tensors": [g.tensor.to_wire() for g in part]},
+                    sink=[g.out for g in part if g.out is not None],
+                    timeout=self.timeout,
+                )
+                waits.append((part, fut))
+        else:
+            for g in gets:
+                fut = conn.request(
+                    Command.GET_TENSOR,
+                    {"tensor": g.tensor.to_wire()},
+                    sink=[g.out] if g.out is not None else None,
+                    timeout=self.timeout,
+                )
+                waits.append(([g], fut))
+        return waits
+
+    # -- helpers ----------------------------------------------------------------------
+
+    @staticmethod
+    def _out_view(t: Tensor, out: Any) -> memoryview:
+        if out is None:
+            return memoryview(bytearray(t.size))
+        view = _as_view(out)
+        if view.readonly:
+            raise BadRequest("out= must be a writable buffer")
+        if view.nbytes != t.size:
+            raise BadRequest(f"out= holds {view.nbytes} bytes for a tensor of {t.size}")
+        return view
+
+    def _raise_failures(self) -> None:
+        failed = self.conn.take_failures()
+        if failed:
+            first = failed[0]
+            if len(failed) > 1:
+                first.add_note(
+                    f"and {len(failed) - 1} more one-way command(s) failed: "
+                    + "; ".join(str(f) for f in failed[1:4])
+                )
+            raise first
+
+    def _on_event(self, frame: Frame) -> None:
+        if self._engine is not None:
+            self._engine.on_event(frame)
+
+    async def _print_stats(self, period_ms: int) -> None:
+        while True:
+            await asyncio.sleep(period_ms / 1000)
+            if self._conn is not None:
+                print(self._conn.stats.line(), file=sys.stderr, flush=True)

@@ -1,0 +1,279 @@
+"""One connection to a daemon: framing, the pending-request table, events.
+
+Every request gets a future keyed by its seq; the reply resolves it, a
+connection loss fails every outstanding one with ConnectionLost (so nothing
+waits forever on a dead server).  Replies with a payload are read straight
+into memory the caller supplied (``sink``) when there is one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+from urllib.parse import urlparse
+
+from transferd.protocol import frames
+from transferd.protocol.constants import HEADER_SIZE, HELLO_MAX_BODY, Command, Flag
+from transferd.protocol.errors import (
+    BadRequest,
+    ConnectionLost,
+    ProtocolError,
+    Timeout,
+    TransferdError,
+    error_from_body,
+)
+from transferd.protocol.frames import Frame, FrameDecoder, Sink
+
+# Joining a small payload with its header saves a syscall; big ones go as is.
+SMALL_WRITE = 16 * 1024
+
+
+@dataclass(slots=True)
+class Pending:
+    cmd: int
+    future: asyncio.Future[Frame]
+    sink: Sink = None
+    timer: asyncio.TimerHandle | None = None
+
+
+class ClientStats:
+    """Client-side counts per command sent, and bytes each way."""
+
+    def __init__(self) -> None:
+        self.commands: dict[str, int] = {}
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "commands": dict(self.commands),
+            "bytes_out": self.bytes_out,
+            "bytes_in": self.bytes_in,
+        }
+
+    def line(self) -> str:
+        cmds = " ".join(f"{k}={v}" for k, v in sorted(self.commands.items()))
+        return f"transferd-client stats: {cmds} bytes_out={self.bytes_out} bytes_in={self.bytes_in}"
+
+
+def parse_url(url: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` or ``unix:///path`` -> (scheme, host-or-path, port)."""
+    u = urlparse(url)
+    if u.scheme == "tcp":
+        if not u.hostname or u.port is None:
+            raise BadRequest(f"{url!r}: expected tcp://HOST:PORT")
+        return "tcp", u.hostname, u.port
+    if u.scheme == "unix":
+        path = u.path or u.netloc
+        if not path:
+            raise BadRequest(f"{url!r}: expected unix:///PATH")
+        return "unix", path, 0
+    raise BadRequest(f"{url!r}: unsupported scheme (use tcp:// or unix://)")
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.decoder = FrameDecoder(max_body=HELLO_MAX_BODY, payload_sink=self._sink_for)
+        self.pending: dict[int, Pending] = {}
+        self.stats = ClientStats()
+        self._seq = 0
+        self._closed: asyncio.Future[None] | None = None
+        self.lost: TransferdError | None = None
+        # Failures of NO_REPLY commands, raised at the next flush point.
+        self.failed: list[TransferdError] = []
+        # Unasked EVENT frames (engine completions, messages) go here.
+        self.on_event: Callable[[Frame], None] | None = None
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._paused = False
+
+    @classmethod
+    async def open(cls, url: str, timeout: float | None = 10.0) -> Connection:
+        scheme, where, port = parse_url(url)
+        loop = asyncio.get_running_loop()
+        try:
+            if scheme == "tcp":
+                coro = loop.create_connection(cls, where, port)
+            else:
+                coro = loop.create_unix_connection(cls, where)
+            _, conn = await asyncio.wait_for(coro, timeout)
+        except (TimeoutError, OSError) as exc:
+            from transferd.protocol.errors import PeerUnreachable
+
+            raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
+        return conn
+
+    # -- asyncio callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but are one.
+        self.transport = cast(asyncio.Transport, transport)
+        self._closed = asyncio.get_running_loop().create_future()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
+        self.stats.bytes_in += nbytes
+        while True:
+            try:
+                frame = self.decoder.next_frame()
+            except ProtocolError as exc:
+                self._fail_all(exc)
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            if frame is None:
+                return
+            self._dispatch(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail_all(ConnectionLost(f"connection closed{': ' + str(exc) if exc else ''}"))
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+
+    # -- incoming ---------------------------------------------------------------------
+
+    def _sink_for(self, frame: Frame) -> Sink:
+        p = self.pending.get(frame.seq) if frame.is_reply else None
+        return p.sink if p is not None and not frame.is_error else None
+
+    def _dispatch(self, frame: Frame) -> None:
+        if frame.is_event:
+            if frame.is_error:
+                self.failed.append(error_from_body(frame.body, seq=frame.seq))
+            if self.on_event is not None:
+                self.on_event(frame)
+            return
+        p = self.pending.pop(frame.seq, None)
+        if p is None:
+            if frame.is_error:
+                # A fatal error before any request (or for a seq we gave up on).
+                self.failed.append(error_from_body(frame.body, seq=frame.seq))
+            return
+        if p.timer is not None:
+            p.timer.cancel()
+        if p.future.done():
+            return
+        if frame.is_error:
+            p.future.set_exception(error_from_body(frame.body, seq=frame.seq))
+        else:
+            p.future.set_result(frame)
+
+    def _fail_all(self, exc: TransferdError) -> None:
+        if self.lost is None:
+            self.lost = exc
+        # A fatal error reply may have arrived just before the close: prefer it.
+        for f in self.failed:
+            if f.fatal:
+                exc = f
+                break
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+            if not p.future.done():
+                p.future.set_exception(type(exc)(exc.message, seq=exc.seq))
+
+    # -- outgoing ---------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        return self._seq
+
+    def send(
+        self,
+        cmd: int,
+        body: dict[str, Any] | None = None,
+        payload: Sequence[Any] = (),
+        *,
+        flags: int = 0,
+        seq: int | None = None,
+    ) -> int:
+        """Write one request frame; payload objects are sent from where they lie."""
+        if self.lost is not None or self.transport is None or self.transport.is_closing():
+            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
+        seq = self.next_seq() if seq is None else seq
+        raw = frames.pack_body(body)
+        views = [memoryview(p).cast("B") for p in payload]
+        plen = sum(v.nbytes for v in views)
+        head = frames.encode_header(cmd, flags, seq, len(raw), plen) + raw
+        if plen <= SMALL_WRITE:
+            self.transport.write(b"".join((head, *views)) if plen else head)
+        else:
+            self.transport.write(head)
+            for v in views:
+                self.transport.write(v)
+        name = Command(cmd).name
+        self.stats.commands[name] = self.stats.commands.get(name, 0) + 1
+        self.stats.bytes_out += HEADER_SIZE + len(raw) + plen
+        return seq
+
+    def request(
+        self,
+        cmd: int,
+        body: dict[str, Any] | None = None,
+        payload: Sequence[Any] = (),
+        *,
+        sink: Sink = None,
+        timeout: float | None = None,
+    ) -> asyncio.Future[Frame]:
+        """Send a request; the future resolves with its reply frame or raises."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Frame] = loop.create_future()
+        seq = self.send(cmd, body, payload)
+        p = Pending(cmd, fut, sink)
+        if timeout is not None:
+            p.timer = loop.call_later(timeout, self._time_out, seq, timeout)
+        self.pending[seq] = p
+        return fut
+
+    def send_oneway(
+        self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any] = ()
+    ) -> int:
+        return self.send(cmd, body, payload, flags=Flag.NO_REPLY)
+
+    def _time_out(self, seq: int, timeout: float) -> None:
+        p = self.pending.pop(seq, None)
+        if p is not None and not p.future.done():
+            p.future.set_exception(
+                Timeout(f"{Command(p.cmd).name} got no reply in {timeout:g} s", seq=seq)
+            )
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is under its high-water mark."""
+        if self._paused and self.lost is None:
+            w = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(w)
+            await w
+
+    def take_failures(self) -> list[TransferdError]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    async def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        if self._closed is not None:
+            await asyncio.shield(self._closed)

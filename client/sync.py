@@ -1,0 +1,86 @@
+"""SyncClient: the same API, blocking, for code that has no event loop.
+
+It runs a private event loop in a daemon thread and forwards each call to the
+async :class:`Client` there.  Queued reads return ``concurrent.futures.Future``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from .client import Client
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    def __init__(self, url: str, *, token: str | None = None, **kw: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="transferd-client", daemon=True
+        )
+        self._thread.start()
+        self._client = Client(url, token=token, **kw)
+        try:
+            self._run(self._client.open())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def connect(cls, url: str, token: str | None = None, **kw: Any) -> SyncClient:
+        return cls(url, token=token, **kw)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _call_soon(self, fn: Callable[[], T]) -> T:
+        """Run a plain method on the loop thread and return its result."""
+
+        async def call() -> T:
+            return fn()
+
+        return self._run(call())
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+        if asyncio.iscoroutinefunction(attr):
+            return lambda *a, **k: self._run(attr(*a, **k))
+        return lambda *a, **k: self._call_soon(lambda: attr(*a, **k))
+
+    def get_tensor_async(self, t: Any, out: Any = None) -> concurrent.futures.Future[Any]:
+        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def queue() -> None:
+            fut = self._client.get_tensor_async(t, out)
+            fut.add_done_callback(
+                lambda f: (
+                    cf.set_exception(f.exception()) if f.exception() else cf.set_result(f.result())
+                )
+            )
+
+        self._call_soon(queue)
+        return cf
+
+    def close(self) -> None:
+        try:
+            self._run(self._client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

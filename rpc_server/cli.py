@@ -1,0 +1,85 @@
+"""``rpc-server``: one command that starts a complete daemon, llama.cpp's flag names."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from transferd import config as cfgmod
+from transferd.daemon import run_daemon
+
+from .server import RpcFrontend
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-H", "--host", default=None, help="Address to listen on [127.0.0.1].")
+@click.option("-p", "--port", type=int, default=None, help="TCP port [18515]; 0 picks one.")
+@click.option("-m", "--mem", type=int, default=None, help="Host memory limit in MiB [4096].")
+@click.option(
+    "-d", "--device", default="cpu", show_default=True, help="Device to serve buffers from (cpu)."
+)
+@click.option(
+    "--protocol-minor",
+    type=click.IntRange(1, 2),
+    default=None,
+    help="Act as a server of this protocol minor [2].",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Prometheus metrics port [18516]; 0 picks one; -1 turns metrics off.",
+)
+@click.option("--token", default=None, help="Require this token in HELLO.")
+@click.option("--unix", "unix_socket", default=None, help="Also listen on this Unix socket path.")
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Read settings from this TOML file first.",
+)
+@click.option("--log-level", default=None, type=click.Choice(cfgmod.LOG_LEVELS))
+def main(
+    host: str | None,
+    port: int | None,
+    mem: int | None,
+    device: str,
+    protocol_minor: int | None,
+    metrics_port: int | None,
+    token: str | None,
+    unix_socket: str | None,
+    config_path: str | None,
+    log_level: str | None,
+) -> None:
+    """Serve transferd's RPC protocol (and its transfer engine) on HOST:PORT."""
+    if device != "cpu":
+        raise click.BadParameter(
+            f"{device!r}: only 'cpu' is served by this build", param_hint="-d/--device"
+        )
+    overrides = {
+        "server.host": host,
+        "server.port": port,
+        "memory.host_limit_mib": mem,
+        "server.protocol_minor": protocol_minor,
+        "server.token": token,
+        "server.unix_socket": unix_socket,
+        "log.level": log_level,
+    }
+    if metrics_port is not None:
+        if metrics_port < 0:
+            overrides["metrics.enabled"] = False
+        else:
+            overrides["metrics.port"] = metrics_port
+    try:
+        config = cfgmod.load(config_path, overrides=overrides)
+    except cfgmod.ConfigError as exc:
+        click.echo(f"rpc-server: configuration error: {exc}", err=True)
+        sys.exit(2)
+    run_daemon(config, [RpcFrontend()])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Command handlers for the core (minor 1 and 2) commands.
+
+A handler takes the session and the frame and returns a :class:`Reply`, None
+(an empty reply), or an awaitable of either; it raises a TransferdError for a
+failure.  Every tensor is checked against its buffer before any byte moves,
+and a batch is checked whole before its first byte moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from transferd.protocol.constants import Command
+from transferd.protocol.errors import BadRequest
+from transferd.protocol.frames import Frame, Sink
+from transferd.protocol.messages import (
+    str_field,
+    tensor_field,
+    tensors_field,
+    uint_field,
+)
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class Reply(NamedTuple):
+    body: dict[str, Any] | None = None
+    payload: Sequence[memoryview] = ()
+
+
+Handler = Callable[["Session", Frame], "Reply | Awaitable[Reply | None] | None"]
+HANDLERS: dict[Command, Handler] = {}
+# Commands that carry a payload, and how to find where it goes.
+SINKS: dict[Command, Callable[[Session, Frame], Sink]] = {}
+
+
+def handler(cmd: Command) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        HANDLERS[cmd] = fn
+        return fn
+
+    return register
+
+
+def payload_sink(session: Session, frame: Frame) -> Sink:
+    """Where a request's payload goes: checked tensor views, in order."""
+    sink = SINKS.get(Command(frame.cmd))
+    if sink is None:
+        raise BadRequest(f"{Command(frame.cmd).name} takes no payload")
+    return sink(session, frame)
+
+
+def _set_views(session: Session, frame: Frame, tensors: list[Any]) -> list[memoryview]:
+    views = [session.ctx.buffers.tensor_view(t) for t in tensors]
+    total = sum(t.size for t in tensors)
+    if total != frame.payload_len:
+        raise BadRequest(f"tensors hold {total} bytes but the payload has {frame.payload_len}")
+    return views
+
+
+SINKS[Command.SET_TENSOR] = lambda s, f: _set_views(s, f, [tensor_field(f.body, "tensor")])
+SINKS[Command.SET_TENSORS] = lambda s, f: _set_views(s, f, tensors_field(f.body))
+
+
+@handler(Command.HELLO)
+def hello(session: Session, frame: Frame) -> Reply:
+    return session.hello(frame)
+
+
+@handler(Command.GET_DEVICES)
+def get_devices(session: Session, frame: Frame) -> Reply:
+    b = session.ctx.buffers
+    devices = [
+        {
+            "name": "cpu",
+            "total": b.host_limit,
+            "free": b.free,
+            "alignment": 4096,
+            "max_size": min(b.max_size, b.host_limit),
+        }
+    ]
+    return Reply({"devices": devices})
+
+
+@handler(Command.ALLOC_BUFFER)
+def alloc_buffer(session: Session, frame: Frame) -> Reply:
+    device = str_field(frame.body, "device", "cpu")
+    size = uint_field(frame.body, "size")
+    buf = session.ctx.buffers.alloc(device, size)
+    session.ctx.account_buffers()
+    return Reply({"buffer": buf.id, "size": buf.size})
+
+
+@handler(Command.FREE_BUFFER)
+def free_buffer(session: Session, frame: Frame) -> None:
+    buf = session.ctx.buffers.free_buffer(uint_field(frame.body, "buffer"))
+    session.ctx.account_buffers()
+    if session.ctx.engine is not None:
+        session.ctx.engine.buffer_freed(buf)
+
+
+@handler(Command.BUFFER_CLEAR)
+def buffer_clear(session: Session, frame: Frame) -> None:
+    buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
+    buf.clear(uint_field(frame.body, "value", 255))
+
+
+@handler(Command.SET_TENSOR)
+@handler(Command.SET_TENSORS)
+def set_tensors(session: Session, frame: Frame) -> None:
+    # The payload was already read into place by the sink.
+    return None
+
+
+@handler(Command.GET_TENSOR)
+def get_tensor(session: Session, frame: Frame) -> Reply:
+    return Reply(None, [session.ctx.buffers.tensor_view(tensor_field(frame.body, "tensor"))])
+
+
+@handler(Command.GET_TENSORS)
+def get_tensors(session: Session, frame: Frame) -> Reply:
+    views = [session.ctx.buffers.tensor_view(t) for t in tensors_field(frame.body)]
+    return Reply(None, views)
+
+
+@handler(Command.COPY_TENSOR)
+def copy_tensor(session: Session, frame: Frame) -> None:
+    src = tensor_field(frame.body, "src")
+    dst = tensor_field(frame.body, "dst")
+    session.ctx.buffers.copy(src, dst)
+
+
+@handler(Command.SYNCHRONIZE)
+def synchronize(session: Session, frame: Frame) -> Reply | Awaitable[None] | None:
+    if not session.pending:
+        return None
+
+    async def wait() -> None:
+        # Failures of those operations were already reported as events.
+        await asyncio.gather(*list(session.pending), return_exceptions=True)
+
+    return wait()
+
+
+@handler(Command.STATS)
+def stats(session: Session, frame: Frame) -> Reply:
+    return Reply(session.ctx.stats.to_body())

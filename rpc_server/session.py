@@ -1,0 +1,307 @@
+"""One client connection: feeds the sans-IO decoder, runs commands in order.
+
+Bytes go from the socket straight to where the decoder says (a SET's target
+tensor, via ``get_buffer``).  Frames are executed one at a time, in arrival
+order; a command whose handler is asynchronous (SYNCHRONIZE waiting for
+transfers) holds the next frames back until it has finished.
+
+Reads pause whenever replies are waiting in the transport (write-buffer
+limits of zero): GET payloads are sent from the buffer where they lie, so no
+later SET on this connection may land in that memory until the bytes are out.
+The same pause is the connection's back-pressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hmac
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, cast
+
+from transferd.protocol import frames
+from transferd.protocol.constants import (
+    COMMAND_MINOR,
+    HEADER_SIZE,
+    PROTO_MAJOR,
+    PROTO_PATCH,
+    Command,
+    Flag,
+)
+from transferd.protocol.errors import (
+    BadRequest,
+    Internal,
+    NoHello,
+    ProtocolError,
+    TransferdError,
+    Unauthorized,
+    UnknownCommand,
+    VersionMismatch,
+)
+from transferd.protocol.frames import DISCARD, Frame, FrameDecoder, Sink
+from transferd.protocol.messages import str_field, uint_field
+
+from .context import ServerContext
+from .handlers import HANDLERS, Reply, payload_sink
+
+log = logging.getLogger("transferd.session")
+
+# Replies with at most this many payload bytes are joined with their header
+# into one write: one syscall instead of two costs a small copy.
+SMALL_REPLY = 16 * 1024
+
+
+class State(enum.Enum):
+    AWAIT_HELLO = "await_hello"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class Session(asyncio.BufferedProtocol):
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.state = State.AWAIT_HELLO
+        self.peer = "?"
+        self.client_name = ""
+        self.transport: asyncio.Transport | None = None
+        self._decoder = FrameDecoder(
+            max_body=ctx.max_body, max_payload=ctx.max_payload, payload_sink=self._sink_for
+        )
+        self._sink_error: TransferdError | None = None
+        self._blockers = 0
+        # Engine operations this connection submitted and that have not
+        # finished; SYNCHRONIZE waits for them.
+        self.pending: set[asyncio.Future[Any]] = set()
+        # Per-connection engine state (receive pools, watchers) hangs here.
+        self.engine_state: Any = None
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    # -- asyncio callbacks --------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but are one.
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=0, low=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer) if peer else "local"
+        self.ctx.metrics.connections.inc()
+        self.ctx.metrics.connections_accepted.inc()
+        log.debug("connection from %s", self.peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not State.CLOSED:
+            self.state = State.CLOSED
+        self.ctx.metrics.connections.dec()
+        if self.ctx.engine is not None:
+            self.ctx.engine.session_closed(self)
+        log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._decoder.buffer_updated(nbytes)
+        self.ctx.stats.bytes_in += nbytes
+        self._pump()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause_writing(self) -> None:
+        self._block()
+
+    def resume_writing(self) -> None:
+        self._unblock()
+
+    # -- frame flow -----------------------------------------------------------
+
+    def _block(self) -> None:
+        self._blockers += 1
+        if self._blockers == 1 and self.transport is not None:
+            self.transport.pause_reading()
+
+    def _unblock(self) -> None:
+        self._blockers -= 1
+        if self._blockers == 0 and self.state is not State.CLOSED:
+            assert self.transport is not None
+            self.transport.resume_reading()
+            # Frames may already be complete in the decoder's buffer.
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        while self._blockers == 0 and self.state is not State.CLOSED:
+            try:
+                frame = self._decoder.next_frame()
+            except ProtocolError as exc:
+                self._fail(exc, cmd=0)
+                return
+            if frame is None:
+                return
+            self._handle(frame)
+
+    def _sink_for(self, frame: Frame) -> Sink:
+        self._sink_error = None
+        try:
+            self._check_allowed(frame)
+            return payload_sink(self, frame)
+        except TransferdError as exc:
+            self._sink_error = exc
+            return DISCARD
+
+    def _check_allowed(self, frame: Frame) -> None:
+        if self.state is State.AWAIT_HELLO and frame.cmd != Command.HELLO:
+            raise NoHello("the first frame of a connection must be HELLO")
+        if frame.flags & (Flag.REPLY | Flag.ERROR | Flag.EVENT):
+            raise BadRequest("a request must not carry REPLY, ERROR or EVENT flags")
+        try:
+            cmd = Command(frame.cmd)
+        except ValueError:
+            raise UnknownCommand(f"unknown command 0x{frame.cmd:02x}") from None
+        if COMMAND_MINOR[cmd] > self.ctx.minor or cmd not in HANDLERS:
+            raise UnknownCommand(
+                f"{cmd.name} needs protocol minor {COMMAND_MINOR[cmd]}; this server speaks "
+                f"{PROTO_MAJOR}.{self.ctx.minor}"
+            )
+
+    def _handle(self, frame: Frame) -> None:
+        started = time.perf_counter()
+        known = frame.cmd in Command._value2member_map_
+        if known:
+            cmd = Command(frame.cmd)
+            self.ctx.stats.commands[cmd] += 1
+            self.ctx.metrics.command(cmd, frame.wire_len)
+        try:
+            if frame.payload_len:
+                # The sink already judged this frame; a discarded payload
+                # always has its reason recorded.
+                if self._sink_error is not None:
+                    raise self._sink_error
+                if frame.discarded:
+                    raise Internal("payload discarded without a recorded error")
+            else:
+                self._check_allowed(frame)
+            result = HANDLERS[Command(frame.cmd)](self, frame)
+        except TransferdError as exc:
+            self._fail(exc, frame.cmd, frame.seq, frame.no_reply)
+            return
+        except Exception as exc:  # a bug must not take the daemon down
+            log.exception("internal error on cmd 0x%02x", frame.cmd)
+            self._fail(
+                Internal(f"{type(exc).__name__}: {exc}"), frame.cmd, frame.seq, frame.no_reply
+            )
+            return
+        if isinstance(result, Awaitable):
+            self._block()
+            task = asyncio.ensure_future(self._finish_async(frame, result, started))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._reply(frame, result, started)
+
+    async def _finish_async(
+        self, frame: Frame, pending: Awaitable[Reply | None], started: float
+    ) -> None:
+        try:
+            result = await pending
+        except TransferdError as exc:
+            self._fail(exc, frame.cmd, frame.seq, frame.no_reply)
+        except Exception as exc:
+            log.exception("internal error in an asynchronous command")
+            self._fail(
+                Internal(f"{type(exc).__name__}: {exc}"), frame.cmd, frame.seq, frame.no_reply
+            )
+        else:
+            self._reply(frame, result, started)
+        finally:
+            self._unblock()
+
+    def _reply(self, frame: Frame, result: Reply | None, started: float) -> None:
+        if frame.no_reply:
+            return
+        body, payload = (result.body, result.payload) if result is not None else (None, ())
+        n = self.send_frame(frame.cmd, Flag.REPLY, frame.seq, body, payload)
+        self.ctx.metrics.reply(Command(frame.cmd), n, time.perf_counter() - started)
+
+    def _fail(
+        self, exc: TransferdError, cmd: int, seq: int | None = None, no_reply: bool = False
+    ) -> None:
+        seq = exc.seq if seq is None else seq
+        self.ctx.metrics.error(exc.code)
+        flags = Flag.REPLY | Flag.ERROR
+        if no_reply and not exc.fatal:
+            # One-way command failed: tell the client unasked, keep serving.
+            flags = Flag.EVENT | Flag.ERROR
+        log.info("%s: %s on cmd 0x%02x seq %s", self.peer, exc, cmd, seq)
+        self.send_frame(cmd, flags, seq or 0, exc.to_body())
+        if exc.fatal:
+            self.close()
+
+    # -- output -------------------------------------------------------------------
+
+    def send_frame(
+        self,
+        cmd: int,
+        flags: int,
+        seq: int,
+        body: dict[str, Any] | None = None,
+        payload: Sequence[memoryview] = (),
+    ) -> int:
+        """Write one frame; payload views are sent from where they lie."""
+        if self.state is State.CLOSED or self.transport is None or self.transport.is_closing():
+            return 0
+        raw = frames.pack_body(body)
+        plen = sum(len(p) for p in payload)
+        head = frames.encode_header(cmd, flags, seq, len(raw), plen) + raw
+        if plen <= SMALL_REPLY:
+            self.transport.write(b"".join((head, *payload)) if plen else head)
+        else:
+            self.transport.write(head)
+            for view in payload:
+                self.transport.write(view)
+        n = HEADER_SIZE + len(raw) + plen
+        self.ctx.stats.bytes_out += n
+        return n
+
+    def send_event(self, cmd: int, body: dict[str, Any], seq: int = 0) -> None:
+        self.send_frame(cmd, Flag.EVENT, seq, body)
+
+    def close(self) -> None:
+        if self.state is not State.CLOSED:
+            self.state = State.CLOSED
+            if self.transport is not None:
+                self.transport.close()
+
+    # -- HELLO ----------------------------------------------------------------------
+
+    def hello(self, frame: Frame) -> Reply:
+        if self.state is not State.AWAIT_HELLO:
+            raise BadRequest("HELLO was already received on this connection")
+        major = uint_field(frame.body, "major")
+        uint_field(frame.body, "minor")
+        self.client_name = str_field(frame.body, "client", "")
+        if major != PROTO_MAJOR:
+            raise VersionMismatch(f"client speaks major {major}, this server {PROTO_MAJOR}")
+        if self.ctx.token:
+            token = frame.body.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(
+                token.encode(), self.ctx.token.encode()
+            ):
+                raise Unauthorized("a valid token is required" if token else "token missing")
+        self.state = State.READY
+        return Reply(
+            {
+                "major": PROTO_MAJOR,
+                "minor": self.ctx.minor,
+                "patch": PROTO_PATCH,
+                "server": self.ctx.name,
+                "features": self.ctx.features(),
+                "max_body": self.ctx.max_body,
+                "max_payload": self.ctx.max_payload,
+            }
+        )

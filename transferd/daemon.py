@@ -1,0 +1,113 @@
+"""Daemon lifecycle: build the shared state, start front ends, serve until a signal.
+
+Front ends (the RPC server) plug in from above through the ``Frontend``
+protocol, so this module never imports them: ``transferd serve`` finds them
+by entry point (group ``transferd.frontends``) and ``rpc-server`` passes its
+own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from typing import Protocol
+
+from transferd.config import Config
+from transferd.memory import BufferTable
+from transferd.metrics import Metrics
+
+log = logging.getLogger("transferd")
+
+
+class Frontend(Protocol):
+    async def start(self, daemon: Daemon) -> list[str]:
+        """Start serving; return the addresses listened on, as URLs."""
+
+    async def close(self) -> None: ...
+
+
+def discover_frontends() -> list[Frontend]:
+    found: list[Frontend] = []
+    for ep in entry_points(group="transferd.frontends"):
+        found.append(ep.load()())
+    return found
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        s.sendall(message.encode())
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.buffers = BufferTable(config.host_limit, config.max_buffer)
+        self.metrics_url: str | None = None
+        self._stop: asyncio.Event | None = None
+
+    async def run(self, frontends: Sequence[Frontend]) -> None:
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+        started: list[Frontend] = []
+        try:
+            urls: list[str] = []
+            for fe in frontends:
+                urls += await fe.start(self)
+                started.append(fe)
+            m = self.config.metrics
+            if m.enabled:
+                port = self.metrics.serve(m.host, m.port)
+                self.metrics_url = f"http://{m.host}:{port}/metrics"
+            for url in urls:
+                print(f"transferd: listening on {url}", flush=True)
+            if self.metrics_url:
+                print(f"transferd: metrics on {self.metrics_url}", flush=True)
+            print("transferd: ready", flush=True)
+            sd_notify("READY=1\nSTATUS=serving")
+            await self._stop.wait()
+            sd_notify("STOPPING=1")
+            log.info("stopping")
+        finally:
+            for fe in reversed(started):
+                with contextlib.suppress(Exception):
+                    await fe.close()
+            self.buffers.close()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
+    """Run until SIGTERM/SIGINT, on uvloop."""
+    import uvloop
+
+    configure_logging(config.log.level)
+    daemon = Daemon(config)
+    uvloop.run(daemon.run(frontends))

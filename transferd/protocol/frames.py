@@ -1,0 +1,356 @@
+"""Frame encoding and a sans-IO frame decoder.
+
+The decoder never touches a socket.  An I/O layer (an ``asyncio.BufferedProtocol``
+in practice) asks it where the next bytes should land with :meth:`get_buffer`,
+reports how many arrived with :meth:`buffer_updated`, and pulls complete frames
+with :meth:`next_frame`.  Payload bytes land where the consumer says: when a
+frame's body has been parsed, the decoder calls the ``payload_sink`` callback,
+which may return the destination memory (one or more memoryviews, e.g. the
+tensors of a SET_TENSORS), so bulk data goes straight from the kernel into its
+target with no intermediate ``bytes`` object.
+
+Frames are handed out one at a time, and the sink for frame N+1 is only asked
+for after frame N was returned: a consumer that executes each frame before
+pulling the next can never have a later payload overwrite memory an earlier
+command still has to read.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .constants import (
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_PAYLOAD,
+    HEADER_SIZE,
+    KNOWN_FLAGS,
+    MAGIC,
+    Flag,
+)
+from .errors import BadFrame, TooLarge
+
+HEADER = struct.Struct("<2sBBIIIQ")
+assert HEADER.size == HEADER_SIZE
+
+# Bytes of header and body are collected in a reusable buffer of this size;
+# payloads of at least STREAM_THRESHOLD bytes bypass it and are read straight
+# into their sink.
+READ_CHUNK = 256 * 1024
+STREAM_THRESHOLD = 64 * 1024
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+class Discard:
+    """Sink marker: read the payload and throw it away (a rejected request)."""
+
+
+DISCARD = Discard()
+
+# A sink is the memory the payload goes to: memoryviews filled in order whose
+# lengths add up to payload_len; DISCARD; or None for "collect into a bytearray".
+Sink = Sequence[memoryview] | Discard | None
+SinkFactory = Callable[["Frame"], Sink]
+
+
+@dataclass(slots=True)
+class Frame:
+    cmd: int
+    flags: Flag
+    seq: int
+    body: dict[str, Any]
+    payload_len: int = 0
+    body_len: int = 0
+    # Set only when the payload was collected by the decoder (sink None).
+    payload: bytearray | None = None
+    # True when the payload went to a DISCARD sink.
+    discarded: bool = False
+
+    @property
+    def wire_len(self) -> int:
+        return HEADER_SIZE + self.body_len + self.payload_len
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & Flag.REPLY)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & Flag.ERROR)
+
+    @property
+    def is_event(self) -> bool:
+        return bool(self.flags & Flag.EVENT)
+
+    @property
+    def no_reply(self) -> bool:
+        return bool(self.flags & Flag.NO_REPLY)
+
+
+def pack_body(body: dict[str, Any] | None) -> bytes:
+    """msgpack a body; an empty or missing body is zero bytes on the wire."""
+    if not body:
+        return b""
+    return _packer.pack(body)
+
+
+def encode_header(cmd: int, flags: int, seq: int, body_len: int, payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, body_len, 0, payload_len)
+
+
+def encode_frame(
+    cmd: int,
+    flags: int = 0,
+    seq: int = 0,
+    body: dict[str, Any] | None = None,
+    payload_len: int = 0,
+) -> bytes:
+    """Header and body; the caller sends ``payload_len`` payload bytes after it."""
+    raw = pack_body(body)
+    return encode_header(cmd, flags, seq, len(raw), payload_len) + raw
+
+
+@dataclass(slots=True)
+class RawHeader:
+    magic: bytes
+    cmd: int
+    flags: int
+    seq: int
+    body_len: int
+    reserved: int
+    payload_len: int
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> RawHeader:
+    """Unpack 24 bytes without judging them (see :func:`check_header`)."""
+    return RawHeader(*HEADER.unpack_from(data))
+
+
+def check_header(h: RawHeader, max_body: int, max_payload: int) -> None:
+    if h.magic != MAGIC:
+        raise BadFrame(f"bad magic {h.magic!r}, expected {MAGIC!r}", seq=h.seq)
+    if h.reserved != 0:
+        raise BadFrame(f"reserved field is {h.reserved}, must be 0", seq=h.seq)
+    if h.flags & ~int(KNOWN_FLAGS):
+        raise BadFrame(f"unknown flag bits 0x{h.flags:02x}", seq=h.seq)
+    if h.body_len > max_body:
+        raise TooLarge(f"body of {h.body_len} bytes is over the limit of {max_body}", seq=h.seq)
+    if h.payload_len > max_payload:
+        raise TooLarge(
+            f"payload of {h.payload_len} bytes is over the limit of {max_payload}", seq=h.seq
+        )
+
+
+def unpack_body(raw: bytes | bytearray | memoryview, seq: int) -> dict[str, Any]:
+    if len(raw) == 0:
+        return {}
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise BadFrame(f"body is not valid msgpack: {exc}", seq=seq) from None
+    if not isinstance(body, dict) or not all(isinstance(k, str) for k in body):
+        raise BadFrame("body must be a msgpack map with string keys", seq=seq)
+    return body
+
+
+class Phase(enum.Enum):
+    HEADER = "header"
+    BODY = "body"
+    PAYLOAD = "payload"
+    BROKEN = "broken"
+
+
+class FrameDecoder:
+    """Bytes in, frames out.  See the module docstring for the calling pattern."""
+
+    def __init__(
+        self,
+        *,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        payload_sink: SinkFactory | None = None,
+    ) -> None:
+        self.max_body = max_body
+        self.max_payload = max_payload
+        self._sink_factory = payload_sink
+        self._buf = bytearray(READ_CHUNK)
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unconsumed byte in _buf
+        self._end = 0  # one past the last received byte in _buf
+        self.phase = Phase.HEADER
+        self._header: RawHeader | None = None
+        self._frame: Frame | None = None
+        # Payload state: the sink segments, which one we are in, how far.
+        self._segments: list[memoryview] = []
+        self._seg_index = 0
+        self._seg_pos = 0
+        self._payload_left = 0
+        self._discard = False
+        self._direct = False  # get_buffer handed out sink memory
+
+    # -- the I/O side ---------------------------------------------------------
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes should be written."""
+        if self.phase is Phase.BROKEN:
+            raise BadFrame("decoder is closed after a protocol error")
+        if (
+            self.phase is Phase.PAYLOAD
+            and not self._discard
+            and self._start == self._end
+            and self._payload_left >= STREAM_THRESHOLD
+        ):
+            seg = self._segments[self._seg_index]
+            self._direct = True
+            return seg[self._seg_pos :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < 4096 or self._start > len(self._buf) // 2:
+            self._compact()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` were written into the memory the last get_buffer returned."""
+        if self._direct:
+            self._direct = False
+            self._advance_payload(nbytes)
+        else:
+            self._end += nbytes
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Copying convenience for tests and simple callers: feed bytes, get frames."""
+        frames: list[Frame] = []
+        src = memoryview(data).cast("B")
+        while True:
+            frame = self.next_frame()
+            while frame is not None:
+                frames.append(frame)
+                frame = self.next_frame()
+            if not len(src):
+                return frames
+            dst = self.get_buffer(len(src))
+            n = min(len(dst), len(src))
+            dst[:n] = src[:n]
+            src = src[n:]
+            self.buffer_updated(n)
+
+    # -- the consumer side ----------------------------------------------------
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None until more bytes arrive.
+
+        Raises a ProtocolError (BadFrame or TooLarge, with the offending
+        frame's seq) when the stream is broken; the decoder is unusable after.
+        """
+        try:
+            return self._next_frame()
+        except Exception:
+            self.phase = Phase.BROKEN
+            raise
+
+    def _next_frame(self) -> Frame | None:
+        while True:
+            avail = self._end - self._start
+            if self.phase is Phase.HEADER:
+                if avail < HEADER_SIZE:
+                    return None
+                h = decode_header(self._view[self._start : self._start + HEADER_SIZE])
+                check_header(h, self.max_body, self.max_payload)
+                self._start += HEADER_SIZE
+                self._header = h
+                self.phase = Phase.BODY
+                if HEADER_SIZE + h.body_len > len(self._buf):
+                    self._grow(h.body_len)
+            elif self.phase is Phase.BODY:
+                hb = self._header
+                assert hb is not None
+                if avail < hb.body_len:
+                    return None
+                body = unpack_body(self._view[self._start : self._start + hb.body_len], hb.seq)
+                self._start += hb.body_len
+                frame = Frame(hb.cmd, Flag(hb.flags), hb.seq, body, hb.payload_len, hb.body_len)
+                if hb.payload_len == 0:
+                    self.phase = Phase.HEADER
+                    return frame
+                self._begin_payload(frame)
+            elif self.phase is Phase.PAYLOAD:
+                if avail:
+                    n = min(avail, self._payload_left)
+                    self._copy_into_payload(self._view[self._start : self._start + n])
+                    self._start += n
+                if self._payload_left == 0:
+                    done = self._frame
+                    assert done is not None
+                    self._frame = None
+                    self._segments = []
+                    self.phase = Phase.HEADER
+                    return done
+                return None
+            else:
+                raise BadFrame("decoder is closed after a protocol error")
+
+    # -- internals ------------------------------------------------------------
+
+    def _begin_payload(self, frame: Frame) -> None:
+        sink = self._sink_factory(frame) if self._sink_factory is not None else None
+        self._frame = frame
+        self._payload_left = frame.payload_len
+        self._seg_index = 0
+        self._seg_pos = 0
+        self._discard = isinstance(sink, Discard)
+        if self._discard:
+            frame.discarded = True
+            self._segments = []
+        elif sink is None:
+            frame.payload = bytearray(frame.payload_len)
+            self._segments = [memoryview(frame.payload)]
+        else:
+            assert not isinstance(sink, Discard)
+            segs = [memoryview(s).cast("B") if s.format != "B" else s for s in sink]
+            total = sum(len(s) for s in segs)
+            if total != frame.payload_len:
+                raise ValueError(f"sink holds {total} bytes for a payload of {frame.payload_len}")
+            self._segments = [s for s in segs if len(s)]
+        self.phase = Phase.PAYLOAD
+
+    def _copy_into_payload(self, data: memoryview) -> None:
+        if self._discard:
+            self._payload_left -= len(data)
+            return
+        pos = 0
+        while pos < len(data):
+            seg = self._segments[self._seg_index]
+            n = min(len(seg) - self._seg_pos, len(data) - pos)
+            seg[self._seg_pos : self._seg_pos + n] = data[pos : pos + n]
+            pos += n
+            self._advance_payload(n)
+
+    def _advance_payload(self, n: int) -> None:
+        self._payload_left -= n
+        if self._discard:
+            return
+        self._seg_pos += n
+        while self._seg_index < len(self._segments) and self._seg_pos >= len(
+            self._segments[self._seg_index]
+        ):
+            self._seg_pos -= len(self._segments[self._seg_index])
+            self._seg_index += 1
+
+    def _compact(self) -> None:
+        live = self._end - self._start
+        self._view[:live] = self._view[self._start : self._end]
+        self._start, self._end = 0, live
+
+    def _grow(self, body_len: int) -> None:
+        live = bytes(self._view[self._start : self._end])
+        self._buf = bytearray(max(READ_CHUNK, body_len + READ_CHUNK))
+        self._view = memoryview(self._buf)
+        self._buf[: len(live)] = live
+        self._start, self._end = 0, len(live)
