@@ -170,6 +170,8 @@ def load(
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{section}: expected a [{section}] table")
+            if section not in {f.name for f in dataclasses.fields(cfg)}:
+                raise ConfigError(f"{section}: unknown section [{section}]")
             for key, value in table.items():
                 _apply(cfg, section, key, value, from_text=False)
     environ = os.environ if env is None else env

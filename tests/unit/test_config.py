@@ -1,0 +1,294 @@
+"""Configuration: defaults, TOML files, TRANSFERD_* variables, overrides, check-config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO
+from transferd import config as cfgmod
+from transferd.config import Config, ConfigError, load
+from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, PROTO_MINOR
+
+SHIPPED = REPO / "config" / "transferd.toml"
+EXAMPLES = sorted((REPO / "config" / "examples").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "t.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_validate() -> None:
+    cfg = Config().validate()
+    assert cfg.server.host == "127.0.0.1"
+    assert cfg.server.protocol_minor == PROTO_MINOR
+    assert cfg.server.max_body == DEFAULT_MAX_BODY
+    assert cfg.server.max_payload == DEFAULT_MAX_PAYLOAD
+    assert cfg.host_limit == cfg.memory.host_limit_mib << 20
+    assert cfg.max_buffer == cfg.host_limit  # max_buffer_mib 0 = no cap
+    assert load(env={}) == Config()
+
+
+def test_max_buffer_cap() -> None:
+    cfg = load(env={}, overrides={"memory.max_buffer_mib": 16})
+    assert cfg.max_buffer == 16 << 20
+
+
+def test_toml_file_is_loaded(tmp_path: Path) -> None:
+    p = write(
+        tmp_path,
+        """
+[server]
+host = "0.0.0.0"
+port = 19000
+token = "abc"
+protocol_minor = 1
+[memory]
+host_limit_mib = 64
+[metrics]
+enabled = false
+[engine]
+host_rails = ["198.18.0.1", "198.18.1.1"]
+peer_timeout_s = 5        # an int is fine for a float key
+[log]
+level = "debug"
+""",
+    )
+    cfg = load(p, env={})
+    assert (cfg.server.host, cfg.server.port, cfg.server.token) == ("0.0.0.0", 19000, "abc")
+    assert cfg.server.protocol_minor == 1
+    assert cfg.memory.host_limit_mib == 64 and cfg.host_limit == 64 << 20
+    assert cfg.metrics.enabled is False
+    assert cfg.engine.host_rails == ["198.18.0.1", "198.18.1.1"]
+    assert cfg.engine.peer_timeout_s == 5.0 and isinstance(cfg.engine.peer_timeout_s, float)
+    assert cfg.log.level == "debug"
+    # Untouched keys keep their defaults.
+    assert cfg.server.max_body == DEFAULT_MAX_BODY
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[server]\nprot = 1\n", "server.prot"),
+        ("[server]\nport = 1\nbogus = true\n", "server.bogus"),
+        ("[bogus]\nx = 1\n", "bogus"),
+        ("[bogus]\n", "bogus"),
+        ("stray = 1\n", "stray"),
+        ("[server]\nport = \"18515\"\n", "server.port"),
+        ("[server]\nport = 1.5\n", "server.port"),
+        ("[server]\nport = true\n", "server.port"),
+        ("[server]\nport = 70000\n", "server.port"),
+        ("[server]\nport = -1\n", "server.port"),
+        ("[server]\nhost = 127\n", "server.host"),
+        ("[server]\nprotocol_minor = 3\n", "server.protocol_minor"),
+        ("[server]\nprotocol_minor = 0\n", "server.protocol_minor"),
+        ("[server]\nmax_body = 10\n", "server.max_body"),
+        ("[server]\nmax_payload = 0\n", "server.max_payload"),
+        ("[memory]\nhost_limit_mib = 0\n", "memory.host_limit_mib"),
+        ("[memory]\nhost_limit_mib = \"lots\"\n", "memory.host_limit_mib"),
+        ("[memory]\nmax_buffer_mib = -1\n", "memory.max_buffer_mib"),
+        ("[metrics]\nenabled = 1\n", "metrics.enabled"),
+        ("[metrics]\nport = 65536\n", "metrics.port"),
+        ("[engine]\nhost_rails = \"10.0.0.1\"\n", "engine.host_rails"),
+        ("[engine]\nhost_rails = [1, 2]\n", "engine.host_rails"),
+        ("[engine]\nhost_rails = [\"a\", \"b\", \"c\", \"d\", \"e\"]\n", "engine.host_rails"),
+        ("[engine]\npeer_timeout_s = 0\n", "engine.peer_timeout_s"),
+        ("[engine]\npeer_port = 99999\n", "engine.peer_port"),
+        ("[log]\nlevel = \"loud\"\n", "log.level"),
+    ],
+)
+def test_bad_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load(p, env={})
+    assert key in str(info.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.toml", env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(write(tmp_path, "[server\nport = 1\n"), env={})
+
+
+def test_env_overrides(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19000\nhost = \"127.0.0.2\"\n")
+    env = {
+        "TRANSFERD_SERVER_PORT": "19001",
+        "TRANSFERD_SERVER_MAX_BODY": "8192",
+        "TRANSFERD_MEMORY_HOST_LIMIT_MIB": "32",
+        "TRANSFERD_METRICS_ENABLED": "off",
+        "TRANSFERD_ENGINE_HOST_RAILS": "198.18.0.1, 198.18.1.1",
+        "TRANSFERD_ENGINE_PEER_TIMEOUT_S": "2.5",
+        "TRANSFERD_LOG_LEVEL": "warning",
+        # The client's switches share the prefix and must not trip the daemon.
+        "TRANSFERD_NO_BATCHED_GET": "1",
+        "TRANSFERD_STATS": "1",
+        "TRANSFERD_STATS_MS": "100",
+        "UNRELATED": "x",
+    }
+    cfg = load(p, env=env)
+    assert cfg.server.port == 19001  # env beats the file
+    assert cfg.server.host == "127.0.0.2"  # the file beats the default
+    assert cfg.server.max_body == 8192
+    assert cfg.memory.host_limit_mib == 32
+    assert cfg.metrics.enabled is False
+    assert cfg.engine.host_rails == ["198.18.0.1", "198.18.1.1"]
+    assert cfg.engine.peer_timeout_s == 2.5
+    assert cfg.log.level == "warning"
+
+
+@pytest.mark.parametrize("text", ["1", "true", "YES", "on"])
+def test_env_booleans_true(text: str) -> None:
+    assert load(env={"TRANSFERD_ENGINE_PIN_WORKERS": text}).engine.pin_workers is True
+    assert load(env={"TRANSFERD_METRICS_ENABLED": text}).metrics.enabled is True
+
+
+@pytest.mark.parametrize("text", ["0", "false", "No", "off"])
+def test_env_booleans_false(text: str) -> None:
+    assert load(env={"TRANSFERD_ENGINE_PIN_WORKERS": text}).engine.pin_workers is False
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "key"),
+    [
+        ("TRANSFERD_SERVER_PORT", "http", "server.port"),
+        ("TRANSFERD_SERVER_PORT", "99999", "server.port"),
+        ("TRANSFERD_SERVER_BOGUS", "1", "server.bogus"),
+        ("TRANSFERD_METRICS_ENABLED", "maybe", "metrics.enabled"),
+        ("TRANSFERD_MEMORY_HOST_LIMIT_MIB", "1.5", "memory.host_limit_mib"),
+        ("TRANSFERD_SERVER_PROTOCOL_MINOR", "7", "server.protocol_minor"),
+    ],
+)
+def test_bad_env_names_the_key(var: str, value: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(env={var: value})
+    assert key in str(info.value)
+
+
+def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRANSFERD_SERVER_PORT", "19555")
+    assert load().server.port == 19555
+    assert load(env={}).server.port == Config().server.port
+
+
+def test_overrides_beat_env_and_file(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19000\n[memory]\nhost_limit_mib = 10\n")
+    cfg = load(
+        p,
+        env={"TRANSFERD_SERVER_PORT": "19001"},
+        overrides={
+            "server.port": 19002,
+            "memory.host_limit_mib": None,  # None = flag not given
+            "server.token": "123",  # a string key keeps a numeric-looking string
+            "metrics.port": "0",  # text for a numeric key is parsed
+        },
+    )
+    assert cfg.server.port == 19002
+    assert cfg.memory.host_limit_mib == 10
+    assert cfg.server.token == "123"
+    assert cfg.metrics.port == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"server.nope": 1}, "server.nope"),
+        ({"nope.port": 1}, "nope"),
+        ({"server.port": -5}, "server.port"),
+        ({"server.port": "x"}, "server.port"),
+        ({"memory.host_limit_mib": True}, "memory.host_limit_mib"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(env={}, overrides=overrides)
+    assert key in str(info.value)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+    assert "debug" in cfgmod.LOG_LEVELS
+
+
+# -- the shipped files ---------------------------------------------------------------------
+
+
+def test_shipped_config_equals_the_embedded_default() -> None:
+    if not SHIPPED.exists():
+        pytest.skip("config/transferd.toml is not written yet")
+    assert load(SHIPPED, env={}) == Config()
+
+
+def test_shipped_config_mentions_every_key() -> None:
+    if not SHIPPED.exists():
+        pytest.skip("config/transferd.toml is not written yet")
+    import dataclasses
+    import tomllib
+
+    data = tomllib.loads(SHIPPED.read_text())
+    for sec in dataclasses.fields(Config()):
+        assert sec.name in data, f"[{sec.name}] missing from {SHIPPED}"
+        for key in dataclasses.fields(getattr(Config(), sec.name)):
+            assert key.name in data[sec.name], f"{sec.name}.{key.name} missing from {SHIPPED}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_validate(path: Path) -> None:
+    load(path, env={})
+
+
+# -- transferd check-config ---------------------------------------------------------------
+
+
+def check_config(path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    clean.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "transferd.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean,
+        cwd=REPO,
+    )
+
+
+def test_check_config_good(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19123\n[memory]\nhost_limit_mib = 77\n")
+    r = check_config(p)
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout and "19123" in r.stdout and "77 MiB" in r.stdout
+
+
+def test_check_config_bad_key(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19123\nmax_bodie = 4096\n")
+    r = check_config(p)
+    assert r.returncode == 2
+    assert "server.max_bodie" in r.stderr
+    assert "OK" not in r.stdout
+
+
+def test_check_config_bad_value(tmp_path: Path) -> None:
+    r = check_config(write(tmp_path, "[log]\nlevel = \"chatty\"\n"))
+    assert r.returncode == 2 and "log.level" in r.stderr
+
+
+def test_check_config_reads_the_environment(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19123\n")
+    r = check_config(p, {"TRANSFERD_SERVER_PORT": "not-a-port"})
+    assert r.returncode == 2 and "server.port" in r.stderr
+
+
+def test_check_config_shipped() -> None:
+    if not SHIPPED.exists():
+        pytest.skip("config/transferd.toml is not written yet")
+    r = check_config(SHIPPED)
+    assert r.returncode == 0, r.stderr
