@@ -2,8 +2,13 @@
 
 from transferd.protocol.errors import *  # noqa: F403 - typed errors are part of the API
 from transferd.protocol.messages import Tensor
+from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 from .client import Client, RemoteBuffer, Switches
+from .engine import Completion, MrHandle, PeerGroup
 from .sync import SyncClient
 
-__all__ = ["Client", "RemoteBuffer", "Switches", "SyncClient", "Tensor"]
+__all__ = [
+    "Client", "Completion", "MrDesc", "MrHandle", "NetAddr", "Pages", "PeerGroup",
+    "RemoteBuffer", "ScatterDst", "Switches", "SyncClient", "Tensor",
+]

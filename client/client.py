@@ -21,6 +21,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
 from .connection import Connection
+from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
 
 
@@ -76,7 +77,7 @@ def _tensor(t: Tensor | Sequence[int]) -> Tensor:
     return t if isinstance(t, Tensor) else Tensor(*t)
 
 
-class Client:
+class Client(EngineMixin):
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(
@@ -105,7 +106,7 @@ class Client:
         self._conn: Connection | None = None
         self._queue: list[QueuedSet | QueuedGet] = []
         self._stats_task: asyncio.Task[None] | None = None
-        self._engine: Any = None
+        self._events = EngineEvents()
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -119,6 +120,7 @@ class Client:
         self.switches = Switches.from_env()
         self._conn = await Connection.open(self.url, self.connect_timeout)
         self._conn.on_event = self._on_event
+        self._conn.on_lost = self._events.lost
         body: dict[str, Any] = {"major": PROTO_MAJOR, "minor": self.max_minor, "client": self.name}
         if self.token:
             body["token"] = self.token
@@ -355,9 +357,8 @@ class Client:
                 )
             raise first
 
-    def _on_event(self, frame: Frame) -> None:
-        if self._engine is not None:
-            self._engine.on_event(frame)
+    def _on_event(self, frame: Frame) -> bool:
+        return self._events.on_event(frame)
 
     async def _print_stats(self, period_ms: int) -> None:
         while True:

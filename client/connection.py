@@ -86,7 +86,9 @@ class Connection(asyncio.BufferedProtocol):
         # Failures of NO_REPLY commands, raised at the next flush point.
         self.failed: list[TransferdError] = []
         # Unasked EVENT frames (engine completions, messages) go here.
-        self.on_event: Callable[[Frame], None] | None = None
+        # Returns True when it consumed the event (an engine completion).
+        self.on_event: Callable[[Frame], bool] | None = None
+        self.on_lost: Callable[[TransferdError], None] | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
 
@@ -161,10 +163,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def _dispatch(self, frame: Frame) -> None:
         if frame.is_event:
+            if self.on_event is not None and self.on_event(frame):
+                return
             if frame.is_error:
                 self.failed.append(error_from_body(frame.body, seq=frame.seq))
-            if self.on_event is not None:
-                self.on_event(frame)
             return
         p = self.pending.pop(frame.seq, None)
         if p is None:
@@ -184,6 +186,8 @@ class Connection(asyncio.BufferedProtocol):
     def _fail_all(self, exc: TransferdError) -> None:
         if self.lost is None:
             self.lost = exc
+        if self.on_lost is not None:
+            self.on_lost(exc)
         # A fatal error reply may have arrived just before the close: prefer it.
         for f in self.failed:
             if f.fatal:

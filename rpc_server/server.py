@@ -7,6 +7,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
+from . import engine_handlers  # noqa: F401 - registers the engine commands
 from .context import ServerContext
 from .session import Session
 

@@ -53,6 +53,10 @@ log = logging.getLogger("transferd.session")
 # into one write: one syscall instead of two costs a small copy.
 SMALL_REPLY = 16 * 1024
 
+# Hot-path lookups: calling an IntEnum or combining IntFlags runs Python code.
+_COMMANDS: dict[int, Command] = {int(c): c for c in Command}
+_NOT_REQUEST_FLAGS = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
+
 
 class State(enum.Enum):
     AWAIT_HELLO = "await_hello"
@@ -157,12 +161,11 @@ class Session(asyncio.BufferedProtocol):
     def _check_allowed(self, frame: Frame) -> None:
         if self.state is State.AWAIT_HELLO and frame.cmd != Command.HELLO:
             raise NoHello("the first frame of a connection must be HELLO")
-        if frame.flags & (Flag.REPLY | Flag.ERROR | Flag.EVENT):
+        if int(frame.flags) & _NOT_REQUEST_FLAGS:
             raise BadRequest("a request must not carry REPLY, ERROR or EVENT flags")
-        try:
-            cmd = Command(frame.cmd)
-        except ValueError:
-            raise UnknownCommand(f"unknown command 0x{frame.cmd:02x}") from None
+        cmd = _COMMANDS.get(frame.cmd)
+        if cmd is None:
+            raise UnknownCommand(f"unknown command 0x{frame.cmd:02x}")
         if COMMAND_MINOR[cmd] > self.ctx.minor or cmd not in HANDLERS:
             raise UnknownCommand(
                 f"{cmd.name} needs protocol minor {COMMAND_MINOR[cmd]}; this server speaks "
@@ -171,9 +174,8 @@ class Session(asyncio.BufferedProtocol):
 
     def _handle(self, frame: Frame) -> None:
         started = time.perf_counter()
-        known = frame.cmd in Command._value2member_map_
-        if known:
-            cmd = Command(frame.cmd)
+        cmd = _COMMANDS.get(frame.cmd)
+        if cmd is not None:
             self.ctx.stats.commands[cmd] += 1
             self.ctx.metrics.command(cmd, frame.wire_len)
         try:
@@ -186,7 +188,7 @@ class Session(asyncio.BufferedProtocol):
                     raise Internal("payload discarded without a recorded error")
             else:
                 self._check_allowed(frame)
-            result = HANDLERS[Command(frame.cmd)](self, frame)
+            result = HANDLERS[_COMMANDS[frame.cmd]](self, frame)
         except TransferdError as exc:
             self._fail(exc, frame.cmd, frame.seq, frame.no_reply)
             return
@@ -226,7 +228,7 @@ class Session(asyncio.BufferedProtocol):
             return
         body, payload = (result.body, result.payload) if result is not None else (None, ())
         n = self.send_frame(frame.cmd, Flag.REPLY, frame.seq, body, payload)
-        self.ctx.metrics.reply(Command(frame.cmd), n, time.perf_counter() - started)
+        self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
     def _fail(
         self, exc: TransferdError, cmd: int, seq: int | None = None, no_reply: bool = False

@@ -58,6 +58,10 @@ class EngineConfig:
     peer_port: int = 0
     pin_workers: bool = True
     peer_timeout_s: float = 30.0
+    # "tcp", or "chaos": tcp that delivers out of order at random delays (tests).
+    domain: str = "tcp"
+    chaos_seed: int = 0
+    chaos_max_delay_ms: float = 5.0
 
 
 @dataclass
@@ -92,6 +96,12 @@ class Config:
             raise ConfigError("memory.max_buffer_mib: must be 0 (no cap) or positive")
         if not 1 <= max(1, len(self.engine.host_rails)) <= 4:
             raise ConfigError("engine.host_rails: a domain group holds 1 to 4 rails")
+        if self.engine.domain not in ("tcp", "chaos"):
+            raise ConfigError(
+                f"engine.domain: must be 'tcp' or 'chaos', got {self.engine.domain!r}"
+            )
+        if self.engine.chaos_max_delay_ms < 0:
+            raise ConfigError("engine.chaos_max_delay_ms: must not be negative")
         if self.engine.peer_timeout_s <= 0:
             raise ConfigError("engine.peer_timeout_s: must be positive")
         if self.log.level not in LOG_LEVELS:

@@ -17,11 +17,14 @@ import socket
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from transferd.config import Config
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
+
+if TYPE_CHECKING:
+    from transferd.engine import TransferEngine
 
 log = logging.getLogger("transferd")
 
@@ -58,6 +61,7 @@ class Daemon:
         self.metrics = Metrics()
         self.buffers = BufferTable(config.host_limit, config.max_buffer)
         self.metrics_url: str | None = None
+        self.engine: TransferEngine | None = None
         self._stop: asyncio.Event | None = None
 
     async def run(self, frontends: Sequence[Frontend]) -> None:
@@ -68,6 +72,13 @@ class Daemon:
                 loop.add_signal_handler(sig, self._stop.set)
         started: list[Frontend] = []
         try:
+            if self.config.engine.enabled:
+                from transferd.engine import TransferEngine
+
+                self.engine = TransferEngine(
+                    self.config.engine, self.buffers, self.metrics, self.config.server.host
+                )
+                addr = await self.engine.start()
             urls: list[str] = []
             for fe in frontends:
                 urls += await fe.start(self)
@@ -80,6 +91,10 @@ class Daemon:
                 print(f"transferd: listening on {url}", flush=True)
             if self.metrics_url:
                 print(f"transferd: metrics on {self.metrics_url}", flush=True)
+            if self.engine is not None:
+                rails = " ".join(f"{h}:{p}" for h, p in addr.rails)
+                print(f"transferd: engine {addr.node:016x} rails {rails} "
+                      f"address {addr.to_bytes().hex()}", flush=True)
             print("transferd: ready", flush=True)
             sd_notify("READY=1\nSTATUS=serving")
             await self._stop.wait()
@@ -89,6 +104,8 @@ class Daemon:
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
+            if self.engine is not None:
+                await self.engine.close()
             self.buffers.close()
 
     def stop(self) -> None:

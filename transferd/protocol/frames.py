@@ -59,10 +59,17 @@ Sink = Sequence[memoryview] | Discard | None
 SinkFactory = Callable[["Frame"], Sink]
 
 
+# Plain ints for the hot path: IntFlag's operators run Python code per call.
+_REPLY = int(Flag.REPLY)
+_ERROR = int(Flag.ERROR)
+_EVENT = int(Flag.EVENT)
+_NO_REPLY = int(Flag.NO_REPLY)
+
+
 @dataclass(slots=True)
 class Frame:
     cmd: int
-    flags: Flag
+    flags: int  # Flag bits; a plain int when decoded (compares equal to Flag values)
     seq: int
     body: dict[str, Any]
     payload_len: int = 0
@@ -78,19 +85,19 @@ class Frame:
 
     @property
     def is_reply(self) -> bool:
-        return bool(self.flags & Flag.REPLY)
+        return bool(int(self.flags) & _REPLY)
 
     @property
     def is_error(self) -> bool:
-        return bool(self.flags & Flag.ERROR)
+        return bool(int(self.flags) & _ERROR)
 
     @property
     def is_event(self) -> bool:
-        return bool(self.flags & Flag.EVENT)
+        return bool(int(self.flags) & _EVENT)
 
     @property
     def no_reply(self) -> bool:
-        return bool(self.flags & Flag.NO_REPLY)
+        return bool(int(self.flags) & _NO_REPLY)
 
 
 def pack_body(body: dict[str, Any] | None) -> bytes:
@@ -175,7 +182,12 @@ class FrameDecoder:
         max_body: int = DEFAULT_MAX_BODY,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         payload_sink: SinkFactory | None = None,
+        exact: bool = False,
     ) -> None:
+        # exact: never ask for bytes past the current frame, so every payload
+        # byte is received straight into its sink (the peer plane's mode; the
+        # price is a receive per header and per body).
+        self.exact = exact
         self.max_body = max_body
         self.max_payload = max_payload
         self._sink_factory = payload_sink
@@ -200,12 +212,7 @@ class FrameDecoder:
         """Where the next received bytes should be written."""
         if self.phase is Phase.BROKEN:
             raise BadFrame("decoder is closed after a protocol error")
-        if (
-            self.phase is Phase.PAYLOAD
-            and not self._discard
-            and self._start == self._end
-            and self._payload_left >= STREAM_THRESHOLD
-        ):
+        if self._goes_direct():
             seg = self._segments[self._seg_index]
             self._direct = True
             return seg[self._seg_pos :]
@@ -214,7 +221,41 @@ class FrameDecoder:
             self._start = self._end = 0
         elif len(self._buf) - self._end < 4096 or self._start > len(self._buf) // 2:
             self._compact()
+        if self.exact:
+            return self._view[self._end : self._end + self._wanted()]
         return self._view[self._end :]
+
+    def get_buffers(self, max_iov: int = 64) -> list[memoryview]:
+        """Like get_buffer, but a payload's remaining sink segments at once.
+
+        For ``recvmsg_into``: one receive scatters straight over a page list.
+        """
+        if not self._goes_direct():
+            return [self.get_buffer()]
+        self._direct = True
+        segs = self._segments
+        i = self._seg_index
+        out = [segs[i][self._seg_pos :]]
+        out += segs[i + 1 : i + max_iov]
+        return out
+
+    def _goes_direct(self) -> bool:
+        return (
+            self.phase is Phase.PAYLOAD
+            and not self._discard
+            and self._start == self._end
+            and (self.exact or self._payload_left >= STREAM_THRESHOLD)
+        )
+
+    def _wanted(self) -> int:
+        """Bytes still missing from the current frame part (exact mode)."""
+        have = self._end - self._start
+        if self.phase is Phase.HEADER:
+            return HEADER_SIZE - have
+        if self.phase is Phase.BODY:
+            assert self._header is not None
+            return self._header.body_len - have
+        return min(self._payload_left - have, len(self._buf) - self._end)
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` were written into the memory the last get_buffer returned."""
@@ -261,7 +302,7 @@ class FrameDecoder:
             if self.phase is Phase.HEADER:
                 if avail < HEADER_SIZE:
                     return None
-                h = decode_header(self._view[self._start : self._start + HEADER_SIZE])
+                h = RawHeader(*HEADER.unpack_from(self._buf, self._start))
                 check_header(h, self.max_body, self.max_payload)
                 self._start += HEADER_SIZE
                 self._header = h
@@ -275,7 +316,7 @@ class FrameDecoder:
                     return None
                 body = unpack_body(self._view[self._start : self._start + hb.body_len], hb.seq)
                 self._start += hb.body_len
-                frame = Frame(hb.cmd, Flag(hb.flags), hb.seq, body, hb.payload_len, hb.body_len)
+                frame = Frame(hb.cmd, hb.flags, hb.seq, body, hb.payload_len, hb.body_len)
                 if hb.payload_len == 0:
                     self.phase = Phase.HEADER
                     return frame

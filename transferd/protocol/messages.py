@@ -60,7 +60,26 @@ def bytes_field(body: dict[str, Any], name: str) -> bytes:
     return bytes(value)
 
 
+def _fast_tensor(value: Any) -> Tensor | None:
+    """The common case, checked without building error strings: None if unusual."""
+    if type(value) is list and len(value) == 3:
+        b, o, s = value
+        if (
+            type(b) is int
+            and type(o) is int
+            and type(s) is int
+            and 0 <= b <= U64_MAX
+            and 0 <= o <= U64_MAX
+            and 0 <= s <= U64_MAX
+        ):
+            return Tensor(b, o, s)
+    return None
+
+
 def tensor_from_wire(value: Any, what: str = "tensor") -> Tensor:
+    t = _fast_tensor(value)
+    if t is not None:
+        return t
     if not isinstance(value, list | tuple) or len(value) != 3:
         raise BadRequest(f"{what} must be [buffer, offset, size]")
     b, o, s = (_uint(v, f"{what}[{i}]") for i, v in enumerate(value))
@@ -75,4 +94,19 @@ def tensors_field(body: dict[str, Any], name: str = "tensors") -> list[Tensor]:
     value = field(body, name)
     if not isinstance(value, list):
         raise BadRequest(f"field {name!r} must be a list of tensors")
+    try:  # the common case in one pass; anything unusual takes the checked path
+        fast = [
+            Tensor(b, o, s)
+            for b, o, s in value
+            if type(b) is int
+            and type(o) is int
+            and type(s) is int
+            and 0 <= b <= U64_MAX
+            and 0 <= o <= U64_MAX
+            and 0 <= s <= U64_MAX
+        ]
+        if len(fast) == len(value) and all(type(v) is list for v in value):
+            return fast
+    except (TypeError, ValueError):
+        pass
     return [tensor_from_wire(v, f"{name}[{i}]") for i, v in enumerate(value)]

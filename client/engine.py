@@ -1,0 +1,207 @@
+"""The engine half of the client: regions, one-sided writes, ImmCounter, send/recv.
+
+Submits are one-way frames (NO_REPLY); each returns a :class:`Completion` at
+once, which the daemon resolves with an EVENT frame carrying the submit's
+seq when the transfer was applied at its destination (or failed).  A
+Completion is an awaitable, takes callbacks, and is a flag (``done()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transferd.protocol.constants import Command, Flag
+from transferd.protocol.errors import ConnectionLost, TransferdError, error_from_body
+from transferd.protocol.frames import Frame
+from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
+
+if TYPE_CHECKING:
+    from .client import Client, RemoteBuffer
+
+
+@dataclass(frozen=True)
+class MrHandle:
+    """A region registered on this client's daemon: the source of writes."""
+
+    id: int
+    buffer: RemoteBuffer
+
+
+@dataclass(frozen=True)
+class PeerGroup:
+    id: int
+    addrs: tuple[NetAddr, ...]
+
+
+class Completion:
+    """The end of a submit (or an immediate count being reached)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[Completion], None]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def result(self) -> Any:
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
+
+    def __await__(self) -> Any:
+        return self._future.__await__()
+
+    async def wait(self, timeout: float | None = None) -> Any:
+        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+
+    def _resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        if self._future.done():
+            return
+        if error is not None:
+            self._future.set_exception(error)
+            # A failure somebody never awaited is still reported by the flush
+            # points; don't also warn about an unretrieved exception.
+            self._future.exception()
+        else:
+            self._future.set_result(value)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<Completion {self.what} {state}>"
+
+
+MessageHandler = Callable[[bytes], None]
+
+
+class EngineEvents:
+    """Routes EVENT frames to the Completion or receive callback they belong to."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, Completion] = {}
+        self.receivers: dict[int, MessageHandler] = {}
+
+    def on_event(self, frame: Frame) -> bool:
+        if frame.cmd == Command.SUBMIT_RECVS and not frame.is_error:
+            cb = self.receivers.get(frame.seq)
+            if cb is not None:
+                cb(bytes(frame.payload or b""))
+                return True
+            return False
+        c = self.waiting.pop(frame.seq, None)
+        if c is None:
+            return False
+        if frame.is_error:
+            c._resolve(error=error_from_body(frame.body, seq=frame.seq))
+        else:
+            c._resolve(frame.body)
+        return True
+
+    def lost(self, exc: TransferdError) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for c in waiting.values():
+            c._resolve(error=ConnectionLost(exc.message))
+
+
+class EngineMixin:
+    """Engine methods of :class:`client.Client` (kept apart to keep files small)."""
+
+    _events: EngineEvents
+
+    async def main_address(self: Client) -> NetAddr:  # type: ignore[misc]
+        r = await self._call(Command.MAIN_ADDRESS)
+        return NetAddr.from_bytes(r.body["addr"])
+
+    async def reg_mr(self: Client, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:  # type: ignore[misc]
+        r = await self._call(Command.REG_MR, {"buffer": buf.id})
+        return MrHandle(int(r.body["mr"]), buf), MrDesc.from_wire(r.body["desc"])
+
+    async def dereg_mr(self: Client, mr: MrHandle) -> None:  # type: ignore[misc]
+        await self._call(Command.DEREG_MR, {"mr": mr.id})
+
+    async def _submit(self: Client, cmd: Command, body: dict[str, Any],  # type: ignore[misc]
+                      payload: Sequence[Any] = ()) -> Completion:
+        if self._queue:
+            await self.flush()
+        c = Completion(cmd.name)
+        seq = self.conn.send(cmd, body, payload, flags=Flag.NO_REPLY)
+        self._events.waiting[seq] = c
+        await self.conn.drain()
+        return c
+
+    async def submit_single_write(  # type: ignore[misc]
+        self: Client, length: int, imm: int | None, src: tuple[MrHandle, int],
+        dst: tuple[MrDesc, int],
+    ) -> Completion:
+        return await self._submit(Command.SINGLE_WRITE, {
+            "len": length, "imm": imm, "src": [src[0].id, src[1]],
+            "dst": [dst[0].to_wire(), dst[1]]})
+
+    async def submit_paged_writes(  # type: ignore[misc]
+        self: Client, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
+        dst: tuple[MrDesc, Pages],
+    ) -> Completion:
+        return await self._submit(Command.PAGED_WRITES, {
+            "page_len": page_len, "imm": imm, "src": [src[0].id, src[1].to_wire()],
+            "dst": [dst[0].to_wire(), dst[1].to_wire()]})
+
+    async def add_peer_group(self: Client, addrs: Sequence[NetAddr]) -> PeerGroup:  # type: ignore[misc]
+        r = await self._call(Command.ADD_PEER_GROUP, {"addrs": [a.to_bytes() for a in addrs]})
+        return PeerGroup(int(r.body["group"]), tuple(addrs))
+
+    async def submit_scatter(  # type: ignore[misc]
+        self: Client, group: PeerGroup | None, imm: int | None, src: MrHandle,
+        dsts: Sequence[ScatterDst],
+    ) -> Completion:
+        return await self._submit(Command.SCATTER, {
+            "group": group.id if group else None, "imm": imm, "mr": src.id,
+            "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]})
+
+    async def submit_barrier(  # type: ignore[misc]
+        self: Client, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc]
+    ) -> Completion:
+        return await self._submit(Command.BARRIER, {
+            "group": group.id if group else None, "imm": imm,
+            "dsts": [d.to_wire() for d in dsts]})
+
+    async def submit_send(self: Client, addr: NetAddr, msg: Any) -> Completion:  # type: ignore[misc]
+        # The payload is written to the socket (or copied) before this returns
+        # control, so the caller may reuse ``msg`` at once.
+        data = bytes(memoryview(msg).cast("B"))
+        return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data])
+
+    def submit_recvs(self: Client, length: int, count: int,  # type: ignore[misc]
+                     callback: MessageHandler) -> None:
+        """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message."""
+        seq = self.conn.send(Command.SUBMIT_RECVS, {"len": length, "count": count},
+                             flags=Flag.NO_REPLY)
+        self._events.receivers[seq] = callback
+
+    async def expect_imm_count(  # type: ignore[misc]
+        self: Client, imm: int, count: int, callback: Callable[[], None] | None = None,
+        *, wait: bool | None = None,
+    ) -> Completion:
+        """Fires once immediate ``imm`` has counted ``count`` (which it then consumes).
+
+        Without a callback this waits for it; with one (or ``wait=False``) it
+        returns the Completion as soon as the daemon has registered it.
+        """
+        c = Completion(f"imm {imm} x{count}")
+        r = self.conn.request(Command.EXPECT_IMM_COUNT, {"imm": imm, "count": count})
+        self._events.waiting[self.conn._seq] = c
+        if callback is not None:
+            c.add_done_callback(lambda _: callback())
+        await r
+        if wait if wait is not None else callback is None:
+            await c
+        return c
+
+    async def imm_count(self: Client, imm: int) -> int:  # type: ignore[misc]
+        """The current, unconsumed count of an immediate (for polling)."""
+        return int((await self._call(Command.IMM_COUNT, {"imm": imm})).body["value"])

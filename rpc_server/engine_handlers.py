@@ -1,0 +1,225 @@
+"""Handlers for the transfer-engine commands (0x20-0x3F, minor 2).
+
+Submits (SINGLE_WRITE, PAGED_WRITES, SCATTER, BARRIER, SEND) are checked and
+handed to the engine at once; their completion comes later as an EVENT frame
+with the request's cmd and seq: body ``{"ok": true}``, or ERROR set and
+``{"code", "message"}``.  Sent with NO_REPLY (what the client library does)
+the completion EVENT is the only answer; otherwise an immediate empty reply
+says the submit was accepted.  docs/protocol.md has every body field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from transferd.protocol.constants import Command, Flag
+from transferd.protocol.errors import BadRequest, TransferdError, UnknownCommand
+from transferd.protocol.frames import Frame
+from transferd.protocol.messages import bytes_field, field, uint_field
+from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
+
+from .handlers import SINKS, Reply, handler
+
+if TYPE_CHECKING:
+    from transferd.engine import TransferEngine
+
+    from .session import Session
+
+U32 = 0xFFFFFFFF
+
+
+def _engine(session: Session) -> TransferEngine:
+    if session.ctx.engine is None:
+        raise UnknownCommand("this daemon runs without the transfer engine")
+    return session.ctx.engine
+
+
+def _opt_imm(body: dict[str, Any]) -> int | None:
+    if body.get("imm") is None:
+        return None
+    return uint_field(body, "imm", U32)
+
+
+def _pair(body: dict[str, Any], name: str) -> tuple[Any, Any]:
+    v = field(body, name)
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise BadRequest(f"field {name!r} must be a pair")
+    return v[0], v[1]
+
+
+def _uint(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadRequest(f"{what} must be an unsigned integer")
+    return v
+
+
+def _submit(
+    session: Session, frame: Frame, start: Callable[[], asyncio.Future[None]]
+) -> Reply | Awaitable[Reply | None] | None:
+    """Hand a checked submit to the engine; wait for a worker slot only when full."""
+    engine = _engine(session)
+
+    def go() -> Reply | None:
+        fut = start()
+        session.pending.add(fut)
+        fut.add_done_callback(lambda f: _completed(session, frame, f))
+        return None if frame.no_reply else Reply({})
+
+    if engine.has_slot():
+        return go()
+
+    async def later() -> Reply | None:
+        await engine.wait_slot()
+        return go()
+
+    return later()
+
+
+def _completed(session: Session, frame: Frame, fut: asyncio.Future[None]) -> None:
+    session.pending.discard(fut)
+    exc = fut.exception() if not fut.cancelled() else None
+    if exc is None:
+        session.send_frame(frame.cmd, Flag.EVENT, frame.seq, {"ok": True})
+    elif isinstance(exc, TransferdError):
+        session.ctx.metrics.error(exc.code)
+        session.send_frame(frame.cmd, Flag.EVENT | Flag.ERROR, frame.seq, exc.to_body())
+    else:
+        session.send_frame(frame.cmd, Flag.EVENT | Flag.ERROR, frame.seq,
+                           {"code": "INTERNAL", "message": repr(exc)})
+
+
+@handler(Command.MAIN_ADDRESS)
+def main_address(session: Session, frame: Frame) -> Reply:
+    return Reply({"addr": _engine(session).main_address().to_bytes()})
+
+
+@handler(Command.REG_MR)
+def reg_mr(session: Session, frame: Frame) -> Reply:
+    buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
+    region, desc = _engine(session).reg_mr(buf)
+    return Reply({"mr": region.id, "desc": desc.to_wire()})
+
+
+@handler(Command.DEREG_MR)
+def dereg_mr(session: Session, frame: Frame) -> None:
+    _engine(session).dereg_mr(uint_field(frame.body, "mr"))
+
+
+@handler(Command.SINGLE_WRITE)
+def single_write(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    engine = _engine(session)
+    length = uint_field(b, "len")
+    imm = _opt_imm(b)
+    mr, src_off = _pair(b, "src")
+    desc, dst_off = _pair(b, "dst")
+    src = (_uint(mr, "src mr"), _uint(src_off, "src offset"))
+    dst = (MrDesc.from_wire(desc), _uint(dst_off, "dst offset"))
+    # Checked now, so a bad request is answered before anything is queued.
+    return _submit(session, frame, lambda: engine.submit_single_write(length, imm, src, dst))
+
+
+@handler(Command.PAGED_WRITES)
+def paged_writes(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    engine = _engine(session)
+    page_len = uint_field(b, "page_len")
+    imm = _opt_imm(b)
+    mr, src_pages = _pair(b, "src")
+    desc, dst_pages = _pair(b, "dst")
+    src = (_uint(mr, "src mr"), Pages.from_wire(src_pages))
+    dst = (MrDesc.from_wire(desc), Pages.from_wire(dst_pages))
+    return _submit(session, frame, lambda: engine.submit_paged_writes(page_len, imm, src, dst))
+
+
+@handler(Command.ADD_PEER_GROUP)
+def add_peer_group(session: Session, frame: Frame) -> Reply:
+    addrs = field(frame.body, "addrs")
+    if not isinstance(addrs, list) or not addrs:
+        raise BadRequest("field 'addrs' must be a non-empty list of NetAddr bytes")
+    peers = [NetAddr.from_bytes(bytes(a)) for a in addrs]
+    return Reply({"group": _engine(session).add_peer_group(peers)})
+
+
+def _group(body: dict[str, Any]) -> int | None:
+    return None if body.get("group") is None else uint_field(body, "group")
+
+
+@handler(Command.SCATTER)
+def scatter(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    engine = _engine(session)
+    mr = uint_field(b, "mr")
+    raw = field(b, "dsts")
+    if not isinstance(raw, list):
+        raise BadRequest("field 'dsts' must be a list of [len, src, desc, dst_offset]")
+    dsts = []
+    for i, d in enumerate(raw):
+        if not isinstance(d, list) or len(d) != 4:
+            raise BadRequest(f"dsts[{i}] must be [len, src, desc, dst_offset]")
+        dsts.append(ScatterDst(_uint(d[0], f"dsts[{i}].len"), _uint(d[1], f"dsts[{i}].src"),
+                               (MrDesc.from_wire(d[2]), _uint(d[3], f"dsts[{i}].dst"))))
+    imm, gid = _opt_imm(b), _group(b)
+    return _submit(session, frame, lambda: engine.submit_scatter(gid, imm, mr, dsts))
+
+
+@handler(Command.BARRIER)
+def barrier(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    engine = _engine(session)
+    imm = uint_field(b, "imm", U32)
+    raw = field(b, "dsts")
+    if not isinstance(raw, list):
+        raise BadRequest("field 'dsts' must be a list of MrDesc")
+    dsts = [MrDesc.from_wire(d) for d in raw]
+    gid = _group(b)
+    return _submit(session, frame, lambda: engine.submit_barrier(gid, imm, dsts))
+
+
+SINKS[Command.SEND] = lambda session, frame: None  # small: collected, then copied once
+
+
+@handler(Command.SEND)
+def send(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    engine = _engine(session)
+    addr = NetAddr.from_bytes(bytes_field(frame.body, "addr"))
+    msg = bytes(frame.payload or b"")
+    return _submit(session, frame, lambda: engine.submit_send(addr, msg))
+
+
+@handler(Command.SUBMIT_RECVS)
+def submit_recvs(session: Session, frame: Frame) -> Reply | None:
+    engine = _engine(session)
+    length = uint_field(frame.body, "len")
+    count = uint_field(frame.body, "count")
+    seq = frame.seq
+
+    def arrived(peer: tuple[int, int], msg: bytes) -> None:
+        session.send_frame(Command.SUBMIT_RECVS, Flag.EVENT, seq,
+                           {"from": [peer[0], peer[1]], "len": len(msg)}, [memoryview(msg)])
+
+    engine.submit_recvs(session, length, count, arrived)
+    return None if frame.no_reply else Reply({})
+
+
+@handler(Command.EXPECT_IMM_COUNT)
+def expect_imm_count(session: Session, frame: Frame) -> Reply | None:
+    engine = _engine(session)
+    imm = uint_field(frame.body, "imm", U32)
+    count = uint_field(frame.body, "count", U32)
+    seq = frame.seq
+
+    def reached() -> None:
+        session.send_frame(Command.EXPECT_IMM_COUNT, Flag.EVENT, seq,
+                           {"imm": imm, "count": count})
+
+    engine.expect_imm_count(session, imm, count, reached)
+    return None if frame.no_reply else Reply({})
+
+
+@handler(Command.IMM_COUNT)
+def imm_count(session: Session, frame: Frame) -> Reply:
+    imm = uint_field(frame.body, "imm", U32)
+    return Reply({"imm": imm, "value": _engine(session).imm_value(imm)})

@@ -1,0 +1,172 @@
+"""A framed, non-blocking socket for the peer plane: scatter in, gather out.
+
+Receives go through ``recvmsg_into`` over the list of memoryviews the
+decoder names (the pages of a paged write, straight into the region), and
+sends through ``sendmsg`` over the views where the data lies.  Nothing bulk
+is copied.  Outgoing data waits in a queue of views whose byte count has a
+high and a low watermark; ``on_pause``/``on_resume`` tell the owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from transferd.protocol import frames
+from transferd.protocol.errors import ProtocolError
+from transferd.protocol.frames import Frame, FrameDecoder, SinkFactory
+
+log = logging.getLogger("transferd.peer")
+
+IOV_MAX = 512
+HIGH_WATER = 64 * 1024 * 1024
+LOW_WATER = 16 * 1024 * 1024
+# Receives done per readable callback before yielding to other sockets.
+READS_PER_WAKEUP = 16
+
+
+class FramedStream:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        *,
+        on_frame: Callable[[Frame], None],
+        on_close: Callable[[BaseException | None], None],
+        sink: SinkFactory | None = None,
+        max_body: int = 16 * 1024 * 1024,
+        max_payload: int = 1 << 40,
+    ) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.loop = loop
+        self.sock = sock
+        self.decoder = FrameDecoder(
+            max_body=max_body, max_payload=max_payload, payload_sink=sink, exact=True
+        )
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._out: deque[memoryview] = deque()
+        self._out_bytes = 0
+        self._writing = False
+        self.closed = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
+        self._paused = False
+        loop.add_reader(sock.fileno(), self._readable)
+
+    # -- receive ----------------------------------------------------------------
+
+    def _readable(self) -> None:
+        for _ in range(READS_PER_WAKEUP):
+            if self.closed:
+                return
+            bufs = self.decoder.get_buffers(IOV_MAX)
+            try:
+                if len(bufs) == 1:
+                    n = self.sock.recv_into(bufs[0])
+                else:
+                    n = self.sock.recvmsg_into(bufs)[0]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(exc)
+                return
+            if n == 0:
+                self.close(None)
+                return
+            self.bytes_in += n
+            self.decoder.buffer_updated(n)
+            try:
+                while (frame := self.decoder.next_frame()) is not None:
+                    self._on_frame(frame)
+                    if self.closed:
+                        return
+            except ProtocolError as exc:
+                log.warning("peer stream broken: %s", exc)
+                self.close(exc)
+                return
+
+    # -- send -------------------------------------------------------------------------
+
+    def send(
+        self, cmd: int, flags: int, seq: int, body: dict[str, Any] | None,
+        payload: Sequence[memoryview] = (),
+    ) -> None:
+        if self.closed:
+            return
+        raw = frames.pack_body(body)
+        plen = sum(len(p) for p in payload)
+        head = memoryview(frames.encode_header(cmd, flags, seq, len(raw), plen) + raw)
+        self._out.append(head)
+        for p in payload:
+            if len(p):
+                self._out.append(p)
+        self._out_bytes += len(head) + plen
+        if not self._writing:
+            self._flush()
+        if not self._paused and self._out_bytes > HIGH_WATER:
+            self._paused = True
+            if self.on_pause is not None:
+                self.on_pause()
+
+    def _flush(self) -> None:
+        while self._out and not self.closed:
+            iov = [self._out[i] for i in range(min(len(self._out), IOV_MAX))]
+            try:
+                n = self.sock.sendmsg(iov)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.close(exc)
+                return
+            self.bytes_out += n
+            self._out_bytes -= n
+            while n:
+                head = self._out[0]
+                if n >= len(head):
+                    n -= len(head)
+                    self._out.popleft()
+                else:
+                    self._out[0] = head[n:]
+                    n = 0
+        want = bool(self._out) and not self.closed
+        if want and not self._writing:
+            self.loop.add_writer(self.sock.fileno(), self._flush)
+            self._writing = True
+        elif not want and self._writing:
+            self.loop.remove_writer(self.sock.fileno())
+            self._writing = False
+        if self._paused and self._out_bytes <= LOW_WATER:
+            self._paused = False
+            if self.on_resume is not None:
+                self.on_resume()
+
+    @property
+    def queued(self) -> int:
+        return self._out_bytes
+
+    def close(self, exc: BaseException | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        fd = self.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            if self._writing:
+                self.loop.remove_writer(fd)
+        self._out.clear()
+        try:
+            self.sock.close()
+        except OSError as e:  # pragma: no cover - close rarely fails
+            if e.errno != errno.EBADF:
+                raise
+        self._on_close(exc)

@@ -1,0 +1,7 @@
+"""The transfer engine: regions, one-sided writes, ImmCounter, peer groups, send/recv."""
+
+from .engine import TransferEngine
+from .immcounter import ImmCounter
+from .regions import Region, RegionTable
+
+__all__ = ["ImmCounter", "Region", "RegionTable", "TransferEngine"]

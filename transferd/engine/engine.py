@@ -1,0 +1,334 @@
+"""TransferEngine: the article's API, on the daemon's loop, over pinned workers.
+
+Every submit checks and plans on the daemon's loop (bad input fails at once,
+with nothing sent), takes a slot of the worker's bounded queue, and hands the
+parts to the worker, which owns the sockets.  Completion comes back to the
+daemon's loop as the resolution of an asyncio future.  Receiver-side events
+(an immediate count reached, a message arrived) are delivered through
+callbacks on the daemon's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from transferd.config import EngineConfig
+from transferd.domains.group import Chaos, DomainGroup
+from transferd.memory import Buffer, BufferTable
+from transferd.metrics import Metrics
+from transferd.protocol.errors import BadRequest, NotFound, TransferdError
+from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
+from transferd.workers import Worker
+from transferd.workers.affinity import allowed_cpus, choose_cpu
+
+from .immcounter import ImmCounter
+from .plan import SendPart, WritePart, plan_barrier, plan_paged, plan_single
+from .regions import Region, RegionTable
+from .transfer import Transfer
+
+log = logging.getLogger("transferd.engine")
+
+MAX_MESSAGE = 1 << 20
+BACKLOG = 1024
+MessageCallback = Callable[[tuple[int, int], bytes], None]
+
+
+@dataclass(eq=False)
+class RecvPool:
+    owner: Hashable
+    length: int
+    count: int
+    callback: MessageCallback
+
+
+class TransferEngine:
+    def __init__(self, config: EngineConfig, buffers: BufferTable, metrics: Metrics | None,
+                 default_host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.buffers = buffers
+        self.metrics = metrics
+        self.hosts = list(config.host_rails) or [default_host]
+        self.node = secrets.randbits(64) or 1
+        self.regions = RegionTable()
+        self.counter = ImmCounter(notify=self._notify)
+        self._ops = itertools.count(1)
+        self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
+        self._group_ids = itertools.count(1)
+        self._pools: deque[RecvPool] = deque()
+        self._backlog: deque[tuple[tuple[int, int], bytes]] = deque()
+        self._pool_lock = threading.Lock()
+        self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.worker: Worker | None = None
+        self.group: DomainGroup | None = None
+        self.chaos = (
+            Chaos(config.chaos_seed, config.chaos_max_delay_ms / 1000.0)
+            if config.domain == "chaos" else None
+        )
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> NetAddr:
+        self.loop = asyncio.get_running_loop()
+        cpu = choose_cpu((), allowed_cpus(), Counter()) if self.config.pin_workers else None
+        self.worker = Worker("transferd-host", cpu)
+        self.worker.start()
+        worker_loop = self.worker.loop
+        assert worker_loop is not None
+
+        def make() -> DomainGroup:
+            g = DomainGroup(0, self.node, worker_loop, self.regions, self.counter,
+                            self._deliver, timeout_s=self.config.peer_timeout_s,
+                            chaos=self.chaos)
+            g.bind(self.hosts, self.config.peer_port)
+            return g
+
+        self.group = await asyncio.wrap_future(self.worker.run(_call(make)))
+        log.info("engine %s: %d rail(s), worker on cpu %s", self.main_address(),
+                 len(self.hosts), cpu)
+        return self.main_address()
+
+    async def close(self) -> None:
+        if self.worker is not None and self.group is not None:
+            group = self.group
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                await asyncio.wait_for(asyncio.wrap_future(self.worker.run(_call(group.close))), 5)
+            self.worker.stop()
+
+    def _notify(self, fn: Callable[[], None]) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn)
+
+    @property
+    def rails(self) -> int:
+        return len(self.hosts)
+
+    def main_address(self) -> NetAddr:
+        assert self.group is not None
+        return self.group.address
+
+    # -- memory ---------------------------------------------------------------------
+
+    def reg_mr(self, buffer: Buffer) -> tuple[Region, MrDesc]:
+        region = self.regions.register(buffer, self.rails)
+        assert self.group is not None
+        desc = MrDesc(region.ptr,
+                      [(self.group.rail_address(i), k) for i, k in enumerate(region.rkeys)],
+                      region.size)
+        return region, desc
+
+    def dereg_mr(self, region_id: int) -> None:
+        self.regions.deregister(region_id)
+
+    def buffer_freed(self, buffer: Buffer) -> None:
+        for region in self.regions.regions_of(buffer):
+            self.regions.deregister(region.id)
+
+    # -- one-sided writes ------------------------------------------------------------
+
+    def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
+                                  dst: tuple[MrDesc, int]) -> asyncio.Future[None]:
+        region = self.regions.get(src[0])
+        view = region.view(region.ptr + src[1], length)
+        op = next(self._ops)
+        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
+                            max_parts=self.chaos.max_parts if self.chaos else None)
+        return self._submit(op, list(parts))
+
+    def submit_paged_writes(self, page_len: int, imm: int | None,
+                                  src: tuple[int, Pages], dst: tuple[MrDesc, Pages]
+                                  ) -> asyncio.Future[None]:
+        region = self.regions.get(src[0])
+        sp = src[1]
+        if len(sp.indices) != len(dst[1].indices):
+            raise BadRequest(f"{len(sp.indices)} source pages for {len(dst[1].indices)} "
+                             "destination pages")
+        views = [region.view(region.ptr + sp.address(k), page_len) for k in range(len(sp.indices))]
+        op = next(self._ops)
+        parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails,
+                           pages_per_frame=1 if self.chaos else 256)
+        return self._submit(op, list(parts))
+
+    def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
+        for a in addrs:
+            if len(a.rails) != self.rails:
+                raise BadRequest(f"rail count mismatch: peer {a} has {len(a.rails)} rail(s), "
+                                 f"this daemon {self.rails}")
+        gid = next(self._group_ids)
+        self._peer_groups[gid] = tuple(addrs)
+        assert self.worker is not None and self.group is not None
+        for a in addrs:
+            self.worker.call(self.group.connect, a)
+        return gid
+
+    def _check_group(self, gid: int | None, descs: Sequence[MrDesc]) -> None:
+        if gid is None:
+            return
+        peers = self._peer_groups.get(gid)
+        if peers is None:
+            raise NotFound(f"no peer group {gid}")
+        keys = {p.key for p in peers}
+        for d in descs:
+            if d.node not in keys:
+                raise BadRequest(f"destination 0x{d.ptr:x} is not on a peer of group {gid}")
+
+    def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
+                             dsts: Sequence[ScatterDst]) -> asyncio.Future[None]:
+        self._check_group(gid, [d.dst[0] for d in dsts])
+        region = self.regions.get(src_region)
+        parts: list[WritePart | SendPart] = []
+        first = 0
+        for d in dsts:
+            op = next(self._ops)
+            first = first or op
+            view = region.view(region.ptr + d.src, d.len)
+            parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
+                                 max_parts=self.chaos.max_parts if self.chaos else None)
+        return self._submit(first or next(self._ops), parts)
+
+    def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
+                             ) -> asyncio.Future[None]:
+        self._check_group(gid, dsts)
+        op = next(self._ops)
+        return self._submit(op, list(plan_barrier(op, _imm(imm) or 0, dsts, self.rails)))
+
+    # -- two-sided ---------------------------------------------------------------------
+
+    def submit_send(self, addr: NetAddr, msg: bytes) -> asyncio.Future[None]:
+        if len(msg) > MAX_MESSAGE:
+            raise BadRequest(f"message of {len(msg)} bytes is over the limit of {MAX_MESSAGE}")
+        if len(addr.rails) != self.rails:
+            raise BadRequest(f"rail count mismatch: peer {addr} has {len(addr.rails)} rail(s), "
+                             f"this daemon {self.rails}")
+        op = next(self._ops)
+        # The message is ours now (bytes are immutable): the caller may reuse its buffer.
+        return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
+
+    def submit_recvs(self, owner: Hashable, length: int, count: int,
+                     callback: MessageCallback) -> None:
+        if length <= 0 or count <= 0:
+            raise BadRequest("submit_recvs needs a positive length and count")
+        with self._pool_lock:
+            self._pools.append(RecvPool(owner, length, count, callback))
+            backlog, self._backlog = self._backlog, deque()
+        for peer, msg in backlog:
+            err = self._deliver(peer, msg)
+            if err is not None:
+                log.warning("dropping a queued message from %x: %s", peer[0], err)
+
+    def _deliver(self, peer: tuple[int, int], msg: bytes) -> TransferdError | None:
+        """Called on a worker: hand a message to the first posted receive that fits."""
+        with self._pool_lock:
+            for pool in self._pools:
+                if pool.count > 0 and pool.length >= len(msg):
+                    pool.count -= 1
+                    break
+            else:
+                if any(p.count > 0 for p in self._pools):
+                    longest = max(p.length for p in self._pools)
+                    return BadRequest(f"message of {len(msg)} bytes is larger than every posted "
+                                      f"receive buffer (at most {longest})")
+                if len(self._backlog) >= BACKLOG:
+                    return BadRequest("no receive posted and the backlog is full")
+                self._backlog.append((peer, msg))
+                return None
+
+        def run() -> None:
+            try:
+                pool.callback(peer, msg)
+            finally:
+                # The buffer goes back to the pool once the callback is done.
+                with self._pool_lock:
+                    pool.count += 1
+
+        self._notify(run)
+        return None
+
+    # -- receiver completion ---------------------------------------------------------
+
+    def expect_imm_count(self, owner: Hashable, imm: int, count: int,
+                         callback: Callable[[], None]) -> None:
+        """``callback`` runs on the daemon's loop once ``imm`` reaches ``count``."""
+        imm = _imm(imm) or 0
+        mine = self._expectations.setdefault(owner, set())
+
+        def fired() -> None:
+            mine.discard(fired)
+            callback()
+
+        mine.add(fired)
+        self.counter.expect(imm, count, fired)
+
+    def imm_value(self, imm: int) -> int:
+        return self.counter.value(_imm(imm) or 0)
+
+    def session_closed(self, owner: Hashable) -> None:
+        for cb in self._expectations.pop(owner, []):
+            self.counter.cancel(cb)
+        with self._pool_lock:
+            self._pools = deque(p for p in self._pools if p.owner is not owner)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def has_slot(self) -> bool:
+        """Whether a submit would be taken now (else ``await wait_slot()`` first)."""
+        assert self.worker is not None
+        return self.worker.has_slot()
+
+    async def wait_slot(self) -> None:
+        assert self.worker is not None
+        await self.worker.wait_slot()
+
+    def _submit(self, op: int, parts: list[WritePart | SendPart]) -> asyncio.Future[None]:
+        assert self.worker is not None and self.group is not None and self.loop is not None
+        # Callers check has_slot() first; going over by one is harmless.
+        self.worker.take()
+        loop = self.loop
+        fut: asyncio.Future[None] = loop.create_future()
+        nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
+        worker = self.worker
+
+        def finish(err: TransferdError | None) -> None:
+            loop.call_soon_threadsafe(self._finished, fut, err, nbytes)
+
+        transfer = Transfer(op, len(parts), nbytes, finish)
+        worker.call(self.group.execute, transfer, parts)
+        fut.add_done_callback(lambda _: worker.release())
+        return fut
+
+    def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,
+                  nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.transfers.labels("error" if err else "ok").inc()
+            if err is None:
+                self.metrics.transfer_bytes.labels("out").inc(nbytes)
+        if fut.done():
+            return
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+
+
+def _imm(imm: int | None) -> int | None:
+    if imm is None:
+        return None
+    if not 0 <= imm <= 0xFFFFFFFF:
+        raise BadRequest(f"immediate {imm} is not a 32-bit unsigned value")
+    return imm
+
+
+T = TypeVar("T")
+
+
+async def _call(fn: Callable[[], T]) -> T:
+    return fn()

@@ -1,0 +1,154 @@
+"""Turning a submit into wire parts, sharded over the rails of a domain group.
+
+Pure functions, no I/O: given what the client asked for and how many rails
+there are, produce :class:`WritePart` s.  The counting rules of DESIGN.md live
+here and in the receiver: a single write adds exactly 1 to its immediate
+however many parts carried it (each part says ``parts`` and the receiver
+counts the op once, when the last part has landed); a paged write adds 1 per
+page (each frame adds the pages it carries); a scatter 1 per destination; a
+barrier 1 per peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transferd.protocol.errors import BadRequest, OutOfBounds
+from transferd.protocol.values import MrDesc, NetAddr, Pages
+
+# Below this a single write goes whole over one rail: splitting a small write
+# buys no bandwidth and costs a frame per rail.
+SPLIT_MIN = 1 << 20
+SPLIT_ALIGN = 4096
+# Pages per WRITE frame: bounds the iovec list and the frame body.
+PAGES_PER_FRAME = 256
+
+
+@dataclass(slots=True)
+class WritePart:
+    rail: int
+    dst: NetAddr  # the destination rail's address
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+    src: list[memoryview]
+    imm: int | None
+    count: int
+    parts: int = 1
+    index: int = 0
+    op: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+@dataclass(slots=True)
+class SendPart:
+    rail: int
+    dst: NetAddr
+    msg: bytes
+    op: int = 0
+    index: int = 0
+    parts: int = 1
+
+
+@dataclass
+class Plan:
+    parts: list[WritePart | SendPart] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts if isinstance(p, WritePart))
+
+
+def check_rails(desc_rails: int, rails: int, who: str) -> None:
+    if desc_rails != rails:
+        raise BadRequest(
+            f"rail count mismatch: this daemon has {rails} rail(s) per domain group, "
+            f"{who} has {desc_rails}; every peer must have the same number of NICs"
+        )
+
+
+def _check_dst(desc: MrDesc, off: int, length: int) -> None:
+    # The receiver checks authoritatively; failing early here saves a round trip.
+    if desc.size and (off < 0 or off + length > desc.size):
+        raise OutOfBounds(f"[{off}, {off + length}) is outside the remote region of {desc.size}")
+
+
+def split_sizes(length: int, n: int, align: int = SPLIT_ALIGN) -> list[int]:
+    """``n`` near-equal, ``align``-aligned sizes adding up to ``length``."""
+    if n <= 1 or length < n * align:
+        return [length]
+    base = (length // n) // align * align
+    sizes = [base] * (n - 1)
+    sizes.append(length - base * (n - 1))
+    return sizes
+
+
+def plan_single(
+    op: int, length: int, imm: int | None, src: memoryview, desc: MrDesc, dst_off: int,
+    rails: int, *, split_min: int = SPLIT_MIN, max_parts: int | None = None,
+) -> list[WritePart]:
+    check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
+    if len(src) != length:
+        raise OutOfBounds(f"source holds {len(src)} bytes for a write of {length}")
+    _check_dst(desc, dst_off, length)
+    n = rails if length >= split_min else 1
+    if max_parts is not None:
+        n = max(n, min(max_parts, max(1, length // SPLIT_ALIGN)))
+    sizes = split_sizes(length, n)
+    parts: list[WritePart] = []
+    pos = 0
+    for i, size in enumerate(sizes):
+        rail = (op + i) % rails
+        addr, rkey = desc.rkeys[rail]
+        parts.append(WritePart(
+            rail, addr, rkey, [desc.ptr + dst_off + pos], [size], [src[pos : pos + size]],
+            imm, 1 if imm is not None else 0, len(sizes), i, op,
+        ))
+        pos += size
+    return parts
+
+
+def plan_paged(
+    op: int, page_len: int, imm: int | None, src_views: Sequence[memoryview], desc: MrDesc,
+    dst: Pages, rails: int, *, pages_per_frame: int = PAGES_PER_FRAME,
+) -> list[WritePart]:
+    check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
+    if len(src_views) != len(dst.indices):
+        raise BadRequest(f"{len(src_views)} source pages for {len(dst.indices)} destination pages")
+    if dst.stride < page_len and len(dst.indices) > 1:
+        raise BadRequest(f"destination stride {dst.stride} is smaller than the page ({page_len})")
+    for k in range(len(dst.indices)):
+        _check_dst(desc, dst.address(k), page_len)
+    total = len(src_views)
+    parts: list[WritePart] = []
+    # Contiguous blocks of pages per rail, each block cut into frames.
+    per_rail = split_sizes(total, rails, align=1) if total >= rails else [total]
+    start = 0
+    for r, count in enumerate(per_rail):
+        rail = (op + r) % rails
+        addr, rkey = desc.rkeys[rail]
+        for f in range(start, start + count, pages_per_frame):
+            idx = range(f, min(f + pages_per_frame, start + count))
+            parts.append(WritePart(
+                rail, addr, rkey, [desc.ptr + dst.address(k) for k in idx],
+                [page_len] * len(idx), [src_views[k] for k in idx], imm,
+                len(idx) if imm is not None else 0, 1, len(parts), op,
+            ))
+        start += count
+    if not parts:  # zero pages: nothing moves, nothing is counted
+        return []
+    return parts
+
+
+def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[WritePart]:
+    parts = []
+    for i, desc in enumerate(dsts):
+        check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
+        rail = (op + i) % rails
+        addr, rkey = desc.rkeys[rail]
+        parts.append(WritePart(rail, addr, rkey, [], [], [], imm, 1, 1, i, op))
+    return parts

@@ -1,0 +1,87 @@
+"""Registered memory regions and their rkeys.
+
+A region is a buffer registered for remote writes.  Each rail gets its own
+64-bit rkey from ``secrets`` (unguessable); a remote write must present the
+rkey of the rail it arrived on and stay inside the region, and is checked
+before any byte is written.  Deregistration removes the rkeys, so a write
+that presents one afterwards is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from dataclasses import dataclass
+
+from transferd.memory import Buffer
+from transferd.protocol.errors import NotFound, OutOfBounds
+
+
+@dataclass(eq=False)
+class Region:
+    id: int
+    buffer: Buffer
+    ptr: int
+    size: int
+    rkeys: tuple[int, ...]
+
+    def view(self, addr: int, length: int) -> memoryview:
+        """Memory at absolute address ``addr``; bounds checked first."""
+        off = addr - self.ptr
+        if off < 0 or length < 0 or off + length > self.size:
+            raise OutOfBounds(
+                f"[0x{addr:x}, +{length}) is outside region {self.id} "
+                f"[0x{self.ptr:x}, +{self.size})"
+            )
+        return self.buffer.view(off, length)
+
+
+class RegionTable:
+    def __init__(self) -> None:
+        self._by_id: dict[int, Region] = {}
+        self._by_rkey: dict[int, Region] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def register(self, buffer: Buffer, rails: int) -> Region:
+        with self._lock:
+            rkeys: list[int] = []
+            while len(rkeys) < rails:
+                k = secrets.randbits(64)
+                if k and k not in self._by_rkey and k not in rkeys:
+                    rkeys.append(k)
+            region = Region(next(self._ids), buffer, buffer.address, buffer.size, tuple(rkeys))
+            self._by_id[region.id] = region
+            for k in rkeys:
+                self._by_rkey[k] = region
+        return region
+
+    def deregister(self, region_id: int) -> Region:
+        with self._lock:
+            region = self._by_id.pop(region_id, None)
+            if region is None:
+                raise NotFound(f"no registered region {region_id}")
+            for k in region.rkeys:
+                self._by_rkey.pop(k, None)
+        return region
+
+    def get(self, region_id: int) -> Region:
+        try:
+            return self._by_id[region_id]
+        except KeyError:
+            raise NotFound(f"no registered region {region_id}") from None
+
+    def by_rkey(self, rkey: int, rail: int) -> Region:
+        """The region an rkey opens, checked against the rail it came in on."""
+        region = self._by_rkey.get(rkey)
+        if region is None or rail >= len(region.rkeys) or region.rkeys[rail] != rkey:
+            raise NotFound("rkey does not name a registered region on this rail")
+        return region
+
+    def regions_of(self, buffer: Buffer) -> list[Region]:
+        with self._lock:
+            return [r for r in self._by_id.values() if r.buffer is buffer]
+
+    def __len__(self) -> int:
+        return len(self._by_id)

@@ -1,0 +1,144 @@
+"""Engine value types that cross the wire: NetAddr, MrDesc, Pages, ScatterDst.
+
+They are plain frozen dataclasses with a stable byte form, so a client can
+hand an MrDesc or a NetAddr to another client out of band (a KV-cache
+scheduler, a trainer's rendezvous) and the other side can use it as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import BadRequest
+
+_FORMAT = 1
+
+
+def _unpack(raw: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        raise BadRequest(f"{what}: not a valid serialised value") from None
+
+
+@dataclass(frozen=True, slots=True)
+class NetAddr:
+    """Names a daemon's domain group (``node``, ``group``) and its rails.
+
+    A main address lists every rail of the group; the NetAddr paired with an
+    rkey in an MrDesc lists the one rail that rkey is valid on.
+    """
+
+    node: int
+    group: int
+    rails: tuple[tuple[str, int], ...]
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([_FORMAT, self.node, self.group, [list(r) for r in self.rails]])
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> NetAddr:
+        v = _unpack(raw, "NetAddr")
+        try:
+            fmt, node, group, rails = v
+            if fmt != _FORMAT:
+                raise ValueError
+            return cls(int(node), int(group), tuple((str(h), int(p)) for h, p in rails))
+        except (TypeError, ValueError):
+            raise BadRequest("NetAddr: malformed") from None
+
+    def rail(self, i: int) -> NetAddr:
+        return NetAddr(self.node, self.group, (self.rails[i],))
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Identity of the peer domain group, whatever rails are listed."""
+        return (self.node, self.group)
+
+    def __str__(self) -> str:
+        rails = ",".join(f"{h}:{p}" for h, p in self.rails)
+        return f"{self.node:016x}/{self.group}@{rails}"
+
+
+@dataclass(frozen=True, slots=True)
+class MrDesc:
+    """A remote memory region: its address and one (NetAddr, rkey) per rail."""
+
+    ptr: int
+    rkeys: tuple[tuple[NetAddr, int], ...]
+    size: int = 0
+
+    def __init__(self, ptr: int, rkeys: Sequence[tuple[NetAddr, int]], size: int = 0) -> None:
+        object.__setattr__(self, "ptr", ptr)
+        object.__setattr__(self, "rkeys", tuple((a, int(k)) for a, k in rkeys))
+        object.__setattr__(self, "size", size)
+
+    def to_wire(self) -> list[Any]:
+        return [self.ptr, self.size, [[a.to_bytes(), k] for a, k in self.rkeys]]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> MrDesc:
+        try:
+            ptr, size, rkeys = v
+            return cls(int(ptr), [(NetAddr.from_bytes(a), int(k)) for a, k in rkeys], int(size))
+        except (TypeError, ValueError):
+            raise BadRequest("MrDesc: malformed") from None
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([_FORMAT, *self.to_wire()])
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> MrDesc:
+        v = _unpack(raw, "MrDesc")
+        if not isinstance(v, list) or len(v) != 4 or v[0] != _FORMAT:
+            raise BadRequest("MrDesc: malformed")
+        return cls.from_wire(v[1:])
+
+    @property
+    def node(self) -> tuple[int, int]:
+        return self.rkeys[0][0].key if self.rkeys else (0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """Pages at ``offset + index * stride`` for each index, as in the article."""
+
+    indices: tuple[int, ...]
+    stride: int
+    offset: int = 0
+
+    def __init__(self, indices: Sequence[int], stride: int, offset: int = 0) -> None:
+        object.__setattr__(self, "indices", tuple(int(i) for i in indices))
+        object.__setattr__(self, "stride", int(stride))
+        object.__setattr__(self, "offset", int(offset))
+
+    def address(self, k: int) -> int:
+        return self.offset + self.indices[k] * self.stride
+
+    def to_wire(self) -> list[Any]:
+        return [list(self.indices), self.stride, self.offset]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Pages:
+        try:
+            indices, stride, offset = v
+            if not all(isinstance(i, int) and 0 <= i < 1 << 32 for i in indices):
+                raise ValueError
+            if stride < 0 or offset < 0:
+                raise ValueError
+            return cls(indices, stride, offset)
+        except (TypeError, ValueError):
+            raise BadRequest("Pages: expected [indices (u32), stride, offset]") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterDst:
+    """One destination of a scatter: ``len`` bytes from ``src`` to ``dst``."""
+
+    len: int
+    src: int
+    dst: tuple[MrDesc, int]
