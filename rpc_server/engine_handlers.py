@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from transferd.engine.limits import MAX_MESSAGE
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest, TransferdError, UnknownCommand
 from transferd.protocol.frames import Frame
@@ -178,7 +179,13 @@ def barrier(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
     return _submit(session, frame, lambda: engine.submit_barrier(gid, imm, dsts))
 
 
-SINKS[Command.SEND] = lambda session, frame: None  # small: collected, then copied once
+def _send_sink(session: Session, frame: Frame) -> None:
+    # Messages are small control messages: collected, then handed on.
+    if frame.payload_len > MAX_MESSAGE:
+        raise BadRequest(f"message of {frame.payload_len} bytes is over the limit of {MAX_MESSAGE}")
+
+
+SINKS[Command.SEND] = _send_sink
 
 
 @handler(Command.SEND)

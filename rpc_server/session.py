@@ -166,11 +166,13 @@ class Session(asyncio.BufferedProtocol):
         cmd = _COMMANDS.get(frame.cmd)
         if cmd is None:
             raise UnknownCommand(f"unknown command 0x{frame.cmd:02x}")
-        if COMMAND_MINOR[cmd] > self.ctx.minor or cmd not in HANDLERS:
+        if COMMAND_MINOR[cmd] > self.ctx.minor:
             raise UnknownCommand(
                 f"{cmd.name} needs protocol minor {COMMAND_MINOR[cmd]}; this server speaks "
                 f"{PROTO_MAJOR}.{self.ctx.minor}"
             )
+        if cmd not in HANDLERS:
+            raise UnknownCommand(f"{cmd.name} is not served by this daemon")
 
     def _handle(self, frame: Frame) -> None:
         started = time.perf_counter()

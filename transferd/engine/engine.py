@@ -31,14 +31,13 @@ from transferd.workers import Worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
+from .limits import BACKLOG, MAX_MESSAGE
 from .plan import SendPart, WritePart, plan_barrier, plan_paged, plan_single
 from .regions import Region, RegionTable
 from .transfer import Transfer
 
 log = logging.getLogger("transferd.engine")
 
-MAX_MESSAGE = 1 << 20
-BACKLOG = 1024
 MessageCallback = Callable[[tuple[int, int], bytes], None]
 
 
