@@ -64,18 +64,20 @@ class NetAddr:
         return f"{self.node:016x}/{self.group}@{rails}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, unsafe_hash=False, eq=True)
 class MrDesc:
     """A remote memory region: its address and one (NetAddr, rkey) per rail."""
 
     ptr: int
-    rkeys: tuple[tuple[NetAddr, int], ...]
+    rkeys: list[tuple[NetAddr, int]]
+    # The region's length, when known: lets an initiator refuse an
+    # out-of-range write before sending it (the receiver checks regardless).
     size: int = 0
 
     def __init__(self, ptr: int, rkeys: Sequence[tuple[NetAddr, int]], size: int = 0) -> None:
-        object.__setattr__(self, "ptr", ptr)
-        object.__setattr__(self, "rkeys", tuple((a, int(k)) for a, k in rkeys))
-        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "ptr", int(ptr))
+        object.__setattr__(self, "rkeys", [(a, int(k)) for a, k in rkeys])
+        object.__setattr__(self, "size", int(size))
 
     def to_wire(self) -> list[Any]:
         return [self.ptr, self.size, [[a.to_bytes(), k] for a, k in self.rkeys]]
@@ -107,12 +109,12 @@ class MrDesc:
 class Pages:
     """Pages at ``offset + index * stride`` for each index, as in the article."""
 
-    indices: tuple[int, ...]
+    indices: list[int]
     stride: int
     offset: int = 0
 
     def __init__(self, indices: Sequence[int], stride: int, offset: int = 0) -> None:
-        object.__setattr__(self, "indices", tuple(int(i) for i in indices))
+        object.__setattr__(self, "indices", [int(i) for i in indices])
         object.__setattr__(self, "stride", int(stride))
         object.__setattr__(self, "offset", int(offset))
 
