@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -23,6 +24,19 @@ from transferd.protocol.messages import Tensor
 from .connection import Connection
 from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
+
+
+def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
+    """Settle queued reads from their GET_TENSOR(S) reply future."""
+    for g in gets:
+        if g.future.done():
+            continue
+        if fut.cancelled():
+            g.future.cancel()
+        elif (exc := fut.exception()) is not None:
+            g.future.set_exception(exc)
+        else:
+            g.future.set_result(g.result)
 
 
 def _env_flag(name: str) -> bool:
@@ -105,6 +119,7 @@ class Client(EngineMixin):
         self.max_payload = 1 << 34
         self._conn: Connection | None = None
         self._queue: list[QueuedSet | QueuedGet] = []
+        self._reads_in_flight: set[asyncio.Future[Frame]] = set()
         self._stats_task: asyncio.Task[None] | None = None
         self._events = EngineEvents()
 
@@ -269,19 +284,23 @@ class Client(EngineMixin):
                 if isinstance(op, QueuedGet) and not op.future.done():
                     op.future.set_exception(exc)
             raise
+        # Reads another task's flush (or synchronous call) already sent may hold
+        # futures queued before this flush: wait for those too.
+        earlier = [f for f in self._reads_in_flight if not f.done()]
+        for gets, fut in waits:
+            # Resolved by callback, so a cancelled flush orphans no read.
+            fut.add_done_callback(functools.partial(_resolve_gets, gets))
+            self._reads_in_flight.add(fut)
+            fut.add_done_callback(self._reads_in_flight.discard)
         first_error: BaseException | None = None
         for gets, fut in waits:
             try:
                 await fut
             except TransferdError as exc:
                 first_error = first_error or exc
-                for g in gets:
-                    if not g.future.done():
-                        g.future.set_exception(exc)
-                continue
-            for g in gets:
-                if not g.future.done():
-                    g.future.set_result(g.result)
+            _resolve_gets(gets, fut)  # now, not when the callback gets its turn
+        if earlier:
+            await asyncio.wait(earlier)
         self._raise_failures()
         if first_error is not None:
             raise first_error
