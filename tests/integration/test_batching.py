@@ -9,7 +9,7 @@ import pytest
 
 from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, async_test, digest, pattern
+from tests.helpers import DaemonProcess, async_test, digest, pattern, run
 
 BATCHES = [1, 8, 32, 128]
 TENSOR = 4096
@@ -288,3 +288,14 @@ async def test_batches_split_at_max_payload(daemon_factory: DaemonFactory) -> No
         assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
         assert delta["SET_TENSORS"] == delta["GET_TENSORS"] == 7  # 10 + ... + 4 tensors
         await c.free_buffer(buf)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_client_runs_on_either_event_loop(daemon: DaemonProcess, loop: str) -> None:
+    async def body() -> dict[str, Any]:
+        async with await Client.connect(daemon.url) as c:
+            return await run_steps(c, 32, steps=2)
+
+    r = run(body(), timeout=30, loop=loop)
+    one_each = {"SET_TENSOR": 0, "GET_TENSOR": 0, "SET_TENSORS": 1, "GET_TENSORS": 1}
+    assert r["server"] == [one_each] * 2
