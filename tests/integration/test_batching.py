@@ -299,3 +299,51 @@ def test_client_runs_on_either_event_loop(daemon: DaemonProcess, loop: str) -> N
     r = run(body(), timeout=30, loop=loop)
     one_each = {"SET_TENSOR": 0, "GET_TENSOR": 0, "SET_TENSORS": 1, "GET_TENSORS": 1}
     assert r["server"] == [one_each] * 2
+
+
+@async_test(timeout=60)
+async def test_pipelined_read_then_write_of_a_large_tensor(daemon: DaemonProcess) -> None:
+    """The read's reply is still being sent when the write that follows it arrives:
+    the read must carry the old bytes, the write must land after it."""
+    size = 32 << 20
+    old, new = pattern(size, 61), pattern(size, 62)
+    async with await Client.connect(daemon.url) as c:
+        buf = await c.alloc_buffer(size)
+        for _ in range(2):
+            await c.set_tensor(buf.tensor(), old)
+            fut = c.get_tensor_async(buf.tensor())
+            c.set_tensor_async(buf.tensor(), new)  # overlaps: sent after the read
+            await c.flush()
+            assert digest(fut.result()) == digest(old)
+            assert digest(await c.get_tensor(buf.tensor())) == digest(new)
+        await c.free_buffer(buf)
+
+
+def test_pipelined_get_then_set_on_the_wire(daemon: DaemonProcess) -> None:
+    import threading
+
+    from tests.helpers import RawConn
+    from transferd.protocol.constants import Command
+
+    size = 32 << 20
+    old, new = pattern(size, 63), pattern(size, 64)
+    with RawConn.to(daemon, timeout=30) as raw:
+        raw.hello()
+        buf = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size}).body["buffer"]
+        raw.request(Command.SET_TENSOR, {"tensor": [buf, 0, size]}, old)
+        get_seq = raw.send(Command.GET_TENSOR, {"tensor": [buf, 0, size]})
+        # Send the overwrite while nobody reads the GET reply yet.
+        sender = threading.Thread(
+            target=raw.send, args=(Command.SET_TENSOR, {"tensor": [buf, 0, size]}, new)
+        )
+        sender.start()
+        sender.join(0.3)
+        f = raw.recv()
+        sender.join(30)
+        assert not sender.is_alive()
+        assert f.seq == get_seq and f.payload is not None
+        assert digest(f.payload) == digest(old)
+        assert raw.recv().flags == 0x01  # the SET's reply
+        f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 0, size]})
+        assert f.payload is not None and digest(f.payload) == digest(new)
+        raw.request(Command.FREE_BUFFER, {"buffer": buf})

@@ -313,3 +313,33 @@ def test_environment_is_clean_for_daemons(monkeypatch: pytest.MonkeyPatch) -> No
     assert "TRANSFERD_SERVER_PORT" not in d.env
     assert d.env["TRANSFERD_LOG_LEVEL"] == "debug"
     assert "HOME" not in d.env
+
+
+def test_reply_frames_on_the_wire(daemon: DaemonProcess) -> None:
+    """Replies echo cmd and seq; empty bodies are zero bytes; errors are {code, message}."""
+    with RawConn.to(daemon) as raw:
+        raw.hello()
+        for seq in (0, 7, 0xFFFFFFFF):
+            raw.send(Command.SYNCHRONIZE, seq=seq)
+            f = raw.recv()
+            assert (f.cmd, f.flags, f.seq) == (Command.SYNCHRONIZE, Flag.REPLY, seq)
+            assert f.body_len == 0 and f.payload_len == 0 and f.body == {}
+        f = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 5})
+        assert set(f.body) == {"buffer", "size"} and f.body["size"] == 5
+        buf = f.body["buffer"]
+        f = raw.request(Command.SET_TENSOR, {"tensor": [buf, 0, 5]}, payload=b"abcde")
+        assert f.flags == Flag.REPLY and f.body_len == 0 and f.payload_len == 0
+        f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 1, 3]})
+        assert f.body_len == 0 and f.payload_len == 3 and f.payload == b"bcd"
+        f = raw.request(Command.GET_TENSORS, {"tensors": [[buf, 4, 1], [buf, 0, 2], [buf, 2, 0]]})
+        assert f.cmd == Command.GET_TENSORS and f.body_len == 0 and f.payload == b"eab"
+        # NO_REPLY: no answer; the next reply is the next request's.
+        raw.send(Command.SET_TENSORS, {"tensors": [[buf, 0, 2]]}, b"XY", flags=Flag.NO_REPLY)
+        f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 0, 5]})
+        assert f.payload == b"XYcde"
+        f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 3, 5]})
+        assert (f.cmd, f.flags) == (Command.GET_TENSOR, Flag.REPLY | Flag.ERROR)
+        assert set(f.body) == {"code", "message"} and f.body["code"] == "OUT_OF_BOUNDS"
+        assert f.payload_len == 0
+        f = raw.request(Command.FREE_BUFFER, {"buffer": buf})
+        assert f.flags == Flag.REPLY and f.body_len == 0
