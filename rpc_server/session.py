@@ -143,7 +143,7 @@ class Session(asyncio.BufferedProtocol):
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as exc:
-                self._fail(exc, cmd=0)
+                self._fail(exc, cmd=self._decoder.current_cmd)
                 return
             if frame is None:
                 return

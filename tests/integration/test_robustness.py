@@ -74,8 +74,9 @@ async def test_garbage_closes_only_that_connection(daemon: DaemonProcess, case: 
             assert f.flags == Flag.REPLY | Flag.ERROR
             assert f.body["code"] == code
             assert isinstance(f.body["message"], str)
+            assert f.cmd == data[2]  # the offending frame's cmd byte
             if data[:2] == MAGIC:
-                assert f.seq == 4242  # the offending frame's seq
+                assert f.seq == 4242  # and its seq
             assert await asyncio.to_thread(raw.closed_by_peer)
         await check_works(good, 2)
     async with await Client.connect(daemon.url) as fresh:

@@ -425,6 +425,7 @@ def test_malformed_header(header: bytes, code: ErrorCode) -> None:
     assert err.seq == 77
     assert err.fatal
     assert isinstance(err, TooLarge if code == ErrorCode.TOO_LARGE else BadFrame)
+    assert dec.current_cmd == Command.GET_TENSOR  # an error reply can name the frame's cmd
     # Once broken, the decoder refuses to go on.
     with pytest.raises(BadFrame):
         dec.next_frame()
@@ -456,7 +457,7 @@ def test_bad_header_after_good_frames_keeps_the_good_ones() -> None:
 
 
 def body_frame(raw_body: bytes, seq: int = 55) -> bytes:
-    return encode_header(Command.HELLO, 0, seq, len(raw_body), 0) + raw_body
+    return encode_header(Command.GET_DEVICES, 0, seq, len(raw_body), 0) + raw_body
 
 
 @pytest.mark.parametrize(
@@ -485,6 +486,7 @@ def test_bad_body(raw_body: bytes) -> None:
     with pytest.raises(BadFrame) as info:
         dec.feed(body_frame(raw_body, seq=55))
     assert info.value.seq == 55 and info.value.code == ErrorCode.BAD_FRAME
+    assert dec.current_cmd == Command.GET_DEVICES
     with pytest.raises(BadFrame):
         dec.next_frame()
 

@@ -265,6 +265,11 @@ class FrameDecoder:
         else:
             self._end += nbytes
 
+    @property
+    def current_cmd(self) -> int:
+        """The cmd of the frame being decoded, or of the one that broke the stream."""
+        return self._header.cmd if self._header is not None else 0
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Copying convenience for tests and simple callers: feed bytes, get frames."""
         frames: list[Frame] = []
@@ -303,9 +308,10 @@ class FrameDecoder:
                 if avail < HEADER_SIZE:
                     return None
                 h = RawHeader(*HEADER.unpack_from(self._buf, self._start))
+                # Kept before judging it, so an error can name the frame's cmd.
+                self._header = h
                 check_header(h, self.max_body, self.max_payload)
                 self._start += HEADER_SIZE
-                self._header = h
                 self.phase = Phase.BODY
                 if HEADER_SIZE + h.body_len > len(self._buf):
                     self._grow(h.body_len)
