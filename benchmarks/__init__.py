@@ -1,0 +1,19 @@
+"""transferd's benchmarks: every figure measured side by side with its baseline.
+
+Run ``python -m benchmarks`` (or ``make bench``); see docs/benchmarks.md.  Each
+benchmark is a module of this package with ``NAME``, ``TITLE``, ``SECTION`` and
+``run(opts) -> BenchResult``; list it in :data:`BENCHMARKS` to include it.
+The shared pieces (server processes, pinning, percentiles, tables, targets)
+live in :mod:`benchmarks.harness`.
+"""
+
+# Module names, in the order `python -m benchmarks` runs them.
+BENCHMARKS = [
+    # Protocol (issue 2)
+    "latency",
+    "batching",
+    "throughput",
+]
+
+# Names that stand for several benchmarks in ``--only``.
+GROUPS: dict[str, list[str]] = {}

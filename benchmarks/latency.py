@@ -1,0 +1,192 @@
+"""(a) Round-trip latency of a 4 KiB get_tensor against an asyncio+uvloop floor.
+
+Arms, all measured by one client process (pinned) against servers pinned to
+another CPU, in alternating rounds:
+
+- ``floor``: a plain asyncio ``Protocol`` client on uvloop sends 24 bytes to
+  :mod:`benchmarks.baselines`' ``pingpong`` server (also asyncio on uvloop),
+  which answers 4096 bytes.  The same request/reply sizes as a GET_TENSOR of
+  4 KiB (24-byte header + body; 24-byte header + 4 KiB payload).
+- ``daemon``: the real async :class:`client.Client` on uvloop calls
+  ``await c.get_tensor(t)`` (a 4 KiB tensor) on the real ``rpc-server``.
+- ``daemon out=``: the same into a preallocated buffer (no allocation per
+  call); informational.
+
+Each round times ``n`` sequential round trips per arm; the figure is the
+median over rounds of each arm's p50 and p99, and the ratio to the floor is
+taken per round and its median reported.  Target: p50 within 1.5x the floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from .baselines import PING_SIZE
+from .harness import (
+    BenchResult,
+    Check,
+    Options,
+    ServerProcess,
+    Table,
+    baseline_command,
+    fmt_ratio,
+    fmt_us,
+    interleave,
+    median,
+    percentile,
+    quiet_gc,
+    start_daemon,
+)
+
+NAME = "latency"
+TITLE = "round-trip latency of a 4 KiB get_tensor vs an asyncio+uvloop ping-pong floor"
+SECTION = "Protocol (issue 2)"
+
+SIZE = 4096
+TARGET_P50 = 1.5
+
+
+class _PingClient(asyncio.Protocol):
+    """The floor's client: counts reply bytes, wakes the waiter at each full reply."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.got = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        import socket
+
+        self.transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        if self.got >= self.size and self.waiter is not None:
+            self.got -= self.size
+            w, self.waiter = self.waiter, None
+            w.set_result(None)
+
+
+async def _floor_rtts(proto: _PingClient, n: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    req = b"\0" * PING_SIZE
+    transport = proto.transport
+    assert transport is not None
+    out = []
+    clock = time.perf_counter
+    for _ in range(n):
+        t0 = clock()
+        w = loop.create_future()
+        proto.waiter = w
+        transport.write(req)
+        await w
+        out.append(clock() - t0)
+    return out
+
+
+async def _daemon_rtts(c: Any, t: Any, n: int, out: Any = None) -> list[float]:
+    res = []
+    clock = time.perf_counter
+    get = c.get_tensor
+    if out is None:
+        for _ in range(n):
+            t0 = clock()
+            await get(t)
+            res.append(clock() - t0)
+    else:
+        for _ in range(n):
+            t0 = clock()
+            await get(t, out=out)
+            res.append(clock() - t0)
+    return res
+
+
+async def _measure(opts: Options, daemon_url: str, floor_addr: tuple[str, int]) -> dict[str, Any]:
+    from client import Client
+
+    n = opts.pick(3000, 600)
+    rounds = opts.pick(7, 3)
+    warm = opts.pick(500, 200)
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_connection(lambda: _PingClient(SIZE), *floor_addr)
+    c = await Client.connect(daemon_url)
+    try:
+        buf = await c.alloc_buffer(SIZE * 4)
+        t = buf.tensor(SIZE, SIZE)
+        payload = bytes((i * 7 + 3) & 0xFF for i in range(SIZE))
+        await c.set_tensor(t, payload)
+        got = await c.get_tensor(t)
+        if bytes(got) != payload:
+            raise AssertionError("daemon returned different bytes than were set")
+        out = bytearray(SIZE)
+        arms = {
+            "floor": lambda k: _floor_rtts(proto, k),
+            "daemon": lambda k: _daemon_rtts(c, t, k),
+            "daemon out=": lambda k: _daemon_rtts(c, t, k, out),
+        }
+        for fn in arms.values():
+            await fn(warm)
+        per_round: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+        for r, arm in interleave(list(arms), rounds):
+            with quiet_gc():
+                xs = await arms[arm](n)
+            per_round[arm].append(
+                {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "mean": sum(xs) / len(xs)}
+            )
+            opts.log(f"round {r} {arm}: p50 {fmt_us(per_round[arm][-1]['p50'])} us")
+        if bytes(out) != payload:
+            raise AssertionError("get_tensor(out=) filled different bytes than were set")
+    finally:
+        await c.close()
+        assert proto.transport is not None
+        proto.transport.close()
+    return {"n": n, "rounds": rounds, "per_round": per_round}
+
+
+def run(opts: Options) -> BenchResult:
+    import uvloop
+
+    res = BenchResult(NAME, TITLE, SECTION)
+    with (
+        start_daemon(opts.pinning) as daemon,
+        ServerProcess(
+            baseline_command("pingpong", "--size", str(SIZE)), opts.pinning, name="pingpong"
+        ) as floor,
+    ):
+        m = uvloop.run(_measure(opts, daemon.url, floor.host_port))
+    pr = m["per_round"]
+    floor_p50 = [x["p50"] for x in pr["floor"]]
+    ratios: dict[str, dict[str, float]] = {}
+    table = Table(
+        f"4 KiB round trip, {m['rounds']} alternating rounds x {m['n']} requests per arm "
+        "(median over rounds; us)",
+        ["arm", "p50 us", "p99 us", "mean us", "p50 vs floor", "p99 vs floor", "target"],
+    )
+    for arm, rows in pr.items():
+        p50 = median([x["p50"] for x in rows])
+        p99 = median([x["p99"] for x in rows])
+        mean = median([x["mean"] for x in rows])
+        r50 = median([x["p50"] / f for x, f in zip(rows, floor_p50, strict=True)])
+        r99 = median([x["p99"] / f["p99"] for x, f in zip(rows, pr["floor"], strict=True)])
+        ratios[arm] = {"p50": p50, "p99": p99, "mean": mean, "p50_ratio": r50, "p99_ratio": r99}
+        target = f"p50 <= {TARGET_P50}x" if arm == "daemon" else ""
+        table.add(
+            arm, fmt_us(p50), fmt_us(p99), fmt_us(mean), fmt_ratio(r50), fmt_ratio(r99), target
+        )
+    res.tables.append(table)
+    res.checks.append(
+        Check(
+            "4 KiB get_tensor p50 / floor p50", ratios["daemon"]["p50_ratio"], "<=", TARGET_P50, "x"
+        )
+    )
+    res.notes.append(
+        "floor = asyncio Protocol client and server on uvloop, 24-byte request, 4096-byte reply; "
+        "daemon = client.Client.get_tensor over TCP loopback to rpc-server; "
+        "ratios are per round (same minute), then the median over rounds"
+    )
+    res.data = {"size": SIZE, "summary": ratios, **m}
+    return res
