@@ -16,7 +16,14 @@ from typing import Any, cast
 from urllib.parse import urlparse
 
 from transferd.protocol import frames
-from transferd.protocol.constants import HEADER_SIZE, HELLO_MAX_BODY, Command, Flag
+from transferd.protocol.constants import (
+    HEADER_SIZE,
+    HELLO_MAX_BODY,
+    MAGIC,
+    Command,
+    Flag,
+    command_name,
+)
 from transferd.protocol.errors import (
     BadRequest,
     ConnectionLost,
@@ -29,6 +36,11 @@ from transferd.protocol.frames import Frame, FrameDecoder, Sink
 
 # Joining a small payload with its header saves a syscall; big ones go as is.
 SMALL_WRITE = 16 * 1024
+
+_NAMES: dict[int, str] = {int(c): c.name for c in Command}
+# In Python 3.11 ``Flag.X`` goes through EnumType.__getattr__: alias it once.
+_NO_REPLY = int(Flag.NO_REPLY)
+_pack_header = frames.HEADER.pack
 
 
 @dataclass(slots=True)
@@ -218,18 +230,22 @@ class Connection(asyncio.BufferedProtocol):
         """Write one request frame; payload objects are sent from where they lie."""
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
-        seq = self.next_seq() if seq is None else seq
-        raw = frames.pack_body(body)
-        views = [memoryview(p).cast("B") for p in payload]
-        plen = sum(v.nbytes for v in views)
-        head = frames.encode_header(cmd, flags, seq, len(raw), plen) + raw
+        if seq is None:
+            seq = self._seq = (self._seq + 1) & 0xFFFFFFFF or 1  # next_seq(), inlined
+        raw = frames.pack_body(body) if body else b""
+        if payload:
+            views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]
+            plen = sum(map(len, views))
+        else:
+            views, plen = [], 0
+        # encode_header(), inlined: this runs once per request.
+        head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
         if plen <= SMALL_WRITE:
             self.transport.write(b"".join((head, *views)) if plen else head)
         else:
-            self.transport.write(head)
-            for v in views:
-                self.transport.write(v)
-        name = Command(cmd).name
+            # One call for all payload objects: sent together, not a syscall each.
+            self.transport.writelines((head, *views))
+        name = _NAMES.get(cmd) or command_name(cmd)
         self.stats.commands[name] = self.stats.commands.get(name, 0) + 1
         self.stats.bytes_out += HEADER_SIZE + len(raw) + plen
         return seq
@@ -256,7 +272,7 @@ class Connection(asyncio.BufferedProtocol):
     def send_oneway(
         self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any] = ()
     ) -> int:
-        return self.send(cmd, body, payload, flags=Flag.NO_REPLY)
+        return self.send(cmd, body, payload, flags=_NO_REPLY)
 
     def _time_out(self, seq: int, timeout: float) -> None:
         p = self.pending.pop(seq, None)

@@ -52,7 +52,7 @@ def segments(ops: list[QueuedSet | QueuedGet]) -> list[Segment]:
     for op in ops:
         cur = out[-1]
         if isinstance(op, QueuedSet):
-            if any(_overlaps(op.tensor, g.tensor) for g in cur.gets):
+            if cur.gets and any(_overlaps(op.tensor, g.tensor) for g in cur.gets):
                 cur = Segment()
                 out.append(cur)
             cur.sets.append(op)
@@ -64,6 +64,9 @@ def segments(ops: list[QueuedSet | QueuedGet]) -> list[Segment]:
 def chunks(items: list[Any], max_body: int, max_payload: int) -> Iterator[list[Any]]:
     """Split a batch so each command's body and payload stay inside the limits."""
     per_body = max(1, (max_body - BODY_SLACK) // TENSOR_WIRE_BYTES)
+    if 0 < len(items) <= per_body and sum([i.tensor.size for i in items]) <= max_payload:
+        yield items  # the usual case: the whole batch fits one command
+        return
     start = 0
     while start < len(items):
         size = 0

@@ -26,6 +26,7 @@ from transferd.protocol import frames
 from transferd.protocol.constants import (
     COMMAND_MINOR,
     HEADER_SIZE,
+    MAGIC,
     PROTO_MAJOR,
     PROTO_PATCH,
     Command,
@@ -62,6 +63,15 @@ class State(enum.Enum):
     AWAIT_HELLO = "await_hello"
     READY = "ready"
     CLOSED = "closed"
+
+
+# Module-level aliases for the per-frame path: in Python 3.11 ``State.X`` and
+# ``Flag.X`` go through EnumType.__getattr__, ten times slower than a global.
+_AWAIT_HELLO = State.AWAIT_HELLO
+_CLOSED = State.CLOSED
+_HELLO = int(Command.HELLO)
+_REPLY = int(Flag.REPLY)
+_pack_header = frames.HEADER.pack
 
 
 class Session(asyncio.BufferedProtocol):
@@ -132,14 +142,14 @@ class Session(asyncio.BufferedProtocol):
 
     def _unblock(self) -> None:
         self._blockers -= 1
-        if self._blockers == 0 and self.state is not State.CLOSED:
+        if self._blockers == 0 and self.state is not _CLOSED:
             assert self.transport is not None
             self.transport.resume_reading()
             # Frames may already be complete in the decoder's buffer.
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _pump(self) -> None:
-        while self._blockers == 0 and self.state is not State.CLOSED:
+        while self._blockers == 0 and self.state is not _CLOSED:
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as exc:
@@ -159,7 +169,7 @@ class Session(asyncio.BufferedProtocol):
             return DISCARD
 
     def _check_allowed(self, frame: Frame) -> None:
-        if self.state is State.AWAIT_HELLO and frame.cmd != Command.HELLO:
+        if self.state is _AWAIT_HELLO and frame.cmd != _HELLO:
             raise NoHello("the first frame of a connection must be HELLO")
         if int(frame.flags) & _NOT_REQUEST_FLAGS:
             raise BadRequest("a request must not carry REPLY, ERROR or EVENT flags")
@@ -200,13 +210,15 @@ class Session(asyncio.BufferedProtocol):
                 Internal(f"{type(exc).__name__}: {exc}"), frame.cmd, frame.seq, frame.no_reply
             )
             return
-        if isinstance(result, Awaitable):
+        if result is None or type(result) is Reply:
+            self._reply(frame, result, started)
+        elif isinstance(result, Awaitable):
             self._block()
             task = asyncio.ensure_future(self._finish_async(frame, result, started))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
-            self._reply(frame, result, started)
+            self._reply(frame, cast(Reply, result), started)
 
     async def _finish_async(
         self, frame: Frame, pending: Awaitable[Reply | None], started: float
@@ -229,7 +241,7 @@ class Session(asyncio.BufferedProtocol):
         if frame.no_reply:
             return
         body, payload = (result.body, result.payload) if result is not None else (None, ())
-        n = self.send_frame(frame.cmd, Flag.REPLY, frame.seq, body, payload)
+        n = self.send_frame(frame.cmd, _REPLY, frame.seq, body, payload)
         self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
     def _fail(
@@ -257,17 +269,18 @@ class Session(asyncio.BufferedProtocol):
         payload: Sequence[memoryview] = (),
     ) -> int:
         """Write one frame; payload views are sent from where they lie."""
-        if self.state is State.CLOSED or self.transport is None or self.transport.is_closing():
+        if self.state is _CLOSED or self.transport is None or self.transport.is_closing():
             return 0
-        raw = frames.pack_body(body)
-        plen = sum(len(p) for p in payload)
-        head = frames.encode_header(cmd, flags, seq, len(raw), plen) + raw
+        raw = frames.pack_body(body) if body else b""
+        plen = sum(map(len, payload)) if payload else 0
+        # encode_header(), inlined: this runs once per reply.
+        head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
         if plen <= SMALL_REPLY:
             self.transport.write(b"".join((head, *payload)) if plen else head)
         else:
-            self.transport.write(head)
-            for view in payload:
-                self.transport.write(view)
+            # One call for all views: the transport sends them together
+            # (a write per view would be a send syscall per tensor).
+            self.transport.writelines((head, *payload))
         n = HEADER_SIZE + len(raw) + plen
         self.ctx.stats.bytes_out += n
         return n

@@ -37,6 +37,7 @@ from .errors import BadFrame, TooLarge
 
 HEADER = struct.Struct("<2sBBIIIQ")
 assert HEADER.size == HEADER_SIZE
+_unpack_header = HEADER.unpack_from
 
 # Bytes of header and body are collected in a reusable buffer of this size;
 # payloads of at least STREAM_THRESHOLD bytes bypass it and are read straight
@@ -161,8 +162,11 @@ def unpack_body(raw: bytes | bytearray | memoryview, seq: int) -> dict[str, Any]
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadFrame(f"body is not valid msgpack: {exc}", seq=seq) from None
-    if not isinstance(body, dict) or not all(isinstance(k, str) for k in body):
+    if not isinstance(body, dict):
         raise BadFrame("body must be a msgpack map with string keys", seq=seq)
+    for k in body:
+        if not isinstance(k, str):
+            raise BadFrame("body must be a msgpack map with string keys", seq=seq)
     return body
 
 
@@ -171,6 +175,14 @@ class Phase(enum.Enum):
     BODY = "body"
     PAYLOAD = "payload"
     BROKEN = "broken"
+
+
+# Module-level aliases: in Python 3.11 every ``Phase.X`` goes through
+# EnumType.__getattr__, ten times slower than a global, on every frame.
+_HEADER = Phase.HEADER
+_BODY = Phase.BODY
+_PAYLOAD = Phase.PAYLOAD
+_BROKEN = Phase.BROKEN
 
 
 class FrameDecoder:
@@ -195,7 +207,7 @@ class FrameDecoder:
         self._view = memoryview(self._buf)
         self._start = 0  # first unconsumed byte in _buf
         self._end = 0  # one past the last received byte in _buf
-        self.phase = Phase.HEADER
+        self.phase = _HEADER
         self._header: RawHeader | None = None
         self._frame: Frame | None = None
         # Payload state: the sink segments, which one we are in, how far.
@@ -210,7 +222,7 @@ class FrameDecoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes should be written."""
-        if self.phase is Phase.BROKEN:
+        if self.phase is _BROKEN:
             raise BadFrame("decoder is closed after a protocol error")
         if self._goes_direct():
             seg = self._segments[self._seg_index]
@@ -241,7 +253,7 @@ class FrameDecoder:
 
     def _goes_direct(self) -> bool:
         return (
-            self.phase is Phase.PAYLOAD
+            self.phase is _PAYLOAD
             and not self._discard
             and self._start == self._end
             and (self.exact or self._payload_left >= STREAM_THRESHOLD)
@@ -250,9 +262,9 @@ class FrameDecoder:
     def _wanted(self) -> int:
         """Bytes still missing from the current frame part (exact mode)."""
         have = self._end - self._start
-        if self.phase is Phase.HEADER:
+        if self.phase is _HEADER:
             return HEADER_SIZE - have
-        if self.phase is Phase.BODY:
+        if self.phase is _BODY:
             assert self._header is not None
             return self._header.body_len - have
         return min(self._payload_left - have, len(self._buf) - self._end)
@@ -295,53 +307,68 @@ class FrameDecoder:
         Raises a ProtocolError (BadFrame or TooLarge, with the offending
         frame's seq) when the stream is broken; the decoder is unusable after.
         """
+        if self._start == self._end and self.phase is _HEADER:
+            return None  # the common "nothing more buffered" answer, without a turn
         try:
             return self._next_frame()
         except Exception:
-            self.phase = Phase.BROKEN
+            self.phase = _BROKEN
             raise
 
     def _next_frame(self) -> Frame | None:
+        # One turn of the loop per phase, except that a header whose body has
+        # already arrived (the usual case) is parsed together with it.
         while True:
-            avail = self._end - self._start
-            if self.phase is Phase.HEADER:
+            phase = self.phase
+            start = self._start
+            avail = self._end - start
+            if phase is _HEADER:
                 if avail < HEADER_SIZE:
                     return None
-                h = RawHeader(*HEADER.unpack_from(self._buf, self._start))
+                h = RawHeader(*_unpack_header(self._buf, start))
                 # Kept before judging it, so an error can name the frame's cmd.
                 self._header = h
                 check_header(h, self.max_body, self.max_payload)
-                self._start += HEADER_SIZE
-                self.phase = Phase.BODY
-                if HEADER_SIZE + h.body_len > len(self._buf):
-                    self._grow(h.body_len)
-            elif self.phase is Phase.BODY:
+                start += HEADER_SIZE
+                self._start = start
+                body_len = h.body_len
+                if HEADER_SIZE + body_len > len(self._buf):
+                    self.phase = _BODY
+                    self._grow(body_len)
+                    continue
+                if avail - HEADER_SIZE < body_len:
+                    self.phase = _BODY
+                    return None
+            elif phase is _BODY:
                 hb = self._header
                 assert hb is not None
-                if avail < hb.body_len:
+                h = hb
+                body_len = h.body_len
+                if avail < body_len:
                     return None
-                body = unpack_body(self._view[self._start : self._start + hb.body_len], hb.seq)
-                self._start += hb.body_len
-                frame = Frame(hb.cmd, hb.flags, hb.seq, body, hb.payload_len, hb.body_len)
-                if hb.payload_len == 0:
-                    self.phase = Phase.HEADER
-                    return frame
-                self._begin_payload(frame)
-            elif self.phase is Phase.PAYLOAD:
+            elif phase is _PAYLOAD:
                 if avail:
                     n = min(avail, self._payload_left)
-                    self._copy_into_payload(self._view[self._start : self._start + n])
-                    self._start += n
+                    self._copy_into_payload(self._view[start : start + n])
+                    self._start = start + n
                 if self._payload_left == 0:
                     done = self._frame
                     assert done is not None
                     self._frame = None
                     self._segments = []
-                    self.phase = Phase.HEADER
+                    self.phase = _HEADER
                     return done
                 return None
             else:
                 raise BadFrame("decoder is closed after a protocol error")
+            # A whole header and body: the frame, or the start of its payload.
+            body = unpack_body(self._view[start : start + body_len], h.seq) if body_len else {}
+            self._start = start + body_len
+            frame = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, body_len)
+            if h.payload_len == 0:
+                self.phase = _HEADER
+                return frame
+            self._begin_payload(frame)
 
     # -- internals ------------------------------------------------------------
 
@@ -360,24 +387,53 @@ class FrameDecoder:
             self._segments = [memoryview(frame.payload)]
         else:
             assert not isinstance(sink, Discard)
-            segs = [memoryview(s).cast("B") if s.format != "B" else s for s in sink]
-            total = sum(len(s) for s in segs)
+            if len(sink) == 1:  # one tensor, the usual reply to a GET_TENSOR
+                seg = sink[0] if sink[0].format == "B" else memoryview(sink[0]).cast("B")
+                if len(seg) == frame.payload_len:  # else the general path reports it
+                    self._segments = [seg]
+                    self.phase = _PAYLOAD
+                    return
+            segs = [s if s.format == "B" else memoryview(s).cast("B") for s in sink]
+            lens = list(map(len, segs))
+            total = sum(lens)
             if total != frame.payload_len:
                 raise ValueError(f"sink holds {total} bytes for a payload of {frame.payload_len}")
-            self._segments = [s for s in segs if len(s)]
-        self.phase = Phase.PAYLOAD
+            self._segments = [s for s in segs if len(s)] if 0 in lens else segs
+        self.phase = _PAYLOAD
 
     def _copy_into_payload(self, data: memoryview) -> None:
         if self._discard:
             self._payload_left -= len(data)
             return
+        # One pass over the segments (a batch's many small tensors); the same
+        # bookkeeping as _advance_payload, inlined (segments are never empty).
+        segs = self._segments
+        i = self._seg_index
+        off = self._seg_pos
         pos = 0
-        while pos < len(data):
-            seg = self._segments[self._seg_index]
-            n = min(len(seg) - self._seg_pos, len(data) - pos)
-            seg[self._seg_pos : self._seg_pos + n] = data[pos : pos + n]
+        total = len(data)
+        if off == 0 and total == self._payload_left:
+            # The rest of the payload, from a segment's start: fill them all.
+            for seg in segs[i:] if i else segs:
+                n = len(seg)
+                seg[:] = data[pos : pos + n]
+                pos += n
+            self._seg_index = len(segs)
+            self._payload_left = 0
+            return
+        while pos < total:
+            seg = segs[i]
+            seg_len = len(seg)
+            n = min(seg_len - off, total - pos)
+            seg[off : off + n] = data[pos : pos + n]
             pos += n
-            self._advance_payload(n)
+            off += n
+            if off == seg_len:
+                i += 1
+                off = 0
+        self._seg_index = i
+        self._seg_pos = off
+        self._payload_left -= total
 
     def _advance_payload(self, n: int) -> None:
         self._payload_left -= n

@@ -87,6 +87,9 @@ def tensor_from_wire(value: Any, what: str = "tensor") -> Tensor:
 
 
 def tensor_field(body: dict[str, Any], name: str) -> Tensor:
+    t = _fast_tensor(body.get(name))
+    if t is not None:
+        return t
     return tensor_from_wire(field(body, name), f"field {name!r}")
 
 
