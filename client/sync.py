@@ -59,11 +59,7 @@ class SyncClient:
 
         def queue() -> None:
             fut = self._client.get_tensor_async(t, out)
-            fut.add_done_callback(
-                lambda f: (
-                    cf.set_exception(f.exception()) if f.exception() else cf.set_result(f.result())
-                )
-            )
+            fut.add_done_callback(lambda f: _settle(cf, f))
 
         self._call_soon(queue)
         return cf
@@ -84,3 +80,14 @@ class SyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _settle(cf: concurrent.futures.Future[Any], f: asyncio.Future[Any]) -> None:
+    """Carry an asyncio future's outcome, cancellation included, to a blocking caller."""
+    if f.cancelled():
+        cf.cancel()
+        cf.set_running_or_notify_cancel()
+    elif f.exception() is not None:
+        cf.set_exception(f.exception())
+    else:
+        cf.set_result(f.result())

@@ -72,7 +72,8 @@ class Daemon:
                 loop.add_signal_handler(sig, self._stop.set)
         started: list[Frontend] = []
         try:
-            if self.config.engine.enabled:
+            # A minor-1 server cannot be asked engine commands: no engine then.
+            if self.config.engine.enabled and self.config.server.protocol_minor >= 2:
                 from transferd.engine import TransferEngine
 
                 self.engine = TransferEngine(
@@ -127,4 +128,10 @@ def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
 
     configure_logging(config.log.level)
     daemon = Daemon(config)
-    uvloop.run(daemon.run(frontends))
+    try:
+        uvloop.run(daemon.run(frontends))
+    except OSError as exc:
+        # Typically a port in use or an address not on this host: say which,
+        # without a traceback, and fail.
+        print(f"transferd: cannot start: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
