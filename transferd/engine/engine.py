@@ -232,7 +232,8 @@ class TransferEngine:
                     pool.count -= 1
                     break
             else:
-                if any(p.count > 0 for p in self._pools):
+                if self._pools and all(p.length < len(msg) for p in self._pools):
+                    # No posted receive could ever hold it (busy ones included).
                     longest = max(p.length for p in self._pools)
                     return BadRequest(f"message of {len(msg)} bytes is larger than every posted "
                                       f"receive buffer (at most {longest})")
@@ -245,9 +246,15 @@ class TransferEngine:
             try:
                 pool.callback(peer, msg)
             finally:
-                # The buffer goes back to the pool once the callback is done.
+                # The buffer goes back to the pool once the callback is done, and
+                # takes a message that waited while every buffer was busy.
                 with self._pool_lock:
                     pool.count += 1
+                    queued = self._backlog.popleft() if self._backlog else None
+                if queued is not None:
+                    err = self._deliver(*queued)
+                    if err is not None:
+                        log.warning("dropping a queued message from %x: %s", queued[0][0], err)
 
         self._notify(run)
         return None

@@ -1,0 +1,330 @@
+"""Shared set-up for the engine tests: daemons with two rails each on loopback aliases.
+
+Daemon A's rails are 127.0.0.2 and 127.0.0.3, B's 127.0.0.4 and .5, C's .6 and .7 (all
+of 127.0.0.0/8 is loopback on Linux).  ``clusters`` (session scope) keeps one trio per
+domain ("tcp" or "chaos") for every test that leaves its daemons as it found them;
+``cluster`` hands one to a test, parametrized over both domains, and checks that all
+three daemons survived.  Tests that kill or stop a daemon start their own with
+:func:`start_many`.
+
+Counters and receive backlogs belong to a daemon, so tests sharing a cluster take fresh
+immediates from :func:`fresh_imm` and consume every message they send.
+
+A test module takes the fixtures by assignment (``cluster = engine_cluster.cluster``,
+and the same for ``clusters`` and ``tcp_cluster``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from client import Client, MrDesc, MrHandle, RemoteBuffer
+from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
+
+DOMAINS = ("tcp", "chaos")
+RAILS = {
+    "a": ("127.0.0.2", "127.0.0.3"),
+    "b": ("127.0.0.4", "127.0.0.5"),
+    "c": ("127.0.0.6", "127.0.0.7"),
+}
+MiB = 1 << 20
+# How long a test waits for one completion before calling it a hang.
+WAIT = 20.0
+
+_imms = itertools.count(random.Random().randrange(1 << 20, 1 << 31))
+
+
+def fresh_imm() -> int:
+    """An immediate no other test in this session uses."""
+    return next(_imms)
+
+
+def engine_env(rails: Sequence[str], domain: str = "tcp", **engine: Any) -> dict[str, str]:
+    """TRANSFERD_ENGINE_* variables for a daemon with these rails and domain."""
+    env = {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rails), "TRANSFERD_ENGINE_DOMAIN": domain}
+    for key, value in engine.items():
+        env[f"TRANSFERD_ENGINE_{key.upper()}"] = str(value).lower() if isinstance(
+            value, bool) else str(value)
+    return env
+
+
+def start_many(specs: Sequence[Mapping[str, Any]]) -> list[DaemonProcess]:
+    """Start daemons in parallel (``specs``: keyword arguments of DaemonProcess)."""
+    daemons = [DaemonProcess(**spec) for spec in specs]
+    try:
+        for d in daemons:
+            d.start()
+        for d in daemons:
+            d.wait_ready()
+    except BaseException:
+        for d in daemons:
+            d.stop()
+        raise
+    return daemons
+
+
+@dataclass
+class Cluster:
+    domain: str
+    a: DaemonProcess
+    b: DaemonProcess
+    c: DaemonProcess
+
+    @property
+    def daemons(self) -> tuple[DaemonProcess, DaemonProcess, DaemonProcess]:
+        return (self.a, self.b, self.c)
+
+    def check_alive(self, when: str) -> None:
+        for name, d in zip("abc", self.daemons, strict=True):
+            assert d.alive(), f"daemon {name} died {when}\n{d.output()}"
+
+    def output(self) -> str:
+        return "\n".join(d.output() for d in self.daemons)
+
+
+def start_cluster(domain: str, **engine: Any) -> Cluster:
+    specs = [
+        {"env": engine_env(RAILS[n], domain, chaos_seed=i + 1, **engine)}
+        for i, n in enumerate("abc")
+    ]
+    return Cluster(domain, *start_many(specs))
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    return any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
+               for w in ("setup", "call"))
+
+
+# One trio per domain for the whole session.  Each test module takes the fixtures by
+# assignment, which gives every module its own fixture definitions: the trios live here,
+# not in a fixture's cache, so that all modules share them.
+_CLUSTERS: dict[str, Cluster] = {}
+
+
+@pytest.fixture(scope="session")
+def clusters() -> Iterator[Callable[[str], Cluster]]:
+    """``clusters(domain)``: the session's trio for that domain, started on first use."""
+
+    def get(domain: str) -> Cluster:
+        if domain not in _CLUSTERS:
+            _CLUSTERS[domain] = start_cluster(domain)
+        return _CLUSTERS[domain]
+
+    yield get
+    # Session teardown (every module's copy runs it; the first one stops them all).
+    while _CLUSTERS:
+        _, cl = _CLUSTERS.popitem()
+        for d in cl.daemons:
+            d.stop()
+
+
+def _watch(cl: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    cl.check_alive("before this test")
+    marks = [len(d.stderr) for d in cl.daemons]
+    yield cl
+    if _failed(request):
+        print(cl.output())
+    cl.check_alive("during this test")
+    # Nothing went wrong inside a daemon without the test noticing.
+    for name, d, mark in zip("abc", cl.daemons, marks, strict=True):
+        new = d.stderr[mark:]
+        assert "Traceback" not in new and " ERROR " not in new, f"daemon {name}:\n{new}"
+
+
+@pytest.fixture(params=DOMAINS)
+def cluster(
+    request: pytest.FixtureRequest, clusters: Callable[[str], Cluster]
+) -> Iterator[Cluster]:
+    """A running trio of two-rail daemons, once per domain; all must survive the test."""
+    yield from _watch(clusters(request.param), request)
+
+
+@pytest.fixture
+def tcp_cluster(
+    clusters: Callable[[str], Cluster], request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """The TCP trio only (tests whose subject is not ordering)."""
+    yield from _watch(clusters("tcp"), request)
+
+
+# -- a client with the bookkeeping a test needs -------------------------------------------------
+
+
+@dataclass
+class Region:
+    buf: RemoteBuffer
+    mr: MrHandle
+    desc: MrDesc
+    data: bytearray  # what the test expects the buffer to hold
+
+    @property
+    def size(self) -> int:
+        return self.buf.size
+
+
+@dataclass
+class Node:
+    """One client of one daemon; frees what it allocated when closed."""
+
+    daemon: DaemonProcess
+    client: Client
+    buffers: list[RemoteBuffer] = field(default_factory=list)
+
+    async def region(self, size: int, seed: int | None = None) -> Region:
+        """A registered buffer filled with a known pattern (``seed``) or zeros."""
+        buf = await self.client.alloc_buffer(size)
+        self.buffers.append(buf)
+        data = bytearray(size) if seed is None else bytearray(pattern(size, seed))
+        if seed is not None:
+            await self.client.set_tensor(buf.tensor(), data)
+        mr, desc = await self.client.reg_mr(buf)
+        return Region(buf, mr, desc, data)
+
+    async def read(self, r: Region, offset: int = 0, size: int | None = None) -> bytes:
+        size = r.size - offset if size is None else size
+        return bytes(await self.client.get_tensor(r.buf.tensor(offset, size)))
+
+    async def close(self) -> None:
+        """Free what is left and close (errors ignored: the daemon may be gone)."""
+        for buf in self.buffers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.free_buffer(buf), 5)
+        self.buffers.clear()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.close(), 5)
+
+
+@contextlib.asynccontextmanager
+async def nodes(*daemons: DaemonProcess) -> AsyncIterator[list[Node]]:
+    """One connected Node per daemon, closed (buffers freed) on the way out."""
+    opened: list[Node] = []
+    try:
+        for d in daemons:
+            opened.append(Node(d, await Client.connect(d.url, timeout=WAIT)))
+        yield opened
+    finally:
+        for n in opened:
+            await n.close()
+
+
+async def settle(completions: Sequence[Any], timeout: float = WAIT) -> list[BaseException | None]:
+    """Wait for every Completion; the error of each (None where it succeeded)."""
+    out: list[BaseException | None] = []
+    for c in completions:
+        try:
+            await c.wait(timeout)
+            out.append(None)
+        except TimeoutError:
+            raise AssertionError(f"{c!r} did not complete within {timeout} s") from None
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+async def poll(fn: Callable[[], Any], want: Any, timeout: float = WAIT,
+               interval: float = 0.01) -> Any:
+    """Call async ``fn`` until it returns ``want`` (bounded); its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await fn()
+        if value == want or loop.time() > deadline:
+            return value
+        await asyncio.sleep(interval)
+
+
+# -- processes and sockets --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def stopped(d: DaemonProcess) -> Iterator[None]:
+    """SIGSTOP a daemon for the block; SIGCONT after (even if the test fails)."""
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        # A stop reaches each thread of the process in turn: until all of them are
+        # stopped, a worker thread may still be handling frames.
+        assert wait_until(lambda: _all_stopped(d.proc.pid) if d.proc else True, WAIT), \
+            "the daemon did not stop"
+        yield
+    finally:
+        if d.proc.poll() is None:
+            os.kill(d.proc.pid, signal.SIGCONT)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def open_connections(d: DaemonProcess) -> float:
+    assert d.metrics_url is not None
+    return metric(scrape(d.metrics_url), "transferd_open_connections")
+
+
+async def wait_connections(d: DaemonProcess, n: int, timeout: float = WAIT) -> None:
+    """Until the daemon counts ``n`` open client connections (it saw a close)."""
+    ok = await asyncio.to_thread(wait_until, lambda: open_connections(d) == n, timeout)
+    assert ok, f"{open_connections(d)} connections open, expected {n}"
+
+
+def _hexaddr(h: str) -> tuple[str, int]:
+    ip, port = h.split(":")
+    raw = bytes.fromhex(ip)[::-1]
+    return ".".join(str(b) for b in raw), int(port, 16)
+
+
+def tcp_connections() -> set[tuple[tuple[str, int], tuple[str, int]]]:
+    """Established IPv4 TCP connections on this host: {(local, remote)}."""
+    out = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if fields[3] == "01":  # ESTABLISHED
+                out.add((_hexaddr(fields[1]), _hexaddr(fields[2])))
+    return out
+
+
+def links_into(listener: tuple[str, int]) -> list[tuple[str, int]]:
+    """The remote ends of established connections accepted on ``listener``."""
+    return sorted(remote for local, remote in tcp_connections() if local == listener)
+
+
+Links = list[list[tuple[str, int]]]
+
+
+def links_settle(listeners: Sequence[tuple[str, int]], want: Callable[[Links], bool],
+                 timeout: float = 5.0) -> Links:
+    """``links_into`` of each listener, read until ``want`` holds (bounded): /proc/net/tcp
+    is read in pieces, and a busy host's table may move under the reader."""
+    seen: Links = []
+
+    def check() -> bool:
+        seen[:] = [links_into(x) for x in listeners]
+        return want(seen)
+
+    wait_until(check, timeout)
+    return seen

@@ -1,0 +1,159 @@
+"""Faults that need daemons of their own: a peer killed mid-transfer, a peer that hangs,
+a peer with another number of rails."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import MrDesc, NetAddr, Pages
+from tests.helpers import DaemonProcess, async_test, digest
+from tests.integration.engine_cluster import (
+    RAILS,
+    WAIT,
+    engine_env,
+    fresh_imm,
+    nodes,
+    settle,
+    start_many,
+    stopped,
+)
+from transferd.protocol.errors import BadRequest, PeerUnreachable, Timeout
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
+    """Daemons a test starts itself (appended to this list); stopped after it."""
+    started: list[DaemonProcess] = []
+    yield started
+    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
+                 for w in ("setup", "call"))
+    for d in started:
+        d.stop()
+        if failed:
+            print(d.output())
+    for d in started:
+        assert "Traceback" not in d.stderr, d.output()
+
+
+@async_test(timeout=90)
+async def test_peer_killed_mid_transfer(own_daemons: list[DaemonProcess]) -> None:
+    a_d, b_d, c_d = start_many([{"env": engine_env(RAILS[n])} for n in "abc"])
+    own_daemons += [a_d, b_d, c_d]
+    big = 48 * MiB
+    async with nodes(a_d, a_d, b_d, c_d) as (a, a2, b, c):
+        src = await a.region(big, seed=60)
+        rb = await b.region(big)
+        rc = await c.region(8 * MiB)
+        imm = fresh_imm()
+        # Links up, both peers answering.
+        ws = [await a.client.submit_single_write(4096, imm, (src.mr, 0), (rb.desc, 0)),
+              await a2.client.submit_single_write(4096, imm, (src.mr, 0), (rc.desc, 0))]
+        assert await settle(ws) == [None, None]
+
+        with stopped(b_d):
+            # B takes no more bytes: this write is stuck in the sockets, mid-transfer,
+            # and so are the small ones behind it.
+            w_big = await a.client.submit_single_write(big, imm, (src.mr, 0), (rb.desc, 0))
+            w_small = [await a.client.submit_paged_writes(
+                4096, imm, (src.mr, Pages([k], 4096)), (rb.desc, Pages([k + 1], 4096)))
+                for k in range(8)]
+            # Meanwhile writes to a live peer go on, on the same worker and rails.
+            ec = await c.client.expect_imm_count(imm, 9, wait=False)
+            ws = [await a2.client.submit_single_write(MiB, imm, (src.mr, k * MiB),
+                                                      (rc.desc, k * MiB)) for k in range(8)]
+            assert await settle(ws) == [None] * 8
+            await ec.wait(WAIT)
+            assert digest(await c.read(rc)) == digest(src.data[: 8 * MiB])
+            assert not w_big.done()  # B is stopped: it cannot have acknowledged
+            b_d.kill()  # kill -9, while stopped and mid-transfer
+
+        # The initiator learns of it: no hang, the typed error.
+        errors = await settle([w_big, *w_small])
+        assert all(isinstance(e, PeerUnreachable) for e in errors), errors
+        # Writes to the dead peer fail at once (nobody listens on its rails any more).
+        w = await a.client.submit_single_write(4096, imm, (src.mr, 0), (rb.desc, 0))
+        with pytest.raises(PeerUnreachable):
+            await w.wait(WAIT)
+        w = await a.client.submit_send(await c.client.main_address(), b"still here")
+        await w.wait(WAIT)  # (C has no receive posted: the message waits in its backlog)
+        # The live peer keeps working, from both clients of A.
+        ws = [await a.client.submit_single_write(MiB, imm, (src.mr, 0), (rc.desc, 0)),
+              await a2.client.submit_single_write(2 * MiB, imm, (src.mr, 0), (rc.desc, 0))]
+        assert await settle(ws) == [None, None]
+        assert await c.client.imm_count(imm) == 2
+        assert a_d.alive() and c_d.alive()
+
+
+@async_test(timeout=60)
+async def test_peer_that_hangs_times_out(own_daemons: list[DaemonProcess]) -> None:
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"], peer_timeout_s=1)},
+                           {"env": engine_env(RAILS["b"])}])
+    own_daemons += [a_d, b_d]
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(4 * MiB, seed=61)
+        dst = await b.region(4 * MiB)
+        imm = fresh_imm()
+        await (await a.client.submit_single_write(100, imm, (src.mr, 0), (dst.desc, 0))).wait(WAIT)
+        with stopped(b_d):
+            ws = [await a.client.submit_single_write(4096, imm, (src.mr, 0), (dst.desc, 0)),
+                  await a.client.submit_single_write(4 * MiB, imm, (src.mr, 0), (dst.desc, 0))]
+            errors = await settle(ws)
+        assert all(isinstance(e, Timeout) for e in errors), errors
+        # Once it answers again, it is usable again.
+        w = await a.client.submit_single_write(4 * MiB, None, (src.mr, 0), (dst.desc, 0))
+        await w.wait(WAIT)
+        assert digest(await b.read(dst)) == digest(src.data)
+
+
+@async_test(timeout=60)
+async def test_rail_count_mismatch(own_daemons: list[DaemonProcess], tmp_path: Path) -> None:
+    # D has one rail (from a config file given with -c), A two.
+    conf = tmp_path / "one-rail.toml"
+    conf.write_text('[engine]\nhost_rails = ["127.0.0.8"]\ndomain = "tcp"\n')
+    a_d, d_d = start_many([{"env": engine_env(RAILS["a"])}, {"args": ["-c", str(conf)]}])
+    own_daemons += [a_d, d_d]
+    async with nodes(a_d, d_d) as (a, d):
+        addr_a, addr_d = await a.client.main_address(), await d.client.main_address()
+        assert [h for h, _ in addr_d.rails] == ["127.0.0.8"]
+        ra = await a.region(8192, seed=62)
+        rd = await d.region(8192, seed=63)
+        assert len(rd.desc.rkeys) == 1
+        # Refused at submit, in both directions, with a message that names both counts.
+        checks = [
+            await a.client.submit_single_write(100, None, (ra.mr, 0), (rd.desc, 0)),
+            await a.client.submit_paged_writes(64, None, (ra.mr, Pages([0], 64)),
+                                               (rd.desc, Pages([1], 64))),
+            await a.client.submit_barrier(None, 1, [rd.desc]),
+            await a.client.submit_send(addr_d, b"hi"),
+            await d.client.submit_single_write(100, None, (rd.mr, 0), (ra.desc, 0)),
+        ]
+        for e in await settle(checks):
+            assert isinstance(e, BadRequest), e
+            assert "rail count mismatch" in str(e) and "1" in str(e) and "2" in str(e), e
+        with pytest.raises(BadRequest, match="rail count mismatch"):
+            await a.client.add_peer_group([addr_d])
+        with pytest.raises(BadRequest, match="rail count mismatch"):
+            await d.client.add_peer_group([addr_a])
+        # A NetAddr that claims two rails for D gets past the submit check and is refused
+        # when the link is set up.
+        liar = NetAddr(addr_d.node, addr_d.group, (addr_d.rails[0], addr_d.rails[0]))
+        (_, rkey), = rd.desc.rkeys
+        desc = MrDesc(rd.desc.ptr, [(liar.rail(0), rkey), (liar.rail(1), rkey)], rd.desc.size)
+        ws = [await a.client.submit_single_write(100, None, (ra.mr, 0), (desc, 0)),
+              await a.client.submit_send(liar, b"hi")]
+        for e in await settle(ws):
+            assert isinstance(e, BadRequest) and "rail count mismatch" in str(e), e
+        assert await d.read(rd) == bytes(rd.data)
+        # Both daemons are fine and serve matching peers.
+        src2 = await d.region(100, seed=64)
+        dst2 = await d.region(100)
+        w = await d.client.submit_single_write(100, None, (src2.mr, 0), (dst2.desc, 0))
+        await w.wait(WAIT)
+        assert await d.read(dst2) == bytes(src2.data)
+    # A peer that speaks a mismatched HELLO does not take the daemon down.
+    assert a_d.alive() and d_d.alive()
