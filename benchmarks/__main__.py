@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         doc = {
             "command": cmdline.strip(),
+            "loadavg_end": os.getloadavg(),
+            "seconds": time.monotonic() - started,
             "quick": a.quick,
             "machine": info,
             "results": [r.to_json() for r in results],

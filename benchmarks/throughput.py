@@ -205,7 +205,9 @@ def run(opts: Options) -> BenchResult:
         ratio = median([b / x for x, b in zip(rounds, base, strict=True)])
         sec = median(rounds)
         summary[f"{op} {arm}"] = {"seconds": sec, "bytes_per_s": SIZE / sec, "ratio": ratio}
-        target = f">= {TARGET}x" if arm in ("daemon", "daemon out=") else ""
+        target = ""
+        if arm in ("daemon", "daemon out="):
+            target = f">= {TARGET}x: {'PASS' if ratio >= TARGET else 'MISS'}"
         table.add(op, arm, fmt_rate(SIZE / sec), f"{sec * 1e3:,.1f}", fmt_ratio(ratio), target)
         if target:
             res.checks.append(

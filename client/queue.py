@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from transferd.protocol.messages import Tensor
 
@@ -48,6 +48,16 @@ def _overlaps(a: Tensor, b: Tensor) -> bool:
 
 def segments(ops: list[QueuedSet | QueuedGet]) -> list[Segment]:
     """Split the queue where sending all writes before all reads would reorder."""
+    # The usual queue is all its writes, then all its reads: one segment, found
+    # with list operations instead of a Python-level turn per operation.
+    is_set = [type(op) is QueuedSet for op in ops]
+    if False not in is_set:
+        return [Segment(cast(list[QueuedSet], list(ops)))] if ops else []
+    first_get = is_set.index(False)
+    if True not in is_set[first_get:]:
+        return [
+            Segment(cast(list[QueuedSet], ops[:first_get]), cast(list[QueuedGet], ops[first_get:]))
+        ]
     out = [Segment()]
     for op in ops:
         cur = out[-1]

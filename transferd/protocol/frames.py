@@ -222,9 +222,10 @@ class FrameDecoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes should be written."""
-        if self.phase is _BROKEN:
+        phase = self.phase
+        if phase is _BROKEN:
             raise BadFrame("decoder is closed after a protocol error")
-        if self._goes_direct():
+        if phase is _PAYLOAD and self._goes_direct():
             seg = self._segments[self._seg_index]
             self._direct = True
             return seg[self._seg_pos :]
