@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 ARGS   ?=
 
-.PHONY: run test lint fmt bench gpu-check rdma-check clean venv
+.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-check clean venv
 
 venv: $(STAMP)
 
@@ -33,6 +33,20 @@ fmt: $(STAMP)
 ## bench: every figure, side by side with its baseline (see docs/benchmarks.md)
 bench: $(STAMP)
 	$(PY) -m benchmarks $(ARGS)
+
+## bench-engine: the transfer engine's figures only (issue 3); ARGS=--quick for a short run
+bench-engine: $(STAMP)
+	$(PY) -m benchmarks --only engine $(ARGS)
+
+## bench-venv: Mooncake and NIXL for the engine figures, in .bench-venv (never a dependency)
+BENCH_VENV ?= .bench-venv
+bench-venv:
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	-$(BENCH_VENV)/bin/python -m pip install -q mooncake-transfer-engine-non-cuda
+	-$(BENCH_VENV)/bin/python -m pip install -q --no-deps nixl nixl-cu12
+	-$(BENCH_VENV)/bin/python -m pip install -q numpy
+	@echo "Mooncake needs libibverbs.so.1 even over TCP (Debian: apt-get install libibverbs1)."
 
 ## gpu-check: GPU tests and benchmarks, on a machine with a CUDA device
 gpu-check: $(STAMP)

@@ -13,7 +13,14 @@ BENCHMARKS = [
     "latency",
     "batching",
     "throughput",
+    # Transfer engine (issue 3)
+    "engine_bulk",
+    "engine_paged",
+    "engine_rails",
+    "engine_latency",
 ]
 
-# Names that stand for several benchmarks in ``--only``.
-GROUPS: dict[str, list[str]] = {}
+# Names that stand for several benchmarks in ``--only`` (``--only engine``).
+GROUPS = {
+    "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
+}

@@ -29,6 +29,13 @@ from .tcp import TcpDomain
 # part that never comes (its sender died) must not grow this table forever.
 MAX_PARTIAL = 65536
 
+_INT = {int}
+
+
+def _all_int(xs: list[Any]) -> bool:
+    return set(map(type, xs)) <= _INT
+
+
 Deliver = Callable[[tuple[int, int], bytes], "TransferdError | None"]
 
 
@@ -119,8 +126,14 @@ class DomainGroup:
         if not isinstance(addrs, list) or not isinstance(lens, list) or len(addrs) != len(lens):
             raise BadRequest("WRITE addrs and lens must be lists of equal length")
         region = self.regions.by_rkey(rkey, rail)
-        views = [region.view(int(a), int(n)) for a, n in zip(addrs, lens, strict=True)]
-        if sum(len(v) for v in views) != payload_len:
+        if lens and _all_int(addrs) and _all_int(lens) and min(lens) == max(lens):
+            # Pages of one length (a paged write, or one part of a single write).
+            views = region.views(addrs, lens[0])
+            total = lens[0] * len(views)
+        else:
+            views = [region.view(int(a), int(n)) for a, n in zip(addrs, lens, strict=True)]
+            total = sum(map(len, views))
+        if total != payload_len:
             raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
         return views
 

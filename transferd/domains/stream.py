@@ -15,6 +15,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any
 
 from transferd.protocol import frames
@@ -119,8 +120,9 @@ class FramedStream:
                 self.on_pause()
 
     def _flush(self) -> None:
-        while self._out and not self.closed:
-            iov = [self._out[i] for i in range(min(len(self._out), IOV_MAX))]
+        out = self._out
+        while out and not self.closed:
+            iov = list(islice(out, IOV_MAX))
             try:
                 n = self.sock.sendmsg(iov)
             except (BlockingIOError, InterruptedError):
@@ -130,14 +132,17 @@ class FramedStream:
                 return
             self.bytes_out += n
             self._out_bytes -= n
-            while n:
-                head = self._out[0]
-                if n >= len(head):
-                    n -= len(head)
-                    self._out.popleft()
+            # Drop what went out; the first view not sent in full keeps its tail.
+            for head in iov:
+                if not n:
+                    break
+                size = len(head)
+                if n >= size:
+                    n -= size
+                    out.popleft()
                 else:
-                    self._out[0] = head[n:]
-                    n = 0
+                    out[0] = head[n:]
+                    break
         want = bool(self._out) and not self.closed
         if want and not self._writing:
             self.loop.add_writer(self.sock.fileno(), self._flush)

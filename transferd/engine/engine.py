@@ -151,7 +151,8 @@ class TransferEngine:
         if len(sp.indices) != len(dst[1].indices):
             raise BadRequest(f"{len(sp.indices)} source pages for {len(dst[1].indices)} "
                              "destination pages")
-        views = [region.view(region.ptr + sp.address(k), page_len) for k in range(len(sp.indices))]
+        base, stride = region.ptr + sp.offset, sp.stride
+        views = region.views([base + i * stride for i in sp.indices], page_len)
         op = next(self._ops)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails,
                            pages_per_frame=1 if self.chaos else 256)

@@ -121,8 +121,12 @@ def plan_paged(
         raise BadRequest(f"{len(src_views)} source pages for {len(dst.indices)} destination pages")
     if dst.stride < page_len and len(dst.indices) > 1:
         raise BadRequest(f"destination stride {dst.stride} is smaller than the page ({page_len})")
-    for k in range(len(dst.indices)):
-        _check_dst(desc, dst.address(k), page_len)
+    offsets = [dst.offset + i * dst.stride for i in dst.indices]
+    if desc.size and offsets and (min(offsets) < 0
+                                  or max(offsets) + page_len > desc.size):
+        for off in offsets:  # name the first page that is out
+            _check_dst(desc, off, page_len)
+    addrs = [desc.ptr + off for off in offsets]
     total = len(src_views)
     parts: list[WritePart] = []
     # Contiguous blocks of pages per rail, each block cut into frames.
@@ -132,11 +136,11 @@ def plan_paged(
         rail = (op + r) % rails
         addr, rkey = desc.rkeys[rail]
         for f in range(start, start + count, pages_per_frame):
-            idx = range(f, min(f + pages_per_frame, start + count))
+            end = min(f + pages_per_frame, start + count)
             parts.append(WritePart(
-                rail, addr, rkey, [desc.ptr + dst.address(k) for k in idx],
-                [page_len] * len(idx), [src_views[k] for k in idx], imm,
-                len(idx) if imm is not None else 0, 1, len(parts), op,
+                rail, addr, rkey, addrs[f:end], [page_len] * (end - f), list(src_views[f:end]),
+                imm,
+                (end - f) if imm is not None else 0, 1, len(parts), op,
             ))
         start += count
     if not parts:  # zero pages: nothing moves, nothing is counted

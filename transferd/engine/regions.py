@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transferd.memory import Buffer
@@ -35,6 +36,21 @@ class Region:
                 f"[0x{self.ptr:x}, +{self.size})"
             )
         return self.buffer.view(off, length)
+
+    def views(self, addrs: Sequence[int], length: int) -> list[memoryview]:
+        """``length`` bytes at each absolute address, every one bounds checked.
+
+        The same checks as :meth:`view` page by page, made once on the lowest
+        and the highest address (a page list is thousands of entries).
+        """
+        if not addrs:
+            return []
+        lo, hi = min(addrs), max(addrs)
+        if lo < self.ptr or length < 0 or hi - self.ptr + length > self.size:
+            for a in addrs:  # name the first page that is out, as view() would
+                self.view(a, length)
+        ptr = self.ptr
+        return self.buffer.views([a - ptr for a in addrs], length)
 
 
 class RegionTable:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,17 @@ class Buffer:
         if self._view is None:
             raise NotFound(f"buffer {self.id} was freed")
         return self._view[offset : offset + size]
+
+    def views(self, offsets: Sequence[int], size: int) -> list[memoryview]:
+        """``size`` bytes at each of ``offsets``: one bounds check for the whole list."""
+        if not offsets:
+            return []
+        self.check(min(offsets), size)
+        self.check(max(offsets), size)
+        view = self._view
+        if view is None:
+            raise NotFound(f"buffer {self.id} was freed")
+        return [view[o : o + size] for o in offsets]
 
     def array(self, offset: int, size: int) -> np.ndarray:
         return np.frombuffer(self.view(offset, size), dtype=np.uint8)

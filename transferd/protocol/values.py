@@ -105,6 +105,13 @@ class MrDesc:
         return self.rkeys[0][0].key if self.rkeys else (0, 0)
 
 
+def _u32s(xs: Sequence[Any]) -> bool:
+    """Every item an int in [0, 2**32) (page lists are long: no Python loop when all ints)."""
+    if set(map(type, xs)) <= {int}:
+        return not xs or (min(xs) >= 0 and max(xs) < 1 << 32)
+    return all(isinstance(i, int) and 0 <= i < 1 << 32 for i in xs)
+
+
 @dataclass(frozen=True, slots=True)
 class Pages:
     """Pages at ``offset + index * stride`` for each index, as in the article."""
@@ -114,7 +121,10 @@ class Pages:
     offset: int = 0
 
     def __init__(self, indices: Sequence[int], stride: int, offset: int = 0) -> None:
-        object.__setattr__(self, "indices", [int(i) for i in indices])
+        ints = list(indices)
+        if not set(map(type, ints)) <= {int}:  # thousands of pages: no Python loop if all ints
+            ints = [int(i) for i in ints]
+        object.__setattr__(self, "indices", ints)
         object.__setattr__(self, "stride", int(stride))
         object.__setattr__(self, "offset", int(offset))
 
@@ -128,7 +138,7 @@ class Pages:
     def from_wire(cls, v: Any) -> Pages:
         try:
             indices, stride, offset = v
-            if not all(isinstance(i, int) and 0 <= i < 1 << 32 for i in indices):
+            if not _u32s(indices):
                 raise ValueError
             if stride < 0 or offset < 0:
                 raise ValueError

@@ -1,0 +1,219 @@
+"""(a) A 1 GiB single write daemon to daemon, and (d) the daemons' peak memory meanwhile.
+
+Arms, each a writer and a reader process on loopback, placed alike (see
+:mod:`benchmarks.engine_common`), measured in alternating rounds:
+
+- ``transferd``: daemon A (``rpc-server``, one rail on 127.0.0.1) writes 1 GiB
+  from a registered region into daemon B's registered region:
+  ``await (await client.submit_single_write(1 GiB, None, src, dst))``, timed
+  in the client from the submit to the completion EVENT (sent once B has
+  acknowledged that the bytes are in place).
+- ``plain socket`` (the baseline, target >= 0.9x): one Python process
+  ``sendall``s the same 1 GiB from a buffer, the other ``recv_into``s it into
+  its buffer and answers one byte; timed from the send to that byte.
+- ``Mooncake TE (tcp)`` and ``NIXL (UCX tcp)``, where they install: one
+  ``transfer_sync_write`` / one posted WRITE request of 1 GiB between two
+  engines (see :mod:`benchmarks.engine_peers`).
+
+Every target buffer is touched before the first write and every arm makes one
+untimed write first.  After the rounds each target's CRC-32 is checked
+against its source's.  (d): VmHWM of both daemons (``/proc/PID/status``) at
+the end, less the 1 GiB each registered; target under 64 MiB each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from .engine_common import (
+    LABELS,
+    SECTION,
+    GiB,
+    MiB,
+    PeerPair,
+    client_on,
+    crc_remote,
+    fill_remote,
+    sides,
+    start_pair,
+    start_peers,
+    vm_status,
+)
+from .harness import (
+    BenchResult,
+    Check,
+    Options,
+    Table,
+    fmt_ratio,
+    interleave,
+    median,
+    quiet_gc,
+)
+
+NAME = "engine_bulk"
+TITLE = "(a) 1 GiB single write daemon to daemon vs a plain socket; (d) daemon peak memory"
+SECTION = SECTION
+
+SIZE = GiB
+QUICK_SIZE = 256 * MiB
+TARGET_RATIO = 0.9
+TARGET_OVERHEAD = 64 * MiB
+PEERS = ("socket", "mooncake", "nixl")
+TIMEOUT = 120.0
+
+
+class _Transferd:
+    """Daemons A and B, 1 GiB registered on each, driven by a client in this process."""
+
+    def __init__(self, a_url: str, b_url: str, size: int) -> None:
+        self.a_url, self.b_url, self.size = a_url, b_url, size
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+
+    def setup(self) -> None:
+        self.loop.run_until_complete(self._setup())
+
+    async def _setup(self) -> None:
+        from client import Client
+
+        self.ca = await Client.connect(self.a_url)
+        self.cb = await Client.connect(self.b_url)
+        self.src = await self.ca.alloc_buffer(self.size)
+        self.dst = await self.cb.alloc_buffer(self.size)
+        self.source_crc = await fill_remote(self.ca, self.src, self.size)
+        await self.cb.buffer_clear(self.dst, 0)  # touch every destination page
+        self.mr, _ = await self.ca.reg_mr(self.src)
+        _, self.desc = await self.cb.reg_mr(self.dst)
+
+    async def _write(self, size: int) -> float:
+        t0 = time.perf_counter()
+        c = await self.ca.submit_single_write(size, None, (self.mr, 0), (self.desc, 0))
+        await asyncio.wait_for(c, TIMEOUT)
+        return time.perf_counter() - t0
+
+    def bulk(self, size: int) -> float:
+        return float(self.loop.run_until_complete(self._write(size)))
+
+    def target_crc(self, size: int) -> int:
+        return int(self.loop.run_until_complete(crc_remote(self.cb, self.dst, size)))
+
+    def close(self) -> None:
+        async def close() -> None:
+            for c in (getattr(self, "ca", None), getattr(self, "cb", None)):
+                if c is not None:
+                    await c.close()
+
+        self.loop.run_until_complete(close())
+        self.loop.close()
+
+
+def run(opts: Options) -> BenchResult:
+    res = BenchResult(NAME, TITLE, SECTION)
+    s = sides(opts)
+    size = opts.pick(SIZE, QUICK_SIZE)
+    rounds = opts.pick(5, 3)
+    arms: dict[str, Any] = {}
+    pairs: dict[str, PeerPair] = {}
+    missing: dict[str, str] = {}
+    a = b = None
+    td: _Transferd | None = None
+    try:
+        a, b = start_pair(s)
+        with client_on(s.initiator):
+            td = _Transferd(a.url, b.url, size)
+            td.setup()
+        arms["transferd"] = td
+        opts.log("transferd: ready")
+        pairs, missing = start_peers(PEERS, size, s, opts.log)
+        for kind in PEERS:
+            if kind in pairs:
+                arms[LABELS[kind]] = pairs[kind]
+
+        times: dict[str, list[float]] = {k: [] for k in arms}
+        with client_on(s.initiator):
+            for arm in arms.values():  # one untimed write each
+                arm.bulk(size)
+            for r, name in interleave(list(arms), rounds):
+                with quiet_gc():
+                    dt = arms[name].bulk(size)
+                times[name].append(dt)
+                opts.log(f"round {r} {name}: {size / dt / GiB:.2f} GiB/s")
+            crc_ok = {name: arm.target_crc(size) == arm.source_crc for name, arm in arms.items()}
+        mem = {"daemon A": vm_status(a.pid), "daemon B": vm_status(b.pid)}
+        for kind, pair in pairs.items():
+            m = pair.memory()
+            mem[f"{LABELS[kind]} initiator"] = m["initiator"]
+            mem[f"{LABELS[kind]} target"] = m["target"]
+    finally:
+        if td is not None:
+            td.close()
+        for pair in pairs.values():
+            pair.stop()
+        for d in (a, b):
+            if d is not None:
+                d.stop()
+
+    bad = [name for name, ok in crc_ok.items() if not ok]
+    if bad:
+        raise AssertionError(f"target bytes differ from the source after: {', '.join(bad)}")
+    base = "plain socket" if "plain socket" in times else None
+    rates = {k: [size / t for t in v] for k, v in times.items()}
+    what = f"{size / GiB:g} GiB" if size >= GiB else f"{size // MiB} MiB"
+    table = Table(
+        f"{what} single write on loopback, {rounds} alternating rounds per arm "
+        "(median of rounds; GiB/s; ratio = per-round rate / plain socket's, median)",
+        ["arm", "GiB/s", "best GiB/s", "s", "vs plain socket", "transferd vs it", "target"],
+    )
+    summary: dict[str, dict[str, float]] = {}
+    for name, rs in rates.items():
+        med = median(rs)
+        ratio = (median([x / y for x, y in zip(rs, rates[base], strict=True)])
+                 if base else float("nan"))
+        mine = median([x / y for x, y in zip(rates["transferd"], rs, strict=True)])
+        summary[name] = {"gib_s": med / GiB, "best_gib_s": max(rs) / GiB,
+                         "seconds": median(times[name]), "vs_socket": ratio,
+                         "transferd_vs": mine}
+        target = f">= {TARGET_RATIO}x socket" if name == "transferd" else (
+            "transferd ahead" if name in (LABELS["mooncake"], LABELS["nixl"]) else "")
+        table.add(name, f"{med / GiB:.2f}", f"{max(rs) / GiB:.2f}",
+                  f"{median(times[name]):.3f}", fmt_ratio(ratio),
+                  "" if name == "transferd" else fmt_ratio(mine), target)
+    for kind, why in missing.items():
+        table.add(LABELS[kind], "-", "-", "-", "-", "-", f"not available: {why}")
+    res.tables.append(table)
+
+    mt = Table("(d) peak memory during (a): VmHWM from /proc/PID/status (MiB)",
+               ["process", "VmHWM", "registered", "overhead", "target"])
+    overhead = {}
+    for proc, m in mem.items():
+        over = m["hwm"] - size
+        overhead[proc] = over
+        mt.add(proc, f"{m['hwm'] / MiB:,.0f}", f"{size / MiB:,.0f}", f"{over / MiB:,.1f}",
+               f"< {TARGET_OVERHEAD // MiB} MiB" if proc.startswith("daemon") else "")
+    res.tables.append(mt)
+
+    if base:
+        res.checks.append(Check(f"(a) {what} write, transferd / plain socket",
+                                summary["transferd"]["vs_socket"], ">=", TARGET_RATIO, "x"))
+    else:
+        res.notes.append(f"plain socket baseline not available: {missing.get('socket')}")
+    for kind in ("mooncake", "nixl"):
+        if LABELS[kind] in summary:
+            res.checks.append(Check(f"(a) {what} write, transferd / {LABELS[kind]}",
+                                    summary[LABELS[kind]]["transferd_vs"], ">=", 1.0, "x"))
+    for proc in ("daemon A", "daemon B"):
+        res.checks.append(Check(f"(d) {proc} VmHWM - registered {what}",
+                                overhead[proc] / MiB, "<=", TARGET_OVERHEAD / MiB, " MiB"))
+    for kind, why in missing.items():
+        res.notes.append(f"{LABELS[kind]}: not available: {why}")
+    res.notes.append(f"placement: {s.describe()}")
+    res.notes.append(
+        "every target buffer touched before timing, one untimed write per arm; CRC-32 of "
+        "each target checked against its source after the rounds")
+    res.data = {"size": size, "rounds": rounds, "times": times, "summary": summary,
+                "memory": mem, "overhead": overhead, "missing": missing,
+                "placement": s.describe()}
+    return res
