@@ -60,6 +60,8 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.buffers = BufferTable(config.host_limit, config.max_buffer)
+        # Set once: alerts and dashboards compare the allocated bytes with it.
+        self.metrics.buffer_limit.labels("cpu").set(self.buffers.host_limit)
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
         self._stop: asyncio.Event | None = None

@@ -121,6 +121,12 @@ class Metrics:
             ["device"],
             registry=r,
         )
+        self.buffer_limit = Gauge(
+            "transferd_buffer_limit_bytes",
+            "Bytes of buffers the daemon may allocate to clients, by device.",
+            ["device"],
+            registry=r,
+        )
         self.request_seconds = _RequestSeconds()
         r.register(self.request_seconds)
         self.transfer_bytes = Counter(

@@ -20,6 +20,15 @@ from transferd.protocol.frames import pack_body
 from transferd.protocol.messages import Tensor
 
 
+def test_the_buffer_limit_is_exported_from_the_start(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(["-m", "64"])
+    assert d.metrics_url is not None
+    m = scrape(d.metrics_url)
+    # Set before any allocation: the memory alert divides by it.
+    assert metric(m, "transferd_buffer_limit_bytes", device="cpu") == 64 << 20
+    assert 'transferd_buffer_limit_bytes{device="cpu"}' in m
+
+
 async def poll(pred: object, timeout: float = 5.0) -> bool:
     """Wait (without blocking the loop) until ``pred()`` holds."""
     assert callable(pred)
