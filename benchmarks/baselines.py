@@ -17,6 +17,13 @@ opcode byte and a little-endian u64 length:
 - ``G n``: ``sendall`` the first n bytes of that buffer;
 - ``C 0``: answer the CRC-32 of the last n bytes received (u64), to verify.
 
+``bare`` (a reference, not a target): the same GET_TENSOR frames as the daemon
+(24-byte header, msgpack body ``{"tensor": [buffer, offset, size]}``, reply
+header and payload), handled by an asyncio ``BufferedProtocol`` on uvloop with
+nothing else: no validation, no buffer table, no metrics, no queue.  What the
+wire format itself costs in Python, so a latency figure can say how much of
+the daemon's distance from the floor is its own layers.
+
 The client halves live with the benchmarks that use them.
 """
 
@@ -32,6 +39,7 @@ import zlib
 
 PING_SIZE = 24
 BULK_REQ = struct.Struct("<cQ")
+FRAME = struct.Struct("<2sBBIIIQ")  # PROTOCOL.md's header
 
 
 def _ready(host: str, port: int) -> None:
@@ -61,6 +69,51 @@ async def _serve_pingpong(host: str, port: int, size: int) -> None:
     reply = bytes(range(256)) * (size // 256) + bytes(size % 256)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Pong(reply), host, port)
+    bound = server.sockets[0].getsockname()
+    _ready(bound[0], bound[1])
+    await server.serve_forever()
+
+
+class _BareServer(asyncio.BufferedProtocol):
+    def __init__(self, memory: memoryview) -> None:
+        self.memory = memory
+        self.buf = bytearray(1 << 16)
+        self.view = memoryview(self.buf)
+        self.n = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.n :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        import msgpack
+
+        self.n += nbytes
+        pos = 0
+        while self.n - pos >= FRAME.size:
+            _, cmd, _, seq, body_len, _, _ = FRAME.unpack_from(self.buf, pos)
+            end = pos + FRAME.size + body_len
+            if self.n < end:
+                break
+            _, offset, size = msgpack.unpackb(self.view[pos + FRAME.size : end])["tensor"]
+            assert self.transport is not None
+            reply = FRAME.pack(b"TD", cmd, 0x01, seq, 0, 0, size)
+            self.transport.write(b"".join((reply, self.memory[offset : offset + size])))
+            pos = end
+        if pos:
+            self.buf[: self.n - pos] = self.buf[pos : self.n]
+            self.n -= pos
+
+
+async def _serve_bare(host: str, port: int, size: int) -> None:
+    memory = memoryview(bytearray(size))
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _BareServer(memory), host, port)
     bound = server.sockets[0].getsockname()
     _ready(bound[0], bound[1])
     await server.serve_forever()
@@ -107,7 +160,7 @@ def _serve_bulk(host: str, port: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.baselines")
-    ap.add_argument("kind", choices=["pingpong", "bulk"])
+    ap.add_argument("kind", choices=["pingpong", "bare", "bulk"])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--size", type=int, default=4096, help="reply size / bulk buffer size")
@@ -116,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
         import uvloop
 
         uvloop.run(_serve_pingpong(a.host, a.port, a.size))
+    elif a.kind == "bare":
+        import uvloop
+
+        uvloop.run(_serve_bare(a.host, a.port, a.size))
     else:
         _serve_bulk(a.host, a.port, a.size)
 

@@ -11,6 +11,10 @@ another CPU, in alternating rounds:
   ``await c.get_tensor(t)`` (a 4 KiB tensor) on the real ``rpc-server``.
 - ``daemon out=``: the same into a preallocated buffer (no allocation per
   call); informational.
+- ``bare frames``: the same GET_TENSOR frames, sent by a bare asyncio
+  ``BufferedProtocol`` client to :mod:`benchmarks.baselines`' ``bare`` server
+  (header, msgpack body, payload: nothing else); informational, it shows what
+  the wire format itself costs in Python, apart from the daemon's layers.
 
 Each round times ``n`` sequential round trips per arm; the figure is the
 median over rounds of each arm's p50 and p99, and the ratio to the floor is
@@ -23,7 +27,7 @@ import asyncio
 import time
 from typing import Any
 
-from .baselines import PING_SIZE
+from .baselines import FRAME, PING_SIZE
 from .harness import (
     BenchResult,
     Check,
@@ -71,6 +75,60 @@ class _PingClient(asyncio.Protocol):
             w.set_result(None)
 
 
+class _BareClient(asyncio.BufferedProtocol):
+    """GET_TENSOR frames with nothing around them: header, msgpack body, payload."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(1 << 16)
+        self.view = memoryview(self.buf)
+        self.n = 0
+        self.seq = 0
+        self.want = 0
+        self.out = bytearray()
+        self.waiter: asyncio.Future[None] | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        import socket
+
+        self.transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.n :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.n += nbytes
+        if self.n >= FRAME.size + self.want and self.waiter is not None:
+            self.out[:] = self.view[FRAME.size : FRAME.size + self.want]
+            self.n = 0
+            w, self.waiter = self.waiter, None
+            w.set_result(None)
+
+    def request(self, t: tuple[int, int, int]) -> asyncio.Future[None]:
+        import msgpack
+
+        self.seq += 1
+        body = msgpack.packb({"tensor": t})
+        assert self.transport is not None
+        self.transport.write(FRAME.pack(b"TD", 0x06, 0, self.seq, len(body), 0, 0) + body)
+        self.want = t[2]
+        self.out = bytearray(t[2])
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
+
+
+async def _bare_rtts(proto: _BareClient, n: int) -> list[float]:
+    out = []
+    clock = time.perf_counter
+    t = (1, SIZE, SIZE)
+    for _ in range(n):
+        t0 = clock()
+        await proto.request(t)
+        out.append(clock() - t0)
+    return out
+
+
 async def _floor_rtts(proto: _PingClient, n: int) -> list[float]:
     loop = asyncio.get_running_loop()
     req = b"\0" * PING_SIZE
@@ -105,7 +163,9 @@ async def _daemon_rtts(c: Any, t: Any, n: int, out: Any = None) -> list[float]:
     return res
 
 
-async def _measure(opts: Options, daemon_url: str, floor_addr: tuple[str, int]) -> dict[str, Any]:
+async def _measure(
+    opts: Options, daemon_url: str, floor_addr: tuple[str, int], bare_addr: tuple[str, int]
+) -> dict[str, Any]:
     from client import Client
 
     n = opts.pick(3000, 600)
@@ -113,6 +173,7 @@ async def _measure(opts: Options, daemon_url: str, floor_addr: tuple[str, int]) 
     warm = opts.pick(500, 200)
     loop = asyncio.get_running_loop()
     _, proto = await loop.create_connection(lambda: _PingClient(SIZE), *floor_addr)
+    _, bare = await loop.create_connection(_BareClient, *bare_addr)
     c = await Client.connect(daemon_url)
     try:
         buf = await c.alloc_buffer(SIZE * 4)
@@ -127,6 +188,7 @@ async def _measure(opts: Options, daemon_url: str, floor_addr: tuple[str, int]) 
             "floor": lambda k: _floor_rtts(proto, k),
             "daemon": lambda k: _daemon_rtts(c, t, k),
             "daemon out=": lambda k: _daemon_rtts(c, t, k, out),
+            "bare frames": lambda k: _bare_rtts(bare, k),
         }
         for fn in arms.values():
             await fn(warm)
@@ -142,8 +204,9 @@ async def _measure(opts: Options, daemon_url: str, floor_addr: tuple[str, int]) 
             raise AssertionError("get_tensor(out=) filled different bytes than were set")
     finally:
         await c.close()
-        assert proto.transport is not None
+        assert proto.transport is not None and bare.transport is not None
         proto.transport.close()
+        bare.transport.close()
     return {"n": n, "rounds": rounds, "per_round": per_round}
 
 
@@ -156,8 +219,11 @@ def run(opts: Options) -> BenchResult:
         ServerProcess(
             baseline_command("pingpong", "--size", str(SIZE)), opts.pinning, name="pingpong"
         ) as floor,
+        ServerProcess(
+            baseline_command("bare", "--size", str(4 * SIZE)), opts.pinning, name="bare"
+        ) as bare,
     ):
-        m = uvloop.run(_measure(opts, daemon.url, floor.host_port))
+        m = uvloop.run(_measure(opts, daemon.url, floor.host_port, bare.host_port))
     pr = m["per_round"]
     floor_p50 = [x["p50"] for x in pr["floor"]]
     ratios: dict[str, dict[str, float]] = {}
@@ -187,8 +253,9 @@ def run(opts: Options) -> BenchResult:
     )
     res.notes.append(
         "floor = asyncio Protocol client and server on uvloop, 24-byte request, 4096-byte reply; "
-        "daemon = client.Client.get_tensor over TCP loopback to rpc-server; "
-        "ratios are per round (same minute), then the median over rounds"
+        "daemon = client.Client.get_tensor over TCP loopback to rpc-server; bare frames = the "
+        "same GET_TENSOR frames through a bare BufferedProtocol pair (what the wire format "
+        "alone costs in Python); ratios are per round (same minute), then the median over rounds"
     )
     res.data = {"size": SIZE, "summary": ratios, **m}
     return res

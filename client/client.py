@@ -242,8 +242,9 @@ class Client(EngineMixin):
         await self._call(_SET_TENSOR, {"tensor": t}, [view])
 
     async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
-        t = _tensor(t)
-        dest = self._out_view(t, out)
+        if type(t) is not Tensor:
+            t = _tensor(t)
+        dest = memoryview(bytearray(t.size)) if out is None else self._out_view(t, out)
         await self._call(_GET_TENSOR, {"tensor": t}, sink=[dest])
         return out if out is not None else dest.obj
 

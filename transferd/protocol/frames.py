@@ -21,7 +21,7 @@ import enum
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -38,6 +38,7 @@ from .errors import BadFrame, TooLarge
 HEADER = struct.Struct("<2sBBIIIQ")
 assert HEADER.size == HEADER_SIZE
 _unpack_header = HEADER.unpack_from
+_unpackb = msgpack.unpackb
 
 # Bytes of header and body are collected in a reusable buffer of this size;
 # payloads of at least STREAM_THRESHOLD bytes bypass it and are read straight
@@ -124,8 +125,9 @@ def encode_frame(
     return encode_header(cmd, flags, seq, len(raw), payload_len) + raw
 
 
-@dataclass(slots=True)
-class RawHeader:
+class RawHeader(NamedTuple):
+    """The seven header fields as unpacked (a tuple: built without a Python call)."""
+
     magic: bytes
     cmd: int
     flags: int
@@ -137,7 +139,12 @@ class RawHeader:
 
 def decode_header(data: bytes | bytearray | memoryview) -> RawHeader:
     """Unpack 24 bytes without judging them (see :func:`check_header`)."""
-    return RawHeader(*HEADER.unpack_from(data))
+    return _new_header(RawHeader, HEADER.unpack_from(data))
+
+
+_new_header = tuple.__new__
+# Any bit outside KNOWN_FLAGS (the field is one byte).
+_UNKNOWN_FLAGS = 0xFF & ~int(KNOWN_FLAGS)
 
 
 def check_header(h: RawHeader, max_body: int, max_payload: int) -> None:
@@ -311,65 +318,84 @@ class FrameDecoder:
         if self._start == self._end and self.phase is _HEADER:
             return None  # the common "nothing more buffered" answer, without a turn
         try:
-            return self._next_frame()
+            # One turn of the loop per phase, except that a header whose body has
+            # already arrived (the usual case) is parsed together with it.
+            while True:
+                phase = self.phase
+                start = self._start
+                avail = self._end - start
+                if phase is _HEADER:
+                    if avail < HEADER_SIZE:
+                        return None
+                    h = _new_header(RawHeader, _unpack_header(self._buf, start))
+                    # Kept before judging it, so an error can name the frame's cmd.
+                    self._header = h
+                    if (
+                        h.magic != MAGIC
+                        or h.reserved
+                        or h.flags & _UNKNOWN_FLAGS
+                        or h.body_len > self.max_body
+                        or h.payload_len > self.max_payload
+                    ):
+                        # One of the checks failed: let check_header say which.
+                        check_header(h, self.max_body, self.max_payload)
+                    start += HEADER_SIZE
+                    self._start = start
+                    body_len = h.body_len
+                    if HEADER_SIZE + body_len > len(self._buf):
+                        self.phase = _BODY
+                        self._grow(body_len)
+                        continue
+                    if avail - HEADER_SIZE < body_len:
+                        self.phase = _BODY
+                        return None
+                elif phase is _BODY:
+                    hb = self._header
+                    assert hb is not None
+                    h = hb
+                    body_len = h.body_len
+                    if avail < body_len:
+                        return None
+                elif phase is _PAYLOAD:
+                    if avail:
+                        n = min(avail, self._payload_left)
+                        self._copy_into_payload(self._view[start : start + n])
+                        self._start = start + n
+                    if self._payload_left == 0:
+                        done = self._frame
+                        assert done is not None
+                        self._frame = None
+                        self._segments = []
+                        self.phase = _HEADER
+                        return done
+                    return None
+                else:
+                    raise BadFrame("decoder is closed after a protocol error")
+                # A whole header and body: the frame, or the start of its payload.
+                if body_len:  # unpack_body(), inlined for a well-formed body
+                    raw = self._view[start : start + body_len]
+                    try:
+                        body = _unpackb(raw, raw=False, strict_map_key=True)
+                    except Exception:
+                        body = None
+                    ok = type(body) is dict
+                    if ok:
+                        for k in body:
+                            if type(k) is not str:
+                                ok = False
+                    if not ok:
+                        body = unpack_body(raw, h.seq)  # raises the right BadFrame
+                else:
+                    body = {}
+                self._start = start + body_len
+                frame = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, body_len)
+                if h.payload_len == 0:
+                    self.phase = _HEADER
+                    return frame
+                self._begin_payload(frame)
         except Exception:
             self.phase = _BROKEN
             raise
-
-    def _next_frame(self) -> Frame | None:
-        # One turn of the loop per phase, except that a header whose body has
-        # already arrived (the usual case) is parsed together with it.
-        while True:
-            phase = self.phase
-            start = self._start
-            avail = self._end - start
-            if phase is _HEADER:
-                if avail < HEADER_SIZE:
-                    return None
-                h = RawHeader(*_unpack_header(self._buf, start))
-                # Kept before judging it, so an error can name the frame's cmd.
-                self._header = h
-                check_header(h, self.max_body, self.max_payload)
-                start += HEADER_SIZE
-                self._start = start
-                body_len = h.body_len
-                if HEADER_SIZE + body_len > len(self._buf):
-                    self.phase = _BODY
-                    self._grow(body_len)
-                    continue
-                if avail - HEADER_SIZE < body_len:
-                    self.phase = _BODY
-                    return None
-            elif phase is _BODY:
-                hb = self._header
-                assert hb is not None
-                h = hb
-                body_len = h.body_len
-                if avail < body_len:
-                    return None
-            elif phase is _PAYLOAD:
-                if avail:
-                    n = min(avail, self._payload_left)
-                    self._copy_into_payload(self._view[start : start + n])
-                    self._start = start + n
-                if self._payload_left == 0:
-                    done = self._frame
-                    assert done is not None
-                    self._frame = None
-                    self._segments = []
-                    self.phase = _HEADER
-                    return done
-                return None
-            else:
-                raise BadFrame("decoder is closed after a protocol error")
-            # A whole header and body: the frame, or the start of its payload.
-            body = unpack_body(self._view[start : start + body_len], h.seq) if body_len else {}
-            self._start = start + body_len
-            frame = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, body_len)
-            if h.payload_len == 0:
-                self.phase = _HEADER
-                return frame
-            self._begin_payload(frame)
 
     # -- internals ------------------------------------------------------------
 
