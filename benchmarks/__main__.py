@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         action="append",
         metavar="NAME",
-        help=f"run only this benchmark (repeatable, or comma separated): {', '.join(BENCHMARKS)}",
+        help=f"run only this benchmark (repeatable, or comma separated): {', '.join(BENCHMARKS)}"
+        f"; or a group: {', '.join(GROUPS)}",
     )
     ap.add_argument("--quick", action="store_true", help="fewer rounds and samples (< 1 minute)")
     ap.add_argument("--json", metavar="OUT", help="write every number to this JSON file")

@@ -114,7 +114,7 @@ def run(opts: Options) -> BenchResult:
     res = BenchResult(NAME, TITLE, SECTION)
     s = sides(opts)
     size = opts.pick(SIZE, QUICK_SIZE)
-    rounds = opts.pick(5, 3)
+    rounds = opts.pick(7, 3)
     arms: dict[str, Any] = {}
     pairs: dict[str, PeerPair] = {}
     missing: dict[str, str] = {}

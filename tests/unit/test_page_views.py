@@ -152,3 +152,18 @@ def test_flush_keeps_order_across_partial_sends() -> None:
     b.close()
     loop.close()
     assert not got and closed == [None]
+
+
+def test_send_skips_empty_views() -> None:
+    loop = asyncio.new_event_loop()
+    a, b = socket.socketpair()
+    s = FramedStream(loop, a, on_frame=lambda f: None, on_close=lambda e: None)
+    s.send(0x41, 0, 9, None, [memoryview(b""), memoryview(b"ab"), memoryview(b""),
+                              memoryview(b"c")])
+    assert s.queued == 0
+    b.settimeout(5)
+    frames = FrameDecoder().feed(b.recv(1 << 16))
+    assert len(frames) == 1 and bytes(frames[0].payload or b"") == b"abc"
+    s.close()
+    b.close()
+    loop.close()

@@ -105,12 +105,12 @@ class FramedStream:
         if self.closed:
             return
         raw = frames.pack_body(body)
-        plen = sum(len(p) for p in payload)
+        lens = list(map(len, payload))
+        plen = sum(lens)
         head = memoryview(frames.encode_header(cmd, flags, seq, len(raw), plen) + raw)
         self._out.append(head)
-        for p in payload:
-            if len(p):
-                self._out.append(p)
+        # Empty views stay out of the queue (_flush could not get past a queue of them).
+        self._out.extend(payload if 0 not in lens else [p for p in payload if len(p)])
         self._out_bytes += len(head) + plen
         if not self._writing:
             self._flush()
