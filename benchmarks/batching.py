@@ -18,8 +18,10 @@ Arms, each against a real ``rpc-server`` pinned like every other arm:
 
 Commands and bytes per step come from the server's STATS command (deltas
 around a block of steps, less the STATS exchange itself), cross-checked with
-``client.stats()``.  Step time is the median over alternating rounds of each
-arm's median step time.  Targets: one read and one write per step at every
+``client.stats()``.  Each round times a block of steps of every (arm, row
+size, batch size) in alternating order; step time is the median over rounds
+of each block's median, and every ratio is taken within a round, then the
+median over rounds.  Targets: one read and one write per step at every
 batch size (batched arm); batch-32 step time within 1.3x of batch 1.
 """
 
@@ -151,8 +153,8 @@ class _Config:
 async def _measure(opts: Options, url2: str, url1: str) -> dict[str, Any]:
     from client import Client
 
-    rounds = opts.pick(5, 2)
-    steps = opts.pick(40, 12)
+    rounds = opts.pick(8, 3)
+    steps = opts.pick(25, 8)
     count_steps = opts.pick(20, 5)
     clients = {
         "batched": await Client.connect(url2),
@@ -177,13 +179,14 @@ async def _measure(opts: Options, url2: str, url1: str) -> dict[str, Any]:
             await cfg.verify()
             counts[key] = await cfg.count(count_steps)
         opts.log("counted; timing")
-        for row in ROWS:
-            for n in BATCHES:
-                for r, arm in interleave(ARMS, rounds):
-                    cfg = configs[(arm, row, n)]
-                    with quiet_gc():
-                        cfg.times.append(await cfg.timed_steps(steps))
-                    opts.log(f"row {row} N={n} round {r} {arm}: {fmt_us(median(cfg.times[-1]))} us")
+        # Every round visits every (arm, row size, batch size), in alternating
+        # order, so the ratios between any two of them (N=32 against N=1,
+        # batched against unbatched) are taken within the same stretch of time.
+        for r, key in interleave(list(configs), rounds):
+            cfg = configs[key]
+            with quiet_gc():
+                cfg.times.append(await cfg.timed_steps(steps))
+            opts.log(f"round {r} {key}: {fmt_us(median(cfg.times[-1]))} us")
         for cfg in configs.values():
             await cfg.verify()
     finally:

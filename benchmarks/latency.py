@@ -168,8 +168,8 @@ async def _measure(
 ) -> dict[str, Any]:
     from client import Client
 
-    n = opts.pick(3000, 600)
-    rounds = opts.pick(7, 3)
+    n = opts.pick(1000, 400)
+    rounds = opts.pick(15, 4)
     warm = opts.pick(500, 200)
     loop = asyncio.get_running_loop()
     _, proto = await loop.create_connection(lambda: _PingClient(SIZE), *floor_addr)

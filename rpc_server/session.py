@@ -124,9 +124,19 @@ class Session(asyncio.BufferedProtocol):
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._decoder.buffer_updated(nbytes)
+        decoder = self._decoder
+        decoder.buffer_updated(nbytes)
         self.ctx.stats.bytes_in += nbytes
-        self._pump()
+        # _pump(), inlined: this runs once per read.
+        while self._blockers == 0 and self.state is not _CLOSED:
+            try:
+                frame = decoder.next_frame()
+            except ProtocolError as exc:
+                self._fail(exc, cmd=decoder.current_cmd)
+                return
+            if frame is None:
+                return
+            self._handle(frame)
 
     def eof_received(self) -> bool:
         return False
@@ -221,7 +231,11 @@ class Session(asyncio.BufferedProtocol):
             )
             return
         if result is None or type(result) is Reply:
-            self._reply(frame, result, started)
+            # _reply(), inlined for the usual synchronous reply.
+            if not int(frame.flags) & _NO_REPLY:
+                body, payload = (result.body, result.payload) if result is not None else (None, ())
+                n = self.send_frame(frame.cmd, _REPLY, frame.seq, body, payload)
+                self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
         elif isinstance(result, Awaitable):
             self._block()
             task = asyncio.ensure_future(self._finish_async(frame, result, started))

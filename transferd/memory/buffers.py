@@ -50,7 +50,8 @@ class Buffer:
             )
 
     def view(self, offset: int, size: int) -> memoryview:
-        self.check(offset, size)
+        if offset < 0 or size < 0 or offset + size > self.size:
+            self.check(offset, size)  # raises OutOfBounds (inlined test: once per tensor)
         if self._view is None:
             raise NotFound(f"buffer {self.id} was freed")
         return self._view[offset : offset + size]
