@@ -206,7 +206,9 @@ class Client(EngineMixin):
         With nothing queued this is the request's own future (no coroutine
         in between: one less frame to create and resume per round trip).
         """
-        if self._queue:
+        if self._queue or self.conn.failed:
+            # A flush point: queued work goes first, and one-way failures
+            # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
         return self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
 

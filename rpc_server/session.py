@@ -277,7 +277,10 @@ class Session(asyncio.BufferedProtocol):
         if no_reply and not exc.fatal:
             # One-way command failed: tell the client unasked, keep serving.
             flags = Flag.EVENT | Flag.ERROR
-        log.info("%s: %s on cmd 0x%02x seq %s", self.peer, exc, cmd, seq)
+        # A client's bad request is its business (it gets the error); only a
+        # connection we close is worth the operator's log at the default level.
+        log.log(logging.INFO if exc.fatal else logging.DEBUG,
+                "%s: %s on cmd 0x%02x seq %s", self.peer, exc, cmd, seq)
         self.send_frame(cmd, flags, seq or 0, exc.to_body())
         if exc.fatal:
             self.close()

@@ -379,9 +379,11 @@ def test_small_payload_stays_in_the_internal_buffer() -> None:
 
 
 def test_sink_of_wrong_size_is_refused() -> None:
+    # A payload that does not fit what its request set up breaks the protocol.
     dec = FrameDecoder(payload_sink=lambda f: [memoryview(bytearray(3))])
-    with pytest.raises(ValueError):
+    with pytest.raises(BadFrame, match="payload of 4 bytes where 3 were expected") as ei:
         dec.feed(encode_frame(Command.SET_TENSOR, 0, 1, None, 4) + b"abcd")
+    assert ei.value.seq == 1
     with pytest.raises(BadFrame):
         dec.next_frame()
 

@@ -424,7 +424,12 @@ class FrameDecoder:
             lens = list(map(len, segs))
             total = sum(lens)
             if total != frame.payload_len:
-                raise ValueError(f"sink holds {total} bytes for a payload of {frame.payload_len}")
+                # Our own sinks always match; a peer whose payload does not fit
+                # what its request set up is breaking the protocol.
+                raise BadFrame(
+                    f"payload of {frame.payload_len} bytes where {total} were expected",
+                    seq=frame.seq,
+                )
             self._segments = [s for s in segs if len(s)] if 0 in lens else segs
         self.phase = _PAYLOAD
 
