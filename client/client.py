@@ -6,7 +6,7 @@ import asyncio
 import functools
 import os
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,27 @@ def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
     else:
         for g in gets:
             if not g.future.done():
-                g.future.set_result(g.result)
+                # No result yet: a zero-byte read, whose sink was never asked for.
+                g.future.set_result(g.result if g.result is not None else bytearray())
+
+
+def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview]]:
+    """Where a GET reply's payload goes, decided when the reply arrives.
+
+    Reads without ``out=`` get their bytearray only then, after the server has
+    checked every tensor: a read the server refuses allocates nothing.
+    """
+
+    def sink(frame: Frame) -> list[memoryview]:
+        views = []
+        for g in gets:
+            if g.out is None:
+                g.result = bytearray(g.tensor.size)
+                g.out = memoryview(g.result)
+            views.append(g.out)
+        return views
+
+    return sink
 
 
 def _env_flag(name: str) -> bool:
@@ -246,9 +266,13 @@ class Client(EngineMixin):
     async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
         if type(t) is not Tensor:
             t = _tensor(t)
-        dest = memoryview(bytearray(t.size)) if out is None else self._out_view(t, out)
-        await self._call(_GET_TENSOR, {"tensor": t}, sink=[dest])
-        return out if out is not None else dest.obj
+        if out is None:
+            # The reply's payload is allocated when it arrives, once the server
+            # has checked the tensor: a bad request costs no client memory.
+            reply = await self._call(_GET_TENSOR, {"tensor": t})
+            return reply.payload if reply.payload is not None else bytearray()
+        await self._call(_GET_TENSOR, {"tensor": t}, sink=[self._out_view(t, out)])
+        return out
 
     async def copy_tensor(self, src: Tensor | Sequence[int], dst: Tensor | Sequence[int]) -> None:
         await self._call(
@@ -358,27 +382,20 @@ class Client(EngineMixin):
         if not gets:
             return []
         conn = self.conn
-        for g in gets:
-            if g.out is None:
-                g.result = bytearray(g.tensor.size)
-                g.out = memoryview(g.result)
         waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
         if self.minor >= 2 and self.switches.batched_get:
             for part in chunks(gets, self.max_body, self.max_payload):
                 fut = conn.request(
                     _GET_TENSORS,
                     {"tensors": [g.tensor for g in part]},
-                    sink=[g.out for g in part if g.out is not None],
+                    sink=_lazy_sink(part),
                     timeout=self.timeout,
                 )
                 waits.append((part, fut))
         else:
             for g in gets:
                 fut = conn.request(
-                    _GET_TENSOR,
-                    {"tensor": g.tensor},
-                    sink=[g.out] if g.out is not None else None,
-                    timeout=self.timeout,
+                    _GET_TENSOR, {"tensor": g.tensor}, sink=_lazy_sink([g]), timeout=self.timeout
                 )
                 waits.append(([g], fut))
         return waits

@@ -51,7 +51,7 @@ _pack_header = frames.HEADER.pack
 class Pending:
     cmd: int
     future: asyncio.Future[Frame]
-    sink: Sink = None
+    sink: Sink | Callable[[Frame], Sink] = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -179,7 +179,10 @@ class Connection(asyncio.BufferedProtocol):
         if (int(frame.flags) & _REPLY_ERROR) != _REPLY:  # not a plain reply
             return None
         p = self.pending.get(frame.seq)
-        return p.sink if p is not None else None
+        if p is None:
+            return None
+        # A callable sink picks the memory now that the reply is known good.
+        return p.sink(frame) if callable(p.sink) else p.sink
 
     def _dispatch(self, frame: Frame) -> None:
         flags = int(frame.flags)
@@ -265,7 +268,7 @@ class Connection(asyncio.BufferedProtocol):
         body: dict[str, Any] | None = None,
         payload: Sequence[Any] = (),
         *,
-        sink: Sink = None,
+        sink: Sink | Callable[[Frame], Sink] = None,
         timeout: float | None = None,
     ) -> asyncio.Future[Frame]:
         """Send a request; the future resolves with its reply frame or raises."""
