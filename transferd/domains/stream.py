@@ -25,6 +25,12 @@ from transferd.protocol.frames import Frame, FrameDecoder, SinkFactory
 log = logging.getLogger("transferd.peer")
 
 IOV_MAX = 512
+# Bytes offered to one sendmsg / recvmsg_into.  Each call turns every view it
+# is given into an iovec, so offering 512 pages when the socket takes a
+# handful costs a buffer lookup per page per call; a call moves at most about
+# a socket buffer, so this is what is offered.
+SEND_BYTES = 4 << 20
+RECV_BYTES = 1 << 20
 HIGH_WATER = 64 * 1024 * 1024
 LOW_WATER = 16 * 1024 * 1024
 # Receives done per readable callback before yielding to other sockets.
@@ -70,7 +76,7 @@ class FramedStream:
         for _ in range(READS_PER_WAKEUP):
             if self.closed:
                 return
-            bufs = self.decoder.get_buffers(IOV_MAX)
+            bufs = self.decoder.get_buffers(IOV_MAX, RECV_BYTES)
             try:
                 if len(bufs) == 1:
                     n = self.sock.recv_into(bufs[0])
@@ -122,7 +128,7 @@ class FramedStream:
     def _flush(self) -> None:
         out = self._out
         while out and not self.closed:
-            iov = list(islice(out, IOV_MAX))
+            iov = _take(out, SEND_BYTES)
             try:
                 n = self.sock.sendmsg(iov)
             except (BlockingIOError, InterruptedError):
@@ -175,3 +181,15 @@ class FramedStream:
             if e.errno != errno.EBADF:
                 raise
         self._on_close(exc)
+
+
+def _take(out: deque[memoryview], limit: int) -> list[memoryview]:
+    """The first views of ``out``, up to ``limit`` bytes or IOV_MAX views."""
+    iov: list[memoryview] = []
+    total = 0
+    for view in islice(out, IOV_MAX):
+        iov.append(view)
+        total += len(view)
+        if total >= limit:
+            break
+    return iov

@@ -21,6 +21,7 @@ import enum
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, NamedTuple
 
 import msgpack
@@ -245,18 +246,25 @@ class FrameDecoder:
             return self._view[self._end : self._end + self._wanted()]
         return self._view[self._end :]
 
-    def get_buffers(self, max_iov: int = 64) -> list[memoryview]:
+    def get_buffers(self, max_iov: int = 64, max_bytes: int = 1 << 62) -> list[memoryview]:
         """Like get_buffer, but a payload's remaining sink segments at once.
 
         For ``recvmsg_into``: one receive scatters straight over a page list.
+        At most ``max_iov`` segments and about ``max_bytes`` bytes are offered.
         """
         if not self._goes_direct():
             return [self.get_buffer()]
         self._direct = True
         segs = self._segments
         i = self._seg_index
-        out = [segs[i][self._seg_pos :]]
-        out += segs[i + 1 : i + max_iov]
+        first = segs[i][self._seg_pos :]
+        out = [first]
+        total = len(first)
+        for seg in islice(segs, i + 1, i + max_iov):
+            if total >= max_bytes:
+                break
+            out.append(seg)
+            total += len(seg)
         return out
 
     def _goes_direct(self) -> bool:
