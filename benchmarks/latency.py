@@ -251,11 +251,20 @@ def run(opts: Options) -> BenchResult:
             "4 KiB get_tensor p50 / floor p50", ratios["daemon"]["p50_ratio"], "<=", TARGET_P50, "x"
         )
     )
+    lo, hi = min(floor_p50), max(floor_p50)
+    res.notes.append(
+        f"the floor's p50 ranged {fmt_us(lo)} to {fmt_us(hi)} us over the rounds"
+        + (
+            " (the machine changed speed during the run: read the ratios with care)"
+            if hi > 1.5 * lo
+            else ""
+        )
+    )
     res.notes.append(
         "floor = asyncio Protocol client and server on uvloop, 24-byte request, 4096-byte reply; "
         "daemon = client.Client.get_tensor over TCP loopback to rpc-server; bare frames = the "
         "same GET_TENSOR frames through a bare BufferedProtocol pair (what the wire format "
         "alone costs in Python); ratios are per round (same minute), then the median over rounds"
     )
-    res.data = {"size": SIZE, "summary": ratios, **m}
+    res.data = {"size": SIZE, "summary": ratios, "floor_p50_range_s": [lo, hi], **m}
     return res
