@@ -38,9 +38,11 @@ def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
                 g.future.set_exception(exc)
     else:
         for g in gets:
-            if not g.future.done():
+            f = g.future
+            if not f.done():
                 # No result yet: a zero-byte read, whose sink was never asked for.
-                g.future.set_result(g.result if g.result is not None else bytearray())
+                r = g.result
+                f.set_result(r if r is not None else bytearray())
 
 
 def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview]]:
@@ -52,11 +54,13 @@ def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview]]:
 
     def sink(frame: Frame) -> list[memoryview]:
         views = []
+        append = views.append
         for g in gets:
-            if g.out is None:
-                g.result = bytearray(g.tensor.size)
-                g.out = memoryview(g.result)
-            views.append(g.out)
+            out = g.out
+            if out is None:
+                g.result = r = bytearray(g.tensor[2])
+                g.out = out = memoryview(r)
+            append(out)
         return views
 
     return sink
@@ -150,6 +154,7 @@ class Client(EngineMixin):
         self.max_payload = 1 << 34
         self._conn: Connection | None = None
         self._queue: list[QueuedSet | QueuedGet] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._reads_in_flight: set[asyncio.Future[Frame]] = set()
         self._stats_task: asyncio.Task[None] | None = None
         self._events = EngineEvents()
@@ -163,6 +168,8 @@ class Client(EngineMixin):
         return c
 
     async def open(self) -> None:
+        # Queued reads' futures belong to this loop (looked up once, not per read).
+        self._loop = asyncio.get_running_loop()
         self.switches = Switches.from_env()
         self._conn = await Connection.open(self.url, self.connect_timeout)
         self._conn.on_event = self._on_event
@@ -322,7 +329,7 @@ class Client(EngineMixin):
         if type(t) is not Tensor:
             t = _tensor(t)
         dest = self._out_view(t, out) if out is not None else None
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = (self._loop or asyncio.get_running_loop()).create_future()
         self._queue.append(QueuedGet(t, fut, dest, out))
         return fut
 
