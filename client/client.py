@@ -53,7 +53,7 @@ def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview]]:
     """
 
     def sink(frame: Frame) -> list[memoryview]:
-        views = []
+        views: list[memoryview] = []
         append = views.append
         for g in gets:
             out = g.out
