@@ -16,7 +16,7 @@ from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.messages import (
-    U64_MAX,
+    fast_tensor,
     str_field,
     tensor_field,
     tensors_field,
@@ -169,19 +169,10 @@ def set_tensors(session: Session, frame: Frame) -> None:
 
 @handler(Command.GET_TENSOR)
 def get_tensor(session: Session, frame: Frame) -> Reply:
-    t = frame.body.get("tensor")
-    if type(t) is list and len(t) == 3:  # the usual request, without the helpers' calls
-        b, o, s = t
-        if (
-            type(b) is int
-            and type(o) is int
-            and type(s) is int
-            and 0 <= b <= U64_MAX
-            and 0 <= o <= U64_MAX
-            and 0 <= s <= U64_MAX
-        ):  # a valid tensor: the same checks, and errors, as tensor_view's
-            return Reply(None, [session.ctx.buffers.get(b).view(o, s)])
-    return Reply(None, [session.ctx.buffers.tensor_view(tensor_field(frame.body, "tensor"))])
+    # The usual request takes the fast check; anything unusual the full one,
+    # whose errors name what is wrong.
+    t = fast_tensor(frame.body.get("tensor")) or tensor_field(frame.body, "tensor")
+    return Reply(None, [session.ctx.buffers.get(t.buffer).view(t.offset, t.size)])
 
 
 @handler(Command.GET_TENSORS)

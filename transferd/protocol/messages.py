@@ -60,7 +60,7 @@ def bytes_field(body: dict[str, Any], name: str) -> bytes:
     return bytes(value)
 
 
-def _fast_tensor(value: Any) -> Tensor | None:
+def fast_tensor(value: Any) -> Tensor | None:
     """The common case, checked without building error strings: None if unusual."""
     if type(value) is list and len(value) == 3:
         b, o, s = value
@@ -77,7 +77,7 @@ def _fast_tensor(value: Any) -> Tensor | None:
 
 
 def tensor_from_wire(value: Any, what: str = "tensor") -> Tensor:
-    t = _fast_tensor(value)
+    t = fast_tensor(value)
     if t is not None:
         return t
     if not isinstance(value, list | tuple) or len(value) != 3:
@@ -87,7 +87,7 @@ def tensor_from_wire(value: Any, what: str = "tensor") -> Tensor:
 
 
 def tensor_field(body: dict[str, Any], name: str) -> Tensor:
-    t = _fast_tensor(body.get(name))
+    t = fast_tensor(body.get(name))
     if t is not None:
         return t
     return tensor_from_wire(field(body, name), f"field {name!r}")
