@@ -66,6 +66,7 @@ from transferd.protocol.peer import PeerCommand  # noqa: E402
 DOC = REPO / "docs" / "protocol.md"
 CLIENT_NAME = "capture_frames/1"
 TOKEN = "s3cret"
+HELLO_BODY = {"major": PROTO_MAJOR, "minor": PROTO_MINOR, "client": CLIENT_NAME}
 PEER_COMMANDS = {int(c) for c in PeerCommand}
 
 
@@ -321,8 +322,7 @@ class Conn:
         self.sock.settimeout(10)
 
     def hello(self, seq: int = 1, **extra: Any) -> bytes:
-        body = {"major": PROTO_MAJOR, "minor": PROTO_MINOR, "client": CLIENT_NAME, **extra}
-        self.send(Command.HELLO, seq, body)
+        self.send(Command.HELLO, seq, {**HELLO_BODY, **extra})
         return self.recv()
 
     def close(self) -> None:
@@ -418,20 +418,28 @@ def session(
         c.close()
 
 
+@contextlib.contextmanager
+def off_record(c: Conn) -> Iterator[Conn]:
+    """``c`` with its frames kept out of the capture for the duration."""
+    cap, c.capture = c.capture, None
+    try:
+        yield c
+    finally:
+        c.capture = cap
+
+
 def _with_buffer(c: Conn, size: int = 64) -> int:
     """Allocate a buffer off the record; returns its id."""
-    cap, c.capture = c.capture, None
-    c.send(Command.ALLOC_BUFFER, 90, {"device": "cpu", "size": size})
-    body = msgpack.unpackb(_body_of(c.recv()))
-    c.capture = cap
+    with off_record(c):
+        c.send(Command.ALLOC_BUFFER, 90, {"device": "cpu", "size": size})
+        body = msgpack.unpackb(_body_of(c.recv()))
     return int(body["buffer"])
 
 
 def _quiet(c: Conn, cmd: int, seq: int, body: dict[str, Any], payload: bytes = b"") -> None:
-    cap, c.capture = c.capture, None
-    c.send(cmd, seq, body, payload)
-    c.recv()
-    c.capture = cap
+    with off_record(c):
+        c.send(cmd, seq, body, payload)
+        c.recv()
 
 
 def _body_of(raw: bytes) -> bytes:
@@ -439,86 +447,109 @@ def _body_of(raw: bytes) -> bytes:
     return raw[HEADER_SIZE : HEADER_SIZE + body_len]
 
 
-@example("HELLO")
-def ex_hello(ds: Daemons) -> Capture:
-    with session(ds["main"], "HELLO to a minor-2 server", hello=False) as (c, cap):
-        c.hello()
-    return cap
+def request_example(
+    name: str,
+    title: str,
+    cmd: int,
+    body: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None,
+    payload: bytes = b"",
+    *,
+    daemon: str = "main",
+    flags: int = 0,
+    reply: bool = True,
+    note: str = "",
+    volatile: bool = False,
+) -> None:
+    """Register an example that is one request (after HELLO) and its reply.
+
+    A ``body`` that is a function of a buffer id makes the example allocate a
+    64-byte buffer off the record first; the request is then seq 3, else 2.
+    ``reply=False``: the request is NO_REPLY and nothing comes back.
+    """
+
+    def run(ds: Daemons) -> Capture:
+        with session(ds[daemon], title) as (c, cap):
+            if callable(body):
+                c.send(cmd, 3, body(_with_buffer(c)), payload, flags)
+            else:
+                c.send(cmd, 2, body, payload, flags)
+            if reply:
+                c.recv()
+            else:
+                c.expect_silence()
+        cap.note = note
+        return cap
+
+    example(name, volatile=volatile)(run)
 
 
-@example("HELLO_MINOR1")
-def ex_hello_minor1(ds: Daemons) -> Capture:
-    with session(ds["minor1"], "HELLO to `rpc-server --protocol-minor 1`", hello=False) as (
-        c,
-        cap,
-    ):
-        c.hello()
-    return cap
+def hello_example(name: str, title: str, *, daemon: str = "main", **extra: Any) -> None:
+    """Register an example that is a HELLO (with ``extra`` in its body) and its reply."""
+
+    def run(ds: Daemons) -> Capture:
+        with session(ds[daemon], title, hello=False) as (c, cap):
+            c.hello(**extra)
+        return cap
+
+    example(name)(run)
 
 
-@example("HELLO_TOKEN")
-def ex_hello_token(ds: Daemons) -> Capture:
-    with session(
-        ds["token"], f"HELLO with a token (`rpc-server --token {TOKEN}`)", hello=False
-    ) as (
-        c,
-        cap,
-    ):
-        c.hello(token=TOKEN)
-    return cap
+def closing_example(
+    name: str, title: str, frame: bytes, *, daemon: str = "main", hello: bool = True
+) -> None:
+    """Register an example that is a frame the server answers with an error, then closes.
+
+    ``frame`` is sent as the first frame on the connection unless ``hello``.
+    """
+
+    def run(ds: Daemons) -> Capture:
+        with session(ds[daemon], title, hello=hello) as (c, cap):
+            c.send(0, 0, raw=frame)
+            c.recv()
+            c.expect_close()
+        return cap
+
+    example(name)(run)
 
 
-@example("GET_DEVICES")
-def ex_get_devices(ds: Daemons) -> Capture:
-    with session(ds["main"], "GET_DEVICES (empty body both ways but for the list)") as (c, cap):
-        c.send(Command.GET_DEVICES, 2)
-        c.recv()
-    return cap
-
-
-@example("ALLOC_BUFFER")
-def ex_alloc(ds: Daemons) -> Capture:
-    with session(ds["main"], "ALLOC_BUFFER of 64 bytes on cpu") as (c, cap):
-        c.send(Command.ALLOC_BUFFER, 2, {"device": "cpu", "size": 64})
-        c.recv()
-    return cap
-
-
-@example("FREE_BUFFER")
-def ex_free(ds: Daemons) -> Capture:
-    with session(ds["main"], "FREE_BUFFER") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.FREE_BUFFER, 3, {"buffer": b})
-        c.recv()
-    return cap
-
-
-@example("BUFFER_CLEAR")
-def ex_clear(ds: Daemons) -> Capture:
-    with session(ds["main"], "BUFFER_CLEAR to 0xAB") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.BUFFER_CLEAR, 3, {"buffer": b, "value": 0xAB})
-        c.recv()
-    return cap
-
-
-@example("SET_TENSOR")
-def ex_set(ds: Daemons) -> Capture:
-    with session(ds["main"], "SET_TENSOR of 8 bytes at offset 0, with a reply") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.SET_TENSOR, 3, {"tensor": [b, 0, 8]}, b"01234567")
-        c.recv()
-    return cap
-
-
-@example("SET_TENSOR_NO_REPLY")
-def ex_set_oneway(ds: Daemons) -> Capture:
-    with session(ds["main"], "SET_TENSOR with NO_REPLY: nothing comes back") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.SET_TENSOR, 3, {"tensor": [b, 0, 4]}, b"abcd", flags=Flag.NO_REPLY)
-        c.expect_silence()
-    cap.note = "No frame comes back."
-    return cap
+hello_example("HELLO", "HELLO to a minor-2 server")
+hello_example("HELLO_MINOR1", "HELLO to `rpc-server --protocol-minor 1`", daemon="minor1")
+hello_example(
+    "HELLO_TOKEN", f"HELLO with a token (`rpc-server --token {TOKEN}`)", daemon="token", token=TOKEN
+)
+request_example(
+    "GET_DEVICES", "GET_DEVICES (empty body both ways but for the list)", Command.GET_DEVICES
+)
+request_example(
+    "ALLOC_BUFFER",
+    "ALLOC_BUFFER of 64 bytes on cpu",
+    Command.ALLOC_BUFFER,
+    {"device": "cpu", "size": 64},
+)
+request_example("FREE_BUFFER", "FREE_BUFFER", Command.FREE_BUFFER, lambda b: {"buffer": b})
+request_example(
+    "BUFFER_CLEAR",
+    "BUFFER_CLEAR to 0xAB",
+    Command.BUFFER_CLEAR,
+    lambda b: {"buffer": b, "value": 0xAB},
+)
+request_example(
+    "SET_TENSOR",
+    "SET_TENSOR of 8 bytes at offset 0, with a reply",
+    Command.SET_TENSOR,
+    lambda b: {"tensor": [b, 0, 8]},
+    b"01234567",
+)
+request_example(
+    "SET_TENSOR_NO_REPLY",
+    "SET_TENSOR with NO_REPLY: nothing comes back",
+    Command.SET_TENSOR,
+    lambda b: {"tensor": [b, 0, 4]},
+    b"abcd",
+    flags=Flag.NO_REPLY,
+    reply=False,
+    note="No frame comes back.",
+)
 
 
 @example("GET_TENSOR")
@@ -531,47 +562,24 @@ def ex_get(ds: Daemons) -> Capture:
     return cap
 
 
-@example("COPY_TENSOR")
-def ex_copy(ds: Daemons) -> Capture:
-    with session(ds["main"], "COPY_TENSOR of 8 bytes within one buffer") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.COPY_TENSOR, 3, {"src": [b, 0, 8], "dst": [b, 8, 8]})
-        c.recv()
-    return cap
-
-
-@example("SYNCHRONIZE")
-def ex_sync(ds: Daemons) -> Capture:
-    with session(ds["main"], "SYNCHRONIZE") as (c, cap):
-        c.send(Command.SYNCHRONIZE, 2)
-        c.recv()
-    return cap
-
-
-@example("STATS")
-def ex_stats(ds: Daemons) -> Capture:
-    with session(ds["main"], "STATS on a fresh daemon that has seen one HELLO") as (c, cap):
-        c.send(Command.STATS, 2)
-        c.recv()
-    return cap
-
-
-@example("SET_TENSORS")
-def ex_sets(ds: Daemons) -> Capture:
-    with session(
-        ds["main"], "SET_TENSORS of two 4-byte tensors, NO_REPLY (as the client's flush sends it)"
-    ) as (c, cap):
-        b = _with_buffer(c)
-        c.send(
-            Command.SET_TENSORS,
-            3,
-            {"tensors": [[b, 0, 4], [b, 16, 4]]},
-            b"AAAABBBB",
-            flags=Flag.NO_REPLY,
-        )
-        c.expect_silence()
-    cap.note = "No frame comes back; without NO_REPLY the reply is an empty REPLY frame."
-    return cap
+request_example(
+    "COPY_TENSOR",
+    "COPY_TENSOR of 8 bytes within one buffer",
+    Command.COPY_TENSOR,
+    lambda b: {"src": [b, 0, 8], "dst": [b, 8, 8]},
+)
+request_example("SYNCHRONIZE", "SYNCHRONIZE", Command.SYNCHRONIZE)
+request_example("STATS", "STATS on a fresh daemon that has seen one HELLO", Command.STATS)
+request_example(
+    "SET_TENSORS",
+    "SET_TENSORS of two 4-byte tensors, NO_REPLY (as the client's flush sends it)",
+    Command.SET_TENSORS,
+    lambda b: {"tensors": [[b, 0, 4], [b, 16, 4]]},
+    b"AAAABBBB",
+    flags=Flag.NO_REPLY,
+    reply=False,
+    note="No frame comes back; without NO_REPLY the reply is an empty REPLY frame.",
+)
 
 
 @example("GET_TENSORS")
@@ -586,41 +594,30 @@ def ex_gets(ds: Daemons) -> Capture:
 
 # -- errors -------------------------------------------------------------------------------
 
-
-@example("ERR_OUT_OF_BOUNDS")
-def ex_oob(ds: Daemons) -> Capture:
-    with session(ds["main"], "GET_TENSOR past the end of a 64-byte buffer: OUT_OF_BOUNDS") as (
-        c,
-        cap,
-    ):
-        b = _with_buffer(c)
-        c.send(Command.GET_TENSOR, 3, {"tensor": [b, 60, 8]})
-        c.recv()
-    return cap
-
-
-@example("ERR_NOT_FOUND")
-def ex_not_found(ds: Daemons) -> Capture:
-    with session(ds["main"], "FREE_BUFFER of a buffer that does not exist: NOT_FOUND") as (c, cap):
-        c.send(Command.FREE_BUFFER, 2, {"buffer": 999})
-        c.recv()
-    return cap
-
-
-@example("ERR_BAD_REQUEST")
-def ex_bad_request(ds: Daemons) -> Capture:
-    with session(ds["main"], "ALLOC_BUFFER without its size: BAD_REQUEST") as (c, cap):
-        c.send(Command.ALLOC_BUFFER, 2, {"device": "cpu"})
-        c.recv()
-    return cap
-
-
-@example("ERR_OUT_OF_MEMORY")
-def ex_oom(ds: Daemons) -> Capture:
-    with session(ds["main"], "ALLOC_BUFFER of 1 TiB: OUT_OF_MEMORY") as (c, cap):
-        c.send(Command.ALLOC_BUFFER, 2, {"device": "cpu", "size": 1 << 40})
-        c.recv()
-    return cap
+request_example(
+    "ERR_OUT_OF_BOUNDS",
+    "GET_TENSOR past the end of a 64-byte buffer: OUT_OF_BOUNDS",
+    Command.GET_TENSOR,
+    lambda b: {"tensor": [b, 60, 8]},
+)
+request_example(
+    "ERR_NOT_FOUND",
+    "FREE_BUFFER of a buffer that does not exist: NOT_FOUND",
+    Command.FREE_BUFFER,
+    {"buffer": 999},
+)
+request_example(
+    "ERR_BAD_REQUEST",
+    "ALLOC_BUFFER without its size: BAD_REQUEST",
+    Command.ALLOC_BUFFER,
+    {"device": "cpu"},
+)
+request_example(
+    "ERR_OUT_OF_MEMORY",
+    "ALLOC_BUFFER of 1 TiB: OUT_OF_MEMORY",
+    Command.ALLOC_BUFFER,
+    {"device": "cpu", "size": 1 << 40},
+)
 
 
 @example("ERR_NO_REPLY_EVENT")
@@ -638,77 +635,43 @@ def ex_event(ds: Daemons) -> Capture:
     return cap
 
 
-@example("ERR_UNKNOWN_COMMAND")
-def ex_unknown(ds: Daemons) -> Capture:
-    with session(ds["minor1"], "GET_TENSORS to a `--protocol-minor 1` server: UNKNOWN_COMMAND") as (
-        c,
-        cap,
-    ):
-        c.send(Command.GET_TENSORS, 2, {"tensors": [[1, 0, 4]]})
-        c.recv()
-    cap.note = "The connection stays open."
-    return cap
-
-
-@example("ERR_NO_HELLO")
-def ex_no_hello(ds: Daemons) -> Capture:
-    with session(
-        ds["main"], "GET_DEVICES as the first frame: NO_HELLO, then close", hello=False
-    ) as (
-        c,
-        cap,
-    ):
-        c.send(Command.GET_DEVICES, 1)
-        c.recv()
-        c.expect_close()
-    return cap
-
-
-@example("ERR_VERSION_MISMATCH")
-def ex_version(ds: Daemons) -> Capture:
-    with session(ds["main"], "HELLO with major 2: VERSION_MISMATCH, then close", hello=False) as (
-        c,
-        cap,
-    ):
-        c.send(Command.HELLO, 1, {"major": 2, "minor": 0, "client": CLIENT_NAME})
-        c.recv()
-        c.expect_close()
-    return cap
-
-
-@example("ERR_UNAUTHORIZED")
-def ex_unauthorized(ds: Daemons) -> Capture:
-    with session(
-        ds["token"], "HELLO without the token the server requires: UNAUTHORIZED", hello=False
-    ) as (
-        c,
-        cap,
-    ):
-        c.hello()
-        c.expect_close()
-    return cap
-
-
-@example("ERR_BAD_FRAME")
-def ex_bad_frame(ds: Daemons) -> Capture:
-    with session(ds["main"], "A header with a bad magic: BAD_FRAME, then close") as (c, cap):
-        good = encode_frame(Command.SYNCHRONIZE, 0, 2)
-        c.send(0, 0, raw=b"XX" + good[2:])
-        c.recv()
-        c.expect_close()
-    return cap
-
-
-@example("ERR_TOO_LARGE")
-def ex_too_large(ds: Daemons) -> Capture:
-    with session(ds["main"], "A header announcing a 1 TiB payload: TOO_LARGE, then close") as (
-        c,
-        cap,
-    ):
-        c.send(0, 0, raw=encode_frame(Command.SET_TENSOR, 0, 2, None, 1 << 40))
-        c.recv()
-        c.expect_close()
-    return cap
+request_example(
+    "ERR_UNKNOWN_COMMAND",
+    "GET_TENSORS to a `--protocol-minor 1` server: UNKNOWN_COMMAND",
+    Command.GET_TENSORS,
+    {"tensors": [[1, 0, 4]]},
+    daemon="minor1",
+    note="The connection stays open.",
+)
+closing_example(
+    "ERR_NO_HELLO",
+    "GET_DEVICES as the first frame: NO_HELLO, then close",
+    encode_frame(Command.GET_DEVICES, 0, 1),
+    hello=False,
+)
+closing_example(
+    "ERR_VERSION_MISMATCH",
+    "HELLO with major 2: VERSION_MISMATCH, then close",
+    encode_frame(Command.HELLO, 0, 1, {"major": 2, "minor": 0, "client": CLIENT_NAME}),
+    hello=False,
+)
+closing_example(
+    "ERR_UNAUTHORIZED",
+    "HELLO without the token the server requires: UNAUTHORIZED",
+    encode_frame(Command.HELLO, 0, 1, HELLO_BODY),
+    daemon="token",
+    hello=False,
+)
+closing_example(
+    "ERR_BAD_FRAME",
+    "A header with a bad magic: BAD_FRAME, then close",
+    b"XX" + encode_frame(Command.SYNCHRONIZE, 0, 2)[2:],
+)
+closing_example(
+    "ERR_TOO_LARGE",
+    "A header announcing a 1 TiB payload: TOO_LARGE, then close",
+    encode_frame(Command.SET_TENSOR, 0, 2, None, 1 << 40),
+)
 
 
 # -- the transfer engine: two daemons, A (127.0.0.1) and B (127.0.0.2) ------------------
@@ -719,10 +682,9 @@ A_NAME, B_NAME = "daemon A", "daemon B"
 def _ask(c: Conn, cmd: int, seq: int, body: dict[str, Any] | None = None,
          payload: bytes = b"", flags: int = 0) -> dict[str, Any]:
     """A request off the record; the body of the frame that answers it."""
-    cap, c.capture = c.capture, None
-    c.send(cmd, seq, body, payload, flags)
-    raw = c.recv()
-    c.capture = cap
+    with off_record(c):
+        c.send(cmd, seq, body, payload, flags)
+        raw = c.recv()
     _, _, rflags, _, _, _, _ = HEADER.unpack_from(raw)
     body_out = msgpack.unpackb(_body_of(raw), raw=False) if _body_of(raw) else {}
     if rflags & Flag.ERROR:
@@ -761,29 +723,36 @@ def nodes(ds: Daemons, title: str) -> Iterator[tuple[Conn, Conn, Capture]]:
 DATA = b"0123456789abcdef"
 
 
-@example("ENGINE_MAIN_ADDRESS", volatile=True)
-def ex_main_address(ds: Daemons) -> Capture:
-    with session(ds["main"], "MAIN_ADDRESS") as (c, cap):
-        c.send(Command.MAIN_ADDRESS, 2)
-        c.recv()
-    cap.note = (
-        "`addr` is the msgpack array `[1, node, group, [[host, port], ...]]`: format 1, the "
-        "daemon's random 64-bit node id, domain group 0 (host memory), and its one rail."
-    )
-    return cap
+def _a_to_b(a: Conn, b: Conn) -> tuple[int, list[Any]]:
+    """A region on A holding ``DATA`` and an empty one on B: (A's mr, B's desc)."""
+    mr, _ = _region(a, DATA)
+    _, desc = _region(b)
+    return mr, desc
 
 
-@example("ENGINE_REG_MR", volatile=True)
-def ex_reg_mr(ds: Daemons) -> Capture:
-    with session(ds["main"], "REG_MR of buffer 1 (64 bytes)") as (c, cap):
-        b = _with_buffer(c)
-        c.send(Command.REG_MR, 3, {"buffer": b})
-        c.recv()
-    cap.note = (
-        "`desc` is the MrDesc `[ptr, size, [[rail NetAddr, rkey], ...]]`: one rail here, so "
-        "one NetAddr (naming that rail only) and one random 64-bit rkey."
-    )
-    return cap
+def _two_pages(mr: int, desc: list[Any]) -> dict[str, Any]:
+    """PAGED_WRITES' body: A's pages 0 and 2 (4 bytes, stride 4) to B's 1 and 3 (stride 8),
+    immediate 8."""
+    return {"page_len": 4, "imm": 8, "src": [mr, [[0, 2], 4, 0]], "dst": [desc, [[1, 3], 8, 0]]}
+
+
+request_example(
+    "ENGINE_MAIN_ADDRESS",
+    "MAIN_ADDRESS",
+    Command.MAIN_ADDRESS,
+    volatile=True,
+    note="`addr` is the msgpack array `[1, node, group, [[host, port], ...]]`: format 1, the "
+    "daemon's random 64-bit node id, domain group 0 (host memory), and its one rail.",
+)
+request_example(
+    "ENGINE_REG_MR",
+    "REG_MR of buffer 1 (64 bytes)",
+    Command.REG_MR,
+    lambda b: {"buffer": b},
+    volatile=True,
+    note="`desc` is the MrDesc `[ptr, size, [[rail NetAddr, rkey], ...]]`: one rail here, so "
+    "one NetAddr (naming that rail only) and one random 64-bit rkey.",
+)
 
 
 @example("ENGINE_DEREG_MR")
@@ -801,8 +770,7 @@ def ex_single_write(ds: Daemons) -> Capture:
         ds, "SINGLE_WRITE of 8 bytes from A's region 1 to offset 16 of B's region, "
         "NO_REPLY, immediate 7; then B reads them back"
     ) as (a, b, cap):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         a.capture = b.capture = cap
         a.send(Command.SINGLE_WRITE, 3,
                {"len": 8, "imm": 7, "src": [mr, 0], "dst": [desc, 16]}, flags=Flag.NO_REPLY)
@@ -822,12 +790,9 @@ def ex_paged_writes(ds: Daemons) -> Capture:
         ds, "PAGED_WRITES of source pages 0 and 2 (4 bytes, stride 4) to destination pages "
         "1 and 3 (stride 8) of B's region, NO_REPLY, immediate 8"
     ) as (a, b, cap):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         a.capture = cap
-        a.send(Command.PAGED_WRITES, 3, {
-            "page_len": 4, "imm": 8, "src": [mr, [[0, 2], 4, 0]],
-            "dst": [desc, [[1, 3], 8, 0]]}, flags=Flag.NO_REPLY)
+        a.send(Command.PAGED_WRITES, 3, _two_pages(mr, desc), flags=Flag.NO_REPLY)
         a.recv()
     cap.note = "`0123` lands at offset 8 and `89ab` at offset 24 of B's region; B counts 2."
     return cap
@@ -836,14 +801,11 @@ def ex_paged_writes(ds: Daemons) -> Capture:
 @example("ENGINE_EXPECT_IMM_COUNT")
 def ex_expect_imm_count(ds: Daemons) -> Capture:
     with nodes(ds, "EXPECT_IMM_COUNT on B: immediate 8, count 2") as (a, b, cap):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         b.capture = cap
         b.send(Command.EXPECT_IMM_COUNT, 3, {"imm": 8, "count": 2})
         b.recv()
-        _ask(a, Command.PAGED_WRITES, 94, {
-            "page_len": 4, "imm": 8, "src": [mr, [[0, 2], 4, 0]],
-            "dst": [desc, [[1, 3], 8, 0]]}, flags=Flag.NO_REPLY)
+        _ask(a, Command.PAGED_WRITES, 94, _two_pages(mr, desc), flags=Flag.NO_REPLY)
         b.recv()
     cap.note = (
         "Between the reply and the EVENT, A wrote two pages to B with immediate 8 (one "
@@ -860,8 +822,7 @@ def ex_imm_count(ds: Daemons) -> Capture:
         b,
         cap,
     ):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         _ask(a, Command.SINGLE_WRITE, 94,
              {"len": 8, "imm": 7, "src": [mr, 0], "dst": [desc, 0]}, flags=Flag.NO_REPLY)
         b.capture = cap
@@ -886,8 +847,7 @@ def ex_scatter(ds: Daemons) -> Capture:
         ds, "SCATTER of A's bytes 0-3 and 4-7 to offsets 0 and 32 of B's region, no peer "
         "group, NO_REPLY, immediate 5"
     ) as (a, b, cap):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         a.capture = cap
         a.send(Command.SCATTER, 3, {
             "group": None, "imm": 5, "mr": mr,
@@ -938,8 +898,7 @@ def ex_err_rkey(ds: Daemons) -> Capture:
         ds, "SINGLE_WRITE with a forged rkey: B refuses it, A's completion is EVENT|ERROR "
         "NOT_FOUND"
     ) as (a, b, cap):
-        mr, _ = _region(a, DATA)
-        _, desc = _region(b)
+        mr, desc = _a_to_b(a, b)
         ((rail, rkey),) = desc[2]
         forged = [desc[0], desc[1], [[rail, (rkey + 1) % (1 << 64)]]]
         a.capture = cap
@@ -967,13 +926,12 @@ def ex_err_submit(ds: Daemons) -> Capture:
     return cap
 
 
-@example("ENGINE_ERR_UNKNOWN_COMMAND")
-def ex_err_uvm(ds: Daemons) -> Capture:
-    with session(ds["main"], "ALLOC_UVM_WATCHER (reserved): UNKNOWN_COMMAND") as (c, cap):
-        c.send(Command.ALLOC_UVM_WATCHER, 2)
-        c.recv()
-    cap.note = "The connection stays open."
-    return cap
+request_example(
+    "ENGINE_ERR_UNKNOWN_COMMAND",
+    "ALLOC_UVM_WATCHER (reserved): UNKNOWN_COMMAND",
+    Command.ALLOC_UVM_WATCHER,
+    note="The connection stays open.",
+)
 
 
 @example("PEER_PLANE", volatile=True)
