@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from .engine_common import (
     LABELS,
     SECTION,
     GiB,
     MiB,
-    PeerPair,
     client_on,
     crc_remote,
     fill_remote,
     sides,
-    start_pair,
-    start_peers,
+    start_arms,
     vm_status,
 )
 from .harness import (
@@ -115,23 +112,9 @@ def run(opts: Options) -> BenchResult:
     s = sides(opts)
     size = opts.pick(SIZE, QUICK_SIZE)
     rounds = opts.pick(7, 3)
-    arms: dict[str, Any] = {}
-    pairs: dict[str, PeerPair] = {}
-    missing: dict[str, str] = {}
-    a = b = None
-    td: _Transferd | None = None
-    try:
-        a, b = start_pair(s)
-        with client_on(s.initiator):
-            td = _Transferd(a.url, b.url, size)
-            td.setup()
-        arms["transferd"] = td
-        opts.log("transferd: ready")
-        pairs, missing = start_peers(PEERS, size, s, opts.log)
-        for kind in PEERS:
-            if kind in pairs:
-                arms[LABELS[kind]] = pairs[kind]
-
+    with start_arms(s, lambda a_url, b_url: _Transferd(a_url, b_url, size), PEERS, size,
+                    opts.log) as started:
+        arms = started.by_label
         times: dict[str, list[float]] = {k: [] for k in arms}
         with client_on(s.initiator):
             for arm in arms.values():  # one untimed write each
@@ -142,19 +125,12 @@ def run(opts: Options) -> BenchResult:
                 times[name].append(dt)
                 opts.log(f"round {r} {name}: {size / dt / GiB:.2f} GiB/s")
             crc_ok = {name: arm.target_crc(size) == arm.source_crc for name, arm in arms.items()}
-        mem = {"daemon A": vm_status(a.pid), "daemon B": vm_status(b.pid)}
-        for kind, pair in pairs.items():
+        mem = {"daemon A": vm_status(started.a.pid), "daemon B": vm_status(started.b.pid)}
+        for kind, pair in started.pairs.items():
             m = pair.memory()
             mem[f"{LABELS[kind]} initiator"] = m["initiator"]
             mem[f"{LABELS[kind]} target"] = m["target"]
-    finally:
-        if td is not None:
-            td.close()
-        for pair in pairs.values():
-            pair.stop()
-        for d in (a, b):
-            if d is not None:
-                d.stop()
+        missing = started.missing
 
     bad = [name for name, ok in crc_ok.items() if not ok]
     if bad:

@@ -29,10 +29,10 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Generic, Protocol, TypeVar
 
 from .engine_peers import fill_chunks
 from .harness import REPO, Options, Pinning, ServerProcess, clean_env, daemon_command
@@ -331,3 +331,61 @@ def start_peers(kinds: Sequence[str], size: int, s: Sides, log: Any
 
 
 LABELS = {"socket": "plain socket", "mooncake": "Mooncake TE (tcp)", "nixl": "NIXL (UCX tcp)"}
+
+
+# -- every arm of a figure ------------------------------------------------------------------
+
+
+class TransferdArm(Protocol):
+    """A figure's transferd arm: a client of daemons A and B in this process."""
+
+    def setup(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+T = TypeVar("T", bound=TransferdArm)
+
+
+@dataclass
+class Arms(Generic[T]):
+    """Daemons A and B, the transferd arm that drives them, and the peers that started."""
+
+    a: ServerProcess
+    b: ServerProcess
+    transferd: T
+    pairs: dict[str, PeerPair]
+    missing: dict[str, str]  # kind -> why it is not available
+
+    @property
+    def by_label(self) -> dict[str, Any]:
+        """Every arm, transferd first, keyed by the label the report shows."""
+        return {"transferd": self.transferd,
+                **{LABELS[kind]: pair for kind, pair in self.pairs.items()}}
+
+
+@contextlib.contextmanager
+def start_arms(s: Sides, make: Callable[[str, str], T], kinds: Sequence[str], size: int,
+               log: Any) -> Iterator[Arms[T]]:
+    """Daemons A and B, ``make(a_url, b_url)`` set up on the initiator's CPUs, and a
+    :class:`PeerPair` of ``size`` bytes for every one of ``kinds`` that starts; all
+    closed and stopped on the way out."""
+    a = b = None
+    td: T | None = None
+    pairs: dict[str, PeerPair] = {}
+    try:
+        a, b = start_pair(s)
+        with client_on(s.initiator):
+            td = make(a.url, b.url)
+            td.setup()
+        log("transferd: ready")
+        pairs, missing = start_peers(kinds, size, s, log)
+        yield Arms(a, b, td, pairs, missing)
+    finally:
+        if td is not None:
+            td.close()
+        for pair in pairs.values():
+            pair.stop()
+        for d in (a, b):
+            if d is not None:
+                d.stop()

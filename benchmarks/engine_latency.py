@@ -22,17 +22,14 @@ of both Mooncake's and NIXL's.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .engine_common import (
     LABELS,
     SECTION,
     MiB,
-    PeerPair,
     client_on,
     sides,
-    start_pair,
-    start_peers,
+    start_arms,
 )
 from .harness import (
     BenchResult,
@@ -62,6 +59,8 @@ class _Transferd:
 
         self.a_url, self.b_url = a_url, b_url
         self.loop = uvloop.new_event_loop()
+
+    def setup(self) -> None:
         self.loop.run_until_complete(self._setup())
 
     async def _setup(self) -> None:
@@ -100,8 +99,9 @@ class _Transferd:
 
     def close(self) -> None:
         async def close() -> None:
-            await self.ca.close()
-            await self.cb.close()
+            for c in (getattr(self, "ca", None), getattr(self, "cb", None)):
+                if c is not None:
+                    await c.close()
 
         self.loop.run_until_complete(close())
         self.loop.close()
@@ -113,20 +113,8 @@ def run(opts: Options) -> BenchResult:
     n = opts.pick(2000, 500)
     rounds = opts.pick(5, 3)
     warm = opts.pick(300, 100)
-    arms: dict[str, Any] = {}
-    pairs: dict[str, PeerPair] = {}
-    missing: dict[str, str] = {}
-    a = b = None
-    td: _Transferd | None = None
-    try:
-        a, b = start_pair(s)
-        with client_on(s.initiator):
-            td = _Transferd(a.url, b.url)
-        arms["transferd"] = td
-        pairs, missing = start_peers(PEERS, BUF, s, opts.log)
-        for kind in PEERS:
-            if kind in pairs:
-                arms[LABELS[kind]] = pairs[kind]
+    with start_arms(s, _Transferd, PEERS, BUF, opts.log) as started:
+        arms = started.by_label
         per_round: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
         with client_on(s.initiator):
             for arm in arms.values():
@@ -137,16 +125,9 @@ def run(opts: Options) -> BenchResult:
                 per_round[name].append({"p50": percentile(xs, 50), "p99": percentile(xs, 99),
                                         "mean": sum(xs) / len(xs)})
                 opts.log(f"round {r} {name}: p50 {fmt_us(per_round[name][-1]['p50'])} us")
-            if not td.check():
+            if not started.transferd.check():
                 raise AssertionError("daemon B's region does not hold the written bytes")
-    finally:
-        if td is not None:
-            td.close()
-        for pair in pairs.values():
-            pair.stop()
-        for d in (a, b):
-            if d is not None:
-                d.stop()
+        missing = started.missing
 
     summary = {
         name: {"p50": median([x["p50"] for x in rows]), "p99": median([x["p99"] for x in rows]),
