@@ -27,7 +27,7 @@ import asyncio
 import time
 from typing import Any
 
-from .baselines import FRAME, PING_SIZE
+from .baselines import FRAME, PING_SIZE, nodelay
 from .harness import (
     BenchResult,
     Check,
@@ -62,10 +62,7 @@ class _PingClient(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        import socket
-
-        self.transport = transport  # type: ignore[assignment]
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
         self.got += len(data)
@@ -89,10 +86,7 @@ class _BareClient(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        import socket
-
-        self.transport = transport  # type: ignore[assignment]
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = nodelay(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.n :]
