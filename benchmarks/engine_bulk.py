@@ -31,6 +31,7 @@ from .engine_common import (
     SECTION,
     GiB,
     MiB,
+    TransferdArm,
     client_on,
     crc_remote,
     fill_remote,
@@ -61,29 +62,12 @@ PEERS = ("socket", "mooncake", "nixl")
 TIMEOUT = 120.0
 
 
-class _Transferd:
+class _Transferd(TransferdArm):
     """Daemons A and B, 1 GiB registered on each, driven by a client in this process."""
 
-    def __init__(self, a_url: str, b_url: str, size: int) -> None:
-        self.a_url, self.b_url, self.size = a_url, b_url, size
-        import uvloop
-
-        self.loop = uvloop.new_event_loop()
-
-    def setup(self) -> None:
-        self.loop.run_until_complete(self._setup())
-
-    async def _setup(self) -> None:
-        from client import Client
-
-        self.ca = await Client.connect(self.a_url)
-        self.cb = await Client.connect(self.b_url)
-        self.src = await self.ca.alloc_buffer(self.size)
-        self.dst = await self.cb.alloc_buffer(self.size)
+    async def fill(self) -> None:
         self.source_crc = await fill_remote(self.ca, self.src, self.size)
-        await self.cb.buffer_clear(self.dst, 0)  # touch every destination page
-        self.mr, _ = await self.ca.reg_mr(self.src)
-        _, self.desc = await self.cb.reg_mr(self.dst)
+        await super().fill()
 
     async def _write(self, size: int) -> float:
         t0 = time.perf_counter()
@@ -96,15 +80,6 @@ class _Transferd:
 
     def target_crc(self, size: int) -> int:
         return int(self.loop.run_until_complete(crc_remote(self.cb, self.dst, size)))
-
-    def close(self) -> None:
-        async def close() -> None:
-            for c in (getattr(self, "ca", None), getattr(self, "cb", None)):
-                if c is not None:
-                    await c.close()
-
-        self.loop.run_until_complete(close())
-        self.loop.close()
 
 
 def run(opts: Options) -> BenchResult:

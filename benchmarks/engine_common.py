@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Generic, Protocol, TypeVar
+from typing import IO, Any, Generic, TypeVar
 
 from .engine_peers import fill_chunks
 from .harness import REPO, Options, Pinning, ServerProcess, clean_env, daemon_command
@@ -336,12 +336,46 @@ LABELS = {"socket": "plain socket", "mooncake": "Mooncake TE (tcp)", "nixl": "NI
 # -- every arm of a figure ------------------------------------------------------------------
 
 
-class TransferdArm(Protocol):
-    """A figure's transferd arm: a client of daemons A and B in this process."""
+class TransferdArm:
+    """A figure's transferd arm: a client of daemon A (``ca``) and one of daemon B
+    (``cb``) in this process, on a uvloop of its own, with ``size`` bytes allocated on
+    each and registered: A's ``src`` as region ``mr``, B's ``dst`` as ``desc``.
 
-    def setup(self) -> None: ...
+    :meth:`fill` (before registering) sets what the two buffers hold.
+    """
 
-    def close(self) -> None: ...
+    def __init__(self, a_url: str, b_url: str, size: int) -> None:
+        import uvloop
+
+        self.a_url, self.b_url, self.size = a_url, b_url, size
+        self.loop = uvloop.new_event_loop()
+
+    def setup(self) -> None:
+        self.loop.run_until_complete(self._setup())
+
+    async def _setup(self) -> None:
+        from client import Client
+
+        self.ca = await Client.connect(self.a_url)
+        self.cb = await Client.connect(self.b_url)
+        self.src = await self.ca.alloc_buffer(self.size)
+        self.dst = await self.cb.alloc_buffer(self.size)
+        await self.fill()
+        self.mr, _ = await self.ca.reg_mr(self.src)
+        _, self.desc = await self.cb.reg_mr(self.dst)
+
+    async def fill(self) -> None:
+        """Zero B's buffer (which touches every destination page)."""
+        await self.cb.buffer_clear(self.dst, 0)
+
+    def close(self) -> None:
+        async def close() -> None:
+            for c in (getattr(self, "ca", None), getattr(self, "cb", None)):
+                if c is not None:
+                    await c.close()
+
+        self.loop.run_until_complete(close())
+        self.loop.close()
 
 
 T = TypeVar("T", bound=TransferdArm)

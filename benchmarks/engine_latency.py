@@ -27,6 +27,7 @@ from .engine_common import (
     LABELS,
     SECTION,
     MiB,
+    TransferdArm,
     client_on,
     sides,
     start_arms,
@@ -53,28 +54,10 @@ BUF = 1 * MiB
 PEERS = ("socket", "mooncake", "nixl")
 
 
-class _Transferd:
-    def __init__(self, a_url: str, b_url: str) -> None:
-        import uvloop
-
-        self.a_url, self.b_url = a_url, b_url
-        self.loop = uvloop.new_event_loop()
-
-    def setup(self) -> None:
-        self.loop.run_until_complete(self._setup())
-
-    async def _setup(self) -> None:
-        from client import Client
-
-        self.ca = await Client.connect(self.a_url)
-        self.cb = await Client.connect(self.b_url)
-        src = await self.ca.alloc_buffer(BUF)
-        dst = await self.cb.alloc_buffer(BUF)
-        await self.ca.buffer_clear(src, 0x5A)
-        await self.cb.buffer_clear(dst, 0)
-        self.mr, _ = await self.ca.reg_mr(src)
-        _, self.desc = await self.cb.reg_mr(dst)
-        self.dst = dst
+class _Transferd(TransferdArm):
+    async def fill(self) -> None:
+        await self.ca.buffer_clear(self.src, 0x5A)
+        await super().fill()
 
     async def _lat(self, n: int, size: int) -> list[float]:
         submit = self.ca.submit_single_write
@@ -97,15 +80,6 @@ class _Transferd:
 
         return bool(self.loop.run_until_complete(check()))
 
-    def close(self) -> None:
-        async def close() -> None:
-            for c in (getattr(self, "ca", None), getattr(self, "cb", None)):
-                if c is not None:
-                    await c.close()
-
-        self.loop.run_until_complete(close())
-        self.loop.close()
-
 
 def run(opts: Options) -> BenchResult:
     res = BenchResult(NAME, TITLE, SECTION)
@@ -113,7 +87,8 @@ def run(opts: Options) -> BenchResult:
     n = opts.pick(2000, 500)
     rounds = opts.pick(5, 3)
     warm = opts.pick(300, 100)
-    with start_arms(s, _Transferd, PEERS, BUF, opts.log) as started:
+    with start_arms(s, lambda a_url, b_url: _Transferd(a_url, b_url, BUF), PEERS, BUF,
+                    opts.log) as started:
         arms = started.by_label
         per_round: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
         with client_on(s.initiator):
