@@ -78,9 +78,11 @@ async def _serve_pingpong(host: str, port: int, size: int) -> None:
     await server.serve_forever()
 
 
-class _BareServer(asyncio.BufferedProtocol):
-    def __init__(self, memory: memoryview) -> None:
-        self.memory = memory
+class BareFrames(asyncio.BufferedProtocol):
+    """Either end of the ``bare`` pair: frames read into one 64 KiB buffer, ``n`` bytes
+    of it filled so far."""
+
+    def __init__(self) -> None:
         self.buf = bytearray(1 << 16)
         self.view = memoryview(self.buf)
         self.n = 0
@@ -91,6 +93,12 @@ class _BareServer(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.n :]
+
+
+class _BareServer(BareFrames):
+    def __init__(self, memory: memoryview) -> None:
+        super().__init__()
+        self.memory = memory
 
     def buffer_updated(self, nbytes: int) -> None:
         import msgpack

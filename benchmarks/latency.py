@@ -27,7 +27,7 @@ import asyncio
 import time
 from typing import Any
 
-from .baselines import FRAME, PING_SIZE, nodelay
+from .baselines import FRAME, PING_SIZE, BareFrames, nodelay
 from .harness import (
     BenchResult,
     Check,
@@ -72,24 +72,15 @@ class _PingClient(asyncio.Protocol):
             w.set_result(None)
 
 
-class _BareClient(asyncio.BufferedProtocol):
+class _BareClient(BareFrames):
     """GET_TENSOR frames with nothing around them: header, msgpack body, payload."""
 
     def __init__(self) -> None:
-        self.buf = bytearray(1 << 16)
-        self.view = memoryview(self.buf)
-        self.n = 0
+        super().__init__()
         self.seq = 0
         self.want = 0
         self.out = bytearray()
         self.waiter: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = nodelay(transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.n :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.n += nbytes
