@@ -13,10 +13,10 @@ import pytest
 
 from client import Client, MrDesc, Pages
 from tests.helpers import RawConn, async_test, digest
-from tests.integration import engine_cluster as ec
 from tests.integration.engine_cluster import (
     WAIT,
     Cluster,
+    MiB,
     fresh_imm,
     nodes,
     poll,
@@ -27,12 +27,6 @@ from tests.integration.engine_cluster import (
 from transferd.protocol.errors import ConnectionLost, NotFound, OutOfBounds
 from transferd.protocol.frames import Frame, encode_frame
 from transferd.protocol.peer import PeerCommand
-
-clusters = ec.clusters
-cluster = ec.cluster
-tcp_cluster = ec.tcp_cluster
-
-MiB = 1 << 20
 
 
 def forged(desc: MrDesc, how: str) -> MrDesc:

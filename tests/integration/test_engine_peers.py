@@ -10,10 +10,10 @@ import pytest
 
 from client import PeerGroup, ScatterDst, SyncClient
 from tests.helpers import async_test, digest, wait_until
-from tests.integration import engine_cluster as ec
 from tests.integration.engine_cluster import (
     WAIT,
     Cluster,
+    MiB,
     fresh_imm,
     nodes,
     settle,
@@ -21,12 +21,6 @@ from tests.integration.engine_cluster import (
 )
 from transferd.engine.limits import MAX_MESSAGE
 from transferd.protocol.errors import BadRequest, NotFound
-
-clusters = ec.clusters
-cluster = ec.cluster
-tcp_cluster = ec.tcp_cluster
-
-MiB = 1 << 20
 
 
 @async_test(timeout=90)

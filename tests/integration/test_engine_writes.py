@@ -11,11 +11,11 @@ import pytest
 
 from client import Completion, MrDesc, NetAddr, Pages
 from tests.helpers import async_test, digest
-from tests.integration import engine_cluster as ec
 from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
     Cluster,
+    MiB,
     Node,
     Region,
     engine_env,
@@ -27,13 +27,6 @@ from tests.integration.engine_cluster import (
     start_many,
 )
 from transferd.protocol.errors import BadRequest
-
-# The shared daemons (fixtures defined in engine_cluster).
-clusters = ec.clusters
-cluster = ec.cluster
-tcp_cluster = ec.tcp_cluster
-
-MiB = 1 << 20
 
 
 def put(r: Region, offset: int, data: bytes) -> None:
