@@ -249,27 +249,34 @@ async def test_get_tensor_async_out_fills_the_callers_buffer(daemon: DaemonProce
 # -- limits -----------------------------------------------------------------------------------
 
 
+async def _set_then_get(c: Client, n: int, size: int) -> dict[str, int]:
+    """n set_tensor_async of ``size`` bytes, then n get_tensor_async of them, one flush.
+
+    Checks every read by checksum; returns the client's command deltas.
+    """
+    buf = await c.alloc_buffer(n * size)
+    data = [pattern(size, i) for i in range(n)]
+    before = c.stats()["commands"]
+    for i in range(n):
+        c.set_tensor_async(buf.tensor(i * size, size), data[i])
+    futs = [c.get_tensor_async(buf.tensor(i * size, size)) for i in range(n)]
+    await c.flush()
+    delta = _delta(c.stats()["commands"], before)
+    assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
+    await c.free_buffer(buf)
+    return delta
+
+
 @async_test()
 async def test_batches_split_at_max_body(daemon_factory: DaemonFactory) -> None:
     d = daemon_factory(env={"TRANSFERD_SERVER_MAX_BODY": "2048"})
     async with await Client.connect(d.url) as c:
         assert c.max_body == 2048
-        n = 300  # ~9 KiB of tensor list: several commands
-        buf = await c.alloc_buffer(n * 16)
-        data = [pattern(16, i) for i in range(n)]
-        before = c.stats()["commands"]
-        for i in range(n):
-            c.set_tensor_async(buf.tensor(i * 16, 16), data[i])
-        futs = [c.get_tensor_async(buf.tensor(i * 16, 16)) for i in range(n)]
-        await c.flush()
-        after = c.stats()["commands"]
-        assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
-        delta = _delta(after, before)
+        delta = await _set_then_get(c, 300, 16)  # ~9 KiB of tensor list: several commands
         assert delta["SET_TENSOR"] == delta["GET_TENSOR"] == 0
         assert 2 <= delta["SET_TENSORS"] == delta["GET_TENSORS"] <= 10
         # The server never saw a body over its limit (it would have closed us).
         await c.synchronize()
-        await c.free_buffer(buf)
 
 
 @async_test()
@@ -277,17 +284,8 @@ async def test_batches_split_at_max_payload(daemon_factory: DaemonFactory) -> No
     d = daemon_factory(env={"TRANSFERD_SERVER_MAX_PAYLOAD": "10000"})
     async with await Client.connect(d.url) as c:
         assert c.max_payload == 10000
-        buf = await c.alloc_buffer(64 * 1000)
-        data = [pattern(1000, i) for i in range(64)]
-        before = c.stats()["commands"]
-        for i in range(64):
-            c.set_tensor_async(buf.tensor(i * 1000, 1000), data[i])
-        futs = [c.get_tensor_async(buf.tensor(i * 1000, 1000)) for i in range(64)]
-        await c.flush()
-        delta = _delta(c.stats()["commands"], before)
-        assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
+        delta = await _set_then_get(c, 64, 1000)
         assert delta["SET_TENSORS"] == delta["GET_TENSORS"] == 7  # 10 + ... + 4 tensors
-        await c.free_buffer(buf)
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
