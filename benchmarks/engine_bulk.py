@@ -139,10 +139,10 @@ def run(opts: Options) -> BenchResult:
     mt = Table("(d) peak memory during (a): VmHWM from /proc/PID/status (MiB)",
                ["process", "VmHWM", "registered", "overhead", "target"])
     overhead = {}
-    for proc, m in mem.items():
-        over = m["hwm"] - size
+    for proc, usage in mem.items():
+        over = usage["hwm"] - size
         overhead[proc] = over
-        mt.add(proc, f"{m['hwm'] / MiB:,.0f}", f"{size / MiB:,.0f}", f"{over / MiB:,.1f}",
+        mt.add(proc, f"{usage['hwm'] / MiB:,.0f}", f"{size / MiB:,.0f}", f"{over / MiB:,.1f}",
                f"< {TARGET_OVERHEAD // MiB} MiB" if proc.startswith("daemon") else "")
     res.tables.append(mt)
 
