@@ -32,7 +32,14 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
 from .limits import BACKLOG, MAX_MESSAGE
-from .plan import SendPart, WritePart, plan_barrier, plan_paged, plan_single
+from .plan import (
+    PAGES_PER_FRAME,
+    SendPart,
+    WritePart,
+    plan_barrier,
+    plan_paged,
+    plan_single,
+)
 from .regions import Region, RegionTable
 from .transfer import Transfer
 
@@ -155,7 +162,7 @@ class TransferEngine:
         views = region.views([base + i * stride for i in sp.indices], page_len)
         op = next(self._ops)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails,
-                           pages_per_frame=1 if self.chaos else 256)
+                           pages_per_frame=1 if self.chaos else PAGES_PER_FRAME)
         return self._submit(op, list(parts))
 
     def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
