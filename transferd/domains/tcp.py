@@ -12,7 +12,7 @@ import asyncio
 import enum
 import logging
 import socket
-from collections.abc import Callable
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from transferd.engine.plan import SendPart, WritePart
@@ -40,6 +40,9 @@ CONNECT_TIMEOUT = 10.0
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
+    # Over the stream's high watermark: new parts wait until it drains below
+    # the low one, so a slow peer holds our views, not a growing send queue.
+    PAUSED = "paused"
     CLOSED = "closed"
 
 
@@ -111,7 +114,7 @@ class PeerLink:
         self.dst = dst
         self.state = LinkState.CONNECTING
         self.stream: FramedStream | None = None
-        self._waiting: list[tuple[WritePart | SendPart, Transfer]] = []
+        self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
         self._pending: dict[tuple[int, int], Transfer] = {}
         self._task = domain.loop.create_task(self._connect())
 
@@ -138,16 +141,33 @@ class PeerLink:
         self.stream = FramedStream(
             self.domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close
         )
+        self.stream.on_pause = self._pause
+        self.stream.on_resume = self._resume
         g = self.domain.group
         self.stream.send(PeerCommand.HELLO, 0, 0, g.hello_body(self.domain.rail))
 
     def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         if self.state is LinkState.READY:
             self._send(part, transfer)
-        elif self.state is LinkState.CONNECTING:
-            self._waiting.append((part, transfer))
-        else:
+        elif self.state is LinkState.CLOSED:
             transfer.fail(PeerUnreachable(f"link to {self.dst} is closed"))
+        else:
+            self._waiting.append((part, transfer))
+
+    def _pause(self) -> None:
+        if self.state is LinkState.READY:
+            self.state = LinkState.PAUSED
+
+    def _resume(self) -> None:
+        if self.state is LinkState.PAUSED:
+            self.state = LinkState.READY
+            self._send_waiting()
+
+    def _send_waiting(self) -> None:
+        # Sending may cross the high watermark again: stop there.
+        while self._waiting and self.state is LinkState.READY:
+            part, transfer = self._waiting.popleft()
+            self._send(part, transfer)
 
     def _send(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         assert self.stream is not None
@@ -185,9 +205,7 @@ class PeerLink:
                     f"has {rails}; every peer must have the same number of NICs"))
                 return
             self.state = LinkState.READY
-            waiting, self._waiting = self._waiting, []
-            for part, transfer in waiting:
-                self._send(part, transfer)
+            self._send_waiting()
         else:
             self.close(BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}"))
 
@@ -202,7 +220,7 @@ class PeerLink:
         self.domain.forget(self)
         if self.stream is not None:
             self.stream.close()
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting, deque()
         pending, self._pending = self._pending, {}
         for _, transfer in waiting:
             transfer.fail(error)
@@ -281,8 +299,3 @@ class InboundLink:
 
     def _on_close(self, exc: BaseException | None) -> None:
         self.domain._inbound.discard(self)
-
-
-def make_rail(group: DomainGroup, rail: int, host: str, port: int,
-              factory: Callable[..., TcpDomain] | None = None) -> TcpDomain:
-    return (factory or TcpDomain)(group, rail, host, port)
