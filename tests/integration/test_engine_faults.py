@@ -3,13 +3,14 @@ a peer with another number of rails."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from client import MrDesc, NetAddr, Pages
-from tests.helpers import DaemonProcess, async_test, digest
+from tests.helpers import DaemonProcess, async_test, digest, wait_until
 from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
@@ -79,8 +80,11 @@ async def test_peer_killed_mid_transfer(own_daemons: list[DaemonProcess]) -> Non
         w = await a.client.submit_single_write(4096, imm, (src.mr, 0), (rb.desc, 0))
         with pytest.raises(PeerUnreachable):
             await w.wait(WAIT)
+        got: list[bytes] = []
+        c.client.submit_recvs(64, 1, got.append)
         w = await a.client.submit_send(await c.client.main_address(), b"still here")
-        await w.wait(WAIT)  # (C has no receive posted: the message waits in its backlog)
+        await w.wait(WAIT)  # acknowledged once C's daemon handed it to its client
+        assert await asyncio.to_thread(wait_until, lambda: got == [b"still here"], WAIT), got
         # The live peer keeps working, from both clients of A.
         ws = [await a.client.submit_single_write(MiB, imm, (src.mr, 0), (rc.desc, 0)),
               await a2.client.submit_single_write(2 * MiB, imm, (src.mr, 0), (rc.desc, 0))]

@@ -194,9 +194,12 @@ async def test_messages_sent_before_receives_are_posted(cluster: Cluster) -> Non
         tag = b"%d:" % fresh_imm()
         early = [tag + b"early %d" % i for i in range(3)]
         ws = [await c.client.submit_send(addr_b, m) for m in early]
-        assert await settle(ws) == [None] * 3  # held in the receiver's backlog
+        await asyncio.sleep(0.3)
+        # Held in the receiver's backlog: not delivered, so not yet acknowledged.
+        assert not any(w.done() for w in ws)
         got: list[bytes] = []
         b.client.submit_recvs(64, 8, got.append)
+        assert await settle(ws) == [None] * 3  # acknowledged once delivered
         assert await asyncio.to_thread(wait_until, lambda: len(got) == 3, WAIT), got
         assert sorted(got) == sorted(early)
 
@@ -211,9 +214,10 @@ async def test_receives_go_away_with_their_client(cluster: Cluster) -> None:
         await b.close()
         await wait_connections(cluster.b, 1)  # the daemon saw the close
         msg = b"%d: for whoever posts next" % fresh_imm()
-        await (await a.client.submit_send(addr_b, msg)).wait(WAIT)
+        sent = await a.client.submit_send(addr_b, msg)
         got: list[bytes] = []
         b2.client.submit_recvs(64, 4, got.append)
+        await sent.wait(WAIT)  # delivered to b2, not to the client that left
         assert await asyncio.to_thread(wait_until, lambda: len(got) == 1, WAIT), got
         assert got == [msg] and gone == []
 

@@ -36,7 +36,7 @@ def setup() -> Iterator[tuple[DomainGroup, Region, ImmCounter]]:
     regions = RegionTable()
     region = regions.register(buf, 2)
     counter = ImmCounter()
-    group = DomainGroup(0, 0xB, loop, regions, counter, lambda peer, msg: None)
+    group = DomainGroup(0, 0xB, loop, regions, counter, lambda peer, msg, ack: None)
     yield group, region, counter
     buf.release()
     loop.close()

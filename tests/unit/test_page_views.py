@@ -76,7 +76,7 @@ def test_region_views_name_the_first_page_out(region: Region, bad: int) -> None:
 def _group(region: Region) -> DomainGroup:
     table = RegionTable()
     table._by_rkey[region.rkeys[0]] = region
-    return DomainGroup(0, 1, asyncio.new_event_loop(), table, ImmCounter(), lambda p, m: None)
+    return DomainGroup(0, 1, asyncio.new_event_loop(), table, ImmCounter(), lambda p, m, a: None)
 
 
 def test_write_views_equal_pages_and_mixed_lengths_agree(region: Region) -> None:

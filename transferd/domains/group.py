@@ -36,7 +36,10 @@ def _all_int(xs: list[Any]) -> bool:
     return set(map(type, xs)) <= _INT
 
 
-Deliver = Callable[[tuple[int, int], bytes], "TransferdError | None"]
+# deliver(peer, message, ack): ``ack(None)`` once a client has the message,
+# ``ack(error)`` if it cannot have it; ``ack`` may be called from any thread.
+Ack = Callable[["TransferdError | None"], None]
+Deliver = Callable[[tuple[int, int], bytes, Ack], None]
 
 
 @dataclass(frozen=True)

@@ -291,9 +291,17 @@ class InboundLink:
                     error = exc
             self._ack(frame.body, error)
         elif frame.cmd == PeerCommand.SEND:
-            if error is None:
-                error = g.deliver(self.peer, bytes(frame.payload or b""))
-            self._ack(frame.body, error)
+            if error is not None:
+                self._ack(frame.body, error)
+                return
+            # Acknowledged when a client has the message, which may be later
+            # (it waits for a receive) and on another thread.
+            body, loop = frame.body, self.domain.loop
+
+            def ack(err: TransferdError | None) -> None:
+                loop.call_soon_threadsafe(self._ack, body, err)
+
+            g.deliver(self.peer, bytes(frame.payload or b""), ack)
         else:
             self.stream.close()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from transferd.config import EngineConfig
-from transferd.domains.group import Chaos, DomainGroup
+from transferd.domains.group import Ack, Chaos, DomainGroup
 from transferd.memory import Buffer, BufferTable
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, TransferdError
@@ -70,7 +70,7 @@ class TransferEngine:
         self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
         self._group_ids = itertools.count(1)
         self._pools: deque[RecvPool] = deque()
-        self._backlog: deque[tuple[tuple[int, int], bytes]] = deque()
+        self._backlog: deque[tuple[tuple[int, int], bytes, Ack]] = deque()
         self._pool_lock = threading.Lock()
         self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -227,45 +227,50 @@ class TransferEngine:
         with self._pool_lock:
             self._pools.append(RecvPool(owner, length, count, callback))
             backlog, self._backlog = self._backlog, deque()
-        for peer, msg in backlog:
-            err = self._deliver(peer, msg)
-            if err is not None:
-                log.warning("dropping a queued message from %x: %s", peer[0], err)
+        for queued in backlog:
+            self._deliver(*queued)
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes) -> TransferdError | None:
-        """Called on a worker: hand a message to the first posted receive that fits."""
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack) -> None:
+        """Hand a message to the first posted receive that fits (called on a worker).
+
+        The sender's completion waits for ``ack``: a message that waits in the
+        backlog is acknowledged once delivered, and one that can never be is
+        refused, so no message is acknowledged and then dropped.
+        """
         with self._pool_lock:
             for pool in self._pools:
                 if pool.count > 0 and pool.length >= len(msg):
                     pool.count -= 1
                     break
             else:
+                error: TransferdError | None = None
                 if self._pools and all(p.length < len(msg) for p in self._pools):
                     # No posted receive could ever hold it (busy ones included).
                     longest = max(p.length for p in self._pools)
-                    return BadRequest(f"message of {len(msg)} bytes is larger than every posted "
-                                      f"receive buffer (at most {longest})")
-                if len(self._backlog) >= BACKLOG:
-                    return BadRequest("no receive posted and the backlog is full")
-                self._backlog.append((peer, msg))
-                return None
+                    error = BadRequest(f"message of {len(msg)} bytes is larger than every "
+                                       f"posted receive buffer (at most {longest})")
+                elif len(self._backlog) >= BACKLOG:
+                    error = BadRequest("no receive free and the backlog is full")
+                else:
+                    self._backlog.append((peer, msg, ack))
+                if error is not None:
+                    ack(error)
+                return
 
         def run() -> None:
             try:
                 pool.callback(peer, msg)
             finally:
+                ack(None)
                 # The buffer goes back to the pool once the callback is done, and
                 # takes a message that waited while every buffer was busy.
                 with self._pool_lock:
                     pool.count += 1
                     queued = self._backlog.popleft() if self._backlog else None
                 if queued is not None:
-                    err = self._deliver(*queued)
-                    if err is not None:
-                        log.warning("dropping a queued message from %x: %s", queued[0][0], err)
+                    self._deliver(*queued)
 
         self._notify(run)
-        return None
 
     # -- receiver completion ---------------------------------------------------------
 

@@ -232,7 +232,8 @@ def ex_send_recv(ds: Daemons) -> Capture:
         a.recv()
     cap.note = (
         "B's message EVENT carries the SUBMIT_RECVS's seq, the sender's `[node, group]` and "
-        "the message as payload; A's EVENT completes the SEND once B has taken the message."
+        "the message as payload; A's EVENT completes the SEND once B has handed the "
+        "message to its client."
     )
     return cap
 
@@ -290,24 +291,27 @@ def ex_peer_plane(ds: Daemons) -> Capture:
         _, desc = _region(c)
         ptr, _, ((_rail, rkey),) = desc
         _, _, _, ((host, port),) = msgpack.unpackb(_address(c), raw=False)
-    link = Conn(port, cap, host=host, server="daemon B rail 0", me="peer")
-    try:
-        link.send(PeerCommand.HELLO, 0,
-                  {"node": secrets.randbits(64) | 1, "group": 0, "rail": 0, "rails": 1})
-        link.recv()
-        write = {"op": 1, "part": 0, "parts": 1, "rkey": rkey, "addrs": [ptr + 16],
-                 "lens": [4], "count": 1, "imm": 3}
-        link.send(PeerCommand.WRITE, 0, write, b"ABCD")
-        link.recv()
-        forged = {**write, "op": 2, "rkey": (rkey + 1) % (1 << 64)}
-        link.send(PeerCommand.WRITE, 0, forged, b"ABCD")
-        link.recv()
-        link.send(PeerCommand.SEND, 0, {"op": 3, "part": 0}, b"ping")
-        link.recv()
-    finally:
-        link.close()
+        # B's client posts a receive, so the SEND is delivered (and acknowledged) at once.
+        c.send(Command.SUBMIT_RECVS, 90, {"len": 64, "count": 1}, flags=Flag.NO_REPLY)
+        link = Conn(port, cap, host=host, server="daemon B rail 0", me="peer")
+        try:
+            link.send(PeerCommand.HELLO, 0,
+                      {"node": secrets.randbits(64) | 1, "group": 0, "rail": 0, "rails": 1})
+            link.recv()
+            write = {"op": 1, "part": 0, "parts": 1, "rkey": rkey, "addrs": [ptr + 16],
+                     "lens": [4], "count": 1, "imm": 3}
+            link.send(PeerCommand.WRITE, 0, write, b"ABCD")
+            link.recv()
+            forged = {**write, "op": 2, "rkey": (rkey + 1) % (1 << 64)}
+            link.send(PeerCommand.WRITE, 0, forged, b"ABCD")
+            link.recv()
+            link.send(PeerCommand.SEND, 0, {"op": 3, "part": 0}, b"ping")
+            link.recv()
+        finally:
+            link.close()
     cap.note = (
         "This script plays the initiating daemon. The forged WRITE's 4 bytes are read and "
-        "dropped; the SEND waits in B's backlog until a receive is posted."
+        "dropped; the SEND is acknowledged once B has handed it to the receive its client "
+        "posted (without one it would wait in B's backlog, unacknowledged)."
     )
     return cap
