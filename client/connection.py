@@ -226,6 +226,11 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- outgoing ---------------------------------------------------------------------
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the frame sent last (what a reply or event will carry)."""
+        return self._seq
+
     def next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
         return self._seq

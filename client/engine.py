@@ -194,7 +194,7 @@ class EngineMixin:
         """
         c = Completion(f"imm {imm} x{count}")
         r = self.conn.request(Command.EXPECT_IMM_COUNT, {"imm": imm, "count": count})
-        self._events.waiting[self.conn._seq] = c
+        self._events.waiting[self.conn.last_seq] = c
         if callback is not None:
             c.add_done_callback(lambda _: callback())
         await r
