@@ -37,6 +37,16 @@ def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
             if not g.future.done():
                 g.future.set_exception(exc)
     else:
+        payload = fut.result().payload
+        if payload is not None:  # gathered whole (see _lazy_sink): cut it up
+            if len(gets) == 1:
+                gets[0].result = payload
+            else:
+                pos = 0
+                for g in gets:
+                    end = pos + g.tensor[2]
+                    g.result = payload[pos:end]
+                    pos = end
         for g in gets:
             f = g.future
             if not f.done():
@@ -45,14 +55,21 @@ def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
                 f.set_result(r if r is not None else bytearray())
 
 
-def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview]]:
+# A small reply for reads without ``out=`` is received whole and cut into the
+# reads' results: cheaper than scattering it over one small buffer per read.
+GATHER_SMALL = 64 * 1024
+
+
+def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview] | None]:
     """Where a GET reply's payload goes, decided when the reply arrives.
 
     Reads without ``out=`` get their bytearray only then, after the server has
     checked every tensor: a read the server refuses allocates nothing.
     """
 
-    def sink(frame: Frame) -> list[memoryview]:
+    def sink(frame: Frame) -> list[memoryview] | None:
+        if frame.payload_len <= GATHER_SMALL and all(g.out is None for g in gets):
+            return None  # the decoder gathers the payload; _resolve_gets cuts it
         views: list[memoryview] = []
         append = views.append
         for g in gets:
