@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .client import Client
+from .engine import Completion
 
 T = TypeVar("T")
 
@@ -63,6 +64,13 @@ class SyncClient:
 
         self._call_soon(queue)
         return cf
+
+    def wait(self, completion: Completion, timeout: float | None = None) -> Any:
+        """Block until a submit's Completion (or an immediate count) is done.
+
+        Returns its result or raises its typed error; ``timeout`` raises TimeoutError.
+        """
+        return self._run(completion.wait(timeout))
 
     def close(self) -> None:
         try:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from client import PeerGroup, ScatterDst, SyncClient
+from client import MrDesc, PeerGroup, ScatterDst, SyncClient
 from tests.helpers import async_test, digest, wait_until
 from tests.integration.engine_cluster import (
     WAIT,
@@ -249,10 +249,13 @@ def test_sync_client_drives_the_engine(tcp_cluster: Cluster) -> None:
         b.submit_recvs(16, 1, lambda m: (seen.append(m), ev.set()))
         b.imm_count(0)
         w = a.submit_send(b.main_address(), b"sync hello")
-        a.synchronize()
-        assert w.done() and w.exception() is None
+        assert a.wait(w, WAIT) is not None and w.done()  # blocks until acknowledged
         assert ev.wait(WAIT)
         assert seen == [b"sync hello"]
+        # A failed transfer raises its typed error from wait().
+        forged = MrDesc(desc.ptr, [(addr, key ^ 1) for addr, key in desc.rkeys], desc.size)
+        with pytest.raises(NotFound):
+            a.wait(a.submit_single_write(4096, None, (mr, 0), (forged, 0)), WAIT)
     finally:
         for cl, buf in bufs:
             cl.free_buffer(buf)
