@@ -24,6 +24,7 @@ from tests.integration.engine_cluster import (
     stopped,
     wait_connections,
 )
+from transferd.engine.limits import MAX_MESSAGE
 from transferd.protocol.errors import ConnectionLost, NotFound, OutOfBounds
 from transferd.protocol.frames import Frame, encode_frame
 from transferd.protocol.peer import PeerCommand
@@ -317,6 +318,11 @@ async def test_peer_plane_survives_bad_and_vanishing_peers(tcp_cluster: Cluster)
                     assert ack.body.get("code") == code, (ack.body, code)
                 ack = write(conn, [p + 8], [4], b"good", imm=imm)
                 assert ack.body.get("ok") is True, ack.body
+                # A message over the limit is refused before any memory is taken for it.
+                conn.send(PeerCommand.SEND, {"op": 77, "part": 0}, bytes(MAX_MESSAGE + 1))
+                ack = conn.recv()
+                assert ack.body.get("code") == "BAD_REQUEST", ack.body
+                assert "over the limit" in ack.body["message"]
                 # Then it dies in the middle of a write's payload.
                 conn.send_raw(encode_frame(PeerCommand.WRITE, 0, 99, {
                     "op": 999, "part": 0, "parts": 1, "rkey": k0, "addrs": [p + 16],

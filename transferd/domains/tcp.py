@@ -15,6 +15,7 @@ import socket
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from transferd.engine.limits import MAX_MESSAGE
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.transfer import Transfer
 from transferd.protocol.errors import (
@@ -252,6 +253,12 @@ class InboundLink:
                 self._error = exc
                 return DISCARD
         if frame.cmd == PeerCommand.SEND:
+            if frame.payload_len > MAX_MESSAGE:
+                # Collected in memory: a size only the sender vouches for is
+                # checked before anything is allocated for it.
+                self._error = BadRequest(
+                    f"message of {frame.payload_len} bytes is over the limit of {MAX_MESSAGE}")
+                return DISCARD
             return None
         self._error = BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}")
         return DISCARD
