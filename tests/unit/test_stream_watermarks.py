@@ -14,6 +14,8 @@ from transferd.domains.tcp import LinkState, PeerLink
 from transferd.engine.plan import SendPart
 from transferd.engine.transfer import Transfer
 from transferd.protocol.errors import PeerUnreachable
+from transferd.protocol.frames import FrameDecoder, encode_frame
+from transferd.protocol.peer import PeerCommand
 from transferd.protocol.values import NetAddr
 
 
@@ -90,4 +92,40 @@ def test_paused_link_holds_parts_until_resumed() -> None:
     assert len(done) == 3  # every transfer told, none left hanging
     b.close()
     loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+
+
+def test_link_breaks_on_a_reply_that_claims_a_payload() -> None:
+    """An ACK claiming a terabyte of payload closes the link; nothing is allocated."""
+    loop = asyncio.new_event_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    domain = _Domain(loop)
+    domain.group = type("G", (), {"hello_body": lambda self, rail: {"rails": 1},  # type: ignore[attr-defined]
+                                  "domains": [domain]})()
+    link = PeerLink(domain, NetAddr(7, 0, (("127.0.0.1", port),)))  # type: ignore[arg-type]
+    done: list[Any] = []
+    link.submit(SendPart(0, link.dst, b"hi", op=1), Transfer(1, 1, 0, done.append))
+
+    async def peer() -> None:
+        conn, _ = await loop.sock_accept(listener)
+        dec = FrameDecoder()
+        while not dec.feed(await loop.sock_recv(conn, 4096)):
+            pass  # our HELLO
+        await loop.sock_sendall(conn, encode_frame(PeerCommand.HELLO, 0, 0, {"rails": 1}))
+        await asyncio.sleep(0.05)
+        await loop.sock_sendall(conn, encode_frame(PeerCommand.ACK, 0, 0, {"op": 1}, 1 << 40))
+        for _ in range(200):
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        conn.close()
+
+    listener.setblocking(False)
+    loop.run_until_complete(asyncio.wait_for(peer(), 10))
+    assert link.state is LinkState.CLOSED
+    assert len(done) == 1 and isinstance(done[0], PeerUnreachable), done
+    listener.close()
     loop.close()

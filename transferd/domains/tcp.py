@@ -139,8 +139,11 @@ class PeerLink:
         if self.state is LinkState.CLOSED:
             sock.close()
             return
+        # What comes back on our link (HELLO, ACKs) never carries a payload: a
+        # frame that claims one breaks the link instead of being buffered.
         self.stream = FramedStream(
-            self.domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close
+            self.domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
+            max_payload=0,
         )
         self.stream.on_pause = self._pause
         self.stream.on_resume = self._resume
