@@ -231,10 +231,6 @@ class Connection(asyncio.BufferedProtocol):
         """The seq of the frame sent last (what a reply or event will carry)."""
         return self._seq
 
-    def next_seq(self) -> int:
-        self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
-        return self._seq
-
     def send(
         self,
         cmd: int,
@@ -248,7 +244,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         if seq is None:
-            seq = self._seq = (self._seq + 1) & 0xFFFFFFFF or 1  # next_seq(), inlined
+            seq = self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
         raw = frames.pack_body(body) if body else b""
         if payload:
             views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]

@@ -124,19 +124,9 @@ class Session(asyncio.BufferedProtocol):
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        decoder = self._decoder
-        decoder.buffer_updated(nbytes)
+        self._decoder.buffer_updated(nbytes)
         self.ctx.stats.bytes_in += nbytes
-        # _pump(), inlined: this runs once per read.
-        while self._blockers == 0 and self.state is not _CLOSED:
-            try:
-                frame = decoder.next_frame()
-            except ProtocolError as exc:
-                self._fail(exc, cmd=decoder.current_cmd)
-                return
-            if frame is None:
-                return
-            self._handle(frame)
+        self._pump()
 
     def eof_received(self) -> bool:
         return False
@@ -231,11 +221,7 @@ class Session(asyncio.BufferedProtocol):
             )
             return
         if result is None or type(result) is Reply:
-            # _reply(), inlined for the usual synchronous reply.
-            if not int(frame.flags) & _NO_REPLY:
-                body, payload = (result.body, result.payload) if result is not None else (None, ())
-                n = self.send_frame(frame.cmd, _REPLY, frame.seq, body, payload)
-                self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
+            self._reply(frame, result, started)
         elif isinstance(result, Awaitable):
             self._block()
             task = asyncio.ensure_future(self._finish_async(frame, result, started))
@@ -311,9 +297,6 @@ class Session(asyncio.BufferedProtocol):
         n = HEADER_SIZE + len(raw) + plen
         self.ctx.stats.bytes_out += n
         return n
-
-    def send_event(self, cmd: int, body: dict[str, Any], seq: int = 0) -> None:
-        self.send_frame(cmd, Flag.EVENT, seq, body)
 
     def close(self) -> None:
         if self.state is not State.CLOSED:
