@@ -6,13 +6,16 @@ import sys
 
 import click
 
+from transferd import __version__
 from transferd import config as cfgmod
 from transferd.daemon import run_daemon
+from transferd.exits import Exit
 
 from .server import RpcFrontend
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rpc-server")
 @click.option("-H", "--host", default=None, help="Address to listen on [127.0.0.1].")
 @click.option("-p", "--port", type=int, default=None, help="TCP port [18515]; 0 picks one.")
 @click.option("-m", "--mem", type=int, default=None, help="Host memory limit in MiB [4096].")
@@ -29,7 +32,7 @@ from .server import RpcFrontend
     "--metrics-port",
     type=int,
     default=None,
-    help="Prometheus metrics port [18516]; 0 picks one; -1 turns metrics off.",
+    help="Prometheus metrics port [0: a free one, printed]; -1 turns metrics off.",
 )
 @click.option("--token", default=None, help="Require this token in HELLO.")
 @click.option("--unix", "unix_socket", default=None, help="Also listen on this Unix socket path.")
@@ -41,7 +44,18 @@ from .server import RpcFrontend
     type=click.Path(dir_okay=False),
     help="Read settings from this TOML file first.",
 )
-@click.option("--log-level", default=None, type=click.Choice(cfgmod.LOG_LEVELS))
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(cfgmod.LOG_LEVELS, case_sensitive=False),
+    help="Override log.level.",
+)
+@click.option(
+    "--log-format",
+    default=None,
+    type=click.Choice(cfgmod.LOG_FORMATS, case_sensitive=False),
+    help="Override log.format: text, or json lines for log shippers.",
+)
 def main(
     host: str | None,
     port: int | None,
@@ -53,6 +67,7 @@ def main(
     unix_socket: str | None,
     config_path: str | None,
     log_level: str | None,
+    log_format: str | None,
 ) -> None:
     """Serve transferd's RPC protocol (and its transfer engine) on HOST:PORT."""
     if device != "cpu":
@@ -67,6 +82,7 @@ def main(
         "server.token": token,
         "server.unix_socket": unix_socket,
         "log.level": log_level,
+        "log.format": log_format,
     }
     if metrics_port is not None:
         if metrics_port < 0:
@@ -76,8 +92,9 @@ def main(
     try:
         config = cfgmod.load(config_path, overrides=overrides)
     except cfgmod.ConfigError as exc:
-        click.echo(f"rpc-server: configuration error: {exc}", err=True)
-        sys.exit(2)
+        for line in exc.errors:
+            click.echo(f"rpc-server: configuration error: {line}", err=True)
+        sys.exit(Exit.CONFIG)
     run_daemon(config, [RpcFrontend()])
 
 

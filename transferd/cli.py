@@ -8,12 +8,23 @@ import click
 
 from transferd import __version__
 from transferd import config as cfgmod
+from transferd.config_docs import toml_value
+from transferd.exits import Exit
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="transferd")
 def main() -> None:
     """transferd: moves bytes between machines for LLM systems."""
+
+
+def metrics_port_overrides(port: int | None) -> dict[str, object]:
+    """``--metrics-port``: -1 turns metrics off, 0 picks a port, else that port."""
+    if port is None:
+        return {}
+    if port < 0:
+        return {"metrics.enabled": False}
+    return {"metrics.port": port}
 
 
 @main.command()
@@ -23,55 +34,100 @@ def main() -> None:
     "config_path",
     default=None,
     type=click.Path(dir_okay=False),
-    help="TOML config file; without one the embedded default is used.",
+    help="TOML config file; without one the embedded defaults are used.",
 )
-@click.option("-H", "--host", default=None, help="Override server.host.")
-@click.option("-p", "--port", type=int, default=None, help="Override server.port.")
-@click.option("--metrics-port", type=int, default=None, help="Override metrics.port.")
-@click.option("--log-level", default=None, type=click.Choice(cfgmod.LOG_LEVELS))
+@click.option("-H", "--host", default=None, help="Address to listen on (server.host).")
+@click.option("-p", "--port", type=int, default=None,
+              help="TCP port (server.port); 0 picks one.")
+@click.option("-m", "--mem", type=int, default=None,
+              help="Host memory limit in MiB (memory.host_limit_mib).")
+@click.option("--protocol-minor", type=click.IntRange(1, 2), default=None,
+              help="Act as a server of this protocol minor (server.protocol_minor).")
+@click.option("--metrics-port", type=int, default=None,
+              help="Metrics port (metrics.port); 0 picks one; -1 turns metrics off.")
+@click.option("--token", default=None,
+              help="Require this token in HELLO (server.token); prefer TRANSFERD_SERVER_TOKEN.")
+@click.option("--unix", "unix_socket", default=None,
+              help="Also listen on this Unix socket path (server.unix_socket).")
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(cfgmod.LOG_LEVELS, case_sensitive=False),
+    help="Log level (log.level).",
+)
+@click.option(
+    "--log-format",
+    default=None,
+    type=click.Choice(cfgmod.LOG_FORMATS, case_sensitive=False),
+    help="Log format (log.format): text, or json lines for log shippers.",
+)
 def serve(
     config_path: str | None,
     host: str | None,
     port: int | None,
+    mem: int | None,
+    protocol_minor: int | None,
     metrics_port: int | None,
+    token: str | None,
+    unix_socket: str | None,
     log_level: str | None,
+    log_format: str | None,
 ) -> None:
-    """Run the daemon (RPC server, engine, metrics) until SIGTERM or Ctrl-C."""
+    """Run the daemon (RPC server, engine, metrics) until SIGTERM or Ctrl-C.
+
+    Takes the flags rpc-server takes where they overlap; flags beat TRANSFERD_*
+    variables, which beat the file, which beats the defaults.
+    """
     from transferd.daemon import discover_frontends, run_daemon
 
+    overrides = {
+        "server.host": host,
+        "server.port": port,
+        "memory.host_limit_mib": mem,
+        "server.protocol_minor": protocol_minor,
+        "server.token": token,
+        "server.unix_socket": unix_socket,
+        "log.level": log_level,
+        "log.format": log_format,
+        **metrics_port_overrides(metrics_port),
+    }
     try:
-        config = cfgmod.load(
-            config_path,
-            overrides={
-                "server.host": host,
-                "server.port": port,
-                "metrics.port": metrics_port,
-                "log.level": log_level,
-            },
-        )
+        config = cfgmod.load(config_path, overrides=overrides)
     except cfgmod.ConfigError as exc:
-        click.echo(f"transferd: configuration error: {exc}", err=True)
-        sys.exit(2)
+        for line in exc.errors:
+            click.echo(f"transferd: configuration error: {line}", err=True)
+        sys.exit(Exit.CONFIG)
     frontends = discover_frontends()
     if not frontends:
         click.echo("transferd: no front end installed (is rpc_server installed?)", err=True)
-        sys.exit(1)
+        sys.exit(Exit.INSTALL)
     run_daemon(config, frontends)
 
 
 @main.command("check-config")
-@click.argument("path", type=click.Path(dir_okay=False))
-def check_config(path: str) -> None:
-    """Validate a config file (and TRANSFERD_* variables); exit 0 when good."""
+@click.argument("path", required=False, type=click.Path(dir_okay=False))
+@click.option("--print", "show", is_flag=True,
+              help="Print the effective configuration, with where each value came from.")
+def check_config(path: str | None, show: bool) -> None:
+    """Validate PATH (or, without one, the defaults) with the TRANSFERD_* variables.
+
+    Every problem is reported, one per line on stderr, and the exit status is 3;
+    0 when the configuration is good.
+    """
     try:
-        cfg = cfgmod.load(path)
+        cfg, sources = cfgmod.load_with_sources(path)
     except cfgmod.ConfigError as exc:
-        click.echo(f"{exc}", err=True)
-        sys.exit(2)
+        for line in exc.errors:
+            click.echo(line, err=True)
+        sys.exit(Exit.CONFIG)
+    if show:
+        for name, f, value in cfg.items():
+            shown = "********" if f.metadata.get("secret") and value else value
+            click.echo(f"{name} = {toml_value(shown)}  # {sources[name]}")
     s = cfg.server
     click.echo(
-        f"{path}: OK (tcp://{s.host}:{s.port}, protocol minor {s.protocol_minor}, "
-        f"host memory {cfg.memory.host_limit_mib} MiB)"
+        f"{path or '(defaults)'}: OK (tcp://{s.host}:{s.port}, protocol minor "
+        f"{s.protocol_minor}, host memory {cfg.memory.host_limit_mib} MiB)"
     )
 
 

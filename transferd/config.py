@@ -1,17 +1,29 @@
-"""Daemon configuration: an embedded default, a TOML file, TRANSFERD_* variables, flags.
+"""Daemon configuration: the schema, and how it is loaded.
 
-Later sources win: defaults < file < environment < command-line flags.  Every
-key is typed by its default; a key nobody knows, or a value of the wrong type
-or range, is a :class:`ConfigError` naming the key, raised before anything
-starts.  ``config/transferd.toml`` documents every key.
+Later sources win: embedded defaults < a TOML file < ``TRANSFERD_<SECTION>_<KEY>``
+variables < command-line flags.  The schema is the dataclasses below: every key
+is declared with :func:`key`, which carries its doc string and its bounds, and
+is typed by its default.  ``config/transferd.toml`` and the key reference in
+``docs/configuration.md`` are generated from it (``python -m
+transferd.config_docs --write``; a test fails when they drift).
+
+Adding a key: one ``key(...)`` line in its section's dataclass, with a doc
+string written for operators, then run the generator.  Checks that span
+several keys go in :meth:`Config.problems`.
+
+A key nobody knows, a value of the wrong type, out of range, or not finite is a
+:class:`ConfigError`; every problem is collected and reported at once, each
+naming its key, before anything starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,53 +32,222 @@ from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, 
 
 ENV_PREFIX = "TRANSFERD_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message names the key."""
+    """One or more configuration keys or values are wrong; each message names its key.
+
+    ``errors`` lists every problem found; ``str()`` is one per line.
+    """
+
+    def __init__(self, errors: str | list[str]) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def key(
+    default: Any,
+    doc: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple[str, ...] = (),
+    flag: str = "",
+    reload: bool = False,
+    secret: bool = False,
+    unit: str = "",
+) -> Any:
+    """Declare a config key.
+
+    ``doc``: what it does, for operators (becomes the comment in the TOML file
+    and the reference).  ``min``/``max``: inclusive bounds of a number;
+    ``choices``: the allowed strings (matched case-insensitively, stored lower
+    case).  ``flag``: the command-line flags that set it, as documented.
+    ``reload``: SIGHUP applies a change without a restart.  ``secret``: masked
+    by ``check-config --print``.
+    """
+    meta = {
+        "doc": " ".join(doc.split()),
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "flag": flag,
+        "reload": reload,
+        "secret": secret,
+        "unit": unit,
+    }
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 18515
-    unix_socket: str = ""
-    token: str = ""
-    protocol_minor: int = PROTO_MINOR
-    max_body: int = DEFAULT_MAX_BODY
-    max_payload: int = DEFAULT_MAX_PAYLOAD
+    """The RPC server: where clients connect."""
+
+    host: str = key(
+        "127.0.0.1",
+        'Address the RPC server listens on (TCP), an IP address or a name that resolves. '
+        '"0.0.0.0" listens on every IPv4 address; anything but loopback should come with '
+        "a token. Also the engine's single rail when engine.host_rails is empty.",
+        flag="-H/--host",
+    )
+    port: int = key(
+        18515,
+        'TCP port of the RPC server; 0 lets the system pick a free one (printed at start: '
+        '"transferd: listening on tcp://HOST:PORT"). A port given that is taken is an error '
+        "naming it.",
+        min=0, max=65535, flag="-p/--port",
+    )
+    unix_socket: str = key(
+        "",
+        'Also listen on this Unix stream socket path ("" = none). A stale socket file at '
+        'the path is removed at start, and the file at stop. Clients connect with '
+        '"unix:///path". Two daemons must not share a path: give each its own.',
+        flag="--unix",
+    )
+    token: str = key(
+        "",
+        'Shared secret every client must present in HELLO ("" = none). A wrong or missing '
+        "token gets UNAUTHORIZED and a close. Prefer TRANSFERD_SERVER_TOKEN in a file only "
+        "root can read to keeping a secret in a world-readable file.",
+        flag="--token", reload=True, secret=True,
+    )
+    protocol_minor: int = key(
+        PROTO_MINOR,
+        "Protocol minor this server acts as: 2 (current) or 1. As minor 1 it reports minor 1 "
+        "in HELLO and answers minor-2 commands (GET_TENSORS, SET_TENSORS, the engine "
+        "commands) with UNKNOWN_COMMAND: for compatibility tests and A/B runs.",
+        min=1, max=2, flag="--protocol-minor",
+    )
+    max_body: int = key(
+        DEFAULT_MAX_BODY,
+        "Largest frame body (the msgpack map) accepted, in bytes; announced in HELLO. A "
+        "larger header gets TOO_LARGE and a close. The default (4 MiB) holds a batch of "
+        "well over 100,000 tensors.",
+        min=1024, unit="bytes",
+    )
+    max_payload: int = key(
+        DEFAULT_MAX_PAYLOAD,
+        "Largest frame payload (raw tensor bytes) accepted, in bytes; announced in HELLO. "
+        "Clients split batches to stay under it. Default 16 GiB.",
+        min=1, unit="bytes",
+    )
 
 
 @dataclass
 class MemoryConfig:
-    host_limit_mib: int = 4096
-    max_buffer_mib: int = 0
+    """Buffers: host memory the daemon hands out to clients."""
+
+    host_limit_mib: int = key(
+        4096,
+        "Host memory the daemon may hand out as buffers, all buffers together, in MiB. "
+        "ALLOC_BUFFER past it gets OUT_OF_MEMORY; GET_DEVICES reports it as total. Buffers "
+        "are backed lazily, so this is what the daemon promises; it must not exceed the "
+        "machine's memory.",
+        min=1, flag="-m/--mem", reload=True, unit="MiB",
+    )
+    max_buffer_mib: int = key(
+        0,
+        "Largest single buffer, in MiB; 0 = no cap but host_limit_mib, which it must not "
+        "exceed. GET_DEVICES reports it as max_size.",
+        min=0, reload=True, unit="MiB",
+    )
 
 
 @dataclass
 class MetricsConfig:
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 18516
+    """The Prometheus endpoint, http://HOST:PORT/metrics."""
+
+    enabled: bool = key(
+        True, "Serve Prometheus metrics over HTTP.", flag="--metrics-port -1 turns it off"
+    )
+    host: str = key(
+        "127.0.0.1",
+        'Address of the metrics endpoint; "0.0.0.0" for a Prometheus on another host (the '
+        "endpoint has no authentication: firewall it).",
+    )
+    port: int = key(
+        0,
+        "Port of the metrics endpoint. 0 (the default) lets the system pick a free one, "
+        'printed at start ("transferd: metrics on http://HOST:PORT/metrics"), so that '
+        "daemons started with different RPC ports never collide; a node's service sets a "
+        "fixed port for Prometheus to scrape (18516 in deploy/ and config/examples/). A port "
+        "given that is taken is an error naming metrics.port.",
+        min=0, max=65535, flag="--metrics-port",
+    )
 
 
 @dataclass
 class EngineConfig:
-    enabled: bool = True
-    # One address per rail of the host domain group; empty means "the server host".
-    host_rails: list[str] = field(default_factory=list)
-    peer_port: int = 0
-    pin_workers: bool = True
-    peer_timeout_s: float = 30.0
-    # "tcp", or "chaos": tcp that delivers out of order at random delays (tests).
-    domain: str = "tcp"
-    chaos_seed: int = 0
-    chaos_max_delay_ms: float = 5.0
+    """The transfer engine: the peer plane between daemons."""
+
+    enabled: bool = key(
+        True,
+        "Run the transfer engine (registered regions, one-sided writes, immediate "
+        "counters, the engine commands 0x20-0x3F). Off: those commands get "
+        'UNKNOWN_COMMAND and HELLO\'s features lack "engine".',
+    )
+    host_rails: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        "One local address per rail (NIC) of the host domain group, 1 to 4 of them; empty "
+        "= one rail on server.host. Each must be an address of this machine. Every peer "
+        "must have the same rail count.",
+    )
+    peer_port: int = key(
+        0,
+        "Port of the peer plane (daemon-to-daemon links) on the first rail; 0 lets the "
+        "system pick. The ports in use travel in the daemon's NetAddr (printed at start: "
+        '"transferd: engine NODE rails HOST:PORT ..."), so peers need not be told. Fix it '
+        "when a firewall must be opened for it.",
+        min=0, max=65535,
+    )
+    pin_workers: bool = key(
+        True,
+        "Pin each engine worker thread to a core of its device's NUMA node, within the "
+        "CPUs the process may use; a failure to pin is logged, never fatal.",
+    )
+    peer_timeout_s: float = key(
+        30.0,
+        "Seconds the engine waits for a peer to acknowledge a transfer before it fails the "
+        "transfer with TIMEOUT at the initiator; must be positive.",
+        min=1e-3, unit="s",
+    )
+    domain: str = key(
+        "tcp",
+        'The Domain (transport) of each rail: "tcp", or "chaos" for tests: tcp that '
+        "delivers every write in pieces, out of order, after random delays, to prove "
+        'nothing depends on delivery order. Never use "chaos" in production.',
+        choices=("tcp", "chaos"),
+    )
+    chaos_seed: int = key(
+        0, 'Seed of the "chaos" domain\'s random delays and order. Ignored by "tcp".'
+    )
+    chaos_max_delay_ms: float = key(
+        5.0,
+        'Largest random delay the "chaos" domain puts before each piece it sends, in '
+        'milliseconds. Ignored by "tcp".',
+        min=0, unit="ms",
+    )
 
 
 @dataclass
 class LogConfig:
-    level: str = "info"
+    """The daemon's log, on stderr (the journal under systemd)."""
+
+    level: str = key(
+        "info",
+        "Log level: debug, info, warning or error (any case). docs/operations.md says what "
+        "each level logs.",
+        choices=LOG_LEVELS, flag="--log-level", reload=True,
+    )
+    format: str = key(
+        "text",
+        'Log line format: "text" (one readable line per record) or "json" (one JSON '
+        "object per line, for log shippers).",
+        choices=LOG_FORMATS, flag="--log-format",
+    )
 
 
 @dataclass
@@ -77,36 +258,37 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
-    def validate(self) -> Config:
-        s = self.server
-        _check_port("server.port", s.port)
-        _check_port("metrics.port", self.metrics.port)
-        _check_port("engine.peer_port", self.engine.peer_port)
-        if s.protocol_minor not in (1, 2):
-            raise ConfigError(f"server.protocol_minor: must be 1 or 2, got {s.protocol_minor}")
-        if s.max_body < 1024:
-            raise ConfigError(f"server.max_body: must be at least 1024, got {s.max_body}")
-        if s.max_payload < 1:
-            raise ConfigError(f"server.max_payload: must be positive, got {s.max_payload}")
-        if self.memory.host_limit_mib < 1:
-            raise ConfigError(
-                f"memory.host_limit_mib: must be at least 1, got {self.memory.host_limit_mib}"
-            )
-        if self.memory.max_buffer_mib < 0:
-            raise ConfigError("memory.max_buffer_mib: must be 0 (no cap) or positive")
+    def problems(self) -> list[str]:
+        """Every problem of this configuration (per-key bounds, then across keys)."""
+        out: list[str] = []
+        for name, _f, value in self.items():
+            out += _check_value(name, _f.metadata, value)
         if not 1 <= max(1, len(self.engine.host_rails)) <= 4:
-            raise ConfigError("engine.host_rails: a domain group holds 1 to 4 rails")
-        if self.engine.domain not in ("tcp", "chaos"):
-            raise ConfigError(
-                f"engine.domain: must be 'tcp' or 'chaos', got {self.engine.domain!r}"
+            out.append("engine.host_rails: a domain group holds 1 to 4 rails")
+        mem = self.memory
+        if mem.max_buffer_mib > mem.host_limit_mib:
+            out.append(
+                f"memory.max_buffer_mib: {mem.max_buffer_mib} MiB is over "
+                f"memory.host_limit_mib ({mem.host_limit_mib} MiB)"
             )
-        if self.engine.chaos_max_delay_ms < 0:
-            raise ConfigError("engine.chaos_max_delay_ms: must not be negative")
-        if self.engine.peer_timeout_s <= 0:
-            raise ConfigError("engine.peer_timeout_s: must be positive")
-        if self.log.level not in LOG_LEVELS:
-            raise ConfigError(f"log.level: must be one of {', '.join(LOG_LEVELS)}")
+        return out
+
+    def validate(self) -> Config:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
         return self
+
+    def items(self) -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
+        """``("section.key", field, value)`` for every key, in schema order."""
+        for sec in dataclasses.fields(self):
+            table = getattr(self, sec.name)
+            for f in dataclasses.fields(table):
+                yield f"{sec.name}.{f.name}", f, getattr(table, f.name)
+
+    def get(self, dotted: str) -> Any:
+        section, _, name = dotted.partition(".")
+        return getattr(getattr(self, section), name)
 
     @property
     def host_limit(self) -> int:
@@ -117,13 +299,48 @@ class Config:
         return (self.memory.max_buffer_mib << 20) or self.host_limit
 
 
-def _check_port(key: str, port: int) -> None:
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{key}: {port} is not a TCP port (0-65535)")
+def schema() -> Iterator[tuple[str, type, dataclasses.Field[Any]]]:
+    """``(section name, section class, key field)`` for every key of the schema."""
+    for sec in dataclasses.fields(Config):
+        cls = sec.default_factory
+        assert isinstance(cls, type)
+        for f in dataclasses.fields(cls):
+            yield sec.name, cls, f
 
 
-def _coerce(key: str, default: Any, value: Any, *, from_text: bool) -> Any:
-    """Give ``value`` the type of ``default`` or raise ConfigError naming ``key``."""
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, _c, f in schema()]
+
+
+def env_name(dotted: str) -> str:
+    return ENV_PREFIX + dotted.replace(".", "_").upper()
+
+
+def _check_value(name: str, meta: Mapping[str, Any], value: Any) -> list[str]:
+    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices") or ()
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{name}: must be a finite number, got {value}"]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if name.endswith("port") and not 0 <= value <= 65535:
+            return [f"{name}: {value} is not a TCP port (0-65535)"]
+        if lo is not None and hi is not None and not lo <= value <= hi:
+            return [f"{name}: must be {_num(lo)} to {_num(hi)}, got {value}"]
+        if lo is not None and value < lo:
+            return [f"{name}: must be at least {_num(lo)}, got {value}"]
+        if hi is not None and value > hi:
+            return [f"{name}: must be at most {_num(hi)}, got {value}"]
+    if choices and value not in choices:
+        return [f"{name}: must be one of {', '.join(choices)}, got {value!r}"]
+    return []
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _coerce(name: str, f: dataclasses.Field[Any], default: Any, value: Any,
+            *, from_text: bool) -> Any:
+    """Give ``value`` the type of ``default`` or raise ConfigError naming ``name``."""
     kind = type(default)
     if from_text:
         text = str(value).strip()
@@ -133,32 +350,128 @@ def _coerce(key: str, default: Any, value: Any, *, from_text: bool) -> Any:
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
-            raise ConfigError(f"{key}: expected a boolean, got {text!r}")
+            raise ConfigError(f"{name}: expected a boolean, got {text!r}")
         if kind is list:
             return [p.strip() for p in text.split(",") if p.strip()]
-        try:
-            return kind(text)
-        except ValueError:
-            raise ConfigError(f"{key}: expected {kind.__name__}, got {text!r}") from None
+        if kind is str:
+            value = text
+        else:
+            try:
+                return kind(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected {kind.__name__}, got {text!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key}: expected a list of strings")
+            raise ConfigError(f"{name}: expected a list of strings")
         return list(value)
     if type(value) is not kind:
-        raise ConfigError(f"{key}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
+    if kind is str and f.metadata.get("choices"):
+        return value.lower()
     return value
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, *, from_text: bool) -> None:
-    name = f"{section}.{key}"
-    sec = getattr(cfg, section, None)
-    if sec is None or not dataclasses.is_dataclass(sec):
-        raise ConfigError(f"{name}: unknown section {section!r}")
-    if key not in {f.name for f in dataclasses.fields(sec)}:
-        raise ConfigError(f"{name}: unknown key")
-    setattr(sec, key, _coerce(name, getattr(sec, key), value, from_text=from_text))
+def _unknown(name: str, candidates: list[str]) -> str:
+    near = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+class _Loader:
+    """Applies one source after another, collecting every problem."""
+
+    def __init__(self) -> None:
+        self.cfg = Config()
+        self.sources = dict.fromkeys(all_keys(), "default")
+        self.errors: list[str] = []
+        self.sections = [f.name for f in dataclasses.fields(Config)]
+
+    def apply(self, section: str, name: str, value: Any, *, from_text: bool,
+              source: str) -> None:
+        dotted = f"{section}.{name}"
+        sec = getattr(self.cfg, section, None) if section in self.sections else None
+        if sec is None:
+            self.errors.append(
+                f"{dotted}: unknown section {section!r}{_unknown(section, self.sections)}"
+            )
+            return
+        fields = {f.name: f for f in dataclasses.fields(sec)}
+        if name not in fields:
+            self.errors.append(f"{dotted}: unknown key{_unknown(dotted, all_keys())}")
+            return
+        try:
+            setattr(sec, name, _coerce(dotted, fields[name], getattr(sec, name), value,
+                                       from_text=from_text))
+        except ConfigError as exc:
+            self.errors += exc.errors
+            return
+        self.sources[dotted] = source
+
+    def file(self, path: str | Path) -> None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            self.errors.append(f"{path}: cannot read: {exc.strerror}")
+            return
+        except tomllib.TOMLDecodeError as exc:
+            self.errors.append(f"{path}: not valid TOML: {exc}")
+            return
+        for section, table in data.items():
+            if section not in self.sections:
+                self.errors.append(
+                    f"{section}: unknown section [{section}]{_unknown(section, self.sections)}"
+                )
+                continue
+            if not isinstance(table, dict):
+                self.errors.append(f"{section}: expected a [{section}] table")
+                continue
+            for name, value in table.items():
+                self.apply(section, name, value, from_text=False, source=f"file {path}")
+
+    def environment(self, environ: Mapping[str, str]) -> None:
+        for var, value in environ.items():
+            if not var.startswith(ENV_PREFIX):
+                continue
+            rest = var[len(ENV_PREFIX):].lower()
+            section, _, name = rest.partition("_")
+            # Variables whose first word is not a section are not the daemon's:
+            # the client library's switches share the prefix.
+            if section in self.sections and name:
+                self.apply(section, name, value, from_text=True, source=f"env {var}")
+
+    def flags(self, overrides: Mapping[str, Any]) -> None:
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            section, _, name = dotted.partition(".")
+            current = getattr(getattr(self.cfg, section, None), name, "")
+            self.apply(section, name, value, source="flag",
+                       from_text=isinstance(value, str) and not isinstance(current, str))
+
+
+def load_with_sources(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[Config, dict[str, str]]:
+    """Like :func:`load`, also returning where each key's value came from
+    (``"default"``, ``"file PATH"``, ``"env VAR"`` or ``"flag"``)."""
+    ld = _Loader()
+    if path is not None:
+        ld.file(path)
+    ld.environment(os.environ if env is None else env)
+    ld.flags(overrides or {})
+    # Values that failed to parse kept their default; report bounds only for the rest.
+    bad = {e.split(":", 1)[0] for e in ld.errors}
+    problems = [p for p in ld.cfg.problems() if p.split(":", 1)[0] not in bad]
+    if ld.errors or problems:
+        raise ConfigError(ld.errors + problems)
+    return ld.cfg, ld.sources
 
 
 def load(
@@ -167,42 +480,6 @@ def load(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Build the configuration; ``overrides`` maps ``section.key`` to flag values."""
-    cfg = Config()
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{section}: expected a [{section}] table")
-            if section not in {f.name for f in dataclasses.fields(cfg)}:
-                raise ConfigError(f"{section}: unknown section [{section}]")
-            for key, value in table.items():
-                _apply(cfg, section, key, value, from_text=False)
-    environ = os.environ if env is None else env
-    sections = {f.name for f in dataclasses.fields(cfg)}
-    for var, value in environ.items():
-        if not var.startswith(ENV_PREFIX):
-            continue
-        rest = var[len(ENV_PREFIX) :].lower()
-        section, _, key = rest.partition("_")
-        if section in sections and key:
-            _apply(cfg, section, key, value, from_text=True)
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        section, _, key = dotted.partition(".")
-        _apply(
-            cfg,
-            section,
-            key,
-            value,
-            from_text=isinstance(value, str)
-            and not isinstance(getattr(getattr(cfg, section, None), key, ""), str),
-        )
-    return cfg.validate()
+    """Build the configuration; ``overrides`` maps ``section.key`` to flag values
+    (``None`` = the flag was not given).  Raises ConfigError listing every problem."""
+    return load_with_sources(path, env=env, overrides=overrides)[0]

@@ -121,19 +121,17 @@ class Daemon:
             self._stop.set()
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(level: str, fmt: str = "text") -> None:
+    from transferd import logs
+
+    logs.configure(level, fmt)
 
 
 def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
     """Run until SIGTERM/SIGINT, on uvloop."""
     import uvloop
 
-    configure_logging(config.log.level)
+    configure_logging(config.log.level, config.log.format)
     daemon = Daemon(config)
     try:
         uvloop.run(daemon.run(frontends))

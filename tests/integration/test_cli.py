@@ -14,6 +14,7 @@ import pytest
 from client import SyncClient
 from tests.helpers import REPO, DaemonProcess, digest, pattern, scrape
 from transferd import __version__
+from transferd.exits import Exit
 
 SERVE = [sys.executable, "-m", "transferd.cli", "serve"]
 RPC_SERVER = [sys.executable, "-m", "rpc_server.cli"]
@@ -95,26 +96,26 @@ def test_serve_with_the_embedded_default() -> None:
         ("[memory]\nhost_limit_mib = 0\n", "memory.host_limit_mib"),
     ],
 )
-def test_serve_with_a_bad_config_exits_2_before_listening(
+def test_serve_with_a_bad_config_exits_3_before_listening(
     tmp_path: Path, text: str, key: str
 ) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text(text)
     r = run_cli([*SERVE, "-c", str(cfg)])
-    assert r.returncode == 2
+    assert r.returncode == Exit.CONFIG == 3
     assert key in r.stderr
     assert "listening" not in r.stdout and "ready" not in r.stdout
 
 
-def test_serve_with_a_bad_environment_exits_2() -> None:
+def test_serve_with_a_bad_environment_exits_3() -> None:
     r = run_cli([*SERVE, "-p", "0"], TRANSFERD_SERVER_PROTOCOL_MINOR="9")
-    assert r.returncode == 2 and "server.protocol_minor" in r.stderr
+    assert r.returncode == Exit.CONFIG and "server.protocol_minor" in r.stderr
     assert "listening" not in r.stdout
 
 
 def test_serve_with_a_missing_config_file(tmp_path: Path) -> None:
     r = run_cli([*SERVE, "-c", str(tmp_path / "nope.toml")])
-    assert r.returncode == 2 and "nope.toml" in r.stderr
+    assert r.returncode == Exit.CONFIG and "nope.toml" in r.stderr
 
 
 def test_rpc_server_help_lists_the_flags() -> None:
@@ -147,18 +148,18 @@ def test_rpc_server_console_script_serves() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("args", "needle", "status"),
     [
-        (["--protocol-minor", "3"], "--protocol-minor"),
-        (["-d", "cuda:0"], "--device"),
-        (["-p", "70000"], "server.port"),
-        (["-m", "0"], "memory.host_limit_mib"),
-        (["--bogus"], "--bogus"),
+        (["--protocol-minor", "3"], "--protocol-minor", Exit.USAGE),
+        (["-d", "cuda:0"], "--device", Exit.USAGE),
+        (["-p", "70000"], "server.port", Exit.CONFIG),
+        (["-m", "0"], "memory.host_limit_mib", Exit.CONFIG),
+        (["--bogus"], "--bogus", Exit.USAGE),
     ],
 )
-def test_rpc_server_bad_flags(args: list[str], needle: str) -> None:
+def test_rpc_server_bad_flags(args: list[str], needle: str, status: Exit) -> None:
     r = run_cli([*RPC_SERVER, "-p", "0", "--metrics-port", "0", *args])
-    assert r.returncode == 2, r.stderr
+    assert r.returncode == status, r.stderr
     assert needle in r.stderr
     assert "ready" not in r.stdout
 
@@ -167,7 +168,7 @@ def test_rpc_server_bad_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[log]\nlevel = 3\n")
     r = run_cli([*RPC_SERVER, "-c", str(cfg), "-p", "0"])
-    assert r.returncode == 2 and "log.level" in r.stderr
+    assert r.returncode == Exit.CONFIG and "log.level" in r.stderr
 
 
 def test_port_in_use_fails_instead_of_hanging() -> None:

@@ -271,20 +271,20 @@ def test_check_config_good(tmp_path: Path) -> None:
 def test_check_config_bad_key(tmp_path: Path) -> None:
     p = write(tmp_path, "[server]\nport = 19123\nmax_bodie = 4096\n")
     r = check_config(p)
-    assert r.returncode == 2
+    assert r.returncode == 3
     assert "server.max_bodie" in r.stderr
     assert "OK" not in r.stdout
 
 
 def test_check_config_bad_value(tmp_path: Path) -> None:
     r = check_config(write(tmp_path, "[log]\nlevel = \"chatty\"\n"))
-    assert r.returncode == 2 and "log.level" in r.stderr
+    assert r.returncode == 3 and "log.level" in r.stderr
 
 
 def test_check_config_reads_the_environment(tmp_path: Path) -> None:
     p = write(tmp_path, "[server]\nport = 19123\n")
     r = check_config(p, {"TRANSFERD_SERVER_PORT": "not-a-port"})
-    assert r.returncode == 2 and "server.port" in r.stderr
+    assert r.returncode == 3 and "server.port" in r.stderr
 
 
 def test_check_config_shipped() -> None:
@@ -292,3 +292,83 @@ def test_check_config_shipped() -> None:
         pytest.skip("config/transferd.toml is not written yet")
     r = check_config(SHIPPED)
     assert r.returncode == 0, r.stderr
+
+
+# -- the schema, and what is generated from it ---------------------------------------------
+
+
+def test_generated_files_match_the_schema() -> None:
+    from transferd import config_docs
+
+    bad = config_docs.drifted()
+    assert not bad, (
+        f"{', '.join(bad)} differ from the schema in transferd/config.py: "
+        f"run `{config_docs.COMMAND}`"
+    )
+
+
+def test_every_key_has_a_doc_string() -> None:
+    for section, cls, f in cfgmod.schema():
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), section
+        assert len(f.metadata.get("doc", "")) > 20, f"{section}.{f.name} has no doc string"
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 70000\nprot = 1\n[log]\nlevel = \"loud\"\n")
+    with pytest.raises(ConfigError) as info:
+        load(p, env={"TRANSFERD_MEMORY_HOST_LIMIT_MIB": "0"})
+    keys = [e.split(":")[0] for e in info.value.errors]
+    assert keys == ["server.prot", "server.port", "memory.host_limit_mib", "log.level"], keys
+    assert str(info.value).count("\n") == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ("[server]\nprot = 1\n", "did you mean server.port?"),
+        ("[server]\nmax_bodie = 4096\n", "did you mean server.max_body?"),
+        ("[servr]\nport = 1\n", "did you mean server?"),
+        ("[memory]\nhost_limit = 1\n", "did you mean memory.host_limit_mib?"),
+    ],
+)
+def test_a_typo_suggests_the_nearest_key(tmp_path: Path, text: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint.replace("?", r"\?")):
+        load(write(tmp_path, text), env={})
+
+
+def test_env_typo_suggests_the_nearest_key() -> None:
+    with pytest.raises(ConfigError, match=r"server.portt: unknown key \(did you mean server.port"):
+        load(env={"TRANSFERD_SERVER_PORTT": "1"})
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_nan_and_inf_are_refused(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError, match=r"engine\.peer_timeout_s: must be a finite number"):
+        load(write(tmp_path, f"[engine]\npeer_timeout_s = {value}\n"), env={})
+    with pytest.raises(ConfigError, match=r"engine\.chaos_max_delay_ms"):
+        load(env={"TRANSFERD_ENGINE_CHAOS_MAX_DELAY_MS": value})
+
+
+def test_max_buffer_over_the_host_limit_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"memory.max_buffer_mib: 64 MiB is over memory.host_l"):
+        load(env={"TRANSFERD_MEMORY_HOST_LIMIT_MIB": "32", "TRANSFERD_MEMORY_MAX_BUFFER_MIB": "64"})
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "Warning", " error "])
+def test_log_levels_are_case_insensitive(tmp_path: Path, level: str) -> None:
+    assert load(env={"TRANSFERD_LOG_LEVEL": level}).log.level == level.strip().lower()
+    p = write(tmp_path, f"[log]\nlevel = \"{level.strip()}\"\nformat = \"JSON\"\n")
+    cfg = load(p, env={})
+    assert (cfg.log.level, cfg.log.format) == (level.strip().lower(), "json")
+
+
+def test_sources_say_where_each_value_came_from(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19000\nhost = \"127.0.0.2\"\n")
+    cfg, src = cfgmod.load_with_sources(
+        p, env={"TRANSFERD_SERVER_PORT": "19001"}, overrides={"log.level": "debug"})
+    assert src["server.host"] == f"file {p}"
+    assert src["server.port"] == "env TRANSFERD_SERVER_PORT"
+    assert src["log.level"] == "flag"
+    assert src["memory.host_limit_mib"] == "default"
+    assert set(src) == set(cfgmod.all_keys())
+    assert cfg.get("server.port") == 19001

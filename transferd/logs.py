@@ -1,0 +1,110 @@
+"""The daemon's log: text or JSON lines on stderr, and a flood guard.
+
+``configure(level, fmt)`` installs one handler on the root logger.  Its
+:class:`RateLimit` filter lets through at most ``burst`` records of the same
+kind (logger, level, message template) per ``window_s``; the next one let
+through after a window where some were dropped says how many were.  Nothing a
+client or a peer does can then flood the journal, and nothing is dropped
+silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Attributes every LogRecord has; anything else was passed with extra= and is a field.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the extra= fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in vars(record).items():
+            if k not in _STANDARD and not k.startswith("_"):
+                out[k] = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+class RateLimit(logging.Filter):
+    """At most ``burst`` records per kind per ``window_s``; counts what it drops."""
+
+    MAX_KINDS = 4096  # a bound on the table: kinds are message templates, few in practice
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        # kind -> [window start, passed in window, dropped in window]
+        self._kinds: dict[tuple[str, int, str], list[float]] = {}
+        self.dropped_total = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = (record.name, record.levelno, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            st = self._kinds.get(kind)
+            if st is None:
+                if len(self._kinds) >= self.MAX_KINDS:
+                    self._kinds.clear()
+                st = self._kinds[kind] = [now, 0, 0]
+            if now - st[0] >= self.window_s:
+                dropped = int(st[2])
+                st[:] = [now, 0, 0]
+                if dropped:
+                    record.suppressed = dropped
+                    record.msg = f"{record.msg} [{dropped} more like this suppressed]"
+            if st[1] >= self.burst:
+                st[2] += 1
+                self.dropped_total += 1
+                return False
+            st[1] += 1
+            return True
+
+
+def configure(level: str, fmt: str = "text", *, burst: int = 20, window_s: float = 10.0
+              ) -> logging.Handler:
+    """Send the root logger's records to stderr at ``level`` (any case) as ``fmt``."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_transferd", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._transferd = True  # type: ignore[attr-defined]
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(RateLimit(burst, window_s))
+    root.addHandler(handler)
+    set_level(level)
+    return handler
+
+
+def set_level(level: str) -> None:
+    logging.getLogger().setLevel(getattr(logging, level.upper()))
+
+
+def hostport(addr: Any) -> str:
+    """``host:port`` for a socket address tuple (``[v6]:port``), else ``str(addr)``."""
+    if isinstance(addr, (tuple, list)) and len(addr) >= 2:
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(addr) if addr else "?"
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual look at both formats
+    configure("debug", sys.argv[1] if len(sys.argv) > 1 else "text")
+    logging.getLogger("transferd.demo").info("hello %s", "world", extra={"peer": "1.2.3.4:5"})
