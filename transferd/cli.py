@@ -27,7 +27,7 @@ def metrics_port_overrides(port: int | None) -> dict[str, object]:
     return {"metrics.port": port}
 
 
-@main.command()
+@main.command(short_help="Run the daemon until SIGTERM or Ctrl-C.")
 @click.option(
     "-c",
     "--config",
@@ -104,22 +104,43 @@ def serve(
     run_daemon(config, frontends)
 
 
-@main.command("check-config")
+@main.command("check-config", short_help="Validate a configuration; --print shows it.")
 @click.argument("path", required=False, type=click.Path(dir_okay=False))
 @click.option("--print", "show", is_flag=True,
               help="Print the effective configuration, with where each value came from.")
-def check_config(path: str | None, show: bool) -> None:
+@click.option("--other-node", is_flag=True,
+              help="The config is for another machine: skip the checks of this machine's "
+                   "addresses and memory.")
+def check_config(path: str | None, show: bool, other_node: bool) -> None:
     """Validate PATH (or, without one, the defaults) with the TRANSFERD_* variables.
 
-    Every problem is reported, one per line on stderr, and the exit status is 3;
-    0 when the configuration is good.
+    Besides each key's type and range it checks what serve would fail on: hosts
+    that do not resolve, addresses this machine does not have, listeners that
+    share a port, limits over the machine's memory, a Unix socket path in use.
+    Every problem is reported, one per line on stderr, and the exit status is 3
+    (4 for an address this machine lacks); 0 when the configuration is good.
+    Ports taken right now are warnings only (the daemon itself may hold them).
     """
+    from transferd import preflight
+
     try:
         cfg, sources = cfgmod.load_with_sources(path)
     except cfgmod.ConfigError as exc:
         for line in exc.errors:
             click.echo(line, err=True)
         sys.exit(Exit.CONFIG)
+    problems = preflight.check(cfg, this_machine=not other_node, bind=False)
+    errors = [p for p in problems if p.kind is not preflight.Kind.BIND]
+    for p in problems:
+        if p.kind is preflight.Kind.BIND:
+            click.echo(f"warning: {p}", err=True)
+    if errors:
+        for p in errors:
+            click.echo(str(p), err=True)
+        sys.exit(max(p.kind.exit for p in errors))
+    if not problems and not other_node:
+        for p in preflight.check(cfg, bind=True):
+            click.echo(f"warning: {p}", err=True)
     if show:
         for name, f, value in cfg.items():
             shown = "********" if f.metadata.get("secret") and value else value

@@ -16,11 +16,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Protocol
 
 from transferd.config import Config
+from transferd.exits import Exit
+from transferd.logs import hostport
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
 
@@ -56,6 +58,22 @@ def sd_notify(message: str) -> None:
         s.sendall(message.encode())
 
 
+class StartError(Exception):
+    """A listener or the engine could not start; the message names the key and address."""
+
+    def __init__(self, message: str, status: Exit = Exit.BIND) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@contextlib.contextmanager
+def _starting(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise StartError(f"{what}: {exc.strerror or exc}") from exc
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -82,14 +100,23 @@ class Daemon:
                 self.engine = TransferEngine(
                     self.config.engine, self.buffers, self.metrics, self.config.server.host
                 )
-                addr = await self.engine.start()
+                e = self.config.engine
+                rails = ", ".join(e.host_rails) or self.config.server.host
+                with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
+                               f"{rails} port {e.peer_port}"):
+                    addr = await self.engine.start()
             urls: list[str] = []
+            s = self.config.server
             for fe in frontends:
-                urls += await fe.start(self)
+                with _starting(f"server.host / server.port: the RPC server cannot listen on "
+                               f"{hostport((s.host, s.port))}"):
+                    urls += await fe.start(self)
                 started.append(fe)
             m = self.config.metrics
             if m.enabled:
-                port = self.metrics.serve(m.host, m.port)
+                with _starting(f"metrics.port: the metrics endpoint cannot listen on "
+                               f"{hostport((m.host, m.port))}"):
+                    port = self.metrics.serve(m.host, m.port)
                 self.metrics_url = f"http://{m.host}:{port}/metrics"
             for url in urls:
                 print(f"transferd: listening on {url}", flush=True)
@@ -128,15 +155,29 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 
 def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
-    """Run until SIGTERM/SIGINT, on uvloop."""
+    """Check what the config needs of this machine, then run until SIGTERM/SIGINT, on uvloop.
+
+    Exits with :class:`~transferd.exits.Exit`: CONFIG or BIND when it cannot
+    start (each problem on stderr, naming its key and address), FAILURE when it
+    fails later.
+    """
     import uvloop
 
+    from transferd import preflight
+
+    problems = preflight.check(config)
+    if problems:
+        for p in problems:
+            print(f"transferd: cannot start: {p}", file=sys.stderr, flush=True)
+        sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
     daemon = Daemon(config)
     try:
         uvloop.run(daemon.run(frontends))
-    except OSError as exc:
-        # Typically a port in use or an address not on this host: say which,
-        # without a traceback, and fail.
+    except StartError as exc:
+        # A race with the checks above (a port taken since): say which, no traceback.
         print(f"transferd: cannot start: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(exc.status)
+    except OSError as exc:
+        print(f"transferd: failed: {exc}", file=sys.stderr, flush=True)
+        sys.exit(Exit.FAILURE)

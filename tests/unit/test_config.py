@@ -248,11 +248,13 @@ def test_example_configs_validate(path: Path) -> None:
 # -- transferd check-config ---------------------------------------------------------------
 
 
-def check_config(path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def check_config(path: Path | None, env: dict[str, str] | None = None, *flags: str
+                 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
     clean.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "transferd.cli", "check-config", str(path)],
+        [sys.executable, "-m", "transferd.cli", "check-config", *flags,
+         *([str(path)] if path else [])],
         capture_output=True,
         text=True,
         timeout=60,
@@ -372,3 +374,74 @@ def test_sources_say_where_each_value_came_from(tmp_path: Path) -> None:
     assert src["memory.host_limit_mib"] == "default"
     assert set(src) == set(cfgmod.all_keys())
     assert cfg.get("server.port") == 19001
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_check_config_passes_the_shipped_examples(path: Path) -> None:
+    # An example for another node says so, and shows the flag to check it with.
+    flags = ["--other-node"] if "--other-node" in path.read_text() else []
+    r = check_config(path, None, *flags)
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr or "in use" in r.stderr
+
+
+def test_check_config_without_a_file_checks_defaults_and_env() -> None:
+    r = check_config(None)
+    assert r.returncode == 0, r.stderr
+    assert "(defaults): OK (tcp://127.0.0.1:18515" in r.stdout
+    r = check_config(None, {"TRANSFERD_SERVER_PORT": "70000"})
+    assert r.returncode == 3 and "server.port" in r.stderr
+
+
+def test_check_config_finds_what_serve_would_fail_on(tmp_path: Path) -> None:
+    p = write(tmp_path, """
+[server]
+host = "no-such-host.invalid"
+port = 19200
+[metrics]
+host = "127.0.0.1"
+port = 19200
+[engine]
+host_rails = ["127.0.0.1", "192.0.2.10", "127.0.0.1"]
+peer_port = 19200
+""")
+    r = check_config(p, {"TRANSFERD_MEMORY_HOST_LIMIT_MIB": str(1 << 30)})
+    assert r.returncode in (3, 4), r.stderr
+    lines = r.stderr.splitlines()
+    assert any(line.startswith("server.host: 'no-such-host.invalid'") for line in lines), lines
+    assert any(line.startswith("engine.host_rails[1]: 192.0.2.10 is not an address of this")
+               for line in lines), lines
+    assert any(line.startswith("engine.host_rails[2]: 127.0.0.1 is rail 0") for line in lines)
+    assert any(line.startswith("engine.peer_port: port 19200") and "metrics.port" in line
+               for line in lines), lines
+    assert any(line.startswith("memory.host_limit_mib:") and "machine's memory" in line
+               for line in lines), lines
+    # For another node, only what is wrong anywhere remains.
+    r = check_config(p, {"TRANSFERD_MEMORY_HOST_LIMIT_MIB": str(1 << 30)}, "--other-node")
+    assert r.returncode == 3
+    assert "192.0.2.10" not in r.stderr and "machine's memory" not in r.stderr
+    assert "no-such-host.invalid" in r.stderr
+
+
+def test_check_config_warns_of_a_port_taken_now(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = check_config(write(tmp_path, f"[server]\nport = {port}\n"))
+    assert r.returncode == 0, r.stderr
+    assert f"warning: server.port: cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_check_config_print_shows_values_and_sources(tmp_path: Path) -> None:
+    p = write(tmp_path, "[server]\nport = 19300\ntoken = \"s3cret\"\n")
+    r = check_config(p, {"TRANSFERD_LOG_LEVEL": "DEBUG"}, "--print")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert f"server.port = 19300  # file {p}" in lines
+    assert "log.level = \"debug\"  # env TRANSFERD_LOG_LEVEL" in lines
+    assert "memory.host_limit_mib = 4096  # default" in lines
+    assert "s3cret" not in r.stdout and f"server.token = \"********\"  # file {p}" in lines
+    assert len([x for x in lines if " = " in x]) == len(cfgmod.all_keys())
