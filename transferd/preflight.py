@@ -140,15 +140,15 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                         Kind.ADDRESS))
                     break
     # Two listeners of this daemon on one fixed port, where their addresses meet.
-    for i, a in enumerate(lst):
-        for b in lst[i + 1:]:
-            if not a.port or a.port != b.port:
+    for i, one in enumerate(lst):
+        for two in lst[i + 1:]:
+            if not one.port or one.port != two.port:
                 continue
-            aa, bb = set(resolved.get(a.host, [])), set(resolved.get(b.host, []))
+            aa, bb = set(resolved.get(one.host, [])), set(resolved.get(two.host, []))
             if aa & bb or any(map(_is_wildcard, aa | bb)):
-                problems.append(Problem(b.key, f"port {b.port} of the {b.what} ({b.address}) is "
-                                        f"also {a.key}, the {a.what}'s ({a.address})",
-                                        Kind.CONFIG))
+                problems.append(Problem(
+                    two.key, f"port {two.port} of the {two.what} ({two.address}) is also "
+                    f"{one.key}, the {one.what}'s ({one.address})", Kind.CONFIG))
     rails = cfg.engine.host_rails
     for i, host in enumerate(rails):
         if host in rails[:i]:
@@ -191,7 +191,7 @@ def _check_unix(path: str) -> list[Problem]:
     except FileNotFoundError:
         return []
     if not stat.S_ISSOCK(st.st_mode):
-        return [Problem(key, f"{path} exists and is not a socket", Kind.MACHINE)]
+        return []  # a left-over file: the listener replaces it
     # A socket file: stale (removed at start) unless something still accepts on it.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
