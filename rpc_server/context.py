@@ -49,6 +49,3 @@ class ServerContext:
         if self.engine is not None:
             feats.append("engine")
         return feats
-
-    def account_buffers(self) -> None:
-        self.metrics.buffer_bytes.labels("cpu").set(self.buffers.used)

@@ -21,7 +21,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, field, uint_field
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
-from .handlers import SINKS, Reply, handler
+from .handlers import SINKS, Reply, handler, wait_drained
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
@@ -104,8 +104,13 @@ def reg_mr(session: Session, frame: Frame) -> Reply:
 
 
 @handler(Command.DEREG_MR)
-def dereg_mr(session: Session, frame: Frame) -> None:
-    _engine(session).dereg_mr(uint_field(frame.body, "mr"))
+def dereg_mr(session: Session, frame: Frame) -> Awaitable[None] | None:
+    engine = _engine(session)
+    region = engine.regions.get(uint_field(frame.body, "mr"))
+    engine.dereg_mr(region.id)
+    # Replies once the writes admitted before are in place: after it, no
+    # byte of a peer write lands in this memory.
+    return wait_drained([region])
 
 
 @handler(Command.SINGLE_WRITE)

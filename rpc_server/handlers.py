@@ -24,7 +24,8 @@ from transferd.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from transferd.memory import BufferTable
+    from transferd.engine.regions import Region
+    from transferd.memory import Buffer, BufferTable, Ref
 
     from .session import Session
 
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 class Reply(NamedTuple):
     body: dict[str, Any] | None = None
     payload: Sequence[memoryview] = ()
+    # Holds on the memory the payload views lie in: the session releases them
+    # once the transport has sent the bytes (or the connection is gone), so
+    # a buffer freed meanwhile keeps its memory, and its charge, until then.
+    hold: Sequence[Ref] = ()
 
 
 Handler = Callable[["Session", Frame], "Reply | Awaitable[Reply | None] | None"]
@@ -57,8 +62,13 @@ def payload_sink(session: Session, frame: Frame) -> Sink:
     return sink(session, frame)
 
 
-def _fast_views(table: BufferTable, wire: Any) -> list[memoryview] | None:
-    """A batch's views in one pass, for a well-formed batch; None otherwise."""
+def _fast_views(
+    table: BufferTable, wire: Any, used: dict[int, Buffer] | None = None
+) -> list[memoryview] | None:
+    """A batch's views in one pass, for a well-formed batch; None otherwise.
+
+    With ``used``, every buffer the views lie in is put there by id.
+    """
     if type(wire) is not list:
         return None
     out: list[memoryview] = []
@@ -75,13 +85,17 @@ def _fast_views(table: BufferTable, wire: Any) -> list[memoryview] | None:
             buf = table.get(b)
             whole = buf.view(0, buf.size)
             buf_id = b
+            if used is not None:
+                used[b] = buf
         if o + s > len(whole):
             return None
         append(whole[o : o + s])
     return out
 
 
-def batch_views(session: Session, frame: Frame) -> list[memoryview]:
+def batch_views(
+    session: Session, frame: Frame, used: dict[int, Buffer] | None = None
+) -> list[memoryview]:
     """The views of a GET_TENSORS / SET_TENSORS body's ``tensors``, checked.
 
     A batch of many small tensors is the hot case, so it is looked up in one
@@ -89,12 +103,20 @@ def batch_views(session: Session, frame: Frame) -> list[memoryview]:
     batch gets exactly the error it always did (BadRequest for a malformed
     tensor anywhere before NotFound / OutOfBounds for the first bad one).
     """
+    table = session.ctx.buffers
     try:
-        views = _fast_views(session.ctx.buffers, frame.body.get("tensors"))
+        views = _fast_views(table, frame.body.get("tensors"), used)
     except TransferdError:
         views = None
     if views is None:
-        views = [session.ctx.buffers.tensor_view(t) for t in tensors_field(frame.body)]
+        if used is not None:
+            used.clear()
+        views = []
+        for t in tensors_field(frame.body):
+            buf = table.get(t.buffer)
+            views.append(buf.view(t.offset, t.size))
+            if used is not None:
+                used[t.buffer] = buf
     return views
 
 
@@ -121,17 +143,7 @@ def hello(session: Session, frame: Frame) -> Reply:
 
 @handler(Command.GET_DEVICES)
 def get_devices(session: Session, frame: Frame) -> Reply:
-    b = session.ctx.buffers
-    devices = [
-        {
-            "name": "cpu",
-            "total": b.host_limit,
-            "free": b.free,
-            "alignment": 4096,
-            "max_size": min(b.max_size, b.host_limit),
-        }
-    ]
-    return Reply({"devices": devices})
+    return Reply({"devices": session.ctx.buffers.device_info()})
 
 
 @handler(Command.ALLOC_BUFFER)
@@ -139,16 +151,34 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
     device = str_field(frame.body, "device", "cpu")
     size = uint_field(frame.body, "size")
     buf = session.ctx.buffers.alloc(device, size)
-    session.ctx.account_buffers()
     return Reply({"buffer": buf.id, "size": buf.size})
 
 
+def wait_drained(regions: Sequence[Region]) -> Awaitable[None] | None:
+    """None when no write is in flight into ``regions``, else an awaitable until then.
+
+    Writes admitted before the regions were deregistered finish landing (and
+    are acknowledged to their initiators); later ones were refused.
+    """
+    pending = [r.drained() for r in regions if not r.drained().done()]
+    if not pending:
+        return None
+
+    async def wait() -> None:
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
+
+    return wait()
+
+
 @handler(Command.FREE_BUFFER)
-def free_buffer(session: Session, frame: Frame) -> None:
+def free_buffer(session: Session, frame: Frame) -> Awaitable[None] | None:
     buf = session.ctx.buffers.free_buffer(uint_field(frame.body, "buffer"))
-    session.ctx.account_buffers()
-    if session.ctx.engine is not None:
-        session.ctx.engine.buffer_freed(buf)
+    engine = session.ctx.engine
+    if engine is None:
+        return None
+    regions = engine.regions.regions_of(buf)
+    engine.buffer_freed(buf)
+    return wait_drained(regions)
 
 
 @handler(Command.BUFFER_CLEAR)
@@ -172,12 +202,16 @@ def get_tensor(session: Session, frame: Frame) -> Reply:
     # The usual request takes the fast check; anything unusual the full one,
     # whose errors name what is wrong.
     t = fast_tensor(frame.body.get("tensor")) or tensor_field(frame.body, "tensor")
-    return Reply(None, [session.ctx.buffers.get(t.buffer).view(t.offset, t.size)])
+    buf = session.ctx.buffers.get(t.buffer)
+    view = buf.view(t.offset, t.size)
+    return Reply(None, [view], [buf.ref()])
 
 
 @handler(Command.GET_TENSORS)
 def get_tensors(session: Session, frame: Frame) -> Reply:
-    return Reply(None, batch_views(session, frame))
+    used: dict[int, Buffer] = {}
+    views = batch_views(session, frame, used)
+    return Reply(None, views, [b.ref() for b in used.values()])
 
 
 @handler(Command.COPY_TENSOR)

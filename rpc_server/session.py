@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
+from transferd.memory import Ref, release_all
 from transferd.protocol import frames
 from transferd.protocol.constants import (
     COMMAND_MINOR,
@@ -96,6 +97,9 @@ class Session(asyncio.BufferedProtocol):
         # Per-connection engine state (receive pools, watchers) hangs here.
         self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
+        # Holds on the memory of reply payloads still in the transport's
+        # write buffer: released once it has drained, or the connection is gone.
+        self._held: list[Ref] = []
 
     # -- asyncio callbacks --------------------------------------------------
 
@@ -116,6 +120,7 @@ class Session(asyncio.BufferedProtocol):
         if self.state is not State.CLOSED:
             self.state = State.CLOSED
         self.ctx.metrics.connections.dec()
+        self._release_held()
         if self.ctx.engine is not None:
             self.ctx.engine.session_closed(self)
         log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
@@ -135,7 +140,13 @@ class Session(asyncio.BufferedProtocol):
         self._block()
 
     def resume_writing(self) -> None:
+        # The write buffer is empty (low watermark 0): every payload is out.
+        self._release_held()
         self._unblock()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        release_all(held)
 
     # -- frame flow -----------------------------------------------------------
 
@@ -249,9 +260,14 @@ class Session(asyncio.BufferedProtocol):
 
     def _reply(self, frame: Frame, result: Reply | None, started: float) -> None:
         if int(frame.flags) & _NO_REPLY:
+            if result is not None and result.hold:
+                release_all(result.hold)
             return
-        body, payload = (result.body, result.payload) if result is not None else (None, ())
-        n = self.send_frame(frame.cmd, _REPLY, frame.seq, body, payload)
+        if result is None:
+            n = self.send_frame(frame.cmd, _REPLY, frame.seq)
+        else:
+            n = self.send_frame(frame.cmd, _REPLY, frame.seq, result.body, result.payload,
+                                result.hold)
         self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
     def _fail(
@@ -280,9 +296,15 @@ class Session(asyncio.BufferedProtocol):
         seq: int,
         body: dict[str, Any] | None = None,
         payload: Sequence[memoryview] = (),
+        hold: Sequence[Ref] = (),
     ) -> int:
-        """Write one frame; payload views are sent from where they lie."""
+        """Write one frame; payload views are sent from where they lie.
+
+        ``hold`` (Refs on the memory of ``payload``) is released once the
+        bytes are out of the transport's write buffer.
+        """
         if self.state is _CLOSED or self.transport is None or self.transport.is_closing():
+            release_all(hold)
             return 0
         raw = frames.pack_body(body) if body else b""
         plen = sum(map(len, payload)) if payload else 0
@@ -290,10 +312,18 @@ class Session(asyncio.BufferedProtocol):
         head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
         if plen <= SMALL_REPLY:
             self.transport.write(b"".join((head, *payload)) if plen else head)
+            if hold:  # the payload was copied into the joined bytes
+                release_all(hold)
         else:
             # One call for all views: the transport sends them together
             # (a write per view would be a send syscall per tensor).
             self.transport.writelines((head, *payload))
+            if hold:
+                if self.transport.get_write_buffer_size():
+                    # Still queued: resume_writing (or connection_lost) lets go.
+                    self._held.extend(hold)
+                else:
+                    release_all(hold)
         n = HEADER_SIZE + len(raw) + plen
         self.ctx.stats.bytes_out += n
         return n

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transferd.memory.buffers import DeviceSpec
 from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, PROTO_MINOR
 
 ENV_PREFIX = "TRANSFERD_"
@@ -138,7 +139,7 @@ class ServerConfig:
 
 @dataclass
 class MemoryConfig:
-    """Buffers: host memory the daemon hands out to clients."""
+    """Buffers: memory the daemon hands out to clients, each device under its own limit."""
 
     host_limit_mib: int = key(
         4096,
@@ -153,6 +154,13 @@ class MemoryConfig:
         "Largest single buffer, in MiB; 0 = no cap but host_limit_mib, which it must not "
         "exceed. GET_DEVICES reports it as max_size.",
         min=0, reload=True, unit="MiB",
+    )
+    shm_limit_mib: int = key(
+        1024,
+        'Shared memory (device "shm": a memfd the daemon maps and passes to a client on the '
+        "Unix socket, which maps the same pages) the daemon may hand out, all shared buffers "
+        "together, in MiB; 0 serves no shm device. Counted apart from host_limit_mib.",
+        min=0, unit="MiB",
     )
 
 
@@ -297,6 +305,14 @@ class Config:
     @property
     def max_buffer(self) -> int:
         return (self.memory.max_buffer_mib << 20) or self.host_limit
+
+    def devices(self) -> list[DeviceSpec]:
+        """The devices buffers are served from, each under its own limit."""
+        cap = (self.memory.max_buffer_mib << 20) or None
+        devs = [DeviceSpec("cpu", self.host_limit, cap)]
+        if self.memory.shm_limit_mib:
+            devs.append(DeviceSpec("shm", self.memory.shm_limit_mib << 20, cap))
+        return devs
 
 
 def schema() -> Iterator[tuple[str, type, dataclasses.Field[Any]]]:

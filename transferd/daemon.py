@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -78,9 +79,13 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.buffers = BufferTable(config.host_limit, config.max_buffer)
-        # Set once: alerts and dashboards compare the allocated bytes with it.
-        self.metrics.buffer_limit.labels("cpu").set(self.buffers.host_limit)
+        self.buffers = BufferTable(config.devices())
+        for name, pool in self.buffers.devices.items():
+            # Set once: alerts and dashboards compare the allocated bytes with it.
+            self.metrics.buffer_limit.labels(name).set(pool.limit)
+            # Read when scraped: memory is returned from any thread, late.
+            self.metrics.buffer_bytes.labels(name).set_function(
+                functools.partial(self.buffers.used_on, name))
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
         self._stop: asyncio.Event | None = None

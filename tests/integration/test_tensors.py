@@ -16,6 +16,7 @@ from transferd.protocol.errors import (
     OutOfMemory,
     TransferdError,
 )
+from transferd.memory import charge_of
 from transferd.protocol.messages import Tensor
 
 MiB = 1 << 20
@@ -25,17 +26,19 @@ MiB = 1 << 20
 async def test_get_devices(daemon_factory: DaemonFactory) -> None:
     d = daemon_factory(["-m", "64"])
     async with await Client.connect(d.url) as c:
-        (dev,) = await c.get_devices()
+        dev, shm = await c.get_devices()
+        assert shm["name"] == "shm"  # shared memory, for clients on the Unix socket
         assert set(dev) >= {"name", "total", "free", "alignment", "max_size"}
         assert dev["name"] == "cpu"
         assert dev["total"] == 64 * MiB and dev["free"] == 64 * MiB
         assert dev["alignment"] > 0 and dev["alignment"] & (dev["alignment"] - 1) == 0
         assert 0 < dev["max_size"] <= 64 * MiB
         buf = await c.alloc_buffer(10 * MiB)
-        (dev,) = await c.get_devices()
-        assert dev["free"] == 54 * MiB
+        dev, _ = await c.get_devices()
+        # Charged by whole pages plus a page of bookkeeping.
+        assert dev["free"] == 64 * MiB - charge_of(10 * MiB) == 54 * MiB - dev["per_buffer"]
         await c.free_buffer(buf)
-        (dev,) = await c.get_devices()
+        dev, _ = await c.get_devices()
         assert dev["free"] == 64 * MiB
 
 
@@ -75,8 +78,17 @@ async def test_alloc_errors(daemon_factory: DaemonFactory) -> None:
         with pytest.raises(OutOfMemory):
             await c.alloc_buffer(3 * MiB)
         await c.free_buffer(big)
-        again = await c.alloc_buffer(8 * MiB)  # the memory came back
+        # The largest buffer: the limit less one page of bookkeeping.
+        dev, _ = await c.get_devices()
+        assert dev["max_size"] == 8 * MiB - dev["per_buffer"] == 8 * MiB - charge_of(0) + 4096
+        again = await c.alloc_buffer(dev["max_size"])  # the memory came back, all of it
+        (dev2, _) = await c.get_devices()
+        assert dev2["free"] == 0
+        with pytest.raises(OutOfMemory):
+            await c.alloc_buffer(0)  # not even a page of bookkeeping is left
         await c.free_buffer(again)
+        with pytest.raises(OutOfMemory):
+            await c.alloc_buffer(dev["max_size"] + 1)  # one more page would be over the limit
         with pytest.raises(NotFound):
             await c.alloc_buffer(16, device="cuda:0")
         with pytest.raises(BadRequest):

@@ -5,6 +5,13 @@ A region is a buffer registered for remote writes.  Each rail gets its own
 rkey of the rail it arrived on and stay inside the region, and is checked
 before any byte is written.  Deregistration removes the rkeys, so a write
 that presents one afterwards is refused.
+
+A write is *admitted* (:meth:`Region.admit`) on the receiving worker after
+those checks and before its first byte lands; the Ref it gets keeps the
+buffer's memory and is released once the bytes landed or the write failed.
+Deregistration stops admitting at once, and :meth:`Region.drained` resolves
+when every admitted write has let go: DEREG_MR and FREE_BUFFER reply only
+then, so no byte of a peer write lands in memory its owner got back.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ import itertools
 import secrets
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-from transferd.memory import Buffer
+from transferd.memory import Buffer, Ref
 from transferd.protocol.errors import NotFound, OutOfBounds
 
 
@@ -26,6 +34,63 @@ class Region:
     ptr: int
     size: int
     rkeys: tuple[int, ...]
+    _admitted: int = field(default=0, repr=False)
+    _closed: bool = field(default=False, repr=False)
+    _drained: Future[None] = field(default_factory=Future, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- writes in flight -------------------------------------------------------------
+
+    def admit(self) -> Ref:
+        """Let one inbound write land; NotFound once the region is deregistered.
+
+        Called on the receiving worker after the rkey and bounds checks and
+        before any byte lands.  Release the Ref once the bytes landed or the
+        write failed (from any thread).
+        """
+        with self._lock:
+            if self._closed:
+                raise NotFound(f"region {self.id} was deregistered")
+            self._admitted += 1
+        try:
+            held = self.buffer.ref()
+        except BaseException:
+            self._let_go()
+            raise
+
+        def release() -> None:
+            held.release()
+            self._let_go()
+
+        return Ref(release)
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+            done = self._closed and self._admitted == 0
+        if done and not self._drained.done():
+            self._drained.set_result(None)
+
+    @property
+    def admitted(self) -> int:
+        """Writes admitted and not yet released."""
+        return self._admitted
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Admit nothing more (RegionTable.deregister calls this)."""
+        with self._lock:
+            self._closed = True
+            done = self._admitted == 0
+        if done and not self._drained.done():
+            self._drained.set_result(None)
+
+    def drained(self) -> Future[None]:
+        """Resolves (from any thread) once deregistered and every admitted write let go."""
+        return self._drained
 
     def view(self, addr: int, length: int) -> memoryview:
         """Memory at absolute address ``addr``; bounds checked first."""
@@ -80,6 +145,7 @@ class RegionTable:
                 raise NotFound(f"no registered region {region_id}")
             for k in region.rkeys:
                 self._by_rkey.pop(k, None)
+        region.close()
         return region
 
     def get(self, region_id: int) -> Region:

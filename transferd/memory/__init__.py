@@ -1,5 +1,31 @@
-"""Memory the daemon owns: buffers, and (engine) registered regions."""
+"""Memory the daemon owns: the Memory seam, its device kinds, and the buffer table.
 
-from .buffers import PAGE, Buffer, BufferTable
+``Memory`` (base.py) is one allocation on one device; ``registry`` finds the
+Memory class of a device kind ("cpu": host.py, "shm": shared.py, later
+"cuda"); ``Buffer`` / ``BufferTable`` (buffers.py) hand memory to clients and
+count it by what is really held; ``Ref`` is a hold on a buffer's memory.
+docs/memory.md describes the seam and the rules.
+"""
 
-__all__ = ["PAGE", "Buffer", "BufferTable"]
+from .base import BOOKKEEPING, PAGE, Memory, Ref, charge_of, largest_for, pages, release_all
+from .buffers import Buffer, BufferTable, DevicePool, DeviceSpec
+from .registry import KINDS, kind_of, memory_class, register_kind
+
+__all__ = [
+    "BOOKKEEPING",
+    "KINDS",
+    "PAGE",
+    "Buffer",
+    "BufferTable",
+    "DevicePool",
+    "DeviceSpec",
+    "Memory",
+    "Ref",
+    "charge_of",
+    "kind_of",
+    "largest_for",
+    "memory_class",
+    "pages",
+    "register_kind",
+    "release_all",
+]

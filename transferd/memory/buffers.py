@@ -1,26 +1,34 @@
 """Buffers the daemon hands out to clients, and the table that owns them.
 
-Host buffers are anonymous ``mmap`` regions: page aligned, zero filled, backed
-lazily by the kernel, and addressable by ``memoryview`` so sockets can read
-into and send from them without copies.  Every access goes through
-:meth:`Buffer.view`, which checks ``offset + size`` against the buffer before
-any memory is touched.
+A :class:`Buffer` is an id, a device and a :class:`Memory`.  Every access goes
+through :meth:`Buffer.view`, which checks ``offset + size`` against the
+buffer before any memory is touched.
+
+Accounting follows what is really held.  A buffer is charged
+:func:`~.base.charge_of` its size (whole pages plus one page of bookkeeping)
+against its device's limit from ALLOC_BUFFER until its memory is really
+returned: FREE_BUFFER takes it out of the table at once (no new access finds
+it), but the memory, and the charge, stay while a :class:`Ref` is held (a
+reply in flight, a queued outbound part, an accepted inbound write) and while
+any untracked view of it is alive.
 """
 
 from __future__ import annotations
 
 import itertools
-import mmap
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMemory
 from transferd.protocol.messages import Tensor
 
-PAGE = mmap.PAGESIZE
+from . import registry
+from .base import PAGE, Memory, Ref, charge_of, largest_for
 
 
 @dataclass(eq=False)
@@ -28,20 +36,73 @@ class Buffer:
     id: int
     device: str
     size: int
-    _mem: mmap.mmap | None = field(repr=False, default=None)
+    memory: Memory | None = field(repr=False, default=None)
+    # The session that owns it (shared buffers die with their connection).
+    owner: Hashable | None = field(repr=False, default=None)
     _view: memoryview | None = field(repr=False, default=None)
+    _refs: int = field(repr=False, default=0)
+    _freed: bool = field(repr=False, default=False)
+    _lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.memory is not None and self._view is None:
+            self._view = self.memory.host_view
 
     @classmethod
     def host(cls, buffer_id: int, size: int) -> Buffer:
-        # mmap refuses length 0; a zero-size buffer is legal and simply empty.
-        mem = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return cls(buffer_id, "cpu", size, mem, memoryview(mem)[:size])
+        """A host buffer outside any table (tests, tools): ``release()`` frees it."""
+        return cls(buffer_id, "cpu", size, registry.create("cpu", size))
 
     @property
     def address(self) -> int:
-        """The buffer's virtual address (what an MrDesc's ``ptr`` names)."""
-        assert self._view is not None
-        return int(np.frombuffer(self._view, dtype=np.uint8).ctypes.data) if self.size else 0
+        """The buffer's address (what an MrDesc's ``ptr`` names)."""
+        if self.memory is None:
+            raise NotFound(f"buffer {self.id} was freed")
+        return self.memory.address
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    # -- holding the memory -----------------------------------------------------------
+
+    def ref(self) -> Ref:
+        """Keep this buffer's memory (and its charge) until the Ref is released."""
+        with self._lock:
+            if self._freed:
+                raise NotFound(f"buffer {self.id} was freed")
+            self._refs += 1
+        return Ref(self._unref)
+
+    def refs(self) -> int:
+        return self._refs
+
+    def _unref(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._freed and self._refs == 0
+        if last:
+            self._return()
+
+    def free(self) -> None:
+        """No new access from now on; the memory goes once the last Ref does."""
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+            self._view = None
+            last = self._refs == 0
+        if last:
+            self._return()
+
+    release = free  # the older name, kept for callers outside the table
+
+    def _return(self) -> None:
+        mem, self.memory = self.memory, None
+        if mem is not None:
+            mem.close()
+
+    # -- access -------------------------------------------------------------------------
 
     def check(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -49,12 +110,21 @@ class Buffer:
                 f"[{offset}, {offset + size}) is outside buffer {self.id} of {self.size} bytes"
             )
 
+    def _host(self) -> memoryview:
+        view = self._view
+        if view is None:
+            if self._freed or self.memory is None:
+                raise NotFound(f"buffer {self.id} was freed")
+            raise BadRequest(f"buffer {self.id} on {self.device} has no host view")
+        return view
+
     def view(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:
             self.check(offset, size)  # raises OutOfBounds (inlined test: once per tensor)
-        if self._view is None:
-            raise NotFound(f"buffer {self.id} was freed")
-        return self._view[offset : offset + size]
+        view = self._view
+        if view is None:
+            view = self._host()
+        return view[offset : offset + size]
 
     def views(self, offsets: Sequence[int], size: int) -> list[memoryview]:
         """``size`` bytes at each of ``offsets``: one bounds check for the whole list."""
@@ -62,9 +132,7 @@ class Buffer:
             return []
         self.check(min(offsets), size)
         self.check(max(offsets), size)
-        view = self._view
-        if view is None:
-            raise NotFound(f"buffer {self.id} was freed")
+        view = self._host()
         return [view[o : o + size] for o in offsets]
 
     def array(self, offset: int, size: int) -> np.ndarray:
@@ -76,50 +144,142 @@ class Buffer:
         if self.size:
             self.array(0, self.size).fill(value)
 
-    def release(self) -> None:
-        """Drop our references; memory goes back once in-flight sends let go."""
-        self._view = None
-        self._mem = None
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device the table serves and its limits (bytes of charge)."""
+
+    name: str
+    limit: int
+    max_size: int | None = None
 
 
-class BufferTable:
-    """All buffers of one daemon, shared by its connections, under a memory cap."""
-
-    def __init__(self, host_limit: int, max_size: int | None = None) -> None:
-        self.host_limit = host_limit
-        self.max_size = max_size if max_size is not None else host_limit
-        self._buffers: dict[int, Buffer] = {}
-        self._ids = itertools.count(1)
-        self._used = 0
-        # Engine workers run in their own threads and look buffers up too.
-        self._lock = threading.Lock()
+@dataclass(eq=False)
+class DevicePool:
+    spec: DeviceSpec
+    used: int = 0
+    buffers: int = 0
+    # Charge of buffers already freed whose memory is still held.
+    lingering: int = 0
 
     @property
-    def used(self) -> int:
-        return self._used
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def limit(self) -> int:
+        return self.spec.limit
 
     @property
     def free(self) -> int:
-        return self.host_limit - self._used
+        return self.spec.limit - self.used
 
-    def alloc(self, device: str, size: int) -> Buffer:
-        if device != "cpu":
-            raise NotFound(f"no device {device!r} on this daemon (have: cpu)")
-        if size > self.max_size:
-            raise OutOfMemory(f"{size} bytes is over the largest buffer of {self.max_size}")
+    @property
+    def max_size(self) -> int:
+        fit = largest_for(self.spec.limit)
+        cap = self.spec.max_size
+        return fit if cap is None else min(cap, fit)
+
+    def info(self) -> dict[str, Any]:
+        """This device in GET_DEVICES."""
+        return {
+            "name": self.name,
+            "total": self.limit,
+            "free": self.free,
+            "alignment": PAGE,
+            "max_size": self.max_size,
+            "page": PAGE,
+            "per_buffer": charge_of(0) - PAGE,
+        }
+
+
+class BufferTable:
+    """All buffers of one daemon, shared by its connections, under per-device limits."""
+
+    def __init__(self, devices: Sequence[DeviceSpec] | int, max_size: int | None = None) -> None:
+        if isinstance(devices, int):  # one host device of this limit
+            devices = [DeviceSpec("cpu", devices, max_size)]
+        self.devices: dict[str, DevicePool] = {d.name: DevicePool(d) for d in devices}
+        self._buffers: dict[int, Buffer] = {}
+        self._ids = itertools.count(1)
+        # Engine workers run in their own threads and look buffers up too;
+        # memory is returned from whichever thread let go of it last.
+        self._lock = threading.Lock()
+        # Memory really returned, not yet taken off its device's count.  The
+        # news may come from a finalizer, at any moment of any thread (even
+        # inside one of our critical sections): it only appends here, and
+        # every reader settles the count first.
+        self._returned: deque[tuple[DevicePool, int]] = deque()
+
+    def _settle(self) -> None:
+        while self._returned:
+            try:
+                pool, charge = self._returned.popleft()
+            except IndexError:
+                return
+            with self._lock:
+                pool.used -= charge
+                pool.buffers -= 1
+                pool.lingering -= charge
+
+    # -- what is held ---------------------------------------------------------------
+
+    def pool(self, device: str) -> DevicePool:
+        self._settle()
+        pool = self.devices.get(device)
+        if pool is None:
+            have = ", ".join(self.devices)
+            raise NotFound(f"no device {device!r} on this daemon (have: {have})")
+        return pool
+
+    def set_limit(self, device: str, limit: int, max_size: int | None = None) -> None:
+        """A new limit (a reload): buffers already held keep their memory."""
+        pool = self.pool(device)
+        pool.spec = DeviceSpec(device, limit, max_size)
+
+    def used_on(self, device: str) -> int:
+        return self.pool(device).used
+
+    def lingering_on(self, device: str) -> int:
+        return self.pool(device).lingering
+
+    @property
+    def used(self) -> int:
+        """Charge held on every device."""
+        self._settle()
+        return sum(p.used for p in self.devices.values())
+
+    def device_info(self) -> list[dict[str, Any]]:
+        self._settle()
+        return [p.info() for p in self.devices.values()]
+
+    # -- alloc and free ---------------------------------------------------------------
+
+    def alloc(self, device: str, size: int, owner: Hashable | None = None) -> Buffer:
+        pool = self.pool(device)
+        if size > pool.max_size:
+            raise OutOfMemory(
+                f"{size} bytes is over the largest buffer of {pool.max_size} on {device}"
+            )
+        charge = charge_of(size)
         with self._lock:
-            if size > self.free:
+            if charge > pool.free:
                 raise OutOfMemory(
-                    f"{size} bytes requested, {self.free} of {self.host_limit} free on cpu"
+                    f"{size} bytes (charged {charge}) requested, {pool.free} of "
+                    f"{pool.limit} free on {device}"
                 )
-            self._used += size
+            pool.used += charge
+            pool.buffers += 1
             buffer_id = next(self._ids)
         try:
-            buf = Buffer.host(buffer_id, size)
-        except (OSError, ValueError) as exc:
+            memory = registry.create(device, size)
+        except BaseException:
             with self._lock:
-                self._used -= size
-            raise OutOfMemory(f"cannot map {size} bytes: {exc}") from None
+                pool.used -= charge
+                pool.buffers -= 1
+            raise
+        buf = Buffer(buffer_id, device, size, memory, owner)
+        memory.on_gone(lambda: self._returned.append((pool, charge)))
         with self._lock:
             self._buffers[buffer_id] = buf
         return buf
@@ -131,13 +291,18 @@ class BufferTable:
             raise NotFound(f"no buffer {buffer_id}") from None
 
     def free_buffer(self, buffer_id: int) -> Buffer:
+        """Out of the table now; its memory and charge go when nothing holds it."""
         with self._lock:
             buf = self._buffers.pop(buffer_id, None)
             if buf is None:
                 raise NotFound(f"no buffer {buffer_id}")
-            self._used -= buf.size
-        buf.release()
+            self.devices[buf.device].lingering += charge_of(buf.size)
+        buf.free()
         return buf
+
+    def owned_by(self, owner: Hashable) -> list[Buffer]:
+        with self._lock:
+            return [b for b in self._buffers.values() if b.owner is owner]
 
     def tensor_view(self, t: Tensor) -> memoryview:
         return self.get(t.buffer).view(t.offset, t.size)
@@ -151,10 +316,12 @@ class BufferTable:
 
     def close(self) -> None:
         with self._lock:
-            for buf in self._buffers.values():
-                buf.release()
+            buffers = list(self._buffers.values())
             self._buffers.clear()
-            self._used = 0
+        for buf in buffers:
+            with self._lock:
+                self.devices[buf.device].lingering += charge_of(buf.size)
+            buf.free()
 
     def __len__(self) -> int:
         return len(self._buffers)

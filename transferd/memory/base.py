@@ -1,0 +1,171 @@
+"""The Memory seam: where a buffer's bytes live, and what may still reference them.
+
+A :class:`Memory` is one allocation on one device: host pages (``"cpu"``), a
+memfd shared with a local client (``"shm"``), later device memory
+(``"cuda:N"``).  It knows its size, its address, a host view over its bytes
+if it has one (device memory may have none and offer :meth:`Memory.stage_in`
+/ :meth:`Memory.stage_out` instead), the pages it really holds, and how to
+give them back.
+
+A :class:`Ref` keeps a Memory alive: whoever may still touch the bytes after
+the call that produced the view has returned (a reply waiting in a
+transport, a queued outbound part, an accepted inbound write) holds one and
+releases it when done.  ``release()`` is idempotent and thread safe.
+docs/memory.md has the rules.
+"""
+
+from __future__ import annotations
+
+import mmap
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+from transferd.protocol.errors import BadRequest, OutOfBounds
+
+PAGE = mmap.PAGESIZE
+# What one buffer costs beyond its pages: the mapping's kernel structures and
+# page-table entries, and the Python objects that describe it (Buffer, Memory,
+# views, its table entry: about 1.5 KiB measured).  Charged on top of the
+# pages so that many tiny buffers cost what they really hold.
+BOOKKEEPING = PAGE
+
+
+def pages(size: int) -> int:
+    """``size`` rounded up to whole pages, at least one (mmap never maps 0)."""
+    return max(PAGE, -(-size // PAGE) * PAGE)
+
+
+def charge_of(size: int) -> int:
+    """What a buffer of ``size`` bytes is charged against its device's limit."""
+    return pages(size) + BOOKKEEPING
+
+
+def largest_for(charge: int) -> int:
+    """The largest buffer whose charge fits in ``charge`` bytes (0 if none does)."""
+    return max(0, (charge - BOOKKEEPING) // PAGE * PAGE)
+
+
+class Ref:
+    """One hold on a buffer's memory; :meth:`release` lets go (once, from any thread).
+
+    The release action sits in a one-element list: ``list.pop`` is atomic,
+    so two threads releasing the same Ref run the action exactly once,
+    without a lock per Ref.
+    """
+
+    __slots__ = ("_action",)
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action = [action]
+
+    def release(self) -> None:
+        try:
+            action = self._action.pop()
+        except IndexError:
+            return
+        action()
+
+    @property
+    def released(self) -> bool:
+        return not self._action
+
+    def __enter__(self) -> Ref:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def release_all(refs: Iterable[Ref]) -> None:
+    for r in refs:
+        r.release()
+
+
+class Memory(ABC):
+    """One allocation on one device.  Subclasses register under a device kind.
+
+    The contract (docs/memory.md): ``size`` bytes, zero filled; ``host_view``
+    covers exactly ``size`` bytes or is None; ``close()`` returns the memory
+    at once if nothing outside still maps it, and in any case calls the
+    ``gone`` callback exactly once, when the memory really is returned (which
+    may be later, when the last untracked view of it is dropped).
+    """
+
+    # Device kind this class serves ("cpu", "shm", "cuda"); set by subclasses.
+    kind: ClassVar[str] = ""
+    # Whether a buffer of this kind can only be handed to a client over a
+    # socket that passes file descriptors (shared memory).
+    needs_fd_passing: ClassVar[bool] = False
+
+    def __init__(self, device: str, size: int) -> None:
+        self.device = device
+        self.size = size
+        self._gone: Callable[[], None] | None = None
+
+    # -- what every Memory provides ------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def create(cls, device: str, size: int) -> Memory:
+        """A new zero-filled allocation; OutOfMemory (typed) when it cannot be had."""
+
+    @property
+    @abstractmethod
+    def host_view(self) -> memoryview | None:
+        """The whole allocation as host bytes; None where there is no host mapping."""
+
+    @property
+    @abstractmethod
+    def address(self) -> int:
+        """The allocation's address (what an MrDesc's ``ptr`` names); 0 when empty."""
+
+    @abstractmethod
+    def close(self) -> bool:
+        """Give the memory back; False if an untracked view delays that."""
+
+    def resident(self) -> int:
+        """Bytes of pages this allocation really holds (what it is charged for)."""
+        return pages(self.size)
+
+    def fd(self) -> int | None:
+        """A file descriptor another process can map (shared memory), or None."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """What ALLOC_BUFFER tells the client about this memory, beyond id and size."""
+        return {}
+
+    # -- staging: the way in and out for memory without a host view ------------------
+
+    def stage_in(self, offset: int, data: memoryview) -> None:
+        """Copy ``data`` into the allocation at ``offset`` (bounds checked)."""
+        self._host(offset, len(data))[:] = data
+
+    def stage_out(self, offset: int, out: memoryview) -> None:
+        """Copy ``len(out)`` bytes at ``offset`` into ``out`` (bounds checked)."""
+        out[:] = self._host(offset, len(out))
+
+    def _host(self, offset: int, size: int) -> memoryview:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes")
+        view = self.host_view
+        if view is None:
+            raise BadRequest(f"{self.device} memory has no host view and no staging path")
+        return view[offset : offset + size]
+
+    # -- when the memory is really gone --------------------------------------------
+
+    def on_gone(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once, when the memory is really returned."""
+        self._gone = fn
+
+    def _track(self, obj: object) -> weakref.finalize[Any, Any]:
+        """Report gone when ``obj`` (the mapping every view refers to) dies."""
+        return weakref.finalize(obj, self._report_gone)
+
+    def _report_gone(self) -> None:
+        fn, self._gone = self._gone, None
+        if fn is not None:
+            fn()

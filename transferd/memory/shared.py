@@ -1,0 +1,63 @@
+"""Shared memory: a sealed memfd mapped by the daemon and by a local client (``"shm"``).
+
+The daemon creates the memfd, maps it, and passes the fd to the client that
+asked (SCM_RIGHTS, over a Unix socket): both then map the same pages, so a
+peer's write that lands in the daemon's mapping is in the client's memory,
+and the client reads and writes its tensors without a byte on the wire.
+
+The memfd is sealed against shrinking and growing before the fd leaves the
+daemon: a client that truncated it would make the daemon's next access to
+the missing pages a SIGBUS.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from typing import Any
+
+from transferd.protocol.errors import OutOfMemory
+
+from .base import pages
+from .host import MappedMemory
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SharedMemory(MappedMemory):
+    kind = "shm"
+    needs_fd_passing = True
+
+    def __init__(self, device: str, size: int, mem: mmap.mmap, fd: int) -> None:
+        super().__init__(device, size, mem)
+        self._fd = fd
+        self.mapped_size = pages(size)
+
+    @classmethod
+    def create(cls, device: str, size: int) -> SharedMemory:
+        length = pages(size)
+        fd = os.memfd_create(f"transferd-{size}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, length)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            mem = mmap.mmap(fd, length, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise OutOfMemory(f"cannot create {length} bytes of shared memory: {exc}") from None
+        return cls(device, size, mem, fd)
+
+    def fd(self) -> int | None:
+        return self._fd if self._fd >= 0 else None
+
+    def describe(self) -> dict[str, Any]:
+        # The client maps this many bytes of the fd (whole pages).
+        return {"shared": True, "map_size": self.mapped_size}
+
+    def close(self) -> bool:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            # The pages live on while a mapping (ours, the client's) remains.
+            os.close(fd)
+        return super().close()
