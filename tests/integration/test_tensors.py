@@ -8,6 +8,7 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, async_test, digest, pattern
+from transferd.memory import charge_of
 from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.errors import (
     BadRequest,
@@ -16,7 +17,6 @@ from transferd.protocol.errors import (
     OutOfMemory,
     TransferdError,
 )
-from transferd.memory import charge_of
 from transferd.protocol.messages import Tensor
 
 MiB = 1 << 20

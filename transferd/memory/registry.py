@@ -35,6 +35,11 @@ def register_kind(kind: str, cls: type[Memory] | str) -> None:
         _loaded[kind] = cls
 
 
+def unregister_kind(kind: str) -> None:
+    KINDS.pop(kind, None)
+    _loaded.pop(kind, None)
+
+
 def kind_of(device: str) -> str:
     return device.split(":", 1)[0]
 

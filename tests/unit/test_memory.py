@@ -1,0 +1,219 @@
+"""The Memory seam: kinds by registry, charges by pages held, Refs, admits and drains."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from transferd.engine.regions import RegionTable
+from transferd.memory import (
+    BOOKKEEPING,
+    KINDS,
+    PAGE,
+    Buffer,
+    BufferTable,
+    DeviceSpec,
+    Memory,
+    charge_of,
+    memory_class,
+    register_kind,
+)
+from transferd.memory.host import HostMemory
+from transferd.memory.registry import unregister_kind
+from transferd.memory.shared import SharedMemory
+from transferd.protocol.errors import NotFound, OutOfBounds, OutOfMemory
+
+MiB = 1 << 20
+
+
+def table(cpu: int = 4 * MiB, shm: int = 4 * MiB) -> BufferTable:
+    return BufferTable([DeviceSpec("cpu", cpu), DeviceSpec("shm", shm)])
+
+
+def free_of(t: BufferTable, device: str = "cpu") -> int:
+    return next(d["free"] for d in t.device_info() if d["name"] == device)
+
+
+def test_charges_are_whole_pages_plus_bookkeeping() -> None:
+    assert BOOKKEEPING == PAGE == 4096
+    assert charge_of(0) == charge_of(1) == charge_of(PAGE) == 2 * PAGE
+    assert charge_of(PAGE + 1) == 3 * PAGE
+    t = table()
+    bufs = [t.alloc("cpu", 1) for _ in range(10)]
+    assert t.used_on("cpu") == 10 * 2 * PAGE
+    for b in bufs:
+        t.free_buffer(b.id)
+    assert t.used_on("cpu") == 0
+
+
+def test_limit_and_limit_plus_one() -> None:
+    t = table(cpu=1 * MiB)
+    (cpu, _) = t.device_info()
+    assert cpu["max_size"] == 1 * MiB - BOOKKEEPING
+    b = t.alloc("cpu", cpu["max_size"])
+    assert free_of(t) == 0
+    with pytest.raises(OutOfMemory):
+        t.alloc("cpu", 0)
+    t.free_buffer(b.id)
+    with pytest.raises(OutOfMemory):
+        t.alloc("cpu", cpu["max_size"] + 1)
+    assert free_of(t) == 1 * MiB and len(t) == 0
+
+
+def test_tiny_buffers_are_bounded_by_their_charge() -> None:
+    t = table(cpu=1 * MiB)
+    got = []
+    with pytest.raises(OutOfMemory):
+        for _ in range(1000):  # bounded: 128 fit
+            got.append(t.alloc("cpu", 1))
+    assert len(got) == 1 * MiB // (2 * PAGE)
+
+
+def test_devices_have_their_own_limits() -> None:
+    t = table(cpu=1 * MiB, shm=2 * MiB)
+    s = t.alloc("shm", 1 * MiB)
+    assert free_of(t, "cpu") == 1 * MiB and free_of(t, "shm") == 1 * MiB - BOOKKEEPING
+    assert isinstance(s.memory, SharedMemory)
+    with pytest.raises(NotFound):
+        t.alloc("cuda:0", 16)
+
+
+def test_a_ref_keeps_memory_and_charge_after_free() -> None:
+    t = table()
+    b = t.alloc("cpu", 3 * PAGE)
+    b.view(0, 4)[:] = b"abcd"
+    ref = b.ref()
+    view = b.view(0, 4)
+    t.free_buffer(b.id)
+    with pytest.raises(NotFound):
+        t.get(b.id)
+    with pytest.raises(NotFound):
+        b.view(0, 1)  # no new access...
+    with pytest.raises(NotFound):
+        b.ref()
+    assert bytes(view) == b"abcd"  # ...but the holder's view still reads its memory
+    assert t.used_on("cpu") == charge_of(3 * PAGE) and t.lingering_on("cpu") == charge_of(3 * PAGE)
+    del view
+    ref.release()
+    ref.release()  # idempotent
+    assert t.used_on("cpu") == 0 and t.lingering_on("cpu") == 0
+
+
+def test_an_untracked_view_keeps_the_charge_until_it_goes() -> None:
+    t = table()
+    b = t.alloc("cpu", PAGE)
+    stray = b.view(0, PAGE)  # taken without a Ref (a bug elsewhere): still counted
+    t.free_buffer(b.id)
+    assert t.used_on("cpu") == charge_of(PAGE)
+    del stray
+    assert t.used_on("cpu") == 0
+
+
+def test_release_from_many_threads_runs_once() -> None:
+    t = table()
+    b = t.alloc("cpu", PAGE)
+    refs = [b.ref() for _ in range(50)]
+    t.free_buffer(b.id)
+    threads = [threading.Thread(target=lambda: [r.release() for r in refs]) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert b.refs() == 0 and t.used_on("cpu") == 0
+
+
+def test_admit_then_deregister_drains_when_released() -> None:
+    t = table()
+    b = t.alloc("cpu", PAGE)
+    regions = RegionTable()
+    r = regions.register(b, 1)
+    a1, a2 = r.admit(), r.admit()
+    regions.deregister(r.id)
+    with pytest.raises(NotFound):
+        r.admit()  # stops admitting at once
+    drained = r.drained()
+    assert not drained.done() and r.admitted == 2
+    a1.release()
+    a1.release()
+    assert not drained.done()
+    t.free_buffer(b.id)
+    assert t.used_on("cpu") == charge_of(PAGE)  # the admitted write still holds it
+    a2.release()
+    assert drained.result(timeout=1) is None
+    assert t.used_on("cpu") == 0
+
+
+def test_drained_at_once_without_writes() -> None:
+    b = Buffer.host(1, PAGE)
+    regions = RegionTable()
+    r = regions.register(b, 2)
+    regions.deregister(r.id)
+    assert r.drained().done()
+    b.release()
+
+
+def test_admit_after_free_is_refused() -> None:
+    t = table()
+    b = t.alloc("cpu", PAGE)
+    r = RegionTable().register(b, 1)
+    t.free_buffer(b.id)
+    with pytest.raises(NotFound):
+        r.admit()
+    assert r.admitted == 0
+
+
+def test_shared_memory_is_one_set_of_pages_and_sealed() -> None:
+    import fcntl
+    import mmap
+
+    t = table()
+    b = t.alloc("shm", 5000)
+    assert b.memory is not None
+    fd = b.memory.fd()
+    assert fd is not None
+    assert b.memory.describe() == {"shared": True, "map_size": 2 * PAGE}
+    other = mmap.mmap(os.dup(fd), 2 * PAGE, flags=mmap.MAP_SHARED)
+    b.view(4000, 5)[:] = b"hello"
+    assert other[4000:4005] == b"hello"  # the client's mapping sees the daemon's bytes
+    other[0:3] = b"abc"
+    assert bytes(b.view(0, 3)) == b"abc"
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    with pytest.raises(OSError):
+        os.ftruncate(fd, 0)  # a client cannot pull the pages from under the daemon
+    t.free_buffer(b.id)
+    assert t.used_on("shm") == 0
+    assert other[4000:4005] == b"hello"  # the client's own mapping lives on
+    other.close()
+
+
+def test_zero_size_buffers_are_empty_and_bounded() -> None:
+    t = table()
+    for kind in ("cpu", "shm"):
+        b = t.alloc(kind, 0)
+        assert b.view(0, 0).nbytes == 0
+        with pytest.raises(OutOfBounds):
+            b.view(0, 1)
+        t.free_buffer(b.id)
+    assert t.used == 0
+
+
+def test_registry_serves_kinds_and_takes_new_ones() -> None:
+    assert memory_class("cpu") is HostMemory and memory_class("shm") is SharedMemory
+    with pytest.raises(NotFound):
+        memory_class("nope:0")
+
+    class Fake(HostMemory):
+        kind = "fake"
+
+    register_kind("fake", Fake)
+    try:
+        t = BufferTable([DeviceSpec("fake:3", 1 * MiB)])
+        b = t.alloc("fake:3", 10)
+        assert isinstance(b.memory, Fake) and isinstance(b.memory, Memory)
+        t.free_buffer(b.id)
+    finally:
+        unregister_kind("fake")
+    assert "fake" not in KINDS
