@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 ARGS   ?=
 
-.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-check clean venv
+.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-deps rdma-check clean venv
 
 venv: $(STAMP)
 
@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# Best effort: link the system's pyverbs where it is installed (never installs it).
+	-@VENV=$(VENV) bash scripts/rdma-deps.sh --link 2>/dev/null || true
 	@rm -f $(VENV)/.installed-*; touch $@
 
 ## run: start the daemon on its embedded default (host memory, 127.0.0.1)
@@ -51,6 +53,14 @@ bench-venv:
 ## gpu-check: GPU tests and benchmarks, on a machine with a CUDA device
 gpu-check: $(STAMP)
 	bash scripts/gpu-check.sh
+
+## rdma-deps: pyverbs from the system (python3-pyverbs), linked into the venv (docs/rdma.md)
+rdma-deps: $(STAMP)
+	VENV=$(VENV) bash scripts/rdma-deps.sh
+
+## rdma-check: tests/rdma over soft-RoCE (rdma_rxe) or real NICs; a report in $(OUT) (docs/rdma.md)
+rdma-check: $(STAMP)
+	bash scripts/rdma-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -280,7 +280,8 @@ def test_barrier_one_zero_byte_part_per_peer() -> None:
     assert len(parts) == 3
     for i, (p, d) in enumerate(zip(parts, peers, strict=True)):
         assert p.imm == 99 and p.count == 1 and p.parts == 1
-        assert p.addrs == [] and p.lens == [] and p.src == [] and p.nbytes == 0
+        # Zero bytes, but a valid descriptor: the destination region's address.
+        assert p.addrs == [d.ptr] and p.lens == [0] and p.src == [] and p.nbytes == 0
         assert (p.dst, p.rkey) == d.rkeys[p.rail]
         assert p.index == i and p.op == 4
     assert {p.rail for p in parts} == {0, 1}

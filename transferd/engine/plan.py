@@ -154,5 +154,7 @@ def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[
         check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
         rail = (op + i) % rails
         addr, rkey = desc.rkeys[rail]
-        parts.append(WritePart(rail, addr, rkey, [], [], [], imm, 1, 1, i, op))
+        # Zero bytes, yet a valid descriptor (the region's address and rkey): EFA
+        # requires one even for zero-length writes, so every Domain gets one.
+        parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, 1, 1, i, op))
     return parts

@@ -1,0 +1,118 @@
+"""Work requests built as real pyverbs objects (SendWR, SGE, RecvWR, chains of four).
+
+Needs pyverbs (``make rdma-deps``), no device: pyverbs builds these structures in
+user memory.  Skipped, with the reason, where pyverbs does not import.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from transferd.domains.verbs.loader import pyverbs_missing
+
+MISSING = pyverbs_missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+if MISSING is None:
+    import pyverbs.enums as e
+    from pyverbs.wr import SendWR
+
+    from transferd.domains.verbs import wr as vwr
+
+from transferd.domains.verbs.completions import WrKind, split_wr_id, wr_id  # noqa: E402
+from transferd.domains.verbs.constants import (  # noqa: E402
+    CHAIN_MAX,
+    IBV_SEND_SIGNALED,
+    IBV_WC_WITH_IMM,
+    WcOpcode,
+    WcStatus,
+    WrOpcode,
+)
+from transferd.domains.verbs.wrplan import WrSpec  # noqa: E402
+
+SINK = (0x5000, 64, 0x77)
+
+
+def test_constants_match_pyverbs() -> None:
+    assert WrOpcode.RDMA_WRITE == e.IBV_WR_RDMA_WRITE
+    assert WrOpcode.RDMA_WRITE_WITH_IMM == e.IBV_WR_RDMA_WRITE_WITH_IMM
+    assert WrOpcode.SEND == e.IBV_WR_SEND
+    assert WcOpcode.SEND == e.IBV_WC_SEND and WcOpcode.RDMA_WRITE == e.IBV_WC_RDMA_WRITE
+    assert WcOpcode.RECV == e.IBV_WC_RECV
+    assert WcOpcode.RECV_RDMA_WITH_IMM == e.IBV_WC_RECV_RDMA_WITH_IMM
+    for s in WcStatus:
+        assert s == getattr(e, f"IBV_WC_{s.name}")
+    assert IBV_SEND_SIGNALED == e.IBV_SEND_SIGNALED and IBV_WC_WITH_IMM == e.IBV_WC_WITH_IMM
+
+
+def test_write_with_imm_fields() -> None:
+    spec = WrSpec(WrOpcode.RDMA_WRITE_WITH_IMM, [(0x1000, 4096, 0x42), (0x9000, 100, 0x43)],
+                  0x7F00_0000_0000, 0x1234, imm=0x01020304)
+    w = vwr.build_send_wr(spec, wr_id(WrKind.SEND, 9))
+    try:
+        assert w.opcode == e.IBV_WR_RDMA_WRITE_WITH_IMM and w.num_sge == 2
+        assert w.imm_data == socket.htonl(0x01020304)  # the wire wants network order
+        assert w.send_flags == e.IBV_SEND_SIGNALED
+        assert split_wr_id(w.wr_id) == (WrKind.SEND, 9)
+        assert w.next_wr is None
+    finally:
+        w.close()
+
+
+def test_plain_write_has_no_immediate() -> None:
+    w = vwr.build_send_wr(WrSpec(WrOpcode.RDMA_WRITE, [(0x1000, 8, 1)], 0x2000, 5), 1)
+    try:
+        assert w.opcode == e.IBV_WR_RDMA_WRITE and w.imm_data == 0
+    finally:
+        w.close()
+
+
+def test_chains_of_at_most_four() -> None:
+    items = [(WrSpec(WrOpcode.RDMA_WRITE, [(0x1000 + i, 1, 1)], 0x2000 + i, 5), i)
+             for i in range(10)]
+    chains = vwr.build_chains(items)
+    try:
+        assert [len(c.wrs) for c in chains] == [4, 4, 2]
+        assert [w.wr_id for c in chains for w in c.wrs] == list(range(10))
+        assert all(isinstance(w, SendWR) for c in chains for w in c.wrs)
+        assert all(c.wrs[-1].next_wr is None for c in chains)  # each chain ends
+        assert len(chains[0].owned) == 4
+    finally:
+        for c in chains:
+            c.close()
+    assert CHAIN_MAX == 4
+
+
+def test_zero_length_template_is_a_chain_tail_used_once_per_batch() -> None:
+    t = vwr.ZeroWriteTemplate(SINK)
+    zero = [WrSpec(WrOpcode.RDMA_WRITE_WITH_IMM, [(SINK[0], 0, SINK[2])], 0x7000 + i, 9,
+                   imm=3) for i in range(2)]
+    plain = WrSpec(WrOpcode.RDMA_WRITE, [(0x1000, 8, 1)], 0x2000, 5)
+    chains = vwr.build_chains([(plain, 1), (zero[0], 2), (zero[1], 3)], t)
+    try:
+        assert [len(c.wrs) for c in chains] == [2, 1]
+        assert chains[0].wrs[1] is t.wr  # the tail of its chain, and filled
+        assert t.wr.wr_id == 2 and t.wr.imm_data == socket.htonl(3)
+        assert t.wr.opcode == e.IBV_WR_RDMA_WRITE_WITH_IMM and t.wr.num_sge == 1
+        assert chains[0].owned == [chains[0].wrs[0]]  # the template is not closed
+        assert chains[1].wrs[0] is not t.wr and chains[1].wrs[0].wr_id == 3
+    finally:
+        for c in chains:
+            c.close()
+        t.close()
+
+
+def test_recv_slots_built_once() -> None:
+    slots = vwr.RecvSlots(int(WrKind.RECV), 0x10000, 4096, 8, 0x42)
+    try:
+        assert len(slots) == 8
+        assert [split_wr_id(w.wr_id) for w in slots.wrs] == [(WrKind.RECV, i) for i in range(8)]
+        assert all(w.num_sge == 1 for w in slots.wrs)
+        assert slots.offset(3) == 3 * 4096
+        sink = vwr.RecvSlots(int(WrKind.WRITE_RECV), SINK[0], SINK[1], 4, SINK[2], stride=0)
+        assert sink.offset(3) == 0  # every write receive names the same sink
+        sink.close()
+    finally:
+        slots.close()

@@ -1,0 +1,119 @@
+"""The initiator side of the verbs Domain, without a device: parts in, work requests
+out, completions back to transfers.
+
+For each write part, :class:`Sender` plans its work requests (``wrplan``), queues the
+plain ones on the link's send queue and gives each unit's carrier to the group's
+:class:`~.counting.CarrierGate`, which releases it onto the send queue once the unit's
+other work requests completed.  A part is done when all its work requests (its carrier
+included, where it holds one) completed; the first failure fails its transfer.
+
+A *link* is one queue pair of one peer: it owns a :class:`~.sendq.SendQueue` whose
+poster turns queued items into pyverbs chains (``domain.py``) or, in the unit tests,
+records them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from transferd.engine.plan import SendPart, WritePart
+from transferd.engine.transfer import Transfer
+from transferd.protocol.errors import PeerUnreachable, TransferdError
+
+from .constants import WrOpcode
+from .counting import CarrierGate
+from .sendq import SendQueue
+from .wrplan import LkeyOf, Sge, WrSpec, plan_part
+
+
+class Link(Protocol):
+    queue: SendQueue[Posted]
+    max_msg: int
+    max_sge: int
+
+
+@dataclass(slots=True, eq=False)
+class PartState:
+    transfer: Transfer
+    left: int
+    failed: bool = False
+
+    def one_done(self, error: TransferdError | None) -> None:
+        if self.failed:
+            return
+        if error is not None:
+            self.failed = True
+            self.transfer.part_done(error)
+            return
+        self.left -= 1
+        if self.left == 0:
+            self.transfer.part_done()
+
+
+@dataclass(slots=True, eq=False)
+class Posted:
+    """One work request on its way: what it is, its part, its unit, its link."""
+
+    spec: WrSpec
+    part: PartState
+    link: Any
+    unit: Hashable = None
+    carrier: bool = False
+    payload: Any = None  # a SEND's message slot, kept until the send completed
+
+
+class Sender:
+    def __init__(self, lkey_of: Callable[[Any], LkeyOf], zero_sge: Callable[[Any], Sge]) -> None:
+        """``lkey_of(link)`` and ``zero_sge(link)`` give the NIC's lkeys for a link."""
+        self.gate: CarrierGate[Posted] = CarrierGate(self._release, self._drop)
+        self._lkey_of = lkey_of
+        self._zero_sge = zero_sge
+        self._units = itertools.count(1)
+
+    def write(self, link: Link, part: WritePart, transfer: Transfer) -> None:
+        if transfer.finished:
+            return
+        wrs = plan_part(part, self._lkey_of(link), max_msg=link.max_msg,
+                        max_sge=link.max_sge, zero_sge=self._zero_sge(link),
+                        unit_key=lambda i: ("unit", next(self._units)))
+        state = PartState(transfer, wrs.count)
+        if state.left == 0:
+            transfer.part_done()
+            return
+        for unit in wrs.units:
+            carrier = None
+            if unit.carrier is not None:
+                carrier = Posted(unit.carrier, state, link, unit.key, True)
+            self.gate.add(unit.key, unit.parts, len(unit.plain), carrier)
+        link.queue.submit([Posted(s, state, link, s.unit) for s in wrs.plain])
+
+    def send(self, link: Link, part: SendPart, transfer: Transfer, sge: Sge,
+             slot: Any = None) -> None:
+        """A two-sided SEND of a message already copied into a registered slot."""
+        state = PartState(transfer, 1)
+        spec = WrSpec(WrOpcode.SEND, [sge])
+        link.queue.submit([Posted(spec, state, link, None, False, slot)])
+
+    # -- completions -------------------------------------------------------------------
+
+    def completed(self, posted: Posted, error: TransferdError | None) -> None:
+        """A work request we posted completed (called by the completion dispatcher)."""
+        posted.link.queue.completed(1)
+        if posted.unit is not None and not posted.carrier:
+            self.gate.done(posted.unit, error)
+        posted.part.one_done(error)
+
+    def _release(self, carrier: Posted) -> None:
+        try:
+            carrier.link.queue.submit([carrier])
+        except TransferdError as exc:
+            carrier.part.one_done(exc)
+
+    def _drop(self, carrier: Posted, error: TransferdError) -> None:
+        carrier.part.one_done(error)
+
+    def close(self) -> None:
+        self.gate.fail_all(PeerUnreachable("verbs domain closed"))
