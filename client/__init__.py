@@ -7,8 +7,9 @@ from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from .client import Client, RemoteBuffer, Switches
 from .engine import Completion, MrHandle, PeerGroup
 from .sync import SyncClient
+from .watchers import UvmWatcher
 
 __all__ = [
     "Client", "Completion", "MrDesc", "MrHandle", "NetAddr", "Pages", "PeerGroup",
-    "RemoteBuffer", "ScatterDst", "Switches", "SyncClient", "Tensor",
+    "RemoteBuffer", "ScatterDst", "Switches", "SyncClient", "Tensor", "UvmWatcher",
 ]

@@ -24,6 +24,7 @@ from transferd.protocol.messages import Tensor
 from .connection import Connection
 from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
+from .watchers import WatcherMixin
 
 
 def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
@@ -143,7 +144,7 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
-class Client(EngineMixin):
+class Client(EngineMixin, WatcherMixin):
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(

@@ -9,6 +9,7 @@ Completion is an awaitable, takes callbacks, and is a flag (``done()``).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 if TYPE_CHECKING:
     from .client import Client, RemoteBuffer
+
+log = logging.getLogger("transferd.client")
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,19 @@ class EngineEvents:
     def __init__(self) -> None:
         self.waiting: dict[int, Completion] = {}
         self.receivers: dict[int, MessageHandler] = {}
+        # ALLOC_UVM_WATCHER seq -> the watcher's EVENT handler (client.watchers).
+        self.watchers: dict[int, Callable[[Frame], None]] = {}
 
     def on_event(self, frame: Frame) -> bool:
+        if frame.cmd == Command.ALLOC_UVM_WATCHER and not frame.is_error:
+            route = self.watchers.get(frame.seq)
+            if route is None:
+                return False
+            try:
+                route(frame)
+            except Exception:  # the user's callback: it must not break the connection
+                log.exception("watcher callback failed")
+            return True
         if frame.cmd == Command.SUBMIT_RECVS and not frame.is_error:
             cb = self.receivers.get(frame.seq)
             if cb is not None:

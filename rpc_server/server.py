@@ -7,7 +7,10 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
-from . import engine_handlers  # noqa: F401 - registers the engine commands
+from . import (
+    engine_handlers,  # noqa: F401 - registers the engine commands
+    watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
+)
 from .context import ServerContext
 from .session import Session
 

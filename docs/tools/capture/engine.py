@@ -274,10 +274,29 @@ def ex_err_submit(ds: Daemons) -> Capture:
 
 request_example(
     "ENGINE_ERR_UNKNOWN_COMMAND",
-    "ALLOC_UVM_WATCHER (reserved): UNKNOWN_COMMAND",
-    Command.ALLOC_UVM_WATCHER,
+    "EVENT (0x3F, reserved) sent as a request: UNKNOWN_COMMAND",
+    Command.EVENT,
     note="The connection stays open.",
 )
+
+
+@example("ENGINE_ALLOC_UVM_WATCHER", volatile=True)
+def ex_alloc_uvm_watcher(ds: Daemons) -> Capture:
+    with session(ds["main"], "ALLOC_UVM_WATCHER on the word at offset 0 of a buffer; another "
+                 "connection's SET_TENSOR stores 5 there") as (c, cap):
+        buf = _with_buffer(c)
+        c.send(Command.ALLOC_UVM_WATCHER, 3, {"buffer": buf, "offset": 0})
+        c.recv()
+        with session(ds["main"], cap.title) as (other, _):
+            other.send(Command.SET_TENSOR, 2, {"tensor": [buf, 0, 8]},
+                       (5).to_bytes(8, "little"), Flag.NO_REPLY)
+            c.recv()
+    cap.note = (
+        "The EVENT carries the ALLOC_UVM_WATCHER's cmd and seq, the watcher's id and the "
+        "word's value before and after the change the watcher thread saw. Sent with `{}`, the "
+        "reply also names the connection's shared word page: `path`, `offset`, `page_size`."
+    )
+    return cap
 
 
 @example("PEER_PLANE", volatile=True)
