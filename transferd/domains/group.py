@@ -20,6 +20,7 @@ from transferd.engine.immcounter import ImmCounter
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.regions import RegionTable
 from transferd.engine.transfer import Transfer
+from transferd.memory import Ref
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 from transferd.protocol.values import NetAddr
 
@@ -120,6 +121,17 @@ class DomainGroup:
 
     def write_views(self, rail: int, body: dict[str, Any], payload_len: int) -> list[memoryview]:
         """Check a WRITE against its region, page by page, before any byte lands."""
+        views, admitted = self.admit_write(rail, body, payload_len)
+        admitted.release()  # a check only: whoever lands bytes holds admit_write's Ref
+        return views
+
+    def admit_write(self, rail: int, body: dict[str, Any], payload_len: int
+                    ) -> tuple[list[memoryview], Ref]:
+        """Check a WRITE, then admit it: the Ref holds the region until it has landed.
+
+        Release the Ref once the bytes are in place or the write failed;
+        DEREG_MR and FREE_BUFFER wait for it, and refuse writes admitted after.
+        """
         try:
             rkey = int(body["rkey"])
             addrs = body["addrs"]
@@ -138,7 +150,7 @@ class DomainGroup:
             total = sum(map(len, views))
         if total != payload_len:
             raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
-        return views
+        return views, region.admit()
 
     def landed(self, peer: tuple[int, int], body: dict[str, Any], nbytes: int) -> None:
         """A WRITE's bytes are in place: count its immediate, by the counting rules."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from transferd.engine.limits import MAX_MESSAGE
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.transfer import Transfer
+from transferd.memory import Ref
 from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
@@ -149,6 +150,14 @@ class PeerLink:
         self.stream.on_resume = self._resume
         g = self.domain.group
         self.stream.send(PeerCommand.HELLO, 0, 0, g.hello_body(self.domain.rail))
+        # A peer that accepts and never answers must not keep our parts (and
+        # the memory they send from) waiting forever.
+        self.domain.loop.call_later(min(CONNECT_TIMEOUT, g.timeout_s), self._hello_timeout)
+
+    def _hello_timeout(self) -> None:
+        if self.state is LinkState.CONNECTING:
+            self.close(PeerUnreachable(f"rail {self.domain.rail}: {self.dst} did not answer "
+                                       "HELLO in time"))
 
     def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         if self.state is LinkState.READY:
@@ -239,6 +248,9 @@ class InboundLink:
         self.domain = domain
         self.peer: tuple[int, int] | None = None
         self._error: TransferdError | None = None
+        # The write landing now (admitted by its region): let go once its
+        # bytes are in place, or the link dies under it.
+        self._landing: Ref | None = None
         self.stream = FramedStream(
             domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close, sink=self._sink
         )
@@ -250,8 +262,9 @@ class InboundLink:
             return DISCARD
         if frame.cmd == PeerCommand.WRITE:
             try:
-                return self.domain.group.write_views(self.domain.rail, frame.body,
-                                                     frame.payload_len)
+                views, self._landing = self.domain.group.admit_write(
+                    self.domain.rail, frame.body, frame.payload_len)
+                return views
             except TransferdError as exc:
                 self._error = exc
                 return DISCARD
@@ -288,6 +301,10 @@ class InboundLink:
             return
         error = self._error if frame.payload_len else None
         self._error = None
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            # Every byte is in place (the frame is whole): the region may go.
+            landing.release()
         if self.peer is None:
             self.stream.close()
             return
@@ -316,4 +333,7 @@ class InboundLink:
             self.stream.close()
 
     def _on_close(self, exc: BaseException | None) -> None:
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.release()  # the socket is closed: no more of it lands
         self.domain._inbound.discard(self)

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from transferd.config import EngineConfig
 from transferd.domains.group import Ack, Chaos, DomainGroup
-from transferd.memory import Buffer, BufferTable
+from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
@@ -148,7 +148,7 @@ class TransferEngine:
         op = next(self._ops)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
                             max_parts=self.chaos.max_parts if self.chaos else None)
-        return self._submit(op, list(parts))
+        return self._submit(op, list(parts), region.buffer.ref())
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                                   src: tuple[int, Pages], dst: tuple[MrDesc, Pages]
@@ -163,7 +163,7 @@ class TransferEngine:
         op = next(self._ops)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails,
                            pages_per_frame=1 if self.chaos else PAGES_PER_FRAME)
-        return self._submit(op, list(parts))
+        return self._submit(op, list(parts), region.buffer.ref())
 
     def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
         for a in addrs:
@@ -200,7 +200,7 @@ class TransferEngine:
             view = region.view(region.ptr + d.src, d.len)
             parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
                                  max_parts=self.chaos.max_parts if self.chaos else None)
-        return self._submit(first or next(self._ops), parts)
+        return self._submit(first or next(self._ops), parts, region.buffer.ref())
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
@@ -307,7 +307,9 @@ class TransferEngine:
         assert self.worker is not None
         await self.worker.wait_slot()
 
-    def _submit(self, op: int, parts: list[WritePart | SendPart]) -> asyncio.Future[None]:
+    def _submit(self, op: int, parts: list[WritePart | SendPart],
+                held: Ref | None = None) -> asyncio.Future[None]:
+        """Hand parts to the worker; ``held`` (the source's memory) goes when it finishes."""
         assert self.worker is not None and self.group is not None and self.loop is not None
         # Callers check has_slot() first; going over by one is harmless.
         self.worker.take()
@@ -322,6 +324,8 @@ class TransferEngine:
         transfer = Transfer(op, len(parts), nbytes, finish)
         worker.call(self.group.execute, transfer, parts)
         fut.add_done_callback(lambda _: worker.release())
+        if held is not None:
+            fut.add_done_callback(lambda _: held.release())
         return fut
 
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,

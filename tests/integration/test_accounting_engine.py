@@ -1,0 +1,136 @@
+"""What the engine holds is counted, and let go: writes to a silent peer, writes in flight
+when their region is deregistered or freed.  Live daemons; the peer is a real daemon or a
+socket driven by hand.
+
+The hand-driven peer speaks the peer plane of transferd/protocol/peer.py (HELLO, then a
+WRITE whose payload it sends in two halves), so a test can hold a write half-landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+from typing import Any
+
+import pytest
+
+from client import Client
+from tests.conftest import DaemonFactory
+from tests.helpers import DaemonProcess, RawConn, async_test, pattern, wait_until
+from tests.integration.test_accounting import OVERHEAD, device, rss
+from transferd.memory import charge_of
+from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
+from transferd.protocol.peer import PeerCommand
+from transferd.protocol.values import MrDesc, NetAddr
+
+MiB = 1 << 20
+
+
+@async_test(timeout=60)
+async def test_a_write_to_a_silent_peer_is_let_go_after_the_client_has_gone(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """The peer accepts and never answers: the buffer stays charged while the write is in
+    flight, then its memory and charge come back, with nobody left to free them."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted, never read: the kernel completes the connects
+    d = daemon_factory(["-m", "128"], env={"TRANSFERD_ENGINE_PEER_TIMEOUT_S": "1"})
+    ctl = RawConn.to(d)
+    ctl.hello()
+    base = rss(d)
+    size = 64 * MiB
+    try:
+        async with await Client.connect(d.url) as c:
+            buf = await c.alloc_buffer(size)
+            await c.buffer_clear(buf, 9)  # every page resident
+            mr, _ = await c.reg_mr(buf)
+            nowhere = NetAddr(0x5157, 0, (silent.getsockname(),))
+            desc = MrDesc(1 << 20, [(nowhere, 0x1234)], size)
+            done = await c.submit_single_write(size, None, (mr, 0), (desc, 0))
+            await c.free_buffer(buf)
+            assert not done.done()
+        # The client is gone; the write is still held, and counted as held.
+        assert device(ctl)["free"] == 128 * MiB - charge_of(size)
+        assert rss(d) - base <= 128 * MiB + OVERHEAD
+        assert wait_until(lambda: device(ctl)["free"] == 128 * MiB, timeout=15), device(ctl)
+        assert wait_until(lambda: rss(d) - base <= OVERHEAD, timeout=5), rss(d) - base
+    finally:
+        silent.close()
+
+
+class HandPeer:
+    """One rail's link to a daemon, driven frame by frame."""
+
+    def __init__(self, rail: tuple[str, int]) -> None:
+        self.sock = socket.create_connection(rail, timeout=10)
+        self.decoder = FrameDecoder()
+        self.frames: list[Frame] = []
+        self.send(PeerCommand.HELLO, {"node": 0x4A4D, "group": 0, "rail": 0, "rails": 1})
+        hello = self.recv()
+        assert hello.cmd == PeerCommand.HELLO and not hello.is_error, hello
+
+    def send(self, cmd: int, body: dict[str, Any], payload: bytes = b"",
+             payload_len: int | None = None) -> None:
+        n = len(payload) if payload_len is None else payload_len
+        self.sock.sendall(encode_frame(cmd, 0, 0, body, n) + payload)
+
+    def recv(self) -> Frame:
+        while not self.frames:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("daemon closed the link")
+            self.frames += self.decoder.feed(data)
+        return self.frames.pop(0)
+
+    def write_header(self, op: int, desc: MrDesc, offset: int, length: int) -> None:
+        self.send(PeerCommand.WRITE, {"op": op, "part": 0, "parts": 1, "rkey": desc.rkeys[0][1],
+                                      "addrs": [desc.ptr + offset], "lens": [length],
+                                      "count": 1}, payload_len=length)
+
+
+async def _landing(c: Client, buf: Any, first: bytes) -> bool:
+    return bytes(await c.get_tensor(buf.tensor(0, len(first)))) == first
+
+
+@pytest.mark.parametrize("how", ["dereg_mr", "free_buffer"])
+@async_test(timeout=60)
+async def test_a_write_in_flight_lands_before_dereg_returns_and_none_after(
+    daemon: DaemonProcess, how: str
+) -> None:
+    size, half = 64 * MiB, 32 * MiB
+    data = pattern(size, 7)
+    async with await Client.connect(daemon.url) as c:
+        buf = await c.alloc_buffer(size)
+        mr, desc = await c.reg_mr(buf)
+        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0].rails[0])
+        peer.write_header(1, desc, 0, size)
+        await asyncio.to_thread(peer.sock.sendall, data[:half])
+        # The write was admitted and is landing: its first bytes are in the buffer.
+        for _ in range(200):
+            if await _landing(c, buf, data[:64]):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the first half never landed")
+        ender = asyncio.ensure_future(
+            c.dereg_mr(mr) if how == "dereg_mr" else c.free_buffer(buf))
+        await asyncio.sleep(0.3)
+        assert not ender.done(), f"{how} returned while an admitted write was half-landed"
+        await asyncio.to_thread(peer.sock.sendall, data[half:])
+        ack = await asyncio.to_thread(peer.recv)
+        assert ack.cmd == PeerCommand.ACK and ack.body.get("ok") is True, ack.body  # told: landed
+        await asyncio.wait_for(ender, 10)
+        if how == "dereg_mr":
+            got = bytes(await c.get_tensor(buf.tensor()))
+            assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        # A write after it is refused, and its initiator is told so.
+        peer.write_header(2, desc, 0, 4096)
+        await asyncio.to_thread(peer.sock.sendall, b"\xff" * 4096)
+        nack = await asyncio.to_thread(peer.recv)
+        assert nack.cmd == PeerCommand.ACK and nack.body.get("code") == "NOT_FOUND", nack.body
+        if how == "dereg_mr":
+            assert bytes(await c.get_tensor(buf.tensor(0, 4096))) == data[:4096]
+            await c.free_buffer(buf)
+        peer.sock.close()
