@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
+from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
 from transferd.protocol import frames
 from transferd.protocol.constants import (
@@ -111,7 +112,7 @@ class Session(asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
-        self.peer = str(peer) if peer else "local"
+        self.peer = hostport(peer) if peer else "local"
         self.ctx.metrics.connections.inc()
         self.ctx.metrics.connections_accepted.inc()
         log.debug("connection from %s", self.peer)
@@ -279,10 +280,8 @@ class Session(asyncio.BufferedProtocol):
         if no_reply and not exc.fatal:
             # One-way command failed: tell the client unasked, keep serving.
             flags = Flag.EVENT | Flag.ERROR
-        # A client's bad request is its business (it gets the error); only a
-        # connection we close is worth the operator's log at the default level.
-        log.log(logging.INFO if exc.fatal else logging.DEBUG,
-                "%s: %s on cmd 0x%02x seq %s", self.peer, exc, cmd, seq)
+        # At INFO with the client's address (rate-limited by the log handler).
+        log_client_error(self.peer, exc, cmd, seq)
         self.send_frame(cmd, flags, seq or 0, exc.to_body())
         if exc.fatal:
             self.close()

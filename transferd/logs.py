@@ -105,6 +105,48 @@ def hostport(addr: Any) -> str:
     return str(addr) if addr else "?"
 
 
+# -- errors sent to clients ------------------------------------------------------------------
+
+session_log = logging.getLogger("transferd.session")
+
+
+def log_client_error(peer: str, exc: Any, cmd: int, seq: int | None) -> None:
+    """An error reply or event sent to a client, at INFO, once per error:
+    ``client HOST:PORT: CODE on COMMAND seq N: message``."""
+    from transferd.protocol.constants import Command
+
+    try:
+        name = Command(cmd).name
+    except ValueError:
+        name = f"0x{cmd:02x}"
+    code = exc.code.value
+    session_log.info("client %s: %s on %s seq %s: %s", peer, code, name, seq, exc.message,
+                     extra={"client": peer, "code": code, "command": name, "seq": seq})
+
+
+# -- the peer plane's warnings: one helper, so every line names the peer the same way ---------
+
+peer_log = logging.getLogger("transferd.peer")
+
+
+def peer_warning(event: str, node: int | None, rail: int, addr: Any, error: Any) -> None:
+    """Log a peer-plane failure at WARNING: ``event: node N rail R (host:port): error``.
+
+    ``event`` is one of a small fixed set ("peer link broken", "transfer timed out",
+    "peer write refused", "peer message refused"), so the rate limit groups them.
+    JSON logs get ``peer_node``, ``rail``, ``peer_addr`` and ``code`` as fields.
+    """
+    node_text = f"{node:016x}" if node is not None else "?"
+    code = getattr(getattr(error, "code", None), "value", None)
+    message = getattr(error, "message", None) or str(error)
+    peer_log.warning(
+        "%s: node %s rail %d (%s): %s%s", event, node_text, rail, hostport(addr),
+        f"{code}: " if code else "", message,
+        extra={"peer_node": node_text, "rail": rail, "peer_addr": hostport(addr),
+               "code": code or ""},
+    )
+
+
 if __name__ == "__main__":  # pragma: no cover - a manual look at both formats
     configure("debug", sys.argv[1] if len(sys.argv) > 1 else "text")
     logging.getLogger("transferd.demo").info("hello %s", "world", extra={"peer": "1.2.3.4:5"})

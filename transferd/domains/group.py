@@ -20,6 +20,7 @@ from transferd.engine.immcounter import ImmCounter
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.regions import RegionTable
 from transferd.engine.transfer import Transfer
+from transferd.logs import peer_warning
 from transferd.memory import Ref
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 from transferd.protocol.values import NetAddr
@@ -97,9 +98,7 @@ class DomainGroup:
     # -- initiator side ---------------------------------------------------------
 
     def execute(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
-        transfer.timer = self.loop.call_later(
-            self.timeout_s, transfer.fail,
-            Timeout(f"transfer {transfer.op} not acknowledged in {self.timeout_s:g} s"))
+        transfer.timer = self.loop.call_later(self.timeout_s, self._timed_out, transfer, parts)
         if not parts:
             transfer.part_done()
             return
@@ -110,6 +109,14 @@ class DomainGroup:
                 self.loop.call_later(delay, domain.post, part, transfer)
             else:
                 domain.post(part, transfer)
+
+    def _timed_out(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+        err = Timeout(f"transfer {transfer.op} not acknowledged in {self.timeout_s:g} s")
+        rail = parts[0].rail if parts else 0
+        dst = parts[0].dst if parts else None
+        peer_warning("transfer timed out", dst.node if dst else None, rail,
+                     dst.rails[0] if dst and dst.rails else None, err)
+        transfer.fail(err)
 
     def connect(self, addr: NetAddr) -> None:
         """Open every rail's link to a peer now, ahead of the first transfer."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from transferd.engine.limits import MAX_MESSAGE
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.transfer import Transfer
+from transferd.logs import peer_warning
 from transferd.memory import Ref
 from transferd.protocol.errors import (
     BadRequest,
@@ -58,6 +59,13 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _peername(sock: socket.socket) -> Any:
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None
+
+
 class TcpDomain:
     def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0) -> None:
         self.group = group
@@ -68,6 +76,7 @@ class TcpDomain:
         self.port = self._listener.getsockname()[1]
         self._links: dict[tuple[int, int], PeerLink] = {}
         self._inbound: set[InboundLink] = set()
+        self.closing = False
         self.loop.add_reader(self._listener.fileno(), self._accept)
 
     # -- outbound -----------------------------------------------------------------
@@ -100,6 +109,7 @@ class TcpDomain:
             self._inbound.add(InboundLink(self, sock))
 
     def close(self) -> None:
+        self.closing = True
         self.loop.remove_reader(self._listener.fileno())
         self._listener.close()
         for link in list(self._links.values()):
@@ -230,6 +240,9 @@ class PeerLink:
         if self.state is LinkState.CLOSED:
             return
         self.state = LinkState.CLOSED
+        if not self.domain.closing:
+            peer_warning("peer link broken", self.dst.node, self.domain.rail,
+                         self.dst.rails[0] if self.dst.rails else None, error)
         self.domain.forget(self)
         if self.stream is not None:
             self.stream.close()
@@ -316,6 +329,9 @@ class InboundLink:
                     g.landed(self.peer, frame.body, frame.payload_len)
                 except TransferdError as exc:
                     error = exc
+            if error is not None:
+                peer_warning("peer write refused", self.peer[0], self.domain.rail,
+                             _peername(self.stream.sock), error)
             self._ack(frame.body, error)
         elif frame.cmd == PeerCommand.SEND:
             if error is not None:
