@@ -240,7 +240,7 @@ class PeerLink:
         if self.state is LinkState.CLOSED:
             return
         self.state = LinkState.CLOSED
-        if not self.domain.closing:
+        if not getattr(self.domain, "closing", False):  # no warning at shutdown
             peer_warning("peer link broken", self.dst.node, self.domain.rail,
                          self.dst.rails[0] if self.dst.rails else None, error)
         self.domain.forget(self)
