@@ -6,10 +6,11 @@ from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 from .client import Client, RemoteBuffer, Switches
 from .engine import Completion, MrHandle, PeerGroup
+from .shared import SharedBuffer
 from .sync import SyncClient
 from .watchers import UvmWatcher
 
 __all__ = [
     "Client", "Completion", "MrDesc", "MrHandle", "NetAddr", "Pages", "PeerGroup",
-    "RemoteBuffer", "ScatterDst", "Switches", "SyncClient", "Tensor", "UvmWatcher",
+    "RemoteBuffer", "ScatterDst", "SharedBuffer", "Switches", "SyncClient", "Tensor", "UvmWatcher",
 ]

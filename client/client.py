@@ -21,9 +21,11 @@ from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
+from .buffers import RemoteBuffer
 from .connection import Connection
 from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
+from .shared import SharedBuffer, map_shared
 from .watchers import WatcherMixin
 
 
@@ -110,24 +112,6 @@ class Switches:
         )
 
 
-@dataclass(frozen=True)
-class RemoteBuffer:
-    """A buffer on the daemon, named by id."""
-
-    id: int
-    size: int
-    device: str = "cpu"
-
-    def tensor(self, offset: int = 0, size: int | None = None) -> Tensor:
-        if size is None:
-            size = self.size - offset
-        if offset < 0 or size < 0 or offset + size > self.size:
-            raise BadRequest(
-                f"[{offset}, {offset + size}) is outside buffer {self.id} of {self.size} bytes"
-            )
-        return Tensor(self.id, offset, size)
-
-
 def _as_view(data: Any) -> memoryview:
     return memoryview(data).cast("B")
 
@@ -176,6 +160,9 @@ class Client(EngineMixin, WatcherMixin):
         self._reads_in_flight: set[asyncio.Future[Frame]] = set()
         self._stats_task: asyncio.Task[None] | None = None
         self._events = EngineEvents()
+        # Shared buffers mapped here, by id: their tensors are read and
+        # written in this process, not over the wire.
+        self._shared: dict[int, SharedBuffer] = {}
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -219,6 +206,11 @@ class Client(EngineMixin, WatcherMixin):
                     await self.flush()
             finally:
                 await self._conn.close()
+                # The daemon frees this connection's shared buffers; our
+                # mappings go too (arrays still over one keep it until they go).
+                shared, self._shared = self._shared, {}
+                for buf in shared.values():
+                    buf.unmap()
 
     async def __aenter__(self) -> Client:
         if self._conn is None:
@@ -269,11 +261,34 @@ class Client(EngineMixin, WatcherMixin):
         return list((await self._call(Command.GET_DEVICES)).body["devices"])
 
     async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
+        """A buffer on ``device``; ``"shm"`` (unix:// or seqpacket:// only) maps it here too.
+
+        A shared buffer is a :class:`SharedBuffer`: ``.array`` and ``.view``
+        are its memory in this process.
+        """
         r = await self._call(Command.ALLOC_BUFFER, {"device": device, "size": size})
-        return RemoteBuffer(int(r.body["buffer"]), int(r.body["size"]), device)
+        buffer_id, got = int(r.body["buffer"]), int(r.body["size"])
+        nfds = r.body.get("fds", 0)
+        if not nfds:
+            return RemoteBuffer(buffer_id, got, device)
+        take = getattr(self.conn, "take_fds", None)
+        try:
+            if not isinstance(nfds, int) or nfds < 0 or take is None:
+                raise BadRequest(f"ALLOC_BUFFER reply announces {nfds!r} descriptors")
+            buf = map_shared(buffer_id, got, device, r.body, take(nfds))
+        except TransferdError:
+            # Nothing mapped: the daemon's buffer is not ours to keep.
+            await self._call(Command.FREE_BUFFER, {"buffer": buffer_id})
+            raise
+        self._shared[buffer_id] = buf
+        return buf
 
     async def free_buffer(self, buf: RemoteBuffer | int) -> None:
-        await self._call(Command.FREE_BUFFER, {"buffer": getattr(buf, "id", buf)})
+        buffer_id = buf if isinstance(buf, int) else buf.id
+        await self._call(Command.FREE_BUFFER, {"buffer": buffer_id})
+        shared = self._shared.pop(buffer_id, None)
+        if shared is not None:
+            shared.unmap()
 
     async def buffer_clear(self, buf: RemoteBuffer | int, value: int = 0) -> None:
         await self._call(Command.BUFFER_CLEAR, {"buffer": getattr(buf, "id", buf), "value": value})
@@ -285,12 +300,21 @@ class Client(EngineMixin, WatcherMixin):
         view = _as_view(data)
         if view.nbytes != t.size:
             raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
+        if self._shared and t.buffer in self._shared:
+            if self._queue:
+                await self.flush()  # a flush point, as over the wire
+            self._shared[t.buffer].local(t.offset, t.size)[:] = view
+            return
         # A Tensor is a tuple: msgpack writes it as the [buffer, offset, size] array.
         await self._call(_SET_TENSOR, {"tensor": t}, [view])
 
     async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
         if type(t) is not Tensor:
             t = _tensor(t)
+        if self._shared and t.buffer in self._shared:
+            if self._queue:
+                await self.flush()
+            return self._get_local(t, out)
         if out is None:
             # The reply's payload is allocated when it arrives, once the server
             # has checked the tensor: a bad request costs no client memory.
@@ -326,6 +350,13 @@ class Client(EngineMixin, WatcherMixin):
         """
         if type(t) is not Tensor:
             t = _tensor(t)
+        if self._shared and t.buffer in self._shared:
+            # Shared memory: written now, in this process (no queue, no wire).
+            view = _as_view(data)
+            if view.nbytes != t.size:
+                raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
+            self._shared[t.buffer].local(t.offset, t.size)[:] = view
+            return
         if type(data) is bytes:  # immutable, one byte per item: held as is
             if len(data) != t.size:
                 raise BadRequest(f"{len(data)} bytes of data for a tensor of {t.size}")
@@ -346,8 +377,15 @@ class Client(EngineMixin, WatcherMixin):
         """
         if type(t) is not Tensor:
             t = _tensor(t)
-        dest = self._out_view(t, out) if out is not None else None
         fut: asyncio.Future[Any] = (self._loop or asyncio.get_running_loop()).create_future()
+        if self._shared and t.buffer in self._shared:
+            # Shared memory: read now, in this process (no queue, no wire).
+            try:
+                fut.set_result(self._get_local(t, out))
+            except TransferdError as exc:
+                fut.set_exception(exc)
+            return fut
+        dest = self._out_view(t, out) if out is not None else None
         self._queue.append(QueuedGet(t, fut, dest, out))
         return fut
 
@@ -426,6 +464,14 @@ class Client(EngineMixin, WatcherMixin):
         return waits
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _get_local(self, t: Tensor, out: Any) -> Any:
+        """A shared buffer's tensor, copied out of this process's mapping."""
+        src = self._shared[t.buffer].local(t.offset, t.size)
+        if out is None:
+            return bytearray(src)
+        self._out_view(t, out)[:] = src
+        return out
 
     @staticmethod
     def _out_view(t: Tensor, out: Any) -> memoryview:

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from transferd.memory import memory_class
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.frames import Frame, Sink
@@ -37,6 +38,9 @@ class Reply(NamedTuple):
     # once the transport has sent the bytes (or the connection is gone), so
     # a buffer freed meanwhile keeps its memory, and its charge, until then.
     hold: Sequence[Ref] = ()
+    # File descriptors sent with the reply (unix and seqpacket connections
+    # only): a shared buffer's memfd.  Kept open by ``hold`` until sent.
+    fds: Sequence[int] = ()
 
 
 Handler = Callable[["Session", Frame], "Reply | Awaitable[Reply | None] | None"]
@@ -146,12 +150,49 @@ def get_devices(session: Session, frame: Frame) -> Reply:
     return Reply({"devices": session.ctx.buffers.device_info()})
 
 
+def carries_fds(session: Session) -> bool:
+    """Whether this connection can pass file descriptors (unix, seqpacket)."""
+    t = session.transport
+    return bool(t is not None and t.get_extra_info("transferd_fds"))
+
+
 @handler(Command.ALLOC_BUFFER)
 def alloc_buffer(session: Session, frame: Frame) -> Reply:
     device = str_field(frame.body, "device", "cpu")
     size = uint_field(frame.body, "size")
-    buf = session.ctx.buffers.alloc(device, size)
-    return Reply({"buffer": buf.id, "size": buf.size})
+    table = session.ctx.buffers
+    table.pool(device)  # an unknown device is NOT_FOUND before anything else
+    if not memory_class(device).needs_fd_passing:
+        buf = table.alloc(device, size)
+        return Reply({"buffer": buf.id, "size": buf.size})
+    # Shared memory: the client maps the memfd that comes with the reply.
+    if not carries_fds(session):
+        raise BadRequest(f"a {device!r} buffer is shared memory: it needs a connection that "
+                         "passes file descriptors (unix:// or seqpacket://), not this one")
+    if frame.no_reply:
+        raise BadRequest(f"a {device!r} buffer's descriptor comes with the reply: "
+                         "ALLOC_BUFFER cannot be one-way")
+    # Owned by this connection: freed when it goes (the client's mapping is its own).
+    buf = table.alloc(device, size, owner=session)
+    assert buf.memory is not None
+    fd = buf.memory.fd()
+    assert fd is not None
+    body = {"buffer": buf.id, "size": buf.size, "fds": 1, **buf.memory.describe()}
+    return Reply(body, (), [buf.ref()], [fd])
+
+
+def session_closed(session: Session) -> None:
+    """Free the buffers a closed connection owned (its shared buffers)."""
+    table = session.ctx.buffers
+    engine = session.ctx.engine
+    for buf in table.owned_by(session):
+        try:
+            table.free_buffer(buf.id)
+        except TransferdError:
+            continue  # freed meanwhile
+        if engine is not None:
+            # Writes in flight into it finish landing (they hold its memory).
+            engine.buffer_freed(buf)
 
 
 def wait_drained(regions: Sequence[Region]) -> Awaitable[None] | None:

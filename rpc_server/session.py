@@ -48,7 +48,7 @@ from transferd.protocol.frames import DISCARD, Frame, FrameDecoder, Sink
 from transferd.protocol.messages import str_field, uint_field
 
 from .context import ServerContext
-from .handlers import HANDLERS, Reply, payload_sink
+from .handlers import HANDLERS, Reply, payload_sink, session_closed
 
 log = logging.getLogger("transferd.session")
 
@@ -122,6 +122,7 @@ class Session(asyncio.BufferedProtocol):
             self.state = State.CLOSED
         self.ctx.metrics.connections.dec()
         self._release_held()
+        session_closed(self)  # buffers this connection owned (shared memory)
         if self.ctx.engine is not None:
             self.ctx.engine.session_closed(self)
         log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
