@@ -95,7 +95,8 @@ def main(
         for line in exc.errors:
             click.echo(f"rpc-server: configuration error: {line}", err=True)
         sys.exit(Exit.CONFIG)
-    run_daemon(config, [RpcFrontend()])
+    run_daemon(config, [RpcFrontend()],
+               loader=lambda: cfgmod.load(config_path, overrides=overrides))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from .context import ServerContext
 from .session import Session
 
 if TYPE_CHECKING:
+    from transferd.config import Config
     from transferd.daemon import Daemon
 
 
@@ -56,6 +57,11 @@ class RpcFrontend:
             self._unix_path = s.unix_socket
             urls.append(f"unix://{s.unix_socket}")
         return urls
+
+    def reload(self, config: Config) -> None:
+        """SIGHUP: a new token applies to the next HELLO (open connections stay)."""
+        if self.ctx is not None:
+            self.ctx.token = config.server.token
 
     async def close(self) -> None:
         for srv in self._servers:

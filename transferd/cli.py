@@ -101,7 +101,8 @@ def serve(
     if not frontends:
         click.echo("transferd: no front end installed (is rpc_server installed?)", err=True)
         sys.exit(Exit.INSTALL)
-    run_daemon(config, frontends)
+    # SIGHUP re-reads the same file, variables and flags.
+    run_daemon(config, frontends, loader=lambda: cfgmod.load(config_path, overrides=overrides))
 
 
 @main.command("check-config", short_help="Validate a configuration; --print shows it.")

@@ -13,16 +13,15 @@ import contextlib
 import functools
 import gc
 import logging
-import os
 import signal
-import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from transferd.config import Config
+from transferd.config import Config, ConfigError
 from transferd.exits import Exit
+from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
 from transferd.logs import hostport
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
@@ -35,7 +34,11 @@ log = logging.getLogger("transferd")
 
 class Frontend(Protocol):
     async def start(self, daemon: Daemon) -> list[str]:
-        """Start serving; return the addresses listened on, as URLs."""
+        """Start serving; return the addresses listened on, as URLs.
+
+        A front end may also have ``reload(config)``, called on SIGHUP with the
+        new configuration (after the daemon applied its own reloadable keys).
+        """
 
     async def close(self) -> None: ...
 
@@ -45,18 +48,6 @@ def discover_frontends() -> list[Frontend]:
     for ep in entry_points(group="transferd.frontends"):
         found.append(ep.load()())
     return found
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(path)
-        s.sendall(message.encode())
 
 
 class StartError(Exception):
@@ -76,8 +67,12 @@ def _starting(what: str) -> Iterator[None]:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, loader: Callable[[], Config] | None = None) -> None:
         self.config = config
+        # Re-reads the configuration (same file, variables and flags) on SIGHUP.
+        self.loader = loader
+        self.frontends: list[Frontend] = []
+        self.watchdog: Watchdog | None = None
         self.metrics = Metrics()
         self.buffers = BufferTable(config.devices())
         for name, pool in self.buffers.devices.items():
@@ -96,7 +91,9 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._stop.set)
-        started: list[Frontend] = []
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+        started = self.frontends
         try:
             # A minor-1 server cannot be asked engine commands: no engine then.
             if self.config.engine.enabled and self.config.server.protocol_minor >= 2:
@@ -137,10 +134,16 @@ class Daemon:
             gc.freeze()
             print("transferd: ready", flush=True)
             sd_notify("READY=1\nSTATUS=serving")
+            interval = watchdog_interval()
+            if interval is not None:
+                self.watchdog = Watchdog(interval, self.workers)
+                self.watchdog.start()
             await self._stop.wait()
             sd_notify("STOPPING=1")
             log.info("stopping")
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
@@ -152,6 +155,50 @@ class Daemon:
         if self._stop is not None:
             self._stop.set()
 
+    def workers(self) -> list[Any]:
+        """The worker threads the watchdog watches (the engine's)."""
+        w = getattr(self.engine, "worker", None)
+        return [w] if w is not None else []
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the configuration; apply what can change, log the rest."""
+        if self.loader is None:
+            log.warning("SIGHUP: nothing to reload from (no configuration loader)")
+            return
+        try:
+            new = self.loader()
+        except ConfigError as exc:
+            log.error("SIGHUP: the configuration is invalid, the running one stays: %s",
+                      "; ".join(exc.errors))
+            return
+        applied, restart = diff(self.config, new)
+        if not applied and not restart:
+            log.info("SIGHUP: configuration unchanged")
+            return
+        old = self.config
+        if new.log.level != old.log.level:
+            from transferd import logs
+
+            logs.set_level(new.log.level)
+        for spec in new.devices():
+            if spec.name in self.buffers.devices:
+                self.buffers.set_limit(spec.name, spec.limit, spec.max_size)
+                self.metrics.buffer_limit.labels(spec.name).set(spec.limit)
+        # Reloadable keys take their new values; the others keep the running ones.
+        for name, f, value in new.items():
+            if f.metadata.get("reload"):
+                section, _, key = name.partition(".")
+                setattr(getattr(self.config, section), key, value)
+        for fe in self.frontends:
+            hook = getattr(fe, "reload", None)
+            if hook is not None:
+                hook(self.config)
+        if applied:
+            log.info("SIGHUP: applied %s", "; ".join(applied))
+        if restart:
+            log.warning("SIGHUP: not applied, needs a restart: %s", "; ".join(restart))
+        sd_notify("STATUS=serving (reloaded)")
+
 
 def configure_logging(level: str, fmt: str = "text") -> None:
     from transferd import logs
@@ -159,7 +206,8 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     logs.configure(level, fmt)
 
 
-def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
+def run_daemon(config: Config, frontends: Sequence[Frontend],
+               loader: Callable[[], Config] | None = None) -> None:
     """Check what the config needs of this machine, then run until SIGTERM/SIGINT, on uvloop.
 
     Exits with :class:`~transferd.exits.Exit`: CONFIG or BIND when it cannot
@@ -176,7 +224,7 @@ def run_daemon(config: Config, frontends: Sequence[Frontend]) -> None:
             print(f"transferd: cannot start: {p}", file=sys.stderr, flush=True)
         sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
-    daemon = Daemon(config)
+    daemon = Daemon(config, loader)
     try:
         uvloop.run(daemon.run(frontends))
     except StartError as exc:

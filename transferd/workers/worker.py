@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -36,6 +37,9 @@ class Worker:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._in_flight = 0
         self._waiters: list[asyncio.Future[None]] = []
+        # When the worker's loop last ran a heartbeat (the watchdog's: a hung
+        # worker stops systemd's pings).
+        self.last_beat = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -58,6 +62,14 @@ class Worker:
             loop.run_forever()
         finally:
             loop.close()
+
+    def beat(self) -> None:
+        """Ask the worker's loop to note that it still runs (from any thread)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._beat)
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self.loop is not None
