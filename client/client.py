@@ -283,6 +283,14 @@ class Client(EngineMixin, WatcherMixin):
         self._shared[buffer_id] = buf
         return buf
 
+    async def alloc_shared(self, size: int, device: str = "shm") -> SharedBuffer:
+        """``alloc_buffer`` of shared memory, typed: BadRequest over TCP or TLS."""
+        buf = await self.alloc_buffer(size, device)
+        if not isinstance(buf, SharedBuffer):
+            await self.free_buffer(buf)
+            raise BadRequest(f"{device!r} buffers are not shared memory on this daemon")
+        return buf
+
     async def free_buffer(self, buf: RemoteBuffer | int) -> None:
         buffer_id = buf if isinstance(buf, int) else buf.id
         await self._call(Command.FREE_BUFFER, {"buffer": buffer_id})
