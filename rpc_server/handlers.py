@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from transferd.memory import memory_class
+from transferd.memory import Ref, memory_class
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.frames import Frame, Sink
@@ -26,7 +26,7 @@ from transferd.protocol.messages import (
 
 if TYPE_CHECKING:
     from transferd.engine.regions import Region
-    from transferd.memory import Buffer, BufferTable, Ref
+    from transferd.memory import Buffer, BufferTable
 
     from .session import Session
 
@@ -174,11 +174,19 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
                          "ALLOC_BUFFER cannot be one-way")
     # Owned by this connection: freed when it goes (the client's mapping is its own).
     buf = table.alloc(device, size, owner=session)
-    assert buf.memory is not None
-    fd = buf.memory.fd()
+    memory = buf.memory
+    assert memory is not None
+    fd = memory.fd()
     assert fd is not None
-    body = {"buffer": buf.id, "size": buf.size, "fds": 1, **buf.memory.describe()}
-    return Reply(body, (), [buf.ref()], [fd])
+    held = buf.ref()
+
+    def sent() -> None:
+        # The descriptor is out (or the connection is gone): ours can close.
+        memory.handed_over()
+        held.release()
+
+    body = {"buffer": buf.id, "size": buf.size, "fds": 1, **memory.describe()}
+    return Reply(body, (), [Ref(sent)], [fd])
 
 
 def session_closed(session: Session) -> None:

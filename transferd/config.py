@@ -162,6 +162,14 @@ class MemoryConfig:
         "together, in MiB; 0 serves no shm device. Counted apart from host_limit_mib.",
         min=0, unit="MiB",
     )
+    max_buffers: int = key(
+        32768,
+        "Most buffers held at once, all devices together (a freed buffer still counts while "
+        "a reply or a write holds it). Each is a mapping of its own: the kernel allows a "
+        "process vm.max_map_count of them (65530 by default), and the interpreter needs "
+        "some too. ALLOC_BUFFER past it gets OUT_OF_MEMORY.",
+        min=1, max=1 << 20,
+    )
 
 
 @dataclass
@@ -306,7 +314,7 @@ class Config:
     def max_buffer(self) -> int:
         return (self.memory.max_buffer_mib << 20) or self.host_limit
 
-    def devices(self) -> list[DeviceSpec]:
+    def devices(self) -> list[DeviceSpec]:  # and memory.max_buffers, for BufferTable
         """The devices buffers are served from, each under its own limit."""
         cap = (self.memory.max_buffer_mib << 20) or None
         devs = [DeviceSpec("cpu", self.host_limit, cap)]

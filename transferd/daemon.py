@@ -74,7 +74,7 @@ class Daemon:
         self.frontends: list[Frontend] = []
         self.watchdog: Watchdog | None = None
         self.metrics = Metrics()
-        self.buffers = BufferTable(config.devices())
+        self.buffers = BufferTable(config.devices(), max_buffers=config.memory.max_buffers)
         for name, pool in self.buffers.devices.items():
             # Set once: alerts and dashboards compare the allocated bytes with it.
             self.metrics.buffer_limit.labels(name).set(pool.limit)

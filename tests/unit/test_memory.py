@@ -217,3 +217,35 @@ def test_registry_serves_kinds_and_takes_new_ones() -> None:
     finally:
         unregister_kind("fake")
     assert "fake" not in KINDS
+
+
+def test_buffers_held_at_once_are_capped() -> None:
+    t = BufferTable([DeviceSpec("cpu", 64 * MiB), DeviceSpec("shm", 64 * MiB)], max_buffers=3)
+    a, b, c = t.alloc("cpu", 1), t.alloc("shm", 1), t.alloc("cpu", 1)
+    with pytest.raises(OutOfMemory, match=r"memory\.max_buffers"):
+        t.alloc("cpu", 1)
+    held = a.ref()
+    t.free_buffer(a.id)
+    with pytest.raises(OutOfMemory):
+        t.alloc("cpu", 1)  # freed but still held: still counts
+    held.release()
+    d = t.alloc("cpu", 1)
+    for x in (b, c, d):
+        t.free_buffer(x.id)
+    assert t.held == 0 and t.used == 0
+
+
+def test_shared_memory_drops_its_descriptor_once_handed_over() -> None:
+    t = table()
+    b = t.alloc("shm", 100)
+    assert b.memory is not None
+    fd = b.memory.fd()
+    assert fd is not None
+    b.memory.handed_over()
+    assert b.memory.fd() is None
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    b.view(0, 3)[:] = b"abc"  # the daemon's mapping still has the pages
+    assert bytes(b.view(0, 3)) == b"abc"
+    t.free_buffer(b.id)
+    assert t.used == 0

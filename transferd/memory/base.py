@@ -133,6 +133,10 @@ class Memory(ABC):
         """A file descriptor another process can map (shared memory), or None."""
         return None
 
+    def handed_over(self) -> None:
+        """The descriptor from :meth:`fd` was sent to the client: drop ours if we can."""
+        return None  # nothing to drop for memory without a descriptor
+
     def describe(self) -> dict[str, Any]:
         """What ALLOC_BUFFER tells the client about this memory, beyond id and size."""
         return {}

@@ -30,6 +30,10 @@ from transferd.protocol.messages import Tensor
 from . import registry
 from .base import PAGE, Memory, Ref, charge_of, largest_for
 
+# Buffers held at once unless told otherwise (memory.max_buffers): each is a
+# mapping, and vm.max_map_count (65530 by default) caps a process's mappings.
+MAX_BUFFERS = 32768
+
 
 @dataclass(eq=False)
 class Buffer:
@@ -196,10 +200,14 @@ class DevicePool:
 class BufferTable:
     """All buffers of one daemon, shared by its connections, under per-device limits."""
 
-    def __init__(self, devices: Sequence[DeviceSpec] | int, max_size: int | None = None) -> None:
+    def __init__(self, devices: Sequence[DeviceSpec] | int, max_size: int | None = None,
+                 *, max_buffers: int = MAX_BUFFERS) -> None:
         if isinstance(devices, int):  # one host device of this limit
             devices = [DeviceSpec("cpu", devices, max_size)]
         self.devices: dict[str, DevicePool] = {d.name: DevicePool(d) for d in devices}
+        # Every buffer is a mapping; the kernel caps a process's mappings.
+        self.max_buffers = max_buffers
+        self._held = 0
         self._buffers: dict[int, Buffer] = {}
         self._ids = itertools.count(1)
         # Engine workers run in their own threads and look buffers up too;
@@ -221,6 +229,7 @@ class BufferTable:
                 pool.used -= charge
                 pool.buffers -= 1
                 pool.lingering -= charge
+                self._held -= 1
 
     # -- what is held ---------------------------------------------------------------
 
@@ -244,6 +253,12 @@ class BufferTable:
         return self.pool(device).lingering
 
     @property
+    def held(self) -> int:
+        """Buffers whose memory is held now (freed ones still referenced included)."""
+        self._settle()
+        return self._held
+
+    @property
     def used(self) -> int:
         """Charge held on every device."""
         self._settle()
@@ -262,7 +277,11 @@ class BufferTable:
                 f"{size} bytes is over the largest buffer of {pool.max_size} on {device}"
             )
         charge = charge_of(size)
+        self._settle()
         with self._lock:
+            if self._held >= self.max_buffers:
+                raise OutOfMemory(f"{self._held} buffers held: the most this daemon holds at "
+                                  "once (memory.max_buffers)")
             if charge > pool.free:
                 raise OutOfMemory(
                     f"{size} bytes (charged {charge}) requested, {pool.free} of "
@@ -270,6 +289,7 @@ class BufferTable:
                 )
             pool.used += charge
             pool.buffers += 1
+            self._held += 1
             buffer_id = next(self._ids)
         try:
             memory = registry.create(device, size)
@@ -277,6 +297,7 @@ class BufferTable:
             with self._lock:
                 pool.used -= charge
                 pool.buffers -= 1
+                self._held -= 1
             raise
         buf = Buffer(buffer_id, device, size, memory, owner)
         memory.on_gone(lambda: self._returned.append((pool, charge)))

@@ -51,13 +51,24 @@ class SharedMemory(MappedMemory):
     def fd(self) -> int | None:
         return self._fd if self._fd >= 0 else None
 
+    def handed_over(self) -> None:
+        self.close_fd()
+
+    def close_fd(self) -> None:
+        """The mappings keep the pages, not the fd: close it once it was handed over.
+
+        Closed at once so that many shared buffers do not hold as many of the
+        daemon's descriptors (which it needs to accept connections).
+        """
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def describe(self) -> dict[str, Any]:
         # The client maps this many bytes of the fd (whole pages).
         return {"shared": True, "map_size": self.mapped_size}
 
     def close(self) -> bool:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            # The pages live on while a mapping (ours, the client's) remains.
-            os.close(fd)
+        # The pages live on while a mapping (ours, the client's) remains.
+        self.close_fd()
         return super().close()
