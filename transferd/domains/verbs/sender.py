@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transferd.engine.plan import SendPart, WritePart
+from transferd.engine.plan import WritePart
 from transferd.engine.transfer import Transfer
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 
@@ -58,11 +58,11 @@ class Posted:
     """One work request on its way: what it is, its part, its unit, its link."""
 
     spec: WrSpec
-    part: PartState
+    part: PartState | None  # None for a SEND (its ``payload`` is told instead)
     link: Any
     unit: Hashable = None
     carrier: bool = False
-    payload: Any = None  # a SEND's message slot, kept until the send completed
+    payload: Callable[[TransferdError | None], None] | None = None
 
 
 class Sender:
@@ -90,12 +90,12 @@ class Sender:
             self.gate.add(unit.key, unit.parts, len(unit.plain), carrier)
         link.queue.submit([Posted(s, state, link, s.unit) for s in wrs.plain])
 
-    def send(self, link: Link, part: SendPart, transfer: Transfer, sge: Sge,
-             slot: Any = None) -> None:
-        """A two-sided SEND of a message already copied into a registered slot."""
-        state = PartState(transfer, 1)
-        spec = WrSpec(WrOpcode.SEND, [sge])
-        link.queue.submit([Posted(spec, state, link, None, False, slot)])
+    def send(self, link: Link, sge: Sge, on_done: Callable[[TransferdError | None], None]
+             ) -> None:
+        """A two-sided SEND of a frame already copied into the registered ``sge``;
+        ``on_done`` when its work request completed (the slot may then be reused)."""
+        link.queue.submit([Posted(WrSpec(WrOpcode.SEND, [sge]), None, link, None, False,
+                                  on_done)])
 
     # -- completions -------------------------------------------------------------------
 
@@ -104,15 +104,20 @@ class Sender:
         posted.link.queue.completed(1)
         if posted.unit is not None and not posted.carrier:
             self.gate.done(posted.unit, error)
-        posted.part.one_done(error)
+        if posted.part is not None:
+            posted.part.one_done(error)
+        elif posted.payload is not None:
+            posted.payload(error)
 
     def _release(self, carrier: Posted) -> None:
+        assert carrier.part is not None
         try:
             carrier.link.queue.submit([carrier])
         except TransferdError as exc:
             carrier.part.one_done(exc)
 
     def _drop(self, carrier: Posted, error: TransferdError) -> None:
+        assert carrier.part is not None
         carrier.part.one_done(error)
 
     def close(self) -> None:
