@@ -232,10 +232,27 @@ class EngineConfig:
     )
     domain: str = key(
         "tcp",
-        'The Domain (transport) of each rail: "tcp", or "chaos" for tests: tcp that '
-        "delivers every write in pieces, out of order, after random delays, to prove "
+        'The Domain (transport) of each rail: "tcp"; "verbs" (RDMA through pyverbs, one '
+        "device of engine.rdma_devices per rail; docs/rdma.md); or \"chaos\" for tests: tcp "
+        "that delivers every write in pieces, out of order, after random delays, to prove "
         'nothing depends on delivery order. Never use "chaos" in production.',
-        choices=("tcp", "chaos"),
+        choices=("tcp", "chaos", "verbs"),
+    )
+    rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'With domain = "verbs": the RDMA device of each rail, in the order of '
+        'engine.host_rails (names as `transferd devices` lists them, e.g. "mlx5_0"); one '
+        "per rail. The rail's host address carries the queue-pair set-up over TCP.",
+    )
+    rdma_port: int = key(
+        1, 'With domain = "verbs": the port of each RDMA device to use (1 on most NICs).',
+        min=1, max=255,
+    )
+    rdma_gid_index: int = key(
+        -1,
+        'With domain = "verbs": the GID index of the port; -1 picks one (on RoCE the '
+        "RoCE v2 GID of an IPv4 address first, on InfiniBand index 0).",
+        min=-1, max=255,
     )
     chaos_seed: int = key(
         0, 'Seed of the "chaos" domain\'s random delays and order. Ignored by "tcp".'
@@ -281,6 +298,13 @@ class Config:
             out += _check_value(name, _f.metadata, value)
         if not 1 <= max(1, len(self.engine.host_rails)) <= 4:
             out.append("engine.host_rails: a domain group holds 1 to 4 rails")
+        eng = self.engine
+        if eng.domain == "verbs" and len(eng.rdma_devices) != max(1, len(eng.host_rails)):
+            out.append(
+                f"engine.rdma_devices: domain verbs needs one RDMA device per rail "
+                f"({max(1, len(eng.host_rails))}), got {len(eng.rdma_devices)} "
+                "(`transferd devices` lists them)"
+            )
         mem = self.memory
         if mem.max_buffer_mib > mem.host_limit_mib:
             out.append(

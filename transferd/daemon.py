@@ -25,6 +25,7 @@ from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
 from transferd.logs import hostport
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
+from transferd.protocol.errors import TransferdError
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
@@ -106,7 +107,11 @@ class Daemon:
                 rails = ", ".join(e.host_rails) or self.config.server.host
                 with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
                                f"{rails} port {e.peer_port}"):
-                    addr = await self.engine.start()
+                    try:
+                        addr = await self.engine.start()
+                    except TransferdError as exc:  # e.g. engine.domain verbs, no device
+                        raise StartError(f"engine.domain = {e.domain!r}: {exc.message}",
+                                         Exit.CONFIG) from exc
             urls: list[str] = []
             s = self.config.server
             for fe in frontends:

@@ -163,6 +163,11 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                 f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
     if this_machine:
         problems += _check_unix(cfg.server.unix_socket)
+    if this_machine and cfg.engine.enabled and cfg.engine.domain == "verbs":
+        from transferd.domains.verbs.bind import machine_problems
+
+        problems += [Problem(k, m, Kind.MACHINE) for k, m in
+                     machine_problems(cfg.engine.rdma_devices, cfg.engine.rdma_port)]
     if bind and not problems:
         for li in lst:
             if not li.port:

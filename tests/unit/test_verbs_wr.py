@@ -116,3 +116,22 @@ def test_recv_slots_built_once() -> None:
         sink.close()
     finally:
         slots.close()
+
+
+def test_rtr_rts_attributes_from_the_exchange() -> None:
+    """The QPAttr that connects our RC queue pair to the peer's, as real pyverbs."""
+    from transferd.domains.verbs.exchange import QpInfo
+    from transferd.domains.verbs.resources import rtr_rts_attr
+
+    gid = bytes.fromhex("00000000000000000000ffffc6120002")  # ::ffff:198.18.0.2
+    mine = QpInfo(0x100, 0x111, 0, 1, gid, 3, 5)
+    theirs = QpInfo(0x200, 0x222, 0, 1, gid, 1, 3)
+    a = rtr_rts_attr(1, mine, theirs)
+    assert a.dest_qp_num == 0x200 and a.rq_psn == 0x222 and a.sq_psn == 0x111
+    assert a.path_mtu == 3  # the smaller of the two ports' MTUs
+    assert a.qp_access_flags == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    assert a.rnr_retry == 7 and a.retry_cnt == 7 and a.timeout == 14
+    ah = a.ah_attr
+    assert ah.is_global == 1 and ah.dgid == theirs.gid_text and ah.sgid_index == 3
+    ib = rtr_rts_attr(1, mine, QpInfo(0x200, 1, 0x17, 1, b"\0" * 16, 0, 4))
+    assert ib.ah_attr.is_global == 0 and ib.ah_attr.dlid == 0x17

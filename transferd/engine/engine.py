@@ -95,7 +95,12 @@ class TransferEngine:
             g = DomainGroup(0, self.node, worker_loop, self.regions, self.counter,
                             self._deliver, timeout_s=self.config.peer_timeout_s,
                             chaos=self.chaos)
-            g.bind(self.hosts, self.config.peer_port)
+            if self.config.domain == "verbs":  # RDMA NICs (docs/rdma.md)
+                from transferd.domains.verbs.bind import bind_verbs
+
+                bind_verbs(g, self.hosts, self.config.peer_port, self.config)
+            else:
+                g.bind(self.hosts, self.config.peer_port)
             return g
 
         self.group = await asyncio.wrap_future(self.worker.run(_call(make)))
@@ -127,17 +132,32 @@ class TransferEngine:
     def reg_mr(self, buffer: Buffer) -> tuple[Region, MrDesc]:
         region = self.regions.register(buffer, self.rails)
         assert self.group is not None
+        rkeys = region.rkeys
+        if self.config.domain == "verbs":  # the NICs' own rkeys (docs/rdma.md)
+            from transferd.domains.verbs.bind import register_region
+
+            try:
+                rkeys = register_region(self.worker, self.group, region)
+            except BaseException:
+                self.regions.deregister(region.id)
+                raise
         desc = MrDesc(region.ptr,
-                      [(self.group.rail_address(i), k) for i, k in enumerate(region.rkeys)],
+                      [(self.group.rail_address(i), k) for i, k in enumerate(rkeys)],
                       region.size)
         return region, desc
 
+    def _deregistered(self, region: Region) -> None:
+        if self.config.domain == "verbs":
+            from transferd.domains.verbs.bind import deregister_region
+
+            deregister_region(self.worker, self.group, region)
+
     def dereg_mr(self, region_id: int) -> None:
-        self.regions.deregister(region_id)
+        self._deregistered(self.regions.deregister(region_id))
 
     def buffer_freed(self, buffer: Buffer) -> None:
         for region in self.regions.regions_of(buffer):
-            self.regions.deregister(region.id)
+            self._deregistered(self.regions.deregister(region.id))
 
     # -- one-sided writes ------------------------------------------------------------
 

@@ -1,0 +1,36 @@
+"""What tests/rdma/ runs on: RDMA devices with an ACTIVE port, or a skip saying why not.
+
+``make rdma-check`` (scripts/rdma-check.sh) sets TRANSFERD_RDMA_DEVICES (soft-RoCE
+devices it made, or real NICs); run by hand, the first ACTIVE device found is used.
+Every test here starts real daemons over real verbs; nothing is simulated.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from transferd.domains.verbs.devices import discover
+from transferd.domains.verbs.loader import pyverbs_missing
+
+
+def rdma_devices() -> tuple[list[str], str | None]:
+    """(devices for daemon a and b, or why there are none)."""
+    given = [d for d in os.environ.get("TRANSFERD_RDMA_DEVICES", "").split(",") if d]
+    if (why := pyverbs_missing()) is not None:
+        return [], why
+    report = discover()
+    active = [d.name for d in report.devices if any(p.active for p in d.ports)]
+    if given:
+        missing = [d for d in given if d not in active]
+        if missing:
+            return [], f"TRANSFERD_RDMA_DEVICES names {missing}, not ACTIVE here"
+        return given, None
+    if not active:
+        return [], f"no RDMA device with an ACTIVE port: {report.reason}"
+    return active[:1], None
+
+
+DEVICES, WHY = rdma_devices()
+needs_rdma = pytest.mark.skipif(WHY is not None, reason=f"verbs: {WHY}")
