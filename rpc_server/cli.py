@@ -20,7 +20,9 @@ from .server import RpcFrontend
 @click.option("-p", "--port", type=int, default=None, help="TCP port [18515]; 0 picks one.")
 @click.option("-m", "--mem", type=int, default=None, help="Host memory limit in MiB [4096].")
 @click.option(
-    "-d", "--device", default="cpu", show_default=True, help="Device to serve buffers from (cpu)."
+    "-d", "--device", default=None,
+    help="Devices to serve buffers from: cpu (always served), or CUDA devices as "
+    "cuda:0 or cuda:0,cuda:1 (needs CuPy; sets gpu.devices) [cpu].",
 )
 @click.option(
     "--protocol-minor",
@@ -60,7 +62,7 @@ def main(
     host: str | None,
     port: int | None,
     mem: int | None,
-    device: str,
+    device: str | None,
     protocol_minor: int | None,
     metrics_port: int | None,
     token: str | None,
@@ -70,11 +72,9 @@ def main(
     log_format: str | None,
 ) -> None:
     """Serve transferd's RPC protocol (and its transfer engine) on HOST:PORT."""
-    if device != "cpu":
-        raise click.BadParameter(
-            f"{device!r}: only 'cpu' is served by this build", param_hint="-d/--device"
-        )
+    gpus = [d.strip() for d in (device or "").split(",") if d.strip() and d.strip() != "cpu"]
     overrides = {
+        "gpu.devices": gpus or None,
         "server.host": host,
         "server.port": port,
         "memory.host_limit_mib": mem,

@@ -173,6 +173,41 @@ class MemoryConfig:
 
 
 @dataclass
+class GpuConfig:
+    """CUDA devices (needs CuPy): one domain group per GPU, its worker on the GPU's NUMA node."""
+
+    devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'CUDA devices to serve buffers from, besides host memory: "cuda:N" each, as '
+        'GET_DEVICES and ALLOC_BUFFER name them (rpc-server -d cuda:0 or -d cuda:0,cuda:1; '
+        "one rpc-server per GPU is the llama.cpp way). Each gets its own group: a worker "
+        "pinned to a core of the GPU's NUMA node with the GPU's context current, a CUDA "
+        "stream, and its pinned staging. A device CuPy does not find stops the start.",
+        flag="-d/--device",
+    )
+    memory_limit_mib: int = key(
+        0,
+        "Device memory the daemon may hand out as buffers on each GPU, in MiB; 0 = 90% of "
+        "what the device reports free at start. GET_DEVICES reports it as total.",
+        min=0, unit="MiB",
+    )
+    staging_mib: int = key(
+        32,
+        "Pinned host staging per GPU, in MiB, allocated at start and reused: every byte "
+        "between the wire and a device goes through it (a GET copies device to staging "
+        "while the previous chunk is sent). When all of it is in use, work waits; it "
+        "never grows.",
+        min=1, max=65536, unit="MiB",
+    )
+    staging_chunk_kib: int = key(
+        4096,
+        "Size of one staging chunk, in KiB: the unit of one device copy in the pipeline. "
+        "staging_mib holds staging_mib * 1024 / staging_chunk_kib chunks (at least one).",
+        min=64, max=1048576, unit="KiB",
+    )
+
+
+@dataclass
 class MetricsConfig:
     """The Prometheus endpoint, http://HOST:PORT/metrics."""
 
@@ -289,6 +324,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def problems(self) -> list[str]:
@@ -311,6 +347,12 @@ class Config:
                 f"memory.max_buffer_mib: {mem.max_buffer_mib} MiB is over "
                 f"memory.host_limit_mib ({mem.host_limit_mib} MiB)"
             )
+        for dev in self.gpu.devices:
+            kind, _, idx = dev.partition(":")
+            if kind != "cuda" or not idx.isdigit():
+                out.append(f"gpu.devices: {dev!r} is not a CUDA device name (cuda:N)")
+        if len(set(self.gpu.devices)) != len(self.gpu.devices):
+            out.append("gpu.devices: a device is listed twice")
         return out
 
     def validate(self) -> Config:

@@ -23,7 +23,7 @@ from transferd.config import Config, ConfigError
 from transferd.exits import Exit
 from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
 from transferd.logs import hostport
-from transferd.memory import BufferTable
+from transferd.memory import BufferTable, DeviceSpec
 from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
 
@@ -75,7 +75,8 @@ class Daemon:
         self.frontends: list[Frontend] = []
         self.watchdog: Watchdog | None = None
         self.metrics = Metrics()
-        self.buffers = BufferTable(config.devices(), max_buffers=config.memory.max_buffers)
+        self.buffers = BufferTable(config.devices() + _gpu_devices(config),
+                                   max_buffers=config.memory.max_buffers)
         for name, pool in self.buffers.devices.items():
             # Set once: alerts and dashboards compare the allocated bytes with it.
             self.metrics.buffer_limit.labels(name).set(pool.limit)
@@ -155,6 +156,10 @@ class Daemon:
             if self.engine is not None:
                 await self.engine.close()
             self.buffers.close()
+            if self.config.gpu.devices:
+                from transferd.memory import cuda
+
+                cuda.stop_groups()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -229,8 +234,8 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
             print(f"transferd: cannot start: {p}", file=sys.stderr, flush=True)
         sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
-    daemon = Daemon(config, loader)
     try:
+        daemon = Daemon(config, loader)
         uvloop.run(daemon.run(frontends))
     except StartError as exc:
         # A race with the checks above (a port taken since): say which, no traceback.
@@ -239,3 +244,20 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
     except OSError as exc:
         print(f"transferd: failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(Exit.FAILURE)
+
+
+def _gpu_devices(config: Config) -> list[DeviceSpec]:
+    """Start a group per GPU of gpu.devices; their DeviceSpecs (none without any)."""
+    if not config.gpu.devices:
+        return []
+    # CuPy is imported only here, for a daemon told to serve a GPU.
+    from transferd.memory import cuda
+    from transferd.protocol.errors import TransferdError
+
+    g = config.gpu
+    try:
+        return cuda.start_devices(
+            g.devices, memory_limit_mib=g.memory_limit_mib, staging_mib=g.staging_mib,
+            staging_chunk_kib=g.staging_chunk_kib, pin=config.engine.pin_workers)
+    except TransferdError as exc:
+        raise StartError(f"gpu.devices: {exc.message}", Exit.CONFIG) from None

@@ -151,7 +151,9 @@ def test_rpc_server_console_script_serves() -> None:
     ("args", "needle", "status"),
     [
         (["--protocol-minor", "3"], "--protocol-minor", Exit.USAGE),
-        (["-d", "cuda:0"], "--device", Exit.USAGE),
+        # No machine has a hundred GPUs (nor does CuPy import everywhere): not started.
+        (["-d", "cuda:99"], "gpu.devices: ", Exit.CONFIG),
+        (["-d", "tpu:0"], "gpu.devices: 'tpu:0' is not a CUDA device name", Exit.CONFIG),
         (["-p", "70000"], "server.port", Exit.CONFIG),
         (["-m", "0"], "memory.host_limit_mib", Exit.CONFIG),
         (["--bogus"], "--bogus", Exit.USAGE),

@@ -156,6 +156,8 @@ class DeviceSpec:
     name: str
     limit: int
     max_size: int | None = None
+    # What GET_DEVICES reports as alignment (cudaMalloc's 256 for a GPU).
+    alignment: int = PAGE
 
 
 @dataclass(eq=False)
@@ -190,7 +192,7 @@ class DevicePool:
             "name": self.name,
             "total": self.limit,
             "free": self.free,
-            "alignment": PAGE,
+            "alignment": self.spec.alignment,
             "max_size": self.max_size,
             "page": PAGE,
             "per_buffer": charge_of(0) - PAGE,
@@ -244,7 +246,7 @@ class BufferTable:
     def set_limit(self, device: str, limit: int, max_size: int | None = None) -> None:
         """A new limit (a reload): buffers already held keep their memory."""
         pool = self.pool(device)
-        pool.spec = DeviceSpec(device, limit, max_size)
+        pool.spec = DeviceSpec(device, limit, max_size, pool.spec.alignment)
 
     def used_on(self, device: str) -> int:
         return self.pool(device).used

@@ -21,6 +21,7 @@ MemoryFactory = Callable[[str, int], Memory]
 KINDS: dict[str, str] = {
     "cpu": "transferd.memory.host:HostMemory",
     "shm": "transferd.memory.shared:SharedMemory",
+    "cuda": "transferd.memory.cuda:CudaMemory",
 }
 _loaded: dict[str, type[Memory]] = {}
 

@@ -1,0 +1,410 @@
+"""CUDA device memory through CuPy (device kind ``"cuda"``, devices ``cuda:N``).
+
+Works with cupy-cuda12x (the ``gpu`` extra) and cupy-cuda13x alike: only the
+runtime calls both expose are used (``cupy.cuda.runtime``: malloc, free,
+memcpy(Async), memsetAsync, hostAlloc, hostRegister, pointerGetAttributes,
+ipcGetMemHandle / ipcOpenMemHandle, deviceGetPCIBusId, memGetInfo), and CuPy
+is imported only when a CUDA device is asked for.
+
+- :class:`CudaMemory`: ``cudaMalloc``'d memory, zero filled, no host view;
+  its way in and out is its group's staging pipeline (``io``), and
+  synchronous ``stage_in`` / ``stage_out`` for callers that need one.
+- :class:`IpcCudaMemory`: memory a client allocated in its own process and
+  exported with ``cudaIpcGetMemHandle``; opened here, closed when its buffer
+  goes (the connection that registered it closed, or FREE_BUFFER).
+- :class:`CudaGroup`: what one GPU gets in the daemon: a worker thread pinned
+  to a core of the GPU's NUMA node (sysfs, through the PCI bus id CuPy
+  reports) with the GPU's context current, a non-blocking stream, the event
+  waiter, and one bounded pool of pinned staging allocated on that worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMemory
+from transferd.workers.affinity import (
+    allowed_cpus,
+    choose_cpu,
+    cpus_of_node,
+    numa_node_of_pci,
+)
+
+from .base import Memory
+from .buffers import DeviceSpec
+from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, StagingPool
+from .streams import DeviceEvent, DeviceStream, EventWaiter
+
+log = logging.getLogger("transferd.memory.cuda")
+
+# cudaMemcpyDefault: with unified addressing the runtime works out the
+# direction (host, device, peer device) from the pointers.
+MEMCPY_DEFAULT = 4
+# cudaMalloc aligns to at least 256 bytes on every CUDA GPU.
+ALIGNMENT = 256
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+IPC_HANDLE_BYTES = 64
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def availability() -> tuple[int, str]:
+    """``(device count, reason)``: the reason says why there is none, if none."""
+    try:
+        cupy = _cupy()
+    except Exception as exc:  # ImportError, or a CuPy that cannot load its libraries
+        return 0, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError: no driver, no device
+        return 0, f"CuPy finds no CUDA device ({exc})"
+    if n == 0:
+        return 0, "CuPy finds no CUDA device (device count 0)"
+    return n, ""
+
+
+def device_index(device: str) -> int:
+    kind, _, idx = device.partition(":")
+    if kind != "cuda" or not idx.isdigit():
+        raise BadRequest(f"{device!r} is not a CUDA device name (cuda:N)")
+    return int(idx)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    total: int
+    free: int
+    pci_bus_id: str
+    numa_node: int | None
+
+
+def device_info(index: int) -> DeviceInfo:
+    cupy = _cupy()
+    rt = cupy.cuda.runtime
+    count, reason = availability()
+    if index >= count:
+        raise NotFound(f"no device cuda:{index} ({reason or f'{count} CUDA device(s)'})")
+    props = rt.getDeviceProperties(index)
+    name = props.get("name", b"")
+    name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    with cupy.cuda.Device(index):
+        free, total = rt.memGetInfo()
+    bus = str(rt.deviceGetPCIBusId(index)).lower()
+    return DeviceInfo(index, name, int(total), int(free), bus, numa_node_of_pci(bus))
+
+
+def host_address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+# -- streams and events ------------------------------------------------------------------
+
+
+class CudaEvent(DeviceEvent):
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.done)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class CudaStream(DeviceStream):
+    """A non-blocking CuPy stream of one device; every call with that device current."""
+
+    def __init__(self, index: int, stream: Any = None) -> None:
+        cupy = _cupy()
+        self.index = index
+        self.name = f"cuda:{index}"
+        self._cupy = cupy
+        self._rt = cupy.cuda.runtime
+        self._device = cupy.cuda.Device(index)
+        with self._device:
+            self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            with self._device:
+                self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+
+    def copy_d2h(self, host_ptr: int, dev_ptr: int, nbytes: int) -> None:
+        self._copy(host_ptr, dev_ptr, nbytes)
+
+    def copy_h2d(self, dev_ptr: int, host_ptr: int, nbytes: int) -> None:
+        self._copy(dev_ptr, host_ptr, nbytes)
+
+    def copy_d2d(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+        self._copy(dst_ptr, src_ptr, nbytes)
+
+    def fill(self, dev_ptr: int, value: int, nbytes: int) -> None:
+        if nbytes:
+            with self._device:
+                self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+
+    def record(self) -> CudaEvent:
+        with self._device:
+            # block=True: a waiting thread sleeps in the driver instead of spinning.
+            ev = self._cupy.cuda.Event(block=True, disable_timing=True)
+            ev.record(self.stream)
+        return CudaEvent(ev)
+
+    def waiter_init(self) -> None:
+        self._device.use()
+
+
+# -- pinned staging ----------------------------------------------------------------------
+
+
+class PinnedHost:
+    """``cudaHostAlloc``'d (portable) host memory, freed when this goes."""
+
+    def __init__(self, size: int) -> None:
+        rt = _cupy().cuda.runtime
+        try:
+            self.ptr = int(rt.hostAlloc(size, rt.hostAllocPortable))
+        except Exception as exc:
+            raise OutOfMemory(f"cannot pin {size} bytes of host staging: {exc}") from None
+        self.size = size
+        self._rt = rt
+        self.view = memoryview((ctypes.c_char * size).from_address(self.ptr)).cast("B")
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.view.release()
+            self._rt.freeHost(self.ptr)
+
+
+def pinned_allocator(size: int) -> tuple[memoryview, int, Any]:
+    p = PinnedHost(size)
+    return p.view, p.ptr, p
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+class DeviceIO:
+    """How bytes reach a device buffer: its group's stream, event waiter and staging."""
+
+    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool) -> None:
+        self.stream = stream
+        self.waiter = waiter
+        self.pool = pool
+
+
+class CudaMemory(Memory):
+    kind = "cuda"
+
+    def __init__(self, device: str, size: int, ptr: int, owned: bool = True) -> None:
+        super().__init__(device, size)
+        self.index = device_index(device)
+        self.ptr = ptr
+        self._owned = owned
+        self._closed = False
+        group = GROUPS.get(self.index)
+        self.io: DeviceIO | None = group.io if group is not None else None
+
+    @classmethod
+    def create(cls, device: str, size: int) -> CudaMemory:
+        index = device_index(device)
+        if index not in GROUPS:
+            raise NotFound(f"no device {device!r} on this daemon")
+        cupy = _cupy()
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(index):
+            try:
+                ptr = int(rt.malloc(max(size, 1)))
+            except Exception as exc:
+                if getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise OutOfMemory(f"cannot allocate {size} bytes on {device}") from None
+                raise OutOfMemory(f"cannot allocate {size} bytes on {device}: {exc}") from None
+            try:
+                rt.memset(ptr, 0, max(size, 1))
+                rt.deviceSynchronize()
+            except Exception:
+                rt.free(ptr)
+                raise
+        return cls(device, size, ptr)
+
+    @property
+    def host_view(self) -> memoryview | None:
+        return None
+
+    @property
+    def address(self) -> int:
+        return self.ptr if self.size else 0
+
+    def resident(self) -> int:
+        return self.size
+
+    def check(self, offset: int, size: int) -> int:
+        """The device address of ``[offset, offset + size)``, bounds checked."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes "
+                              f"on {self.device}")
+        if self._closed:
+            raise NotFound(f"{self.device} memory was freed")
+        return self.ptr + offset
+
+    def stage_in(self, offset: int, data: memoryview) -> None:
+        dst = self.check(offset, len(data))
+        cupy = _cupy()
+        with cupy.cuda.Device(self.index):
+            cupy.cuda.runtime.memcpy(dst, host_address(data), len(data), MEMCPY_DEFAULT)
+
+    def stage_out(self, offset: int, out: memoryview) -> None:
+        src = self.check(offset, len(out))
+        cupy = _cupy()
+        with cupy.cuda.Device(self.index):
+            cupy.cuda.runtime.memcpy(host_address(out), src, len(out), MEMCPY_DEFAULT)
+
+    def describe(self) -> dict[str, Any]:
+        return {"device_ptr": self.ptr}
+
+    def close(self) -> bool:
+        if self._closed:
+            return True
+        self._closed = True
+        cupy = _cupy()
+        with contextlib.suppress(Exception), cupy.cuda.Device(self.index):
+            self._free()
+        self._report_gone()
+        return True
+
+    def _free(self) -> None:
+        _cupy().cuda.runtime.free(self.ptr)
+
+
+class IpcCudaMemory(CudaMemory):
+    """A client's own allocation, opened from its CUDA IPC handle."""
+
+    @classmethod
+    def open(cls, device: str, handle: bytes, size: int) -> IpcCudaMemory:
+        index = device_index(device)
+        if index not in GROUPS:
+            raise NotFound(f"no device {device!r} on this daemon")
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+        cupy = _cupy()
+        with cupy.cuda.Device(index):
+            try:
+                ptr = int(cupy.cuda.runtime.ipcOpenMemHandle(bytes(handle)))
+            except Exception as exc:
+                raise BadRequest(f"cannot open the CUDA IPC handle on {device}: {exc}") from None
+        return cls(device, size, ptr, owned=False)
+
+    def _free(self) -> None:
+        _cupy().cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+# -- one group per GPU ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class CudaGroup:
+    info: DeviceInfo
+    cpu: int | None
+    stream: CudaStream
+    waiter: EventWaiter
+    pool: StagingPool
+    io: DeviceIO
+    worker: Any = field(repr=False, default=None)
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.info.index}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.device, "gpu": self.info.name, "pci_bus_id": self.info.pci_bus_id,
+                "numa_node": self.info.numa_node, "cpu": self.cpu,
+                "staging": self.pool.capacity * self.pool.chunk_size}
+
+
+GROUPS: dict[int, CudaGroup] = {}
+_groups_lock = threading.Lock()
+_taken: Counter[int] = Counter()
+
+
+def start_group(index: int, *, chunk: int = DEFAULT_CHUNK, chunks: int = DEFAULT_CHUNKS,
+                pin: bool = True) -> CudaGroup:
+    """Bring up cuda:``index``: pinned worker, context current, stream, staging."""
+    from transferd.workers import Worker
+
+    with _groups_lock:
+        if index in GROUPS:
+            return GROUPS[index]
+        info = device_info(index)
+        cpu = None
+        if pin:
+            node_cpus = cpus_of_node(info.numa_node) if info.numa_node is not None else set()
+            cpu = choose_cpu(node_cpus, allowed_cpus(), _taken)
+            if cpu is not None:
+                _taken[cpu] += 1
+        worker = Worker(f"transferd-cuda{index}", cpu)
+        worker.start()
+        cupy = _cupy()
+
+        def init() -> tuple[CudaStream, StagingPool]:
+            # On the pinned worker: the context is made current here, and the
+            # staging pages are first touched here, so they come from its node.
+            cupy.cuda.Device(index).use()
+            return CudaStream(index), StagingPool(chunk, chunks, pinned_allocator,
+                                                  name=f"staging of cuda:{index}")
+
+        stream, pool = worker.run_sync(init, timeout=60)
+        waiter = EventWaiter(stream, name=f"transferd-cuda{index}-events")
+        group = CudaGroup(info, cpu, stream, waiter, pool, DeviceIO(stream, waiter, pool),
+                          worker)
+        GROUPS[index] = group
+        log.info("cuda:%d %s (%s, NUMA node %s): worker on cpu %s, %d MiB of pinned staging",
+                 index, info.name, info.pci_bus_id, info.numa_node, cpu,
+                 (chunk * chunks) >> 20)
+        return group
+
+
+def stop_groups() -> None:
+    with _groups_lock:
+        groups = list(GROUPS.values())
+        GROUPS.clear()
+    for g in groups:
+        g.waiter.close()
+        g.pool.close()
+        if g.worker is not None:
+            g.worker.stop()
+
+
+def start_devices(devices: list[str], *, memory_limit_mib: int = 0, staging_mib: int = 32,
+                  staging_chunk_kib: int = 4096, pin: bool = True) -> list[DeviceSpec]:
+    """Start a group per device named; the DeviceSpecs the buffer table serves them by.
+
+    NotFound (naming the device and why) when CuPy finds no such device.
+    """
+    count, reason = availability()
+    if not count:
+        raise NotFound(f"{', '.join(devices)}: {reason}")
+    chunk = staging_chunk_kib << 10
+    chunks = max(1, (staging_mib << 20) // chunk)
+    specs = []
+    for name in devices:
+        index = device_index(name)
+        if index >= count:
+            raise NotFound(f"no device {name}: CuPy finds {count} CUDA device(s)")
+        group = start_group(index, chunk=chunk, chunks=chunks, pin=pin)
+        limit = (memory_limit_mib << 20) or int(group.info.free * 0.9)
+        specs.append(DeviceSpec(name, limit, None, ALIGNMENT))
+    return specs
