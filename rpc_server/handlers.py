@@ -17,12 +17,15 @@ from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.messages import (
+    Tensor,
     fast_tensor,
     str_field,
     tensor_field,
     tensors_field,
     uint_field,
 )
+
+from . import device_io
 
 if TYPE_CHECKING:
     from transferd.engine.regions import Region
@@ -41,6 +44,8 @@ class Reply(NamedTuple):
     # File descriptors sent with the reply (unix and seqpacket connections
     # only): a shared buffer's memfd.  Kept open by ``hold`` until sent.
     fds: Sequence[int] = ()
+    # True: the handler wrote the reply itself (a GET streamed from device memory).
+    sent: bool = False
 
 
 Handler = Callable[["Session", Frame], "Reply | Awaitable[Reply | None] | None"]
@@ -131,13 +136,35 @@ def _set_views(session: Session, frame: Frame, views: list[memoryview]) -> list[
     return views
 
 
-def _set_tensor_sink(session: Session, frame: Frame) -> list[memoryview]:
-    view = session.ctx.buffers.tensor_view(tensor_field(frame.body, "tensor"))
+def _set_tensor_sink(session: Session, frame: Frame) -> Sink:
+    t = tensor_field(frame.body, "tensor")
+    buf = session.ctx.buffers.get(t.buffer)
+    try:
+        view = buf.view(t.offset, t.size)
+    except BadRequest:
+        if device_io.io_of(buf) is None:
+            raise
+        return device_io.set_sink(session, frame, [(buf, t)])
     return _set_views(session, frame, [view])
 
 
+def _pairs(session: Session, frame: Frame) -> list[tuple[Buffer, Tensor]]:
+    table = session.ctx.buffers
+    return [(table.get(t.buffer), t) for t in tensors_field(frame.body)]
+
+
+def _set_tensors_sink(session: Session, frame: Frame) -> Sink:
+    try:
+        return _set_views(session, frame, batch_views(session, frame))
+    except BadRequest:
+        pairs = _pairs(session, frame)
+        if not device_io.any_device(pairs):
+            raise
+        return device_io.set_sink(session, frame, pairs)
+
+
 SINKS[Command.SET_TENSOR] = _set_tensor_sink
-SINKS[Command.SET_TENSORS] = lambda s, f: _set_views(s, f, batch_views(s, f))
+SINKS[Command.SET_TENSORS] = _set_tensors_sink
 
 
 @handler(Command.HELLO)
@@ -231,43 +258,67 @@ def free_buffer(session: Session, frame: Frame) -> Awaitable[None] | None:
 
 
 @handler(Command.BUFFER_CLEAR)
-def buffer_clear(session: Session, frame: Frame) -> None:
+def buffer_clear(session: Session, frame: Frame) -> Awaitable[None] | None:
     buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
+    if device_io.io_of(buf) is not None:
+        return device_io.clear(buf, uint_field(frame.body, "value", 255))
     buf.clear(uint_field(frame.body, "value", 255))
+    return None
 
 
 @handler(Command.SET_TENSOR)
 @handler(Command.SET_TENSORS)
-def set_tensors(session: Session, frame: Frame) -> None:
+def set_tensors(session: Session, frame: Frame) -> Awaitable[None] | None:
     # The payload was already read into place by the sink.  A frame with no
     # payload never met the sink, so its (zero-size) tensors are checked here.
     if frame.payload_len == 0:
         payload_sink(session, frame)
+    if device_io.LANDINGS:  # bytes for device memory wait in staging
+        return device_io.finish_set(session, frame)
     return None
 
 
 @handler(Command.GET_TENSOR)
-def get_tensor(session: Session, frame: Frame) -> Reply:
+def get_tensor(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     # The usual request takes the fast check; anything unusual the full one,
     # whose errors name what is wrong.
     t = fast_tensor(frame.body.get("tensor")) or tensor_field(frame.body, "tensor")
     buf = session.ctx.buffers.get(t.buffer)
-    view = buf.view(t.offset, t.size)
+    try:
+        view = buf.view(t.offset, t.size)
+    except BadRequest:
+        if device_io.io_of(buf) is None:
+            raise
+        return device_io.get_reply(session, frame, [(buf, t)])
     return Reply(None, [view], [buf.ref()])
 
 
 @handler(Command.GET_TENSORS)
-def get_tensors(session: Session, frame: Frame) -> Reply:
+def get_tensors(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     used: dict[int, Buffer] = {}
-    views = batch_views(session, frame, used)
+    try:
+        views = batch_views(session, frame, used)
+    except BadRequest:
+        pairs = _pairs(session, frame)
+        if not device_io.any_device(pairs):
+            raise
+        return device_io.get_reply(session, frame, pairs)
     return Reply(None, views, [b.ref() for b in used.values()])
 
 
 @handler(Command.COPY_TENSOR)
-def copy_tensor(session: Session, frame: Frame) -> None:
+def copy_tensor(session: Session, frame: Frame) -> Awaitable[None] | None:
     src = tensor_field(frame.body, "src")
     dst = tensor_field(frame.body, "dst")
-    session.ctx.buffers.copy(src, dst)
+    table = session.ctx.buffers
+    try:
+        table.copy(src, dst)
+    except BadRequest:
+        pairs = [(table.get(src.buffer), src), (table.get(dst.buffer), dst)]
+        if not device_io.any_device(pairs):
+            raise
+        return device_io.copy(pairs[0], pairs[1])
+    return None
 
 
 @handler(Command.SYNCHRONIZE)

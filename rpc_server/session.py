@@ -267,6 +267,8 @@ class Session(asyncio.BufferedProtocol):
             return
         if result is None:
             n = self.send_frame(frame.cmd, _REPLY, frame.seq)
+        elif result.sent:  # written by the handler itself (streamed from a device)
+            return
         else:
             n = self.send_frame(frame.cmd, _REPLY, frame.seq, result.body, result.payload,
                                 result.hold)

@@ -40,7 +40,7 @@ from transferd.workers.affinity import (
 
 from .base import Memory
 from .buffers import DeviceSpec
-from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, StagingPool
+from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
 from .streams import DeviceEvent, DeviceStream, EventWaiter
 
 log = logging.getLogger("transferd.memory.cuda")
@@ -196,15 +196,6 @@ def pinned_allocator(size: int) -> tuple[memoryview, int, Any]:
 
 
 # -- memory ------------------------------------------------------------------------------
-
-
-class DeviceIO:
-    """How bytes reach a device buffer: its group's stream, event waiter and staging."""
-
-    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool) -> None:
-        self.stream = stream
-        self.waiter = waiter
-        self.pool = pool
 
 
 class CudaMemory(Memory):

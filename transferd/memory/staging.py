@@ -173,6 +173,19 @@ class StagingPool:
             self._hand(loop, fut, None)
 
 
+class DeviceIO:
+    """How bytes reach a device buffer: its group's stream, event waiter and staging.
+
+    A Memory without a host view that carries one of these as ``io`` (and a
+    ``check(offset, size) -> device address``) is served through the pipeline.
+    """
+
+    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool) -> None:
+        self.stream = stream
+        self.waiter = waiter
+        self.pool = pool
+
+
 # -- the pipeline -----------------------------------------------------------------------
 
 def _release(pool: StagingPool, chunk: StagingChunk, _done: object) -> None:
