@@ -113,6 +113,7 @@ class Daemon:
                     except TransferdError as exc:  # e.g. engine.domain verbs, no device
                         raise StartError(f"engine.domain = {e.domain!r}: {exc.message}",
                                          Exit.CONFIG) from exc
+                self.metrics.watch_engine(self.engine)
             urls: list[str] = []
             s = self.config.server
             for fe in frontends:

@@ -10,9 +10,15 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 from transferd.protocol.constants import Command, ErrorCode
@@ -73,6 +79,10 @@ class _RequestSeconds:
     def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=["command"])
         for c in Command:
+            if not self.counts[c][-1] and not any(self.counts[c]):
+                # Only commands that replied at least once: an idle daemon's page
+                # stays small, and commands that never reply (NO_REPLY) add nothing.
+                continue
             total = 0
             buckets = []
             for le, n in zip(self._les, list(self.counts[c]), strict=True):
@@ -141,11 +151,9 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
-        # Children are looked up once: .labels() takes a lock and a dict hit
-        # per call, which the per-request path should not pay.
-        self._cmd = {c: self.commands.labels(c.name) for c in Command}
-        self._bytes_in = {c: self.command_bytes.labels(c.name, "in") for c in Command}
-        self._bytes_out = {c: self.command_bytes.labels(c.name, "out") for c in Command}
+        # A command's series appear once it was received (an idle daemon's page
+        # stays small); the request path only adds to tallies, folded in by sync().
+        self._children: dict[Command, tuple[Any, Any, Any]] = {}
         # Per command: [commands, bytes in, bytes out], tallied and folded in.
         self._tally = {c: [0, 0, 0] for c in Command}
         self._folded = {c: [0, 0, 0] for c in Command}
@@ -173,9 +181,14 @@ class Metrics:
                 done = self._folded[c]
                 if now == done:
                     continue
-                for child, n, d in zip(
-                    (self._cmd[c], self._bytes_in[c], self._bytes_out[c]), now, done, strict=True
-                ):
+                children = self._children.get(c)
+                if children is None:
+                    children = self._children[c] = (
+                        self.commands.labels(c.name),
+                        self.command_bytes.labels(c.name, "in"),
+                        self.command_bytes.labels(c.name, "out"),
+                    )
+                for child, n, d in zip(children, now, done, strict=True):
                     if n != d:
                         child.inc(n - d)
                 self._folded[c] = now
@@ -183,7 +196,104 @@ class Metrics:
     def error(self, code: ErrorCode) -> None:
         self._errors[code].inc()
 
+    def watch_engine(self, engine: Any) -> None:
+        """Export the engine's state when scraped (both the initiator and the receiver)."""
+        self.registry.register(_EngineCollector(engine))
+
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the bound port (0 picks one)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_address[1])
+
+
+# Refusal reasons are wire codes; anything else is "other", so the label set stays fixed.
+REFUSE_REASONS = ("NOT_FOUND", "OUT_OF_BOUNDS", "BAD_REQUEST", "OUT_OF_MEMORY", "other")
+LINK_STATES = ("connecting", "ready", "paused", "closed")
+QUEUES = ("link_waiting", "recv_backlog", "recv_posted", "worker_slots")
+
+
+def _snapshot(fn: Any, default: Any) -> Any:
+    """Read state another thread is changing; a dict resized mid-read is read again."""
+    for _ in range(3):
+        try:
+            return fn()
+        except RuntimeError:  # "changed size during iteration"
+            continue
+    return default
+
+
+class _EngineCollector:
+    """``transferd_engine_*`` series read from the engine when scraped.
+
+    Receiver side: writes and bytes landed, writes refused by reason, immediates
+    counted, expectations pending, messages delivered.  Both sides: transfers in
+    flight, links by rail and state, queue depths.  Labels: rail index (at most 4),
+    state, reason and queue, each from the fixed sets above.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        group = getattr(e, "group", None)
+        if group is None:
+            return
+        c = CounterMetricFamily
+        g = GaugeMetricFamily
+        yield c("transferd_engine_landed_writes", "Peer WRITE parts whose bytes landed here.",
+                value=getattr(group, "writes_in", 0))
+        yield c("transferd_engine_landed_bytes", "Bytes peers wrote into this daemon's regions.",
+                value=getattr(group, "bytes_in", 0))
+        refused = c("transferd_engine_refused_writes",
+                    "Peer WRITE parts this daemon refused, by reason (the wire code).",
+                    labels=["reason"])
+        counts = dict.fromkeys(REFUSE_REASONS, 0)
+        for code, n in _snapshot(lambda: list(getattr(group, "refused", {}).items()), []):
+            counts[code if code in counts else "other"] += n
+        for reason, n in counts.items():
+            refused.add_metric([reason], n)
+        yield refused
+        yield c("transferd_engine_immediates", "Immediates counted here (the sum of counts).",
+                value=getattr(group, "imms_in", 0))
+        yield c("transferd_engine_messages_delivered",
+                "Peer messages (two-sided SEND) handed to a posted receive here.",
+                value=getattr(group, "messages_in", 0))
+        exp = _snapshot(lambda: sum(len(v) for v in list(e._expectations.values())), 0)
+        yield g("transferd_engine_expectations_pending",
+                "Immediate-count expectations clients wait on here.", value=exp)
+        worker = getattr(e, "worker", None)
+        in_flight = worker.in_flight if worker is not None else 0
+        yield g("transferd_engine_transfers_in_flight",
+                "Transfers this daemon initiated that have not finished.", value=in_flight)
+        yield g("transferd_engine_partial_writes",
+                "Multi-part writes to this daemon some of whose parts landed.",
+                value=len(getattr(group, "_partial", ())))
+        links = g("transferd_engine_links", "Links to peers, by rail and state.",
+                  labels=["rail", "state"])
+        waiting = 0
+        for rail, domain in enumerate(getattr(group, "domains", [])):
+            states = dict.fromkeys(LINK_STATES, 0)
+            for link in _snapshot(lambda d=domain: list(d._links.values()), []):
+                state = getattr(getattr(link, "state", None), "value", "closed")
+                states[state if state in states else "closed"] += 1
+                waiting += len(getattr(link, "_waiting", ()))
+            for state, n in states.items():
+                links.add_metric([str(rail), state], n)
+        yield links
+        inbound = g("transferd_engine_inbound_links", "Peers' links to this daemon, by rail.",
+                    labels=["rail"])
+        for rail, domain in enumerate(getattr(group, "domains", [])):
+            inbound.add_metric([str(rail)], len(getattr(domain, "_inbound", ())))
+        yield inbound
+        depth = g("transferd_engine_queue_depth",
+                  "Items waiting in the engine's bounded queues, by queue.", labels=["queue"])
+        depth.add_metric(["link_waiting"], waiting)
+        depth.add_metric(["recv_backlog"], len(getattr(e, "_backlog", ())))
+        depth.add_metric(["recv_posted"], _snapshot(
+            lambda: sum(p.count for p in list(e._pools)), 0))
+        depth.add_metric(["worker_slots"], in_flight)
+        yield depth

@@ -247,3 +247,88 @@ def test_client_is_quiet_without_stats(daemon_factory: DaemonFactory) -> None:
     r = _run_client_script(d.url, {"TRANSFERD_STATS_MS": "100"})
     assert r.returncode == 0, r.stderr
     assert "transferd-client stats" not in r.stderr
+
+
+# -- an idle page, and the engine's receiving side -------------------------------------------
+
+
+def test_an_idle_daemon_exports_a_small_page(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(["-m", "16"])
+    assert d.metrics_url is not None
+    idle = scrape(d.metrics_url)
+    assert len(idle) < 150, len(idle)
+    assert not any(k.startswith("transferd_request_duration_seconds") for k in idle)
+    assert not any(k.startswith("transferd_commands_total") for k in idle)
+    assert metric(idle, "transferd_errors_total", code="INTERNAL") == 0  # rate() needs it
+    from client import SyncClient
+
+    with SyncClient(d.url) as c:
+        c.get_devices()
+    m = scrape(d.metrics_url)
+    durations = {k.split('command="')[1].split('"')[0] for k in m
+                 if k.startswith("transferd_request_duration_seconds_count")}
+    assert durations == {"HELLO", "GET_DEVICES"}, durations
+
+
+@async_test(timeout=60)
+async def test_the_receiving_engine_is_visible() -> None:
+    from client import MrDesc
+    from tests.integration.engine_cluster import (
+        RAILS,
+        WAIT,
+        engine_env,
+        fresh_imm,
+        nodes,
+        settle,
+        start_many,
+    )
+
+    MiB = 1 << 20
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"])}, {"env": engine_env(RAILS["b"])}])
+    try:
+        assert a_d.metrics_url and b_d.metrics_url
+        async with nodes(a_d, b_d) as (a, b):
+            src = await a.region(4 * MiB, seed=80)
+            dst = await b.region(4 * MiB)
+            imm = fresh_imm()
+            pending = await b.client.expect_imm_count(imm, 1000, wait=False)
+            m = scrape(b_d.metrics_url)
+            assert metric(m, "transferd_engine_expectations_pending") == 1
+            w = await a.client.submit_single_write(4 * MiB, imm, (src.mr, 0), (dst.desc, 0))
+            await w.wait(WAIT)
+            m = scrape(b_d.metrics_url)
+            assert metric(m, "transferd_engine_landed_bytes_total") == 4 * MiB
+            parts = metric(m, "transferd_engine_landed_writes_total")
+            assert parts >= 2  # sharded over both rails
+            assert metric(m, "transferd_engine_immediates_total") == 1
+            assert metric(m, "transferd_engine_inbound_links", rail="0") == 1
+            assert metric(m, "transferd_engine_inbound_links", rail="1") == 1
+            # The initiator's links, by rail and state; nothing in flight now.
+            ma = scrape(a_d.metrics_url)
+            assert metric(ma, "transferd_engine_links", rail="0", state="ready") == 1
+            assert metric(ma, "transferd_engine_links", rail="1", state="ready") == 1
+            assert metric(ma, "transferd_engine_transfers_in_flight") == 0
+            assert metric(ma, "transferd_engine_queue_depth", queue="link_waiting") == 0
+            # A forged rkey: refused, by reason; nothing more landed.
+            forged = MrDesc(dst.desc.ptr, [(ad, k ^ 0x5A5A) for ad, k in dst.desc.rkeys],
+                            dst.desc.size)
+            [err] = await settle([await a.client.submit_single_write(
+                4096, None, (src.mr, 0), (forged, 0))])
+            assert isinstance(err, NotFound)
+            m = scrape(b_d.metrics_url)
+            assert metric(m, "transferd_engine_refused_writes_total", reason="NOT_FOUND") == 1
+            assert metric(m, "transferd_engine_refused_writes_total", reason="OUT_OF_BOUNDS") == 0
+            assert metric(m, "transferd_engine_landed_bytes_total") == 4 * MiB
+            # A two-sided message, delivered to a posted receive.
+            got: list[bytes] = []
+            b.client.submit_recvs(64, 1, got.append)
+            w = await a.client.submit_send(await b.client.main_address(), b"hello b")
+            await w.wait(WAIT)
+            assert await poll(lambda: got == [b"hello b"])
+            m = scrape(b_d.metrics_url)
+            assert metric(m, "transferd_engine_messages_delivered_total") == 1
+            assert metric(m, "transferd_engine_queue_depth", queue="recv_posted") == 1
+            assert not pending.done()
+    finally:
+        for d in (a_d, b_d):
+            d.stop()

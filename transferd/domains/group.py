@@ -78,6 +78,11 @@ class DomainGroup:
         self.domains: list[TcpDomain] = []
         self._partial: OrderedDict[tuple[int, int, int], int] = OrderedDict()
         self.bytes_in = 0
+        # Receiver-side tallies, read by the metrics when scraped (transferd.metrics).
+        self.writes_in = 0
+        self.imms_in = 0
+        self.messages_in = 0
+        self.refused: dict[str, int] = {}
 
     def bind(self, hosts: list[str], port: int = 0) -> NetAddr:
         """Open one rail per host; rail i of every peer connects to our rail i."""
@@ -162,6 +167,7 @@ class DomainGroup:
     def landed(self, peer: tuple[int, int], body: dict[str, Any], nbytes: int) -> None:
         """A WRITE's bytes are in place: count its immediate, by the counting rules."""
         self.bytes_in += nbytes
+        self.writes_in += 1
         imm = body.get("imm")
         if imm is None:
             return
@@ -176,6 +182,7 @@ class DomainGroup:
                     self._partial.popitem(last=False)
                 return
         self.counter.add(int(imm) & 0xFFFFFFFF, count)
+        self.imms_in += count
 
     def close(self) -> None:
         for d in self.domains:

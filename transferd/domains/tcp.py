@@ -330,6 +330,7 @@ class InboundLink:
                 except TransferdError as exc:
                     error = exc
             if error is not None:
+                g.refused[error.code.value] = g.refused.get(error.code.value, 0) + 1
                 peer_warning("peer write refused", self.peer[0], self.domain.rail,
                              _peername(self.stream.sock), error)
             self._ack(frame.body, error)
@@ -342,11 +343,16 @@ class InboundLink:
             body, loop = frame.body, self.domain.loop
 
             def ack(err: TransferdError | None) -> None:
-                loop.call_soon_threadsafe(self._ack, body, err)
+                loop.call_soon_threadsafe(self._delivered, body, err)
 
             g.deliver(self.peer, bytes(frame.payload or b""), ack)
         else:
             self.stream.close()
+
+    def _delivered(self, body: dict[str, Any], error: TransferdError | None) -> None:
+        if error is None:
+            self.domain.group.messages_in += 1
+        self._ack(body, error)
 
     def _on_close(self, exc: BaseException | None) -> None:
         landing, self._landing = self._landing, None
