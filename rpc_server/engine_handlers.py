@@ -21,7 +21,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, field, uint_field
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
-from .handlers import SINKS, Reply, handler, wait_drained
+from .handlers import SINKS, Reply, handler, patience, wait_drained
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
@@ -110,7 +110,7 @@ def dereg_mr(session: Session, frame: Frame) -> Awaitable[None] | None:
     engine.dereg_mr(region.id)
     # Replies once the writes admitted before are in place: after it, no
     # byte of a peer write lands in this memory.
-    return wait_drained([region])
+    return wait_drained([region], patience(session))
 
 
 @handler(Command.SINGLE_WRITE)

@@ -230,20 +230,35 @@ def session_closed(session: Session) -> None:
             engine.buffer_freed(buf)
 
 
-def wait_drained(regions: Sequence[Region]) -> Awaitable[None] | None:
+def wait_drained(regions: Sequence[Region], patience: float = 30.0) -> Awaitable[None] | None:
     """None when no write is in flight into ``regions``, else an awaitable until then.
 
     Writes admitted before the regions were deregistered finish landing (and
-    are acknowledged to their initiators); later ones were refused.
+    are acknowledged to their initiators); later ones were refused.  One that
+    has not finished after ``patience`` seconds (a peer stalled mid-payload)
+    is cut short: its link is closed, its initiator sees the link fail, and
+    nothing more of it lands.
     """
-    pending = [r.drained() for r in regions if not r.drained().done()]
+    pending = [r for r in regions if not r.drained().done()]
     if not pending:
         return None
 
     async def wait() -> None:
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
+        done = asyncio.gather(*(asyncio.wrap_future(r.drained()) for r in pending))
+        try:
+            await asyncio.wait_for(asyncio.shield(done), patience)
+        except TimeoutError:
+            for r in pending:
+                r.abort_admitted()
+            await done
 
     return wait()
+
+
+def patience(session: Session) -> float:
+    """How long DEREG_MR / FREE_BUFFER wait for a write in flight before cutting it short."""
+    engine = session.ctx.engine
+    return engine.config.peer_timeout_s if engine is not None else 30.0
 
 
 @handler(Command.FREE_BUFFER)
@@ -254,7 +269,7 @@ def free_buffer(session: Session, frame: Frame) -> Awaitable[None] | None:
         return None
     regions = engine.regions.regions_of(buf)
     engine.buffer_freed(buf)
-    return wait_drained(regions)
+    return wait_drained(regions, patience(session))
 
 
 @handler(Command.BUFFER_CLEAR)

@@ -9,6 +9,7 @@ WRITE whose payload it sends in two halves), so a test can hold a write half-lan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
 from typing import Any
@@ -134,3 +135,38 @@ async def test_a_write_in_flight_lands_before_dereg_returns_and_none_after(
             assert bytes(await c.get_tensor(buf.tensor(0, 4096))) == data[:4096]
             await c.free_buffer(buf)
         peer.sock.close()
+
+
+@async_test(timeout=60)
+async def test_a_write_stalled_mid_payload_is_cut_short_by_dereg(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """A peer that sends half a write and stalls holds DEREG_MR only for peer_timeout_s:
+    then its link is closed and nothing more of it lands."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_PEER_TIMEOUT_S": "1"})
+    size, half = 8 * MiB, 4 * MiB
+    data = pattern(size, 9)
+    async with await Client.connect(d.url) as c:
+        buf = await c.alloc_buffer(size)
+        mr, desc = await c.reg_mr(buf)
+        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0].rails[0])
+        peer.write_header(1, desc, 0, size)
+        await asyncio.to_thread(peer.sock.sendall, data[:half])
+        for _ in range(200):
+            if await _landing(c, buf, data[:64]):
+                break
+            await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(c.dereg_mr(mr), 10)
+        waited = asyncio.get_running_loop().time() - t0
+        assert 0.5 <= waited <= 5, waited
+        before = hashlib.sha256(bytes(await c.get_tensor(buf.tensor()))).digest()
+        with contextlib.suppress(OSError):  # the daemon closed the link
+            peer.sock.settimeout(2)
+            peer.sock.sendall(data[half:])
+        await asyncio.sleep(0.2)
+        after = hashlib.sha256(bytes(await c.get_tensor(buf.tensor()))).digest()
+        assert after == before  # nothing landed after DEREG_MR returned
+        peer.sock.close()
+        await c.free_buffer(buf)
+    assert d.alive()

@@ -16,6 +16,7 @@ from transferd.memory import (
     BufferTable,
     DeviceSpec,
     Memory,
+    Ref,
     charge_of,
     memory_class,
     register_kind,
@@ -249,3 +250,24 @@ def test_shared_memory_drops_its_descriptor_once_handed_over() -> None:
     assert bytes(b.view(0, 3)) == b"abc"
     t.free_buffer(b.id)
     assert t.used == 0
+
+
+def test_abort_admitted_cuts_short_only_writes_that_said_how() -> None:
+    b = Buffer.host(1, PAGE)
+    regions = RegionTable()
+    r = regions.register(b, 1)
+    cut: list[int] = []
+    refs: list[Ref] = []
+
+    def abort(i: int) -> None:
+        cut.append(i)
+        refs[i].release()  # what closing its link does
+
+    refs.append(r.admit(lambda: abort(0)))
+    refs.append(r.admit())  # no way to cut it short
+    regions.deregister(r.id)
+    assert r.abort_admitted() == 1 and cut == [0]
+    assert not r.drained().done()
+    refs[1].release()
+    assert r.drained().done() and r.abort_admitted() == 0
+    b.release()

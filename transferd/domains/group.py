@@ -137,8 +137,8 @@ class DomainGroup:
         admitted.release()  # a check only: whoever lands bytes holds admit_write's Ref
         return views
 
-    def admit_write(self, rail: int, body: dict[str, Any], payload_len: int
-                    ) -> tuple[list[memoryview], Ref]:
+    def admit_write(self, rail: int, body: dict[str, Any], payload_len: int,
+                    abort: Callable[[], None] | None = None) -> tuple[list[memoryview], Ref]:
         """Check a WRITE, then admit it: the Ref holds the region until it has landed.
 
         Release the Ref once the bytes are in place or the write failed;
@@ -162,7 +162,7 @@ class DomainGroup:
             total = sum(map(len, views))
         if total != payload_len:
             raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
-        return views, region.admit()
+        return views, region.admit(abort)
 
     def landed(self, peer: tuple[int, int], body: dict[str, Any], nbytes: int) -> None:
         """A WRITE's bytes are in place: count its immediate, by the counting rules."""

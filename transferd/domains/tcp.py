@@ -276,7 +276,7 @@ class InboundLink:
         if frame.cmd == PeerCommand.WRITE:
             try:
                 views, self._landing = self.domain.group.admit_write(
-                    self.domain.rail, frame.body, frame.payload_len)
+                    self.domain.rail, frame.body, frame.payload_len, self._abort)
                 return views
             except TransferdError as exc:
                 self._error = exc
@@ -353,6 +353,11 @@ class InboundLink:
         if error is None:
             self.domain.group.messages_in += 1
         self._ack(body, error)
+
+    def _abort(self) -> None:
+        # From any thread: the link is closed on its worker, and no more lands.
+        self.domain.loop.call_soon_threadsafe(self.stream.close,
+                                              PeerUnreachable("region deregistered"))
 
     def _on_close(self, exc: BaseException | None) -> None:
         landing, self._landing = self._landing, None

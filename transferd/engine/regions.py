@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -38,34 +38,52 @@ class Region:
     _closed: bool = field(default=False, repr=False)
     _drained: Future[None] = field(default_factory=Future, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # How to cut short each admitted write that said how (its link's close).
+    _aborts: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
+    _tickets: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     # -- writes in flight -------------------------------------------------------------
 
-    def admit(self) -> Ref:
+    def admit(self, abort: Callable[[], None] | None = None) -> Ref:
         """Let one inbound write land; NotFound once the region is deregistered.
 
         Called on the receiving worker after the rkey and bounds checks and
         before any byte lands.  Release the Ref once the bytes landed or the
-        write failed (from any thread).
+        write failed (from any thread).  ``abort`` (callable from any thread)
+        cuts the write short, so that no more of it lands and its Ref is
+        released: what :meth:`abort_admitted` calls for a write that never
+        finishes (a peer that stalls mid-payload).
         """
         with self._lock:
             if self._closed:
                 raise NotFound(f"region {self.id} was deregistered")
             self._admitted += 1
+            ticket = next(self._tickets)
+            if abort is not None:
+                self._aborts[ticket] = abort
         try:
             held = self.buffer.ref()
         except BaseException:
-            self._let_go()
+            self._let_go(ticket)
             raise
 
         def release() -> None:
             held.release()
-            self._let_go()
+            self._let_go(ticket)
 
         return Ref(release)
 
-    def _let_go(self) -> None:
+    def abort_admitted(self) -> int:
+        """Cut short every admitted write that can be; returns how many were asked."""
         with self._lock:
+            aborts = list(self._aborts.values())
+        for fn in aborts:
+            fn()
+        return len(aborts)
+
+    def _let_go(self, ticket: int) -> None:
+        with self._lock:
+            self._aborts.pop(ticket, None)
             self._admitted -= 1
             done = self._closed and self._admitted == 0
         if done and not self._drained.done():
