@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transferd import __version__
+from transferd import __version__, transports
 from transferd.protocol.constants import (
     DEFAULT_MAX_BODY,
     PROTO_MAJOR,
@@ -140,8 +141,13 @@ class Client(EngineMixin, WatcherMixin):
         connect_timeout: float = 10.0,
         name: str | None = None,
         max_minor: int = PROTO_MINOR,
+        tls_ca: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url
+        # tls:// only: verify the server with this CA file (or a ready context).
+        self.tls_ca = tls_ca
+        self.ssl_context = ssl_context
         self.token = token
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -176,7 +182,8 @@ class Client(EngineMixin, WatcherMixin):
         # Queued reads' futures belong to this loop (looked up once, not per read).
         self._loop = asyncio.get_running_loop()
         self.switches = Switches.from_env()
-        self._conn = await Connection.open(self.url, self.connect_timeout)
+        opts = transports.TransportOptions(tls_ca=self.tls_ca or "", ssl_context=self.ssl_context)
+        self._conn = await Connection.open(self.url, self.connect_timeout, opts)
         self._conn.on_event = self._on_event
         self._conn.on_lost = self._events.lost
         body: dict[str, Any] = {"major": PROTO_MAJOR, "minor": self.max_minor, "client": self.name}
@@ -194,6 +201,8 @@ class Client(EngineMixin, WatcherMixin):
         self.max_body = int(b.get("max_body", DEFAULT_MAX_BODY))
         self.max_payload = int(b.get("max_payload", self.max_payload))
         self._conn.decoder.max_body = max(DEFAULT_MAX_BODY, self.max_body)
+        if "max_message" in b:
+            self._conn.set_max_message(int(b["max_message"]))
         if self.switches.stats_ms:
             self._stats_task = asyncio.ensure_future(self._print_stats(self.switches.stats_ms))
 

@@ -13,8 +13,8 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlparse
 
+from transferd import transports
 from transferd.protocol import frames
 from transferd.protocol.constants import (
     HEADER_SIZE,
@@ -25,6 +25,7 @@ from transferd.protocol.constants import (
     command_name,
 )
 from transferd.protocol.errors import (
+    BadFrame,
     BadRequest,
     ConnectionLost,
     ProtocolError,
@@ -75,21 +76,6 @@ class ClientStats:
         return f"transferd-client stats: {cmds} bytes_out={self.bytes_out} bytes_in={self.bytes_in}"
 
 
-def parse_url(url: str) -> tuple[str, str, int]:
-    """``tcp://host:port`` or ``unix:///path`` -> (scheme, host-or-path, port)."""
-    u = urlparse(url)
-    if u.scheme == "tcp":
-        if not u.hostname or u.port is None:
-            raise BadRequest(f"{url!r}: expected tcp://HOST:PORT")
-        return "tcp", u.hostname, u.port
-    if u.scheme == "unix":
-        path = u.path or u.netloc
-        if not path:
-            raise BadRequest(f"{url!r}: expected unix:///PATH")
-        return "unix", path, 0
-    raise BadRequest(f"{url!r}: unsupported scheme (use tcp:// or unix://)")
-
-
 class Connection(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -109,22 +95,52 @@ class Connection(asyncio.BufferedProtocol):
         self.on_lost: Callable[[TransferdError], None] | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
+        # A message transport takes whole frames (None: a stream, write bytes).
+        self._write_frame: Any = None
 
     @classmethod
-    async def open(cls, url: str, timeout: float | None = 10.0) -> Connection:
-        scheme, where, port = parse_url(url)
-        loop = asyncio.get_running_loop()
+    async def open(
+        cls,
+        url: str,
+        timeout: float | None = 10.0,
+        options: transports.TransportOptions | None = None,
+    ) -> Connection:
+        """Connect by URL (any scheme of :mod:`transferd.transports`)."""
+        opts = options or transports.TransportOptions()
+        opts.timeout = timeout
         try:
-            if scheme == "tcp":
-                coro = loop.create_connection(cls, where, port)
-            else:
-                coro = loop.create_unix_connection(cls, where)
-            _, conn = await asyncio.wait_for(coro, timeout)
+            _, conn = await transports.connect(url, cls, opts)
         except (TimeoutError, OSError) as exc:
             from transferd.protocol.errors import PeerUnreachable
 
             raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
-        return conn
+        return cast(Connection, conn)
+
+    def set_max_message(self, max_message: int) -> None:
+        """The server's ``max_message`` (HELLO reply): payload continuation size."""
+        if not transports.MIN_MAX_MESSAGE <= max_message <= 64 << 20:
+            raise BadFrame(f"server announced max_message {max_message}, outside 64 KiB-64 MiB")
+        t: Any = self.transport
+        if self._write_frame is not None and t is not None:
+            t.max_message = max_message
+            t.recv_limit = max_message
+
+    @property
+    def carries_fds(self) -> bool:
+        """True on unix:// and seqpacket:// connections (SCM_RIGHTS both ways)."""
+        return bool(self.transport is not None and self.transport.get_extra_info("transferd_fds"))
+
+    def take_fds(self, n: int) -> list[int]:
+        """The ``n`` oldest file descriptors received (the caller closes them).
+
+        The server sends descriptors with the first byte of a frame, so when
+        that frame is handled here they have arrived; a frame that announces
+        ``n`` of them takes them with this.  BadFrame if fewer came.
+        """
+        take = getattr(self.transport, "take_fds", None)
+        if take is None:
+            raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
+        return cast(list[int], take(n))
 
     # -- asyncio callbacks --------------------------------------------------------
 
@@ -135,6 +151,14 @@ class Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if transport.get_extra_info("transferd_message"):
+            self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
+
+    def transport_error(self, exc: ProtocolError) -> None:
+        """A message transport found a message that breaks the message rules."""
+        self._fail_all(exc)
+        if self.transport is not None:
+            self.transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -239,8 +263,12 @@ class Connection(asyncio.BufferedProtocol):
         *,
         flags: int = 0,
         seq: int | None = None,
+        fds: Sequence[int] = (),
     ) -> int:
-        """Write one request frame; payload objects are sent from where they lie."""
+        """Write one request frame; payload objects are sent from where they lie.
+
+        ``fds`` (unix and seqpacket only) go with the frame's first byte.
+        """
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         if seq is None:
@@ -253,7 +281,14 @@ class Connection(asyncio.BufferedProtocol):
             views, plen = [], 0
         # encode_header(), inlined: this runs once per request.
         head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
-        if plen <= SMALL_WRITE:
+        if fds:
+            send_fds = getattr(self.transport, "send_fds", None)
+            if send_fds is None:
+                raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
+            send_fds(fds)
+        if self._write_frame is not None:
+            self._write_frame(head, views, plen)
+        elif plen <= SMALL_WRITE:
             self.transport.write(b"".join((head, *views)) if plen else head)
         else:
             # One call for all payload objects: sent together, not a syscall each.

@@ -39,6 +39,14 @@ from .server import RpcFrontend
 @click.option("--token", default=None, help="Require this token in HELLO.")
 @click.option("--unix", "unix_socket", default=None, help="Also listen on this Unix socket path.")
 @click.option(
+    "--listen",
+    "listen",
+    multiple=True,
+    metavar="URL",
+    help="Also listen on URL (repeatable): tcp://HOST:PORT, tls://HOST:PORT, unix:///PATH, "
+    "seqpacket:///PATH.",
+)
+@click.option(
     "-c",
     "--config",
     "config_path",
@@ -67,6 +75,7 @@ def main(
     metrics_port: int | None,
     token: str | None,
     unix_socket: str | None,
+    listen: tuple[str, ...],
     config_path: str | None,
     log_level: str | None,
     log_format: str | None,
@@ -81,6 +90,7 @@ def main(
         "server.protocol_minor": protocol_minor,
         "server.token": token,
         "server.unix_socket": unix_socket,
+        "server.listen": list(listen) or None,
         "log.level": log_level,
         "log.format": log_format,
     }

@@ -38,6 +38,8 @@ class ServerContext:
     token: str = ""
     max_body: int = DEFAULT_MAX_BODY
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    # Announced in HELLO on a message transport: the continuation message size.
+    max_message: int = 256 * 1024
     engine: TransferEngine | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     name: str = f"transferd/{__version__}"

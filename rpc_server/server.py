@@ -1,11 +1,12 @@
-"""Listeners: TCP and Unix stream sockets, one Session per connection."""
+"""Listeners: every URL of the config through the transport registry, one Session each."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
 from typing import TYPE_CHECKING
+
+from transferd import transports
+from transferd.config import ServerConfig
 
 from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
@@ -19,13 +20,24 @@ if TYPE_CHECKING:
     from transferd.daemon import Daemon
 
 
+def listen_urls(s: ServerConfig) -> list[str]:
+    """What the server listens on: tcp://host:port, server.listen, server.unix_socket."""
+    urls: list[str] = []
+    if s.tcp_listener:
+        host = f"[{s.host}]" if ":" in s.host else s.host
+        urls.append(f"tcp://{host}:{s.port}")
+    urls += s.listen
+    if s.unix_socket:
+        urls.append(f"unix://{s.unix_socket}")
+    return urls
+
+
 class RpcFrontend:
     """The RPC server as a daemon front end (entry point ``transferd.frontends``)."""
 
     def __init__(self) -> None:
         self.ctx: ServerContext | None = None
-        self._servers: list[asyncio.AbstractServer] = []
-        self._unix_path = ""
+        self._listeners: list[transports.Listener] = []
 
     async def start(self, daemon: Daemon) -> list[str]:
         cfg = daemon.config
@@ -37,25 +49,22 @@ class RpcFrontend:
             token=s.token,
             max_body=s.max_body,
             max_payload=s.max_payload,
+            max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
         )
-        loop = asyncio.get_running_loop()
         ctx = self.ctx
-        urls = []
-        tcp = await loop.create_server(
-            lambda: Session(ctx), s.host, s.port, reuse_address=True, backlog=1024
+        opts = transports.TransportOptions(
+            tls_cert=s.tls_cert, tls_key=s.tls_key, max_message=s.max_message
         )
-        self._servers.append(tcp)
-        for sock in tcp.sockets:
-            host, port = sock.getsockname()[:2]
-            urls.append(f"tcp://{host}:{port}")
-        if s.unix_socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(s.unix_socket)
-            unix = await loop.create_unix_server(lambda: Session(ctx), s.unix_socket)
-            self._servers.append(unix)
-            self._unix_path = s.unix_socket
-            urls.append(f"unix://{s.unix_socket}")
+        urls = []
+        try:
+            for url in listen_urls(s):
+                listener = await transports.listen(url, lambda: Session(ctx), opts)
+                self._listeners.append(listener)
+                urls.append(listener.url)
+        except BaseException:
+            await self.close()
+            raise
         return urls
 
     def reload(self, config: Config) -> None:
@@ -64,11 +73,7 @@ class RpcFrontend:
             self.ctx.token = config.server.token
 
     async def close(self) -> None:
-        for srv in self._servers:
-            srv.close()
-        for srv in self._servers:
+        listeners, self._listeners = self._listeners, []
+        for lst in listeners:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(srv.wait_closed(), 2)
-        if self._unix_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._unix_path)
+                await lst.close()

@@ -101,16 +101,26 @@ class Session(asyncio.BufferedProtocol):
         # Holds on the memory of reply payloads still in the transport's
         # write buffer: released once it has drained, or the connection is gone.
         self._held: list[Ref] = []
+        # A message transport takes whole frames (None: a stream, write bytes).
+        self._write_frame: Any = None
+        self._write_blocked = False
 
     # -- asyncio callbacks --------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but are one.
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=0, low=0)
+        if transport.get_extra_info("sslcontext") is None:
+            self.transport.set_write_buffer_limits(high=0, low=0)
+        # else TLS: the SSL layer encrypts what it is given at write time (a
+        # copy), so no reply memory is referenced after write; and with a zero
+        # high-water mark uvloop's SSL transport never reports the buffer
+        # drained while reading is paused.  Its default limits stay.
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if transport.get_extra_info("transferd_message"):
+            self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
         peer = transport.get_extra_info("peername")
         self.peer = hostport(peer) if peer else "local"
         self.ctx.metrics.connections.inc()
@@ -139,12 +149,24 @@ class Session(asyncio.BufferedProtocol):
         return False
 
     def pause_writing(self) -> None:
+        # Before HELLO no reply holds memory the client could overwrite, and a
+        # TLS transport pauses here while its handshake is buffered: blocking
+        # reads then would stall the handshake that drains the buffer.
+        if self.state is _AWAIT_HELLO:
+            return
+        self._write_blocked = True
         self._block()
 
     def resume_writing(self) -> None:
         # The write buffer is empty (low watermark 0): every payload is out.
         self._release_held()
-        self._unblock()
+        if self._write_blocked:
+            self._write_blocked = False
+            self._unblock()
+
+    def transport_error(self, exc: ProtocolError) -> None:
+        """A message transport found a message that breaks the message rules."""
+        self._fail(exc, cmd=self._decoder.current_cmd)
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -271,7 +293,7 @@ class Session(asyncio.BufferedProtocol):
             return
         else:
             n = self.send_frame(frame.cmd, _REPLY, frame.seq, result.body, result.payload,
-                                result.hold)
+                                result.hold, result.fds)
         self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
     def _fail(
@@ -299,11 +321,15 @@ class Session(asyncio.BufferedProtocol):
         body: dict[str, Any] | None = None,
         payload: Sequence[memoryview] = (),
         hold: Sequence[Ref] = (),
+        fds: Sequence[int] = (),
     ) -> int:
         """Write one frame; payload views are sent from where they lie.
 
         ``hold`` (Refs on the memory of ``payload``) is released once the
-        bytes are out of the transport's write buffer.
+        bytes are out of the transport's write buffer.  ``fds`` (unix and
+        seqpacket connections only) go with the frame's first byte; the
+        client takes them for the frame that announces them (the caller keeps
+        its own descriptors).
         """
         if self.state is _CLOSED or self.transport is None or self.transport.is_closing():
             release_all(hold)
@@ -312,7 +338,22 @@ class Session(asyncio.BufferedProtocol):
         plen = sum(map(len, payload)) if payload else 0
         # encode_header(), inlined: this runs once per reply.
         head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
-        if plen <= SMALL_REPLY:
+        if fds:
+            send_fds = getattr(self.transport, "send_fds", None)
+            if send_fds is None:
+                release_all(hold)
+                raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
+            send_fds(fds)
+        if self._write_frame is not None:
+            # A message transport: header and body one message, the payload
+            # cut into max_message messages, sent from where it lies.
+            self._write_frame(head, payload, plen)
+            if hold:
+                if self.transport.get_write_buffer_size():
+                    self._held.extend(hold)
+                else:
+                    release_all(hold)
+        elif plen <= SMALL_REPLY:
             self.transport.write(b"".join((head, *payload)) if plen else head)
             if hold:  # the payload was copied into the joined bytes
                 release_all(hold)
@@ -353,14 +394,16 @@ class Session(asyncio.BufferedProtocol):
             ):
                 raise Unauthorized("a valid token is required" if token else "token missing")
         self.state = State.READY
-        return Reply(
-            {
-                "major": PROTO_MAJOR,
-                "minor": self.ctx.minor,
-                "patch": PROTO_PATCH,
-                "server": self.ctx.name,
-                "features": self.ctx.features(),
-                "max_body": self.ctx.max_body,
-                "max_payload": self.ctx.max_payload,
-            }
-        )
+        body: dict[str, Any] = {
+            "major": PROTO_MAJOR,
+            "minor": self.ctx.minor,
+            "patch": PROTO_PATCH,
+            "server": self.ctx.name,
+            "features": self.ctx.features(),
+            "max_body": self.ctx.max_body,
+            "max_payload": self.ctx.max_payload,
+        }
+        if self._write_frame is not None:
+            body["max_message"] = self.ctx.max_message
+            cast(Any, self.transport).recv_limit = self.ctx.max_message
+        return Reply(body)

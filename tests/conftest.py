@@ -9,6 +9,8 @@ daemons' stdout and stderr printed into its report.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,13 +37,19 @@ def _failed(request: pytest.FixtureRequest) -> bool:
     )
 
 
+# The client transports the protocol suites run over (``url`` fixture).
+TRANSPORTS = ("tcp", "unix", "seqpacket")
+
+
 @pytest.fixture(scope="module")
 def _module_daemon() -> Iterator[DaemonProcess]:
-    d = start_daemon()
+    where = tempfile.mkdtemp(prefix="td-", dir="/tmp")  # short: AF_UNIX paths are < 108
+    d = start_daemon(["--unix", f"{where}/u.sock", "--listen", f"seqpacket://{where}/s.sock"])
     try:
         yield d
     finally:
         d.stop()
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture
@@ -55,6 +63,12 @@ def daemon(
     if _failed(request):
         print(d.output())
     assert d.alive(), f"the daemon died during this test\n{d.output()}"
+
+
+@pytest.fixture(params=TRANSPORTS)
+def url(daemon: DaemonProcess, request: pytest.FixtureRequest) -> str:
+    """The shared daemon's URL, once for each of TRANSPORTS."""
+    return daemon.url_for(request.param)
 
 
 @pytest.fixture

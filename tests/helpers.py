@@ -201,6 +201,13 @@ class DaemonProcess:
                 return u
         raise DaemonError(f"no tcp listener\n{self.output()}")
 
+    def url_for(self, scheme: str) -> str:
+        """The first URL it listens on with this scheme (tcp, tls, unix, seqpacket)."""
+        for u in self.urls:
+            if u.startswith(scheme + "://"):
+                return u
+        raise DaemonError(f"no {scheme} listener\n{self.output()}")
+
     @property
     def unix_url(self) -> str | None:
         for u in self.urls:

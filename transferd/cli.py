@@ -49,6 +49,9 @@ def metrics_port_overrides(port: int | None) -> dict[str, object]:
               help="Require this token in HELLO (server.token); prefer TRANSFERD_SERVER_TOKEN.")
 @click.option("--unix", "unix_socket", default=None,
               help="Also listen on this Unix socket path (server.unix_socket).")
+@click.option("--listen", multiple=True, metavar="URL",
+              help="Also listen on URL, repeatable, replacing server.listen: tcp://HOST:PORT, "
+                   "tls://HOST:PORT, unix:///PATH, seqpacket:///PATH.")
 @click.option(
     "--log-level",
     default=None,
@@ -70,6 +73,7 @@ def serve(
     metrics_port: int | None,
     token: str | None,
     unix_socket: str | None,
+    listen: tuple[str, ...],
     log_level: str | None,
     log_format: str | None,
 ) -> None:
@@ -87,6 +91,7 @@ def serve(
         "server.protocol_minor": protocol_minor,
         "server.token": token,
         "server.unix_socket": unix_socket,
+        "server.listen": list(listen) or None,
         "log.level": log_level,
         "log.format": log_format,
         **metrics_port_overrides(metrics_port),

@@ -101,6 +101,20 @@ class ServerConfig:
         "naming it.",
         min=0, max=65535, flag="-p/--port",
     )
+    tcp_listener: bool = key(
+        True,
+        "Listen on tcp://host:port. false leaves only the listeners of server.listen and "
+        "server.unix_socket (a daemon reachable only through local sockets or TLS).",
+    )
+    listen: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'More listeners, by URL: "tcp://HOST:PORT", "tls://HOST:PORT" (needs '
+        'server.tls_cert and server.tls_key), "unix:///PATH" (stream), '
+        '"seqpacket:///PATH" (AF_UNIX SOCK_SEQPACKET, a message transport). Port 0 picks '
+        'one; the daemon prints every URL it got ("transferd: listening on URL"). unix and '
+        "seqpacket connections can carry file descriptors (shared-memory buffers).",
+        flag="--listen (repeatable)",
+    )
     unix_socket: str = key(
         "",
         'Also listen on this Unix stream socket path ("" = none). A stale socket file at '
@@ -135,6 +149,19 @@ class ServerConfig:
         "Clients split batches to stay under it. Default 16 GiB.",
         min=1, unit="bytes",
     )
+    max_message: int = key(
+        256 * 1024,
+        "Message transports (seqpacket): the size of every payload continuation message, "
+        "announced in HELLO as max_message.",
+        min=65536, max=1 << 20, unit="bytes",
+    )
+    tls_cert: str = key(
+        "",
+        'PEM certificate chain for tls:// listeners ("" = none; a tls:// listener without '
+        "it is a configuration error).",
+    )
+    tls_key: str = key("", "PEM private key for tls:// listeners (keep it readable by the "
+                       "daemon only).")
 
 
 @dataclass
@@ -341,6 +368,7 @@ class Config:
                 f"({max(1, len(eng.host_rails))}), got {len(eng.rdma_devices)} "
                 "(`transferd devices` lists them)"
             )
+        out += _listen_problems(self.server)
         mem = self.memory
         if mem.max_buffer_mib > mem.host_limit_mib:
             out.append(
@@ -573,3 +601,21 @@ def load(
     """Build the configuration; ``overrides`` maps ``section.key`` to flag values
     (``None`` = the flag was not given).  Raises ConfigError listing every problem."""
     return load_with_sources(path, env=env, overrides=overrides)[0]
+
+
+def _listen_problems(s: ServerConfig) -> list[str]:
+    from transferd import transports  # the registry knows every scheme
+
+    out: list[str] = []
+    for url in s.listen:
+        try:
+            kind = transports.get(url)
+            kind.parse(url)
+        except Exception as exc:
+            out.append(f"server.listen: {getattr(exc, 'message', exc)}")
+            continue
+        if kind.scheme == "tls" and not (s.tls_cert and s.tls_key):
+            out.append(f"server.listen: {url} needs server.tls_cert and server.tls_key")
+    if not s.tcp_listener and not s.listen and not s.unix_socket:
+        out.append("server.tcp_listener: false leaves nothing to listen on")
+    return out

@@ -62,9 +62,9 @@ async def run_steps(c: Client, n: int, steps: int = STEPS) -> dict[str, Any]:
 @pytest.mark.parametrize("n", BATCHES)
 @async_test()
 async def test_one_get_tensors_and_one_set_tensors_per_step(
-    daemon: DaemonProcess, n: int
+    url: str, n: int
 ) -> None:
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         r = await run_steps(c, n)
     one_each = {"SET_TENSOR": 0, "GET_TENSOR": 0, "SET_TENSORS": 1, "GET_TENSORS": 1}
     assert r["server"] == [one_each] * STEPS
@@ -74,13 +74,13 @@ async def test_one_get_tensors_and_one_set_tensors_per_step(
 @pytest.mark.parametrize("n", BATCHES)
 @async_test()
 async def test_switches_send_one_command_per_tensor(
-    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, n: int
+    url: str, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
-    async with await Client.connect(daemon.url) as batched:
+    async with await Client.connect(url) as batched:
         expect = await run_steps(batched, n)
     monkeypatch.setenv("TRANSFERD_NO_BATCHED_GET", "1")
     monkeypatch.setenv("TRANSFERD_NO_BATCHED_SET", "1")
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         assert not c.switches.batched_get and not c.switches.batched_set
         r = await run_steps(c, n)
     per_tensor = {"SET_TENSOR": n, "GET_TENSOR": 2 * n, "SET_TENSORS": 0, "GET_TENSORS": 0}
@@ -109,12 +109,12 @@ async def test_switches_send_one_command_per_tensor(
 )
 @async_test()
 async def test_each_switch_alone(
-    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+    url: str, monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
     expect: dict[str, int],
 ) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         r = await run_steps(c, 8, steps=1)
     assert r["server"] == [expect]
 
@@ -122,10 +122,10 @@ async def test_each_switch_alone(
 @pytest.mark.parametrize("n", BATCHES)
 @async_test()
 async def test_minor_1_server_gets_one_command_per_tensor(
-    daemon: DaemonProcess, daemon_factory: DaemonFactory, n: int
+    url: str, daemon_factory: DaemonFactory, n: int
 ) -> None:
     old = daemon_factory(["--protocol-minor", "1"])
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         expect = await run_steps(c, n)
     async with await Client.connect(old.url) as c:
         assert c.minor == 1
@@ -137,9 +137,9 @@ async def test_minor_1_server_gets_one_command_per_tensor(
 
 @async_test()
 async def test_switches_are_read_at_connect(
-    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+    url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         monkeypatch.setenv("TRANSFERD_NO_BATCHED_GET", "1")
         r = await run_steps(c, 4, steps=1)  # connected before: still batched
     assert r["server"][0]["GET_TENSORS"] == 1
@@ -149,8 +149,8 @@ async def test_switches_are_read_at_connect(
 
 
 @async_test()
-async def test_read_sees_writes_queued_before_it_and_not_after(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_read_sees_writes_queued_before_it_and_not_after(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(64)
         await c.set_tensor(buf.tensor(), b"0" * 64)
         c.set_tensor_async(buf.tensor(0, 16), b"A" * 16)
@@ -174,8 +174,8 @@ async def test_read_sees_writes_queued_before_it_and_not_after(daemon: DaemonPro
 
 
 @async_test()
-async def test_queued_ops_hold_the_tensor_and_data_by_value(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_queued_ops_hold_the_tensor_and_data_by_value(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(16)
         data = bytearray(b"x" * 16)
         c.set_tensor_async(buf.tensor(), data)
@@ -192,8 +192,8 @@ async def test_queued_ops_hold_the_tensor_and_data_by_value(daemon: DaemonProces
 
 
 @async_test()
-async def test_synchronous_calls_are_flush_points(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_synchronous_calls_are_flush_points(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(8)
         c.set_tensor_async(buf.tensor(), b"12345678")
         fut = c.get_tensor_async(buf.tensor())
@@ -201,23 +201,23 @@ async def test_synchronous_calls_are_flush_points(daemon: DaemonProcess) -> None
         assert fut.done() and fut.result() == b"12345678"
         c.set_tensor_async(buf.tensor(), b"abcdefgh")
         await c.get_devices()  # any synchronous call
-        other = await Client.connect(daemon.url)
+        other = await Client.connect(url)
         try:
             assert await other.get_tensor(buf.tensor()) == b"abcdefgh"
         finally:
             await other.close()
         c.set_tensor_async(buf.tensor(), b"ABCDEFGH")
         await c.synchronize()
-        async with await Client.connect(daemon.url) as other2:
+        async with await Client.connect(url) as other2:
             assert await other2.get_tensor(buf.tensor()) == b"ABCDEFGH"
         await c.free_buffer(buf)
 
 
 @async_test()
-async def test_get_tensor_async_out_fills_the_callers_buffer(daemon: DaemonProcess) -> None:
+async def test_get_tensor_async_out_fills_the_callers_buffer(url: str) -> None:
     import numpy as np
 
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         n, size = 8, 100_000  # above the decoder's direct-receive threshold
         buf = await c.alloc_buffer(n * size)
         data = pattern(n * size, 77)
@@ -289,9 +289,9 @@ async def test_batches_split_at_max_payload(daemon_factory: DaemonFactory) -> No
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_client_runs_on_either_event_loop(daemon: DaemonProcess, loop: str) -> None:
+def test_client_runs_on_either_event_loop(url: str, loop: str) -> None:
     async def body() -> dict[str, Any]:
-        async with await Client.connect(daemon.url) as c:
+        async with await Client.connect(url) as c:
             return await run_steps(c, 32, steps=2)
 
     r = run(body(), timeout=30, loop=loop)
@@ -300,12 +300,12 @@ def test_client_runs_on_either_event_loop(daemon: DaemonProcess, loop: str) -> N
 
 
 @async_test(timeout=60)
-async def test_pipelined_read_then_write_of_a_large_tensor(daemon: DaemonProcess) -> None:
+async def test_pipelined_read_then_write_of_a_large_tensor(url: str) -> None:
     """The read's reply is still being sent when the write that follows it arrives:
     the read must carry the old bytes, the write must land after it."""
     size = 32 << 20
     old, new = pattern(size, 61), pattern(size, 62)
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(size)
         for _ in range(2):
             await c.set_tensor(buf.tensor(), old)

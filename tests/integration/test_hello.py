@@ -29,8 +29,8 @@ from transferd.protocol.errors import (
 
 
 @async_test()
-async def test_hello_reports_version_features_and_limits(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_hello_reports_version_features_and_limits(url: str) -> None:
+    async with await Client.connect(url) as c:
         assert c.version == (PROTO_MAJOR, PROTO_MINOR, PROTO_PATCH) == (1, 2, 0)
         assert c.minor == 2
         assert c.server.startswith("transferd/")
@@ -67,8 +67,8 @@ def test_second_hello_is_refused_but_not_fatal(daemon: DaemonProcess) -> None:
 
 
 @async_test()
-async def test_server_stats_names_every_command(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_server_stats_names_every_command(url: str) -> None:
+    async with await Client.connect(url) as c:
         s = await c.server_stats()
     names = set(s["commands"])
     for n in ("HELLO", "GET_DEVICES", "ALLOC_BUFFER", "FREE_BUFFER", "BUFFER_CLEAR", "SET_TENSOR",
@@ -97,14 +97,14 @@ async def _round_trip(c: Client, n: int = 16, size: int = 4096, seed: int = 0) -
 
 
 @async_test()
-async def test_old_client_against_new_server(daemon: DaemonProcess) -> None:
-    async with Client(daemon.url, max_minor=1) as old:
+async def test_old_client_against_new_server(url: str) -> None:
+    async with Client(url, max_minor=1) as old:
         assert old.version[1] == 2  # what the server said
         assert old.minor == 1  # what the client speaks
         before = old.stats()["commands"]
         got = await _round_trip(old)
         after = old.stats()["commands"]
-    async with Client(daemon.url) as new:
+    async with Client(url) as new:
         assert await _round_trip(new) == got
     sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert sent.get("GET_TENSORS", 0) == 0 and sent.get("SET_TENSORS", 0) == 0
@@ -257,8 +257,8 @@ async def test_unix_socket_replaces_a_stale_file(
 
 
 @async_test()
-async def test_client_as_async_context_manager(daemon: DaemonProcess) -> None:
-    c = Client(daemon.url)
+async def test_client_as_async_context_manager(url: str) -> None:
+    c = Client(url)
     async with c as same:
         assert same is c
         buf = await c.alloc_buffer(10)
@@ -269,13 +269,13 @@ async def test_client_as_async_context_manager(daemon: DaemonProcess) -> None:
     assert c.conn.lost is not None
     with pytest.raises(ConnectionLost):
         await c.get_devices()
-    async with await Client.connect(daemon.url) as c2:
+    async with await Client.connect(url) as c2:
         assert await c2.get_tensor(buf.tensor()) == b"0123456789"
         await c2.free_buffer(buf)
 
 
-def test_sync_client_context_manager(daemon: DaemonProcess) -> None:
-    with SyncClient(daemon.url) as c:
+def test_sync_client_context_manager(url: str) -> None:
+    with SyncClient(url) as c:
         assert c.version == (1, 2, 0)
         assert c.get_devices()[0]["name"] == "cpu"
         buf = c.alloc_buffer(3 * 4096)

@@ -43,8 +43,8 @@ async def test_get_devices(daemon_factory: DaemonFactory) -> None:
 
 
 @async_test()
-async def test_alloc_free_clear(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_alloc_free_clear(url: str) -> None:
+    async with await Client.connect(url) as c:
         a = await c.alloc_buffer(4096)
         b = await c.alloc_buffer(4096, device="cpu")
         assert a.id != b.id and a.size == b.size == 4096
@@ -104,8 +104,8 @@ async def test_alloc_errors(daemon_factory: DaemonFactory) -> None:
 
 
 @async_test()
-async def test_clear_value_must_be_a_byte(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_clear_value_must_be_a_byte(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(16)
         await c.buffer_clear(buf, 3)
         for bad in (256, -1):
@@ -117,8 +117,8 @@ async def test_clear_value_must_be_a_byte(daemon: DaemonProcess) -> None:
 
 @pytest.mark.parametrize("size", [0, 1, 4096, MiB + 13], ids=["0", "1", "4KiB", "1MiB+13"])
 @async_test()
-async def test_set_get_round_trip(daemon: DaemonProcess, size: int) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_set_get_round_trip(url: str, size: int) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(size + 64)
         await c.buffer_clear(buf, 0xEE)
         data = pattern(size, size)
@@ -138,10 +138,10 @@ async def test_set_get_round_trip(daemon: DaemonProcess, size: int) -> None:
 
 
 @async_test(timeout=90)
-async def test_64_mib_round_trip(daemon: DaemonProcess) -> None:
+async def test_64_mib_round_trip(url: str) -> None:
     size = 64 * MiB
     data = pattern(size, 64)
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(size)
         await c.set_tensor(buf.tensor(), data)
         out = bytearray(size)
@@ -165,12 +165,12 @@ async def test_64_mib_round_trip(daemon: DaemonProcess) -> None:
 
 
 @async_test()
-async def test_data_of_many_kinds(daemon: DaemonProcess) -> None:
+async def test_data_of_many_kinds(url: str) -> None:
     import array
 
     import numpy as np
 
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(64)
         src = np.arange(16, dtype=np.float32)
         await c.set_tensor(buf.tensor(0, 64), src)
@@ -199,11 +199,11 @@ async def test_data_of_many_kinds(daemon: DaemonProcess) -> None:
 )
 @async_test()
 async def test_copy_tensor_within_a_buffer(
-    daemon: DaemonProcess, src: int, dst: int, n: int
+    url: str, src: int, dst: int, n: int
 ) -> None:
     size = 10_000
     data = pattern(size, 11)
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(size)
         await c.set_tensor(buf.tensor(), data)
         await c.copy_tensor(buf.tensor(src, n), buf.tensor(dst, n))
@@ -214,8 +214,8 @@ async def test_copy_tensor_within_a_buffer(
 
 
 @async_test()
-async def test_copy_tensor_between_buffers(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_copy_tensor_between_buffers(url: str) -> None:
+    async with await Client.connect(url) as c:
         a = await c.alloc_buffer(MiB)
         b = await c.alloc_buffer(MiB)
         data = pattern(MiB, 12)
@@ -232,8 +232,8 @@ async def test_copy_tensor_between_buffers(daemon: DaemonProcess) -> None:
 
 
 @async_test()
-async def test_copy_tensor_errors_change_nothing(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_copy_tensor_errors_change_nothing(url: str) -> None:
+    async with await Client.connect(url) as c:
         a = await c.alloc_buffer(4096)
         data = pattern(4096, 13)
         await c.set_tensor(a.tensor(), data)
@@ -255,8 +255,8 @@ async def test_copy_tensor_errors_change_nothing(daemon: DaemonProcess) -> None:
 
 
 @async_test()
-async def test_out_of_bounds_and_unknown_buffer_sync(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_out_of_bounds_and_unknown_buffer_sync(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(4096)
         data = pattern(4096, 21)
         await c.set_tensor(buf.tensor(), data)
@@ -287,9 +287,9 @@ async def test_out_of_bounds_and_unknown_buffer_sync(daemon: DaemonProcess) -> N
 
 
 @async_test()
-async def test_zero_size_tensors_are_bounds_checked(daemon: DaemonProcess) -> None:
+async def test_zero_size_tensors_are_bounds_checked(url: str) -> None:
     """PROTOCOL.md: every access is checked, whatever its size."""
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(64)
         assert await c.get_tensor(Tensor(buf.id, 64, 0)) == b""  # the end is inside
         await c.set_tensor(Tensor(buf.id, 64, 0), b"")
@@ -305,8 +305,8 @@ async def test_zero_size_tensors_are_bounds_checked(daemon: DaemonProcess) -> No
 
 
 @async_test()
-async def test_oversized_set_payload_is_refused(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_oversized_set_payload_is_refused(url: str) -> None:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(16)
         # Payload length disagrees with the tensor: refused, nothing written.
         with pytest.raises(BadRequest):
@@ -319,9 +319,9 @@ async def test_oversized_set_payload_is_refused(daemon: DaemonProcess) -> None:
 
 @async_test()
 async def test_one_way_write_failure_is_raised_at_the_next_flush_point(
-    daemon: DaemonProcess,
+    url: str,
 ) -> None:
-    async with await Client.connect(daemon.url) as c:
+    async with await Client.connect(url) as c:
         buf = await c.alloc_buffer(4096)
         data = pattern(4096, 22)
         await c.set_tensor(buf.tensor(), data)
@@ -363,8 +363,8 @@ async def test_one_way_write_failure_is_raised_at_the_next_flush_point(
 
 
 @async_test()
-async def test_set_tensors_with_one_bad_tensor_writes_nothing(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_set_tensors_with_one_bad_tensor_writes_nothing(url: str) -> None:
+    async with await Client.connect(url) as c:
         a = await c.alloc_buffer(4096)
         b = await c.alloc_buffer(4096)
         da, db = pattern(4096, 31), pattern(4096, 32)
@@ -389,8 +389,8 @@ async def test_set_tensors_with_one_bad_tensor_writes_nothing(daemon: DaemonProc
 
 
 @async_test()
-async def test_get_tensors_with_one_bad_tensor_fails_every_read(daemon: DaemonProcess) -> None:
-    async with await Client.connect(daemon.url) as c:
+async def test_get_tensors_with_one_bad_tensor_fails_every_read(url: str) -> None:
+    async with await Client.connect(url) as c:
         a = await c.alloc_buffer(100)
         f1 = c.get_tensor_async(a.tensor(0, 10))
         f2 = c.get_tensor_async(Tensor(a.id, 95, 10))

@@ -1,0 +1,198 @@
+"""The built-in transports: tcp, tls (the loop's own), unix and seqpacket (ours)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import ssl
+import stat
+
+from transferd.protocol.errors import BadRequest
+
+from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
+from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
+
+
+class _ServerListener(Listener):  # tcp and tls
+    def __init__(self, kind: TransportKind, server: asyncio.AbstractServer, url: str) -> None:
+        self.kind = kind
+        self.server = server
+        self.url = url
+
+    async def close(self) -> None:
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 2)
+
+
+class Tcp(TransportKind):
+    scheme = "tcp"
+    kind = "stream"
+
+    def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
+        return None
+
+    async def listen(
+        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
+    ) -> Listener:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            factory, ep.host, ep.port, reuse_address=True, backlog=opts.backlog,
+            ssl=self._ssl(opts, server=True),
+        )
+        host, port = server.sockets[0].getsockname()[:2]
+        return _ServerListener(self, server, Endpoint(self.scheme, host, port).url)
+
+    async def connect(
+        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
+    ) -> tuple[asyncio.BaseTransport, asyncio.BufferedProtocol]:
+        loop = asyncio.get_running_loop()
+        ctx = self._ssl(opts, server=False)
+        coro = loop.create_connection(
+            factory, ep.host, ep.port, ssl=ctx, server_hostname=ep.host if ctx else None
+        )
+        return await asyncio.wait_for(coro, opts.timeout)
+
+
+class Tls(Tcp):
+    scheme = "tls"
+    private = True
+
+    def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
+        if opts.ssl_context is not None:
+            return opts.ssl_context
+        if server:
+            if not opts.tls_cert or not opts.tls_key:
+                raise BadRequest(
+                    "a tls:// listener needs server.tls_cert and server.tls_key (PEM files)"
+                )
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise BadRequest(f"cannot load the TLS certificate or key: {exc}") from None
+            return ctx
+        ctx = ssl.create_default_context(cafile=opts.tls_ca or None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+
+class _UnixListener(Listener):
+    kind: UnixKind
+
+    def __init__(
+        self, kind: UnixKind, sock: socket.socket, ep: Endpoint, factory: ProtocolFactory,
+        opts: TransportOptions,
+    ) -> None:
+        self.kind = kind
+        self.url = ep.url
+        self._sock = sock
+        self._path = ep.path
+        self._factory = factory
+        self._opts = opts
+        self._loop = asyncio.get_running_loop()
+        self._ino = os.stat(ep.path).st_ino
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a burst of connections, then let others run
+            try:
+                conn, _addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # EMFILE and the like: the next readiness retries
+            conn.setblocking(False)
+            self.kind.tune(conn, self._opts)
+            SocketTransport(
+                self._loop, conn, self._factory(), message=self.kind.kind == "message",
+                max_message=self._opts.max_message,
+                recv_limit=self._opts.first_message or HELLO_MESSAGE,
+            )
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        # Remove the file only if it is still ours (not a successor's).
+        with contextlib.suppress(OSError):
+            if os.stat(self._path).st_ino == self._ino:
+                os.unlink(self._path)
+
+
+class UnixKind(TransportKind):
+    scheme = "unix"
+    kind = "stream"
+    fds = True
+    private = True
+    sock_type = socket.SOCK_STREAM
+
+    def parse(self, url: str) -> Endpoint:
+        path = url[len(self.scheme) + 3 :]
+        if not path:
+            raise BadRequest(f"{url!r}: expected {self.scheme}:///PATH")
+        return Endpoint(self.scheme, path=path)
+
+    def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
+        pass
+
+    async def listen(
+        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
+    ) -> Listener:
+        # A file left at the path (a daemon that died) is replaced; a directory
+        # is an error.
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(ep.path).st_mode):
+                raise BadRequest(f"{ep.path}: is a directory")
+            os.unlink(ep.path)
+        sock = socket.socket(socket.AF_UNIX, self.sock_type)
+        try:
+            sock.bind(ep.path)
+            sock.listen(opts.backlog)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise BadRequest(f"cannot listen on {ep.url}: {exc.strerror}") from None
+        return _UnixListener(self, sock, ep, factory, opts)
+
+    async def connect(
+        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
+    ) -> tuple[asyncio.BaseTransport, asyncio.BufferedProtocol]:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, self.sock_type)
+        sock.setblocking(False)
+        try:
+            self.tune(sock, opts)
+            await asyncio.wait_for(loop.sock_connect(sock, ep.path), opts.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        protocol = factory()
+        transport = SocketTransport(
+            loop, sock, protocol, message=self.kind == "message",
+            max_message=opts.max_message,
+            recv_limit=opts.first_message or MIN_MAX_MESSAGE,
+        )
+        return transport, protocol
+
+
+class SeqPacket(UnixKind):
+    scheme = "seqpacket"
+    kind = "message"
+    sock_type = socket.SOCK_SEQPACKET
+
+    def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
+        # A message must fit the send buffer whole; leave room for a few.
+        want = 4 * max(opts.max_message, MIN_MAX_MESSAGE)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, want)
+
+
+def register_builtins() -> None:
+    for kind in (Tcp(), Tls(), UnixKind(), SeqPacket()):
+        register(kind)

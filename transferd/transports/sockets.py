@@ -1,0 +1,490 @@
+"""An asyncio transport over an AF_UNIX socket that carries file descriptors.
+
+The loop's own Unix transports cannot send or receive SCM_RIGHTS, so unix and
+seqpacket connections use this one (tcp and tls keep the loop's native ones).
+It drives an ``asyncio.BufferedProtocol`` exactly as the loop would
+(``get_buffer`` / ``buffer_updated``, ``pause_writing`` / ``resume_writing``),
+plus three additions:
+
+- ``send_fds(fds)``: the descriptors go with the first byte (stream) or the
+  first message of the next write.  The caller keeps its own descriptors (the
+  kernel duplicates them into the receiver).
+- ``received_fds``: a bounded deque of descriptors that arrived, oldest first,
+  in the order of the bytes they came with, so the frame that announces N of
+  them takes the N oldest (``take_fds``).  Descriptors nobody took are closed
+  with the transport.
+- In message mode (SOCK_SEQPACKET) frames travel as PROTOCOL.md's
+  "Transports" says: header and body one message, a payload as
+  ``ceil(payload_len / max_message)`` continuation messages of exactly
+  ``max_message`` bytes (the last holds the rest).  Every message is received
+  whole, in one ``recvmsg_into`` of a buffer larger than any message allowed
+  now, and then scattered into the protocol's buffers; a short, long or merged
+  message is BAD_FRAME.  Writers use :meth:`write_frame`, which cuts a frame
+  into its messages.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import contextlib
+import errno
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+from transferd.protocol.constants import HEADER_SIZE
+from transferd.protocol.errors import BadFrame, ProtocolError, TooLarge
+
+log = logging.getLogger("transferd.transports")
+
+# At most this many descriptors ride on one message, and at most MAX_HELD_FDS
+# wait in received_fds for a frame to take them: a sender that floods us with
+# descriptors gets BAD_FRAME, not our fd table.
+MAX_FDS_PER_MESSAGE = 16
+MAX_HELD_FDS = 64
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_MSG_TRUNC = socket.MSG_TRUNC
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
+_IOV = 512
+_unpack_lengths = struct.Struct("<8xIIQ").unpack_from  # body_len, reserved, payload_len
+
+# The smallest max_message PROTOCOL.md allows, and what a message transport
+# accepts before the other side's limits are known: HELLO fits 4096 bytes.
+MIN_MAX_MESSAGE = 65536
+HELLO_MESSAGE = HEADER_SIZE + 4096
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(size: int) -> memoryview:
+    """A receive buffer of at least ``size`` bytes, shared by the thread's transports.
+
+    A message is received and scattered within one callback, so one buffer per
+    thread serves every connection: an idle connection holds no receive memory.
+    """
+    view: memoryview | None = getattr(_scratch, "view", None)
+    if view is None or len(view) < size:
+        view = memoryview(bytearray(max(size, MIN_MAX_MESSAGE)))
+        _scratch.view = view
+    return view
+
+
+def _message_chunks(views: Sequence[memoryview], size: int) -> Iterable[list[memoryview]]:
+    """Cut payload views into messages of exactly ``size`` bytes (the last: the rest)."""
+    cur: list[memoryview] = []
+    room = size
+    for v in views:
+        if type(v) is not memoryview:
+            v = memoryview(v).cast("B")
+        while len(v):
+            k = min(room, len(v))
+            cur.append(v[:k])
+            v = v[k:]
+            room -= k
+            if room == 0:
+                yield cur
+                cur = []
+                room = size
+    if cur:
+        yield cur
+
+
+class SocketTransport(asyncio.Transport):
+    """See the module docstring.  Made by the listeners and connectors of this package."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol: asyncio.BufferedProtocol,
+        *,
+        message: bool,
+        max_message: int = MIN_MAX_MESSAGE,
+        recv_limit: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(extra)
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._protocol = protocol
+        self.message = message
+        # The size of every continuation message, both ways.
+        self.max_message = max_message
+        # The largest head (header + body) message accepted now.
+        self.recv_limit = recv_limit if recv_limit is not None else max_message
+        self._extra = {
+            "socket": sock,
+            "peername": _peername(sock),
+            "sockname": sock.getsockname(),
+            "transferd_fds": True,
+            "transferd_message": message,
+            **(extra or {}),
+        }
+        self.received_fds: collections.deque[int] = collections.deque()
+        self._send_fds: list[int] = []
+        # Write queue: (views, fds) per message (message mode) or per write.
+        self._queue: collections.deque[tuple[list[memoryview], list[int]]] = collections.deque()
+        self._queued = 0
+        self._high = 64 * 1024
+        self._low = 16 * 1024
+        self._protocol_paused = False
+        self._reading = False
+        self._closing = False
+        self._lost = False
+        # Message mode: continuation bytes still due for the current frame, and
+        # the rest of a message whose scatter was paused by the protocol.
+        self._payload_left = 0
+        self._stash: memoryview | None = None
+        self._protocol.connection_made(self)
+        if not self._closing:
+            self._start_reading()
+
+    # -- asyncio.Transport ---------------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._extra.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def is_reading(self) -> bool:
+        return self._reading
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def resume_reading(self) -> None:
+        if not self._reading and not self._closing:
+            if self._stash is not None:
+                stash, self._stash = self._stash, None
+                self._scatter(stash)
+                if self._stash is not None or self._closing:
+                    return
+            self._start_reading()
+
+    def _start_reading(self) -> None:
+        self._reading = True
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = 64 * 1024 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        self._high, self._low = high, low
+        self._maybe_pause_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self._queued
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        assert isinstance(protocol, asyncio.BufferedProtocol)
+        self._protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self.pause_reading()
+        if not self._queue:
+            self._loop.call_soon(self._connection_lost, None)
+
+    def abort(self) -> None:
+        self._closing = True
+        self.pause_reading()
+        self._queue.clear()
+        self._queued = 0
+        self._loop.call_soon(self._connection_lost, None)
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("this transport cannot half-close")
+
+    # -- descriptors ------------------------------------------------------------------
+
+    def send_fds(self, fds: Sequence[int]) -> None:
+        """Attach ``fds`` to the next write (the caller keeps its own copies)."""
+        if len(self._send_fds) + len(fds) > MAX_FDS_PER_MESSAGE:
+            raise ValueError(f"at most {MAX_FDS_PER_MESSAGE} descriptors go with one frame")
+        self._send_fds.extend(int(fd) for fd in fds)
+
+    def take_fds(self, n: int) -> list[int]:
+        """The ``n`` oldest received descriptors (now the caller's to close)."""
+        if n > len(self.received_fds):
+            raise BadFrame(f"{n} file descriptors announced, {len(self.received_fds)} received")
+        return [self.received_fds.popleft() for _ in range(n)]
+
+    def _collect_fds(self, ancdata: list[tuple[int, int, bytes]]) -> None:
+        for level, kind, data in ancdata:
+            if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
+                continue
+            fds = array.array("i")
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            for fd in fds:
+                if len(self.received_fds) >= MAX_HELD_FDS:
+                    os.close(fd)
+                    raise BadFrame(f"more than {MAX_HELD_FDS} file descriptors not taken")
+                self.received_fds.append(fd)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            if self.message:
+                self._read_message()
+            else:
+                self._read_stream()
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._fatal(exc)
+
+    def _read_stream(self) -> None:
+        buf = self._protocol.get_buffer(-1)
+        n, anc, _flags, _ = self._sock.recvmsg_into([buf], _ANC_SPACE, _CLOEXEC)
+        if anc:
+            self._collect_fds(anc)
+        if n == 0:
+            self._eof()
+            return
+        self._protocol.buffer_updated(n)
+
+    def _read_message(self) -> None:
+        left = self._payload_left
+        want = min(left, self.max_message) if left else self.recv_limit
+        # One byte more than allowed: a longer message shows as MSG_TRUNC or n > want.
+        buf = _scratch_buffer(want + 1)
+        n, anc, flags, _ = self._sock.recvmsg_into([buf[: want + 1]], _ANC_SPACE, _CLOEXEC)
+        if anc:
+            self._collect_fds(anc)
+        if n == 0:
+            self._eof()
+            return
+        if left:
+            if n != want or flags & _MSG_TRUNC:
+                raise BadFrame(
+                    f"payload message of {n if n <= want else 'more than ' + str(want)} bytes "
+                    f"where exactly {want} were due"
+                )
+            self._payload_left = left - n
+        else:
+            if n < HEADER_SIZE:
+                raise BadFrame(f"message of {n} bytes is shorter than a frame header")
+            body_len, _reserved, payload_len = _unpack_lengths(buf)
+            if n > want or flags & _MSG_TRUNC:
+                if HEADER_SIZE + body_len > want:
+                    raise TooLarge(
+                        f"frame of {HEADER_SIZE + body_len} bytes is over the message limit "
+                        f"of {want}"
+                    )
+                raise BadFrame("message longer than the frame its header announces")
+            if n != HEADER_SIZE + body_len:
+                # Let the decoder judge the header first (magic, limits, gate):
+                # its error is the more precise one.
+                self._scatter(buf[:HEADER_SIZE])
+                raise BadFrame(
+                    f"message of {n} bytes holds a frame of {HEADER_SIZE + body_len} "
+                    "(header and body are one message)"
+                )
+            self._payload_left = payload_len
+        self._scatter(buf[:n])
+
+    def _scatter(self, data: memoryview) -> None:
+        """Copy one whole message into the protocol's buffers."""
+        pos = 0
+        n = len(data)
+        proto = self._protocol
+        while pos < n:
+            if self._closing:
+                return
+            if not self._reading and pos:
+                # The protocol paused mid-message (a zero-copy reply is in
+                # flight): keep the rest until it resumes.
+                self._stash = memoryview(bytes(data[pos:]))
+                return
+            dst = cast(memoryview, proto.get_buffer(n - pos))
+            k = min(len(dst), n - pos)
+            if k == 0:
+                if not self._reading:
+                    self._stash = memoryview(bytes(data[pos:]))
+                    return
+                raise BadFrame("receive buffer full")
+            dst[:k] = data[pos : pos + k]
+            pos += k
+            proto.buffer_updated(k)
+
+    def _eof(self) -> None:
+        self.pause_reading()
+        keep_open = self._protocol.eof_received()
+        if not keep_open:
+            self.close()
+
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        report = getattr(self._protocol, "transport_error", None)
+        if report is not None:
+            report(exc)
+        else:
+            log.info("%s: %s", self._extra.get("peername"), exc)
+        self.close()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.message:
+            raise RuntimeError("a message transport takes whole frames: use write_frame")
+        if data:
+            self._write_views([memoryview(data).cast("B")])
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        if self.message:
+            raise RuntimeError("a message transport takes whole frames: use write_frame")
+        views = [memoryview(d).cast("B") for d in list_of_data]
+        if views:
+            self._write_views(views)
+
+    def write_frame(self, head: bytes, payload: Sequence[memoryview], payload_len: int) -> None:
+        """One frame: ``head`` (header and body), then ``payload`` (views of its bytes)."""
+        if not self.message:
+            if payload_len:
+                self._write_views([memoryview(head), *payload])
+            else:
+                self._write_views([memoryview(head)])
+            return
+        if self._closing or self._lost:
+            return
+        fds, self._send_fds = self._send_fds, []
+        msgs: list[tuple[list[memoryview], list[int]]] = [([memoryview(head)], fds)]
+        if payload_len:
+            for chunk in _message_chunks(payload, self.max_message):
+                if len(chunk) > _IOV:
+                    chunk = [memoryview(b"".join(chunk))]
+                msgs.append((chunk, []))
+        for views, mfds in msgs:
+            self._queue.append((views, mfds))
+            self._queued += sum(map(len, views))
+        if len(self._queue) == len(msgs):
+            self._flush()
+            if self._queue:
+                self._loop.add_writer(self._fd, self._on_writable)
+        self._maybe_pause_protocol()
+
+    def _write_views(self, views: list[memoryview]) -> None:
+        if self._closing or self._lost:
+            return
+        fds, self._send_fds = self._send_fds, []
+        self._queue.append((views, fds))
+        self._queued += sum(map(len, views))
+        if len(self._queue) == 1:
+            self._flush()
+            if self._queue:
+                self._loop.add_writer(self._fd, self._on_writable)
+        self._maybe_pause_protocol()
+
+    def _flush(self) -> None:
+        """Send what the socket takes now; stops at EAGAIN."""
+        q = self._queue
+        sock = self._sock
+        while q:
+            views, fds = q[0]
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            try:
+                n = sock.sendmsg(views[:_IOV], anc)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno == errno.EMSGSIZE:
+                    exc = OSError(exc.errno, f"message of {sum(map(len, views))} bytes is "
+                                  "bigger than the socket's send buffer")
+                self._fatal(exc)
+                return
+            self._queued -= n
+            if fds:
+                q[0] = (views, [])
+            if self.message:
+                q.popleft()  # a message goes whole or not at all
+                continue
+            # Stream: drop what went, keep the rest of a partly sent write.
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views.pop(0))
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+            if views:
+                return  # a short send: wait until the socket takes more
+            q.popleft()
+
+    def _on_writable(self) -> None:
+        self._flush()
+        if self._lost:
+            return
+        if not self._queue:
+            self._loop.remove_writer(self._fd)
+            if self._closing:
+                self._connection_lost(None)
+                return
+        self._maybe_resume_protocol()
+
+    def _maybe_pause_protocol(self) -> None:
+        if not self._protocol_paused and self._queued > self._high:
+            self._protocol_paused = True
+            self._protocol.pause_writing()
+
+    def _maybe_resume_protocol(self) -> None:
+        if self._protocol_paused and self._queued <= self._low:
+            self._protocol_paused = False
+            self._protocol.resume_writing()
+
+    # -- the end ----------------------------------------------------------------------
+
+    def _fatal(self, exc: BaseException) -> None:
+        log.debug("%s: transport error: %s", self._extra.get("peername"), exc)
+        self._closing = True
+        self.pause_reading()
+        self._queue.clear()
+        self._queued = 0
+        self._connection_lost(exc if isinstance(exc, Exception) else None)
+
+    def _connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._closing = True
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+        with contextlib.suppress(Exception):
+            self._loop.remove_writer(self._fd)
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            self._sock.close()
+            while self.received_fds:
+                with contextlib.suppress(OSError):
+                    os.close(self.received_fds.popleft())
+
+
+def _peername(sock: socket.socket) -> Any:
+    try:
+        return sock.getpeername() or "local"
+    except OSError:
+        return "local"
