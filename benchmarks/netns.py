@@ -118,7 +118,13 @@ class Host:
             raise ValueError(f"{rails} rails asked of a host with {len(self.rails)}")
         path = Path(directory) / f"{self.ns}-{rails}rails.toml"
         listed = ", ".join(f'"{a}"' for a in self.rails[:rails])
-        path.write_text(f"[engine]\nhost_rails = [{listed}]\n{extra}")
+        # Rails beyond loopback need the cluster secret: one file for the topology.
+        secret = Path(directory) / "cluster.secret"
+        if not secret.exists():
+            secret.write_text("netns benchmark secret\n")
+            secret.chmod(0o600)
+        path.write_text(f"[engine]\nhost_rails = [{listed}]\nsecret_file = \"{secret}\"\n"
+                        f"{extra}")
         return path
 
     def daemon_argv(self, config: str | os.PathLike[str], *args: str,

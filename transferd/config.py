@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
 import tomllib
@@ -325,6 +326,53 @@ class EngineConfig:
         'milliseconds. Ignored by "tcp".',
         min=0, unit="ms",
     )
+    secret_file: str = key(
+        "",
+        "A file holding the cluster secret (its contents, whitespace stripped), the same "
+        "on every daemon, readable by the daemon's user only: every peer link proves it "
+        "in both directions (HMAC-SHA256 over fresh nonces) before any byte or rkey "
+        'crosses. "" (and no engine.secret): links are not authenticated, the rails bind '
+        "to loopback only, and a non-loopback rail is refused unless engine.insecure is "
+        "set. Never a command-line flag.",
+    )
+    secret: str = key(
+        "",
+        "The cluster secret itself, for a service manager that injects secrets into the "
+        "environment (TRANSFERD_ENGINE_SECRET); prefer engine.secret_file. Not both.",
+        secret=True,
+    )
+    insecure: bool = key(
+        False,
+        "Without a cluster secret, allow rails beyond loopback anyway: any host that "
+        "reaches a rail port can then act as a peer. Only on a network you trust.",
+    )
+    handshake_timeout_s: float = key(
+        5.0,
+        "Seconds a peer link may take to finish its handshake before it is closed. Until "
+        "then it takes a 4 KiB body and no payload.",
+        min=1e-3, unit="s",
+    )
+
+    def has_secret(self) -> bool:
+        return bool(self.secret_file or self.secret)
+
+
+def _rail_problems(e: EngineConfig) -> list[str]:
+    """Without a secret, rails on loopback only unless insecure is set."""
+    if e.has_secret() or e.insecure:
+        return []
+    out = []
+    for host in e.host_rails:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            out.append(
+                f"engine.host_rails: {host} is not a loopback address, and without a cluster "
+                "secret peers are not authenticated: set engine.secret_file (the same on "
+                "every daemon), or engine.insecure = true to accept the risk")
+    return out
 
 
 @dataclass
@@ -369,6 +417,11 @@ class Config:
                 "(`transferd devices` lists them)"
             )
         out += _listen_problems(self.server)
+        e = self.engine
+        if e.secret_file and e.secret:
+            out.append("engine.secret: set engine.secret_file or engine.secret "
+                       "(TRANSFERD_ENGINE_SECRET), not both")
+        out += _rail_problems(e)
         mem = self.memory
         if mem.max_buffer_mib > mem.host_limit_mib:
             out.append(

@@ -242,6 +242,10 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
         # A race with the checks above (a port taken since): say which, no traceback.
         print(f"transferd: cannot start: {exc}", file=sys.stderr, flush=True)
         sys.exit(exc.status)
+    except ConfigError as exc:
+        # Found only once the engine starts: a secret file that cannot be read.
+        print(f"transferd: configuration error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(Exit.CONFIG)
     except OSError as exc:
         print(f"transferd: failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(Exit.FAILURE)

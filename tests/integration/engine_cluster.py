@@ -17,11 +17,15 @@ and the same for ``clusters`` and ``tcp_cluster``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import hashlib
 import itertools
 import os
 import random
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +44,23 @@ RAILS = {
 MiB = 1 << 20
 # How long a test waits for one completion before calling it a hang.
 WAIT = 20.0
+# The shared trios prove this cluster secret to each other (as a deployment
+# would); daemons a test starts without one are on loopback rails only.
+SECRET = b"engine-cluster test secret"
+# Short, so that a test of a handshake that never ends does not wait long.
+HANDSHAKE_TIMEOUT_S = 2.0
+_SECRET_DIR = tempfile.mkdtemp(prefix="transferd-secret-")
+atexit.register(shutil.rmtree, _SECRET_DIR, True)
+
+
+def secret_file(secret: bytes = SECRET) -> str:
+    """A file holding ``secret`` (mode 0600), for engine.secret_file."""
+    path = os.path.join(_SECRET_DIR, hashlib.sha256(secret).hexdigest()[:16])
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret + b"\n")
+    return path
 
 _imms = itertools.count(random.Random().randrange(1 << 20, 1 << 31))
 
@@ -93,6 +114,8 @@ class Cluster:
 
 
 def start_cluster(domain: str, **engine: Any) -> Cluster:
+    engine.setdefault("secret_file", secret_file())
+    engine.setdefault("handshake_timeout_s", HANDSHAKE_TIMEOUT_S)
     specs = [
         {"env": engine_env(RAILS[n], domain, chaos_seed=i + 1, **engine)}
         for i, n in enumerate("abc")

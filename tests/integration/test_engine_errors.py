@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import pytest
 
 from client import Client, MrDesc, Pages
 from tests.helpers import RawConn, async_test, digest
 from tests.integration.engine_cluster import (
+    SECRET,
     WAIT,
     Cluster,
     MiB,
@@ -24,9 +24,10 @@ from tests.integration.engine_cluster import (
     stopped,
     wait_connections,
 )
+from tests.integration.fake_peer import FakePeer, handshake_error
 from transferd.engine.limits import MAX_MESSAGE
-from transferd.protocol.errors import ConnectionLost, NotFound, OutOfBounds
-from transferd.protocol.frames import Frame, encode_frame
+from transferd.protocol.errors import BadRequest, ConnectionLost, NotFound, OutOfBounds
+from transferd.protocol.frames import encode_frame
 from transferd.protocol.peer import PeerCommand
 
 
@@ -276,35 +277,23 @@ async def test_peer_plane_survives_bad_and_vanishing_peers(tcp_cluster: Cluster)
         (_, k0), (_, k1) = dst.desc.rkeys
         imm = fresh_imm()
 
-        def hello(conn: RawConn, rails: int = 2) -> Frame:
-            conn.send(PeerCommand.HELLO, {"node": 0xFA4E, "group": 0, "rail": 0, "rails": rails})
-            return conn.recv()
-
-        def write(conn: RawConn, addrs: list[int], lens: list[int], payload: bytes,
-                  rkey: int = k0, **extra: Any) -> Frame:
-            conn.send(PeerCommand.WRITE, {"op": conn.seq + 1, "part": 0, "parts": 1,
-                                          "rkey": rkey, "addrs": addrs, "lens": lens,
-                                          "count": 1, **extra}, payload)
-            return conn.recv()
-
         def probe() -> None:
-            # Garbage, frames before HELLO, a HELLO with the wrong rail count: each
-            # gets the link closed, nothing else.
+            # Garbage, frames before the handshake, a HELLO with the wrong rail count:
+            # each gets the link closed, nothing else.
             with RawConn(*rail0) as conn:
                 conn.send_raw(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
                 assert conn.closed_by_peer()
             with RawConn(*rail0) as conn:
-                conn.send(PeerCommand.WRITE, {"op": 1, "part": 0, "parts": 1, "rkey": k0,
+                conn.send(PeerCommand.WRITE, {"op": 1, "part": 0, "rkey": k0,
                                               "addrs": [dst.desc.ptr], "lens": [4]}, b"evil")
                 assert conn.closed_by_peer()
-            with RawConn(*rail0) as conn:
-                reply = hello(conn, rails=1)
-                assert reply.is_error and "rail count mismatch" in reply.body["message"]
-                assert conn.closed_by_peer()
+            with FakePeer(addr_b, 0, SECRET, claim=(b"127.0.0.9:1",)) as one_rail:
+                err = handshake_error(one_rail)
+                assert isinstance(err, BadRequest) and "rail count mismatch" in str(err), err
+                assert one_rail.conn.closed_by_peer()
             # A proper link: every bad write is answered with its error, the link lives on.
-            with RawConn(*rail0) as conn:
-                reply = hello(conn)
-                assert not reply.is_error and reply.body["rails"] == 2
+            with FakePeer(addr_b, 0, SECRET) as peer:
+                peer.handshake()
                 p = dst.desc.ptr
                 for rkey, addrs, lens, payload, code in [
                     (k0 ^ 1, [p], [4], b"evil", "NOT_FOUND"),
@@ -313,20 +302,28 @@ async def test_peer_plane_survives_bad_and_vanishing_peers(tcp_cluster: Cluster)
                     (k0, [p, p + 64 * 1024], [4, 1], b"evil!", "OUT_OF_BOUNDS"),
                     (k0, [p - 4], [4], b"evil", "OUT_OF_BOUNDS"),
                     (k0, [p], [4], b"evil+", "BAD_REQUEST"),  # payload != pages
+                    (k0, [p], [-4], b"evil", "BAD_REQUEST"),  # malformed fields
+                    (k0, [str(p)], [4], b"evil", "BAD_REQUEST"),
                 ]:
-                    ack = write(conn, addrs, lens, payload, rkey, imm=imm)
+                    ack = peer.write(rkey, addrs, lens, payload, imm=imm)
                     assert ack.body.get("code") == code, (ack.body, code)
-                ack = write(conn, [p + 8], [4], b"good", imm=imm)
+                for body in ({"op": "x", "part": 0, "rkey": k0, "addrs": [p], "lens": [4]},
+                             {"op": 1, "part": 0, "rkey": k0, "addrs": [p], "lens": [4],
+                              "imm": -1},
+                             {"op": 1, "part": 0, "rkey": k0, "addrs": p, "lens": 4}):
+                    peer.send(PeerCommand.WRITE, body, b"evil")
+                    assert peer.recv().body.get("code") == "BAD_REQUEST"
+                ack = peer.write(k0, [p + 8], [4], b"good", imm=imm)
                 assert ack.body.get("ok") is True, ack.body
                 # A message over the limit is refused before any memory is taken for it.
-                conn.send(PeerCommand.SEND, {"op": 77, "part": 0}, bytes(MAX_MESSAGE + 1))
-                ack = conn.recv()
+                peer.send(PeerCommand.SEND, {"op": 77, "part": 0}, bytes(MAX_MESSAGE + 1))
+                ack = peer.recv()
                 assert ack.body.get("code") == "BAD_REQUEST", ack.body
                 assert "over the limit" in ack.body["message"]
                 # Then it dies in the middle of a write's payload.
-                conn.send_raw(encode_frame(PeerCommand.WRITE, 0, 99, {
-                    "op": 999, "part": 0, "parts": 1, "rkey": k0, "addrs": [p + 16],
-                    "lens": [1000], "count": 1, "imm": imm}, 1000) + b"x" * 10)
+                peer.conn.send_raw(encode_frame(PeerCommand.WRITE, 0, 99, {
+                    "op": 999, "part": 0, "rkey": k0, "addrs": [p + 16],
+                    "lens": [1000], "imm": imm}, 1000) + b"x" * 10)
 
         await asyncio.to_thread(probe)
         dst.data[8:12] = b"good"

@@ -56,6 +56,7 @@ host_limit_mib = 64
 enabled = false
 [engine]
 host_rails = ["198.18.0.1", "198.18.1.1"]
+secret_file = "/etc/transferd/cluster.secret"   # non-loopback rails need one
 peer_timeout_s = 5        # an int is fine for a float key
 [log]
 level = "debug"
@@ -126,6 +127,7 @@ def test_env_overrides(tmp_path: Path) -> None:
         "TRANSFERD_MEMORY_HOST_LIMIT_MIB": "32",
         "TRANSFERD_METRICS_ENABLED": "off",
         "TRANSFERD_ENGINE_HOST_RAILS": "198.18.0.1, 198.18.1.1",
+        "TRANSFERD_ENGINE_SECRET": "from the environment",
         "TRANSFERD_ENGINE_PEER_TIMEOUT_S": "2.5",
         "TRANSFERD_LOG_LEVEL": "warning",
         # The client's switches share the prefix and must not trip the daemon.
@@ -404,6 +406,7 @@ port = 19200
 [engine]
 host_rails = ["127.0.0.1", "192.0.2.10", "127.0.0.1"]
 peer_port = 19200
+insecure = true     # (a non-loopback rail without a secret is refused before these checks)
 """)
     r = check_config(p, {"TRANSFERD_MEMORY_HOST_LIMIT_MIB": str(1 << 30)})
     assert r.returncode in (3, 4), r.stderr

@@ -14,6 +14,7 @@ import pytest
 
 from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
+from transferd.engine.landing import Coverage
 from transferd.engine.regions import Region, RegionTable
 from transferd.engine.transfer import Transfer
 from transferd.memory import Buffer
@@ -24,6 +25,7 @@ from transferd.protocol.errors import (
     PeerUnreachable,
     TransferdError,
 )
+from transferd.protocol.peer import WriteHeader
 
 SIZE = 16 * 4096
 PEER = (0xA, 0)
@@ -42,8 +44,13 @@ def setup() -> Iterator[tuple[DomainGroup, Region, ImmCounter]]:
     loop.close()
 
 
-def body(region: Region, rail: int, addrs: list[int], lens: list[int], **kw: Any) -> dict[str, Any]:
-    return {"rkey": region.rkeys[rail], "addrs": addrs, "lens": lens, **kw}
+def w(region: Region | None, rail: int, addrs: list[int], lens: list[int],
+      **kw: Any) -> WriteHeader:
+    """A checked WRITE body, as the inbound link hands it over."""
+    rkey = region.rkeys[rail] if region is not None else 12345
+    return WriteHeader.parse({"op": kw.pop("op", 1), "part": kw.pop("part", 0),
+                              "rkey": kw.pop("rkey", rkey), "addrs": addrs, "lens": lens,
+                              **kw})
 
 
 def test_write_views_checks_every_page_first(
@@ -51,64 +58,106 @@ def test_write_views_checks_every_page_first(
 ) -> None:
     g, r, _ = setup
     p = r.ptr
-    views = g.write_views(0, body(r, 0, [p, p + SIZE - 8], [8, 8]), 16)
+    views = g.write_views(0, PEER, w(r, 0, [p, p + SIZE - 8], [8, 8]), 16)
     assert [len(v) for v in views] == [8, 8]
     # The rkey of rail 1 on rail 1 works too, not on rail 0.
-    g.write_views(1, body(r, 1, [p], [8]), 8)
+    g.write_views(1, PEER, w(r, 1, [p], [8]), 8)
     with pytest.raises(NotFound):
-        g.write_views(0, body(r, 1, [p], [8]), 8)
+        g.write_views(0, PEER, w(r, 1, [p], [8]), 8)
     with pytest.raises(NotFound):
-        g.write_views(0, {"rkey": r.rkeys[0] ^ 1, "addrs": [p], "lens": [8]}, 8)
+        g.write_views(0, PEER, w(r, 0, [p], [8], rkey=r.rkeys[0] ^ 1), 8)
     # A good page followed by one a byte over the end: nothing is returned for either.
     with pytest.raises(OutOfBounds):
-        g.write_views(0, body(r, 0, [p, p + SIZE - 7], [8, 8]), 16)
+        g.write_views(0, PEER, w(r, 0, [p, p + SIZE - 7], [8, 8]), 16)
     with pytest.raises(OutOfBounds):
-        g.write_views(0, body(r, 0, [p - 1], [8]), 8)
+        g.write_views(0, PEER, w(r, 0, [p - 1], [8]), 8)
     # The payload must be exactly what the pages hold.
     with pytest.raises(BadRequest):
-        g.write_views(0, body(r, 0, [p], [8]), 9)
-    with pytest.raises(BadRequest):
-        g.write_views(0, body(r, 0, [p, p + 8], [8]), 8)
-    with pytest.raises(BadRequest):
-        g.write_views(0, {"addrs": [p], "lens": [8]}, 8)
-    with pytest.raises(BadRequest):
-        g.write_views(0, {"rkey": r.rkeys[0], "addrs": p, "lens": 8}, 8)
+        g.write_views(0, PEER, w(r, 0, [p], [8]), 9)
+    # Malformed bodies never get this far: the parser refuses them, typed.
+    for bad in ({"addrs": [p], "lens": [8]}, {"rkey": r.rkeys[0], "addrs": p, "lens": 8},
+                {"rkey": r.rkeys[0], "addrs": [p, p + 8], "lens": [8]},
+                {"rkey": r.rkeys[0], "addrs": [p], "lens": [-8]},
+                {"rkey": -1, "addrs": [p], "lens": [8]},
+                {"rkey": r.rkeys[0], "addrs": [p], "lens": [8], "imm": 1 << 32},
+                {"rkey": r.rkeys[0], "addrs": [p], "lens": [8], "span": [p + 1, 8]}):
+        with pytest.raises(BadRequest):
+            WriteHeader.parse({"op": 1, "part": 0, **bad})
     # Zero-byte writes (barriers) still need a valid rkey.
-    assert g.write_views(0, body(r, 0, [], []), 0) == []
+    assert g.write_views(0, PEER, w(r, 0, [], []), 0) == []
     with pytest.raises(NotFound):
-        g.write_views(0, {"rkey": 12345, "addrs": [], "lens": []}, 0)
+        g.write_views(0, PEER, w(None, 0, [], []), 0)
 
 
-def test_split_write_counts_once_when_last_part_lands(
+def _land(g: DomainGroup, r: Region, peer: tuple[int, int], header: WriteHeader) -> None:
+    g.write_views(0, peer, header, header.nbytes)
+    g.landed(peer, header, header.nbytes)
+
+
+def test_split_write_counts_once_when_its_parts_covered_it(
     setup: tuple[DomainGroup, Region, ImmCounter],
 ) -> None:
-    g, _, c = setup
-    parts = 5
+    g, r, c = setup
+    p = r.ptr
+    span = [p, 50]
     # Parts of op 1 and op 2 from the same peer, and op 1 from another peer, interleaved.
     order = [(PEER, 1, 3), (PEER, 2, 0), ((0xC, 0), 1, 4), (PEER, 1, 0), (PEER, 1, 4),
              (PEER, 2, 1), (PEER, 1, 1), ((0xC, 0), 1, 0)]
     for peer, op, part in order:
-        g.landed(peer, {"op": op, "part": part, "parts": parts, "imm": 9, "count": 1}, 10)
+        _land(g, r, peer, w(r, 0, [p + 10 * part], [10], op=op, imm=9, span=span))
         assert c.value(9) == 0
-    g.landed(PEER, {"op": 1, "part": 2, "parts": parts, "imm": 9, "count": 1}, 10)
+    _land(g, r, PEER, w(r, 0, [p + 20], [10], op=1, imm=9, span=span))
     assert c.value(9) == 1  # all five parts of op 1 from PEER
     for part in (2, 3, 4):
-        g.landed(PEER, {"op": 2, "part": part, "parts": parts, "imm": 9, "count": 1}, 10)
+        _land(g, r, PEER, w(r, 0, [p + 10 * part], [10], op=2, imm=9, span=span))
     assert c.value(9) == 2
     for part in (1, 2, 3):
-        g.landed((0xC, 0), {"op": 1, "part": part, "parts": parts, "imm": 9, "count": 1}, 10)
+        _land(g, r, (0xC, 0), w(r, 0, [p + 10 * part], [10], op=1, imm=9, span=span))
     assert c.value(9) == 3
     assert g.bytes_in == 10 * (len(order) + 1 + 3 + 3)
+    assert len(g.coverage) == 0
+
+
+def test_split_write_parts_that_lie_are_refused_before_landing(
+    setup: tuple[DomainGroup, Region, ImmCounter],
+) -> None:
+    g, r, c = setup
+    p = r.ptr
+    span = [p, 100]
+    _land(g, r, PEER, w(r, 0, [p], [50], imm=9, span=span))
+    for bad, words in [(w(r, 0, [p + 49], [10], imm=9, span=span), "overlaps"),
+                       (w(r, 0, [p], [50], imm=9, span=span), "overlaps"),  # a replay
+                       (w(r, 0, [p + 50], [50], imm=8, span=span), "immediate"),
+                       (w(r, 0, [p + 50], [50], imm=9, span=[p, 101]), "span")]:
+        with pytest.raises(BadRequest, match=words):
+            g.write_views(0, PEER, bad, bad.nbytes)
+    assert c.value(9) == 0
+    _land(g, r, PEER, w(r, 0, [p + 50], [50], imm=9, span=span))
+    assert c.value(9) == 1 and c.value(8) == 0
+
+
+def test_coverage_table_is_bounded() -> None:
+    cov = Coverage(max_partial=4, max_pieces=3)
+    for op in range(10):
+        cov.reserve((1, 0, op), (0, 100), 0, 10, None)
+    assert len(cov) == 4
+    for i in range(1, 3):
+        cov.reserve((1, 0, 9), (0, 100), 10 * i, 10, None)
+    with pytest.raises(BadRequest, match="more than 3 parts"):
+        cov.reserve((1, 0, 9), (0, 100), 50, 10, None)
 
 
 def test_paged_and_barrier_counts(setup: tuple[DomainGroup, Region, ImmCounter]) -> None:
-    g, _, c = setup
-    g.landed(PEER, {"op": 1, "part": 0, "parts": 1, "imm": 3, "count": 256}, 0)
-    g.landed(PEER, {"op": 1, "part": 1, "parts": 1, "imm": 3, "count": 44}, 0)
+    """What a frame says about counts is not read: the pages it placed are counted."""
+    g, r, c = setup
+    p = r.ptr
+    pages = [p + 16 * i for i in range(256)]
+    _land(g, r, PEER, w(r, 0, pages, [16] * 256, imm=3, count=-100))
+    _land(g, r, PEER, w(r, 0, pages[:44], [16] * 44, part=1, imm=3, count=1000, parts=7))
     assert c.value(3) == 300
-    g.landed(PEER, {"op": 2, "part": 0, "parts": 1, "imm": 4, "count": 1}, 0)
+    _land(g, r, PEER, w(r, 0, [], [], op=2, imm=4, count=50))  # a barrier: one
     assert c.value(4) == 1
-    g.landed(PEER, {"op": 3, "part": 0, "parts": 1, "count": 0}, 100)  # no immediate
+    _land(g, r, PEER, w(r, 0, [p], [100], op=3))  # no immediate
     assert (c.value(0), c.value(3), c.value(4)) == (0, 300, 1)
 
 

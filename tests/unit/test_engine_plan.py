@@ -74,8 +74,8 @@ def test_small_write_goes_whole_over_one_rail() -> None:
     d = desc(2)
     src = src_of(1000)
     (p,) = plan_single(1, 1000, 7, src, d, 64, 2)
-    assert p.parts == 1 and p.index == 0 and p.op == 1
-    assert p.imm == 7 and p.count == 1
+    assert p.span is None and p.index == 0 and p.op == 1  # whole: counts 1, no span
+    assert p.imm == 7
     assert p.addrs == [PTR + 64] and p.lens == [1000]
     assert bytes(p.src[0]) == bytes(src)
     assert (p.dst, p.rkey) == d.rkeys[p.rail]
@@ -102,11 +102,12 @@ def test_large_write_is_split_over_every_rail(rails: int, imm: int | None) -> No
     assert sorted(p.rail for p in parts) == list(range(rails))
     assert [p.index for p in parts] == list(range(rails))
     for p in parts:
-        assert p.parts == rails and p.op == 9
+        assert p.op == 9
         assert (p.dst, p.rkey) == d.rkeys[p.rail]  # each part presents its rail's rkey
         assert p.imm == imm
-        # Every part says 1: the receiver counts the write once, when the last lands.
-        assert p.count == (1 if imm is not None else 0)
+        # Every part names the whole write: the receiver counts it once, when its parts
+        # covered it (no count travels).
+        assert p.span == [PTR + 4096, length]
         assert len(p.addrs) == len(p.lens) == len(p.src) == 1
     # Contiguous, in order, covering exactly the destination range.
     pos = PTR + 4096
@@ -131,10 +132,9 @@ def test_chaos_max_parts() -> None:
     src = src_of(256 * 1024)
     parts = plan_single(1, len(src), 3, src, d, 0, 2, max_parts=8)
     assert len(parts) == 8
-    assert {p.parts for p in parts} == {8}
+    assert {tuple(p.span or ()) for p in parts} == {(PTR, len(src))}
     assert {p.rail for p in parts} == {0, 1}
     assert joined(parts) == bytes(src)
-    assert all(p.count == 1 for p in parts)
     # Never pieces smaller than the alignment: 3 pages -> 3 parts; one page -> one part.
     src = src_of(3 * SPLIT_ALIGN)
     assert len(plan_single(1, len(src), 3, src, d, 0, 2, max_parts=8)) == 3
@@ -147,7 +147,7 @@ def test_chaos_max_parts() -> None:
 
 def test_zero_length_write_is_one_empty_part() -> None:
     (p,) = plan_single(1, 0, 4, memoryview(b""), desc(2), 0, 2)
-    assert p.lens == [0] and p.count == 1 and p.nbytes == 0
+    assert p.lens == [0] and p.span is None and p.nbytes == 0
 
 
 @pytest.mark.parametrize("have, want", [(1, 2), (2, 1), (2, 4), (4, 3)])
@@ -206,10 +206,10 @@ def test_paged_counts_one_per_page(rails: int, n: int) -> None:
     assert addrs == [PTR + 32 + i * 128 for i in indices]
     assert [v for p in parts for v in p.src] == views
     assert all(p.lens == [page] * len(p.addrs) for p in parts)
-    # Each frame counts the pages it carries; frames are not split-counted.
-    assert sum(p.count for p in parts) == n
+    # The receiver counts the pages each frame places; frames carry no span.
+    assert sum(len(p.addrs) for p in parts) == n
     for p in parts:
-        assert p.count == len(p.addrs) and p.parts == 1 and p.imm == 77 and p.op == 5
+        assert p.span is None and p.imm == 77 and p.op == 5
         assert len(p.addrs) <= PAGES_PER_FRAME
         assert (p.dst, p.rkey) == d.rkeys[p.rail]
     assert [p.index for p in parts] == list(range(len(parts)))
@@ -225,7 +225,7 @@ def test_paged_counts_one_per_page(rails: int, n: int) -> None:
 
 def test_paged_without_imm_counts_nothing() -> None:
     parts = plan_paged(1, 8, None, pages_src(5, 8), desc(2), Pages(range(5), 8), 2)
-    assert all(p.imm is None and p.count == 0 for p in parts)
+    assert all(p.imm is None and p.span is None for p in parts)
     assert sum(len(p.addrs) for p in parts) == 5
 
 
@@ -233,11 +233,10 @@ def test_paged_frames_of_at_most_n_pages() -> None:
     parts = plan_paged(1, 8, 1, pages_src(10, 8), desc(1), Pages(range(10), 8), 1,
                        pages_per_frame=3)
     assert [len(p.addrs) for p in parts] == [3, 3, 3, 1]
-    assert [p.count for p in parts] == [3, 3, 3, 1]
     # chaos: one page per frame
     parts = plan_paged(1, 8, 1, pages_src(10, 8), desc(2), Pages(range(10), 8), 2,
                        pages_per_frame=1)
-    assert len(parts) == 10 and all(p.count == 1 for p in parts)
+    assert len(parts) == 10 and all(len(p.addrs) == 1 for p in parts)
     assert {p.rail for p in parts} == {0, 1}
 
 
@@ -279,7 +278,7 @@ def test_barrier_one_zero_byte_part_per_peer() -> None:
     parts = plan_barrier(4, 99, peers, 2)
     assert len(parts) == 3
     for i, (p, d) in enumerate(zip(parts, peers, strict=True)):
-        assert p.imm == 99 and p.count == 1 and p.parts == 1
+        assert p.imm == 99 and p.span is None
         # Zero bytes, but a valid descriptor: the destination region's address.
         assert p.addrs == [d.ptr] and p.lens == [0] and p.src == [] and p.nbytes == 0
         assert (p.dst, p.rkey) == d.rkeys[p.rail]

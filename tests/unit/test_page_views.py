@@ -23,6 +23,7 @@ from transferd.engine.regions import Region, RegionTable
 from transferd.memory import Buffer
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
 from transferd.protocol.frames import FrameDecoder
+from transferd.protocol.peer import WriteHeader
 from transferd.protocol.values import Pages
 
 PAGE = 4096
@@ -79,22 +80,32 @@ def _group(region: Region) -> DomainGroup:
     return DomainGroup(0, 1, asyncio.new_event_loop(), table, ImmCounter(), lambda p, m, a: None)
 
 
+PEER = (0xA, 0)
+
+
+def _w(body: dict[str, Any]) -> WriteHeader:
+    return WriteHeader.parse({"op": 1, "part": 0, **body})
+
+
 def test_write_views_equal_pages_and_mixed_lengths_agree(region: Region) -> None:
     g = _group(region)
     p = region.ptr
     idx = random.Random(3).sample(range(PAGES), 32)
     body = {"rkey": region.rkeys[0], "addrs": [p + i * PAGE for i in idx], "lens": [PAGE] * 32}
-    fast = g.write_views(0, body, 32 * PAGE)
+    fast = g.write_views(0, PEER, _w(body), 32 * PAGE)
     slow = [region.view(p + i * PAGE, PAGE) for i in idx]
     assert [v.tobytes() for v in fast] == [v.tobytes() for v in slow]
-    assert len(g.write_views(0, {**body, "lens": [PAGE] * 31 + [8]}, 31 * PAGE + 8)) == 32
+    assert len(g.write_views(0, PEER, _w({**body, "lens": [PAGE] * 31 + [8]}),
+                             31 * PAGE + 8)) == 32
     with pytest.raises(BadRequest):
-        g.write_views(0, body, 32 * PAGE - 1)
+        g.write_views(0, PEER, _w(body), 32 * PAGE - 1)
     with pytest.raises(OutOfBounds):
-        g.write_views(0, {**body, "addrs": [*body["addrs"][:-1], p + SIZE]}, 32 * PAGE)
-    # Not all ints (a float from a strange peer): the page-by-page path decides.
+        g.write_views(0, PEER, _w({**body, "addrs": [*body["addrs"][:-1], p + SIZE]}),
+                      32 * PAGE)
+    # Not all ints (a float from a strange peer): refused by the parser, typed.
     floats: dict[str, Any] = {**body, "addrs": [float(a) for a in body["addrs"]]}
-    assert len(g.write_views(0, floats, 32 * PAGE)) == 32
+    with pytest.raises(BadRequest):
+        _w(floats)
     g.loop.close()
 
 

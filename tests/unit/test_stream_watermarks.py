@@ -10,13 +10,16 @@ import pytest
 
 from transferd.domains import stream as stream_mod
 from transferd.domains.stream import FramedStream
-from transferd.domains.tcp import LinkState, PeerLink
+from transferd.domains.tcp import LinkState, PeerLink, rail_bytes
 from transferd.engine.plan import SendPart
 from transferd.engine.transfer import Transfer
 from transferd.protocol.errors import PeerUnreachable
 from transferd.protocol.frames import FrameDecoder, encode_frame
 from transferd.protocol.peer import PeerCommand
+from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role
 from transferd.protocol.values import NetAddr
+
+SECRET = b"unit test secret"
 
 
 def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, until: Any) -> None:
@@ -62,9 +65,27 @@ class _Domain:
         self.rail = 0
         self.host = "127.0.0.1"
         self.forgotten: list[Any] = []
+        self.group = _Group()
 
     def forget(self, link: Any) -> None:
         self.forgotten.append(link)
+
+    def expect_probe(self, nonce: bytes, link: Any) -> None:
+        pass
+
+    def forget_probe(self, link: Any) -> None:
+        pass
+
+
+class _Group:
+    """What a link asks of its group: who we are, the secret, the peer book."""
+
+    identity = PeerIdentity(0xA, 0, (b"127.0.0.1:1",))
+    secret = SECRET
+    handshake_timeout_s = 5.0
+
+    def bind_peer(self, peer: PeerIdentity) -> None:
+        pass
 
 
 def test_paused_link_holds_parts_until_resumed() -> None:
@@ -103,18 +124,20 @@ def test_link_breaks_on_a_reply_that_claims_a_payload() -> None:
     listener.listen()
     port = listener.getsockname()[1]
     domain = _Domain(loop)
-    domain.group = type("G", (), {"hello_body": lambda self, rail: {"rails": 1},  # type: ignore[attr-defined]
-                                  "domains": [domain]})()
     link = PeerLink(domain, NetAddr(7, 0, (("127.0.0.1", port),)))  # type: ignore[arg-type]
     done: list[Any] = []
     link.submit(SendPart(0, link.dst, b"hi", op=1), Transfer(1, 1, 0, done.append))
 
     async def peer() -> None:
+        # A real responder (it has the secret), then an ACK claiming a terabyte.
         conn, _ = await loop.sock_accept(listener)
+        me = PeerIdentity(7, 0, (rail_bytes("127.0.0.1", port),))
+        hs = PeerHandshake(Role.RESPONDER, me, 0, SECRET, loop.time())
         dec = FrameDecoder()
-        while not dec.feed(await loop.sock_recv(conn, 4096)):
-            pass  # our HELLO
-        await loop.sock_sendall(conn, encode_frame(PeerCommand.HELLO, 0, 0, {"rails": 1}))
+        while not hs.done:
+            for f in dec.feed(await loop.sock_recv(conn, 4096)):
+                hs.receive(f, loop.time())
+            await loop.sock_sendall(conn, hs.data_to_send())
         await asyncio.sleep(0.05)
         await loop.sock_sendall(conn, encode_frame(PeerCommand.ACK, 0, 0, {"op": 1}, 1 << 40))
         for _ in range(200):

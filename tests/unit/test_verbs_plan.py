@@ -84,7 +84,7 @@ def test_sge_limit_cuts_wrs(mem) -> None:  # type: ignore[no-untyped-def]
     a, t = mem
     # One destination range from 6 source pieces: 4 SGEs at most per WR.
     src = [memoryview(a)[i * 8192 : i * 8192 + 100] for i in range(6)]
-    part = WritePart(0, desc(1).rkeys[0][0], 100, [PTR], [600], src, None, 0)
+    part = WritePart(0, desc(1).rkeys[0][0], 100, [PTR], [600], src, None)
     wrs = plan(part, t, max_sge=4)
     assert [len(s.sges) for s in wrs.plain] == [4, 2]
     assert [s.remote_addr - PTR for s in wrs.plain] == [0, 400]
@@ -102,14 +102,14 @@ def test_inconsistent_parts_are_refused(mem) -> None:  # type: ignore[no-untyped
     a, t = mem
     v = memoryview(a)[:100]
     addr = desc(1).rkeys[0][0]
-    with pytest.raises(BadRequest, match="counts 2"):
-        plan(WritePart(0, addr, 1, [PTR], [100], [v], 5, 2), t)
+    with pytest.raises(BadRequest, match="one range per part"):
+        plan(WritePart(0, addr, 1, [PTR, PTR + 100], [50, 50], [v], 5, [PTR, 200], parts=2), t)
     with pytest.raises(BadRequest, match="fewer source bytes"):
-        plan(WritePart(0, addr, 1, [PTR], [200], [v], None, 0), t)
+        plan(WritePart(0, addr, 1, [PTR], [200], [v], None), t)
     with pytest.raises(BadRequest, match="more source bytes"):
-        plan(WritePart(0, addr, 1, [PTR], [50], [v], None, 0), t)
+        plan(WritePart(0, addr, 1, [PTR], [50], [v], None), t)
     with pytest.raises(BadRequest, match="destination descriptor"):
-        plan(WritePart(0, addr, 1, [], [], [], 5, 0), t)
+        plan(WritePart(0, addr, 1, [], [], [], 5), t)
 
 
 def test_mrtable_refuses_overlap_and_finds_by_range() -> None:

@@ -11,32 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from transferd.engine.immcounter import ImmCounter
+from transferd.engine.landing import Coverage
 from transferd.engine.plan import SendPart, WritePart
 from transferd.engine.regions import RegionTable
 from transferd.engine.transfer import Transfer
 from transferd.logs import peer_warning
 from transferd.memory import Ref
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
+from transferd.protocol.peer import WriteHeader
+from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
+from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.values import NetAddr
 
-from .tcp import TcpDomain
-
-# Single writes split over rails are counted when their last part lands; a
-# part that never comes (its sender died) must not grow this table forever.
-MAX_PARTIAL = 65536
-
-_INT = {int}
-
-
-def _all_int(xs: list[Any]) -> bool:
-    return set(map(type, xs)) <= _INT
-
+from .peers import PeerBook
+from .tcp import TcpDomain, check_rail, rail_bytes
 
 # deliver(peer, message, ack): ``ack(None)`` once a client has the message,
 # ``ack(error)`` if it cannot have it; ``ack`` may be called from any thread.
@@ -65,6 +57,8 @@ class DomainGroup:
         *,
         timeout_s: float = 30.0,
         chaos: Chaos | None = None,
+        secret: bytes | None = None,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
         self.index = index
         self.node = node
@@ -74,9 +68,14 @@ class DomainGroup:
         self.deliver = deliver
         self.timeout_s = timeout_s
         self.chaos = chaos
+        # The cluster secret every link proves (None: links can only be held
+        # to the addresses they claim; see peer_handshake).
+        self.secret = secret or None
+        self.handshake_timeout_s = handshake_timeout_s
         self._rng = random.Random(chaos.seed if chaos else 0)
         self.domains: list[TcpDomain] = []
-        self._partial: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        self.coverage = Coverage()
+        self._book: PeerBook | None = None
         self.bytes_in = 0
         # Receiver-side tallies, read by the metrics when scraped (transferd.metrics).
         self.writes_in = 0
@@ -91,14 +90,46 @@ class DomainGroup:
         return self.address
 
     @property
+    def book(self) -> PeerBook:
+        """Who authenticated with which addresses; made once the rails are bound."""
+        if self._book is None:
+            self._book = PeerBook(self.identity)
+        return self._book
+
+    @property
     def address(self) -> NetAddr:
         return NetAddr(self.node, self.index, tuple((d.host, d.port) for d in self.domains))
+
+    @property
+    def identity(self) -> PeerIdentity:
+        return PeerIdentity(self.node, self.index,
+                            tuple(rail_bytes(d.host, d.port) for d in self.domains))
+
+    def bind_peer(self, peer: PeerIdentity) -> None:
+        """A link authenticated ``peer``: bind it (BadRequest if it contradicts a binding)."""
+        self.book.bind(peer)
 
     def rail_address(self, rail: int) -> NetAddr:
         return self.address.rail(rail)
 
-    def hello_body(self, rail: int) -> dict[str, Any]:
-        return {"node": self.node, "group": self.index, "rail": rail, "rails": len(self.domains)}
+    def check_address(self, addr: NetAddr, first_rail: int = 0) -> None:
+        """Refuse a client's NetAddr that names a known peer at other addresses.
+
+        ``addr`` lists rails ``first_rail``, ``first_rail + 1``, ... of its peer
+        (a main address lists them all, an MrDesc's rkey entry one).  Called on
+        the daemon's loop, before anything is planned.
+        """
+        rails = [rail_bytes(*check_rail(h, p)) for h, p in addr.rails]
+        known = self.book.get(addr.key)
+        if known is None:
+            return
+        want = known[first_rail:first_rail + len(rails)]
+        if tuple(rails) != want:
+            mine = " (this daemon)" if addr.key == (self.node, self.index) else ""
+            raise BadRequest(
+                f"node {addr.node:016x}/{addr.group}{mine} is at "
+                f"{','.join(w.decode() for w in want)}, not at "
+                f"{','.join(r.decode() for r in rails)}")
 
     # -- initiator side ---------------------------------------------------------
 
@@ -131,58 +162,62 @@ class DomainGroup:
 
     # -- receiver side ------------------------------------------------------------
 
-    def write_views(self, rail: int, body: dict[str, Any], payload_len: int) -> list[memoryview]:
+    def write_views(self, rail: int, peer: tuple[int, int], w: WriteHeader,
+                    payload_len: int) -> list[memoryview]:
         """Check a WRITE against its region, page by page, before any byte lands."""
-        views, admitted = self.admit_write(rail, body, payload_len)
+        views, admitted = self.admit_write(rail, peer, w, payload_len)
         admitted.release()  # a check only: whoever lands bytes holds admit_write's Ref
         return views
 
-    def admit_write(self, rail: int, body: dict[str, Any], payload_len: int,
-                    abort: Callable[[], None] | None = None) -> tuple[list[memoryview], Ref]:
+    def admit_write(self, rail: int, peer: tuple[int, int], w: WriteHeader,
+                    payload_len: int, abort: Callable[[], None] | None = None
+                    ) -> tuple[list[memoryview], Ref]:
         """Check a WRITE, then admit it: the Ref holds the region until it has landed.
 
         Release the Ref once the bytes are in place or the write failed;
         DEREG_MR and FREE_BUFFER wait for it, and refuse writes admitted after.
+        A part of a split single write also reserves its range of the write's
+        span (refused if it is outside or overlaps a part already taken).
         """
-        try:
-            rkey = int(body["rkey"])
-            addrs = body["addrs"]
-            lens = body["lens"]
-        except (KeyError, TypeError, ValueError):
-            raise BadRequest("WRITE needs rkey, addrs and lens") from None
-        if not isinstance(addrs, list) or not isinstance(lens, list) or len(addrs) != len(lens):
-            raise BadRequest("WRITE addrs and lens must be lists of equal length")
-        region = self.regions.by_rkey(rkey, rail)
-        if lens and _all_int(addrs) and _all_int(lens) and min(lens) == max(lens):
+        region = self.regions.by_rkey(w.rkey, rail)
+        addrs, lens = w.addrs, w.lens
+        if lens and min(lens) == max(lens):
             # Pages of one length (a paged write, or one part of a single write).
             views = region.views(addrs, lens[0])
             total = lens[0] * len(views)
         else:
-            views = [region.view(int(a), int(n)) for a, n in zip(addrs, lens, strict=True)]
+            views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
             total = sum(map(len, views))
         if total != payload_len:
-            raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
-        return views, region.admit(abort)
+            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        admitted = region.admit(abort)
+        if w.span is not None:
+            try:
+                w.partial = self.coverage.reserve((peer[0], peer[1], w.op), w.span,
+                                                  addrs[0], lens[0], w.imm)
+            except BaseException:
+                admitted.release()
+                raise
+        return views, admitted
 
-    def landed(self, peer: tuple[int, int], body: dict[str, Any], nbytes: int) -> None:
-        """A WRITE's bytes are in place: count its immediate, by the counting rules."""
+    def landed(self, peer: tuple[int, int], w: WriteHeader, nbytes: int) -> None:
+        """A WRITE's bytes are in place: count what landed, by the counting rules.
+
+        A frame of pages adds one per page placed (a barrier, no pages, one); a
+        part of a split single write adds one when the parts covered the span.
+        """
         self.bytes_in += nbytes
         self.writes_in += 1
-        imm = body.get("imm")
-        if imm is None:
-            return
-        count = int(body.get("count", 1))
-        parts = int(body.get("parts", 1))
-        if parts > 1:
-            key = (peer[0], peer[1], int(body.get("op", 0)))
-            left = self._partial.pop(key, parts) - 1
-            if left > 0:
-                self._partial[key] = left
-                while len(self._partial) > MAX_PARTIAL:
-                    self._partial.popitem(last=False)
+        if w.span is not None:
+            assert w.partial is not None
+            if not self.coverage.landed((peer[0], peer[1], w.op), w.partial, nbytes):
                 return
-        self.counter.add(int(imm) & 0xFFFFFFFF, count)
-        self.imms_in += count
+            n = 1
+        else:
+            n = max(1, len(w.addrs))
+        if w.imm is not None:
+            self.counter.add(w.imm, n)
+            self.imms_in += n
 
     def close(self) -> None:
         for d in self.domains:

@@ -101,6 +101,11 @@ class FramedStream:
                 log.warning("peer stream broken: %s", exc)
                 self.close(exc)
                 return
+            except Exception as exc:
+                # A bug, not the peer's doing: this link ends, the daemon goes on.
+                log.exception("peer stream: frame handling failed")
+                self.close(exc)
+                return
 
     # -- send -------------------------------------------------------------------------
 
@@ -124,6 +129,15 @@ class FramedStream:
             self._paused = True
             if self.on_pause is not None:
                 self.on_pause()
+
+    def send_raw(self, data: bytes) -> None:
+        """Frames already encoded (the handshake's); nothing if ``data`` is empty."""
+        if self.closed or not data:
+            return
+        self._out.append(memoryview(data))
+        self._out_bytes += len(data)
+        if not self._writing:
+            self._flush()
 
     def _flush(self) -> None:
         out = self._out

@@ -4,15 +4,22 @@ A rail binds its own local address, listens for peers' links, and keeps one
 outbound link to each peer's matching rail, opened on first use by the
 worker and reused after.  Outbound links carry our WRITE and SEND frames and
 bring back ACKs; inbound links receive peers' writes straight into regions.
+
+Every link starts with the peer handshake (:mod:`transferd.protocol.
+peer_handshake`); this module only feeds it bytes, sends what it queues,
+runs its timer and, without a cluster secret, carries its PROBEs.  Until a
+link is through, it takes a 4 KiB body and no payload, for a few seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import logging
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transferd.engine.limits import MAX_MESSAGE
@@ -22,12 +29,22 @@ from transferd.logs import peer_warning
 from transferd.memory import Ref
 from transferd.protocol.errors import (
     BadRequest,
+    NoHello,
     PeerUnreachable,
     TransferdError,
     error_from_body,
 )
 from transferd.protocol.frames import DISCARD, Frame, Sink
-from transferd.protocol.peer import PeerCommand
+from transferd.protocol.peer import PeerCommand, WriteHeader, parse_ref
+from transferd.protocol.peer_handshake import (
+    MAX_HANDSHAKE_BODY,
+    PeerHandshake,
+    Probe,
+    Ready,
+    Role,
+    State,
+    parse_probe,
+)
 from transferd.protocol.values import NetAddr
 
 from .stream import FramedStream
@@ -38,10 +55,45 @@ if TYPE_CHECKING:
 log = logging.getLogger("transferd.domain")
 
 CONNECT_TIMEOUT = 10.0
+# Inbound links still in their handshake, per rail: past this new ones are
+# closed at once (each costs a 4 KiB body, and without a secret one probe).
+MAX_HANDSHAKING = 64
+# After the handshake: an ACK carries an error message at most; a WRITE names
+# up to 4096 pages (plan.PAGES_PER_FRAME is 256).
+MAX_ACK_BODY = 64 * 1024
+MAX_BODY = 1 << 20
+MAX_PAYLOAD = 1 << 40
+
+
+def rail_bytes(host: str, port: int) -> bytes:
+    """A TCP rail's address as the opaque bytes the handshake carries."""
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+
+
+def parse_rail(raw: bytes) -> tuple[str, int]:
+    """The (host, port) of :func:`rail_bytes`; BadRequest unless an IP and a port 1-65535."""
+    try:
+        text = raw.decode("ascii")
+        host, _, port = text.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        return check_rail(host, int(port))
+    except (UnicodeDecodeError, ValueError):
+        raise BadRequest(f"not a TCP rail address: {raw!r}") from None
+
+
+def check_rail(host: str, port: int) -> tuple[str, int]:
+    """(host, port) if ``host`` is an IP address and ``port`` in 1-65535, else BadRequest."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise BadRequest(f"rail host {host!r} is not an IP address") from None
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise BadRequest(f"rail port {port!r} is outside 1-65535")
+    return host, port
 
 
 class LinkState(enum.Enum):
-    CONNECTING = "connecting"
+    CONNECTING = "connecting"  # connecting, then the handshake
     READY = "ready"
     # Over the stream's high watermark: new parts wait until it drains below
     # the low one, so a slow peer holds our views, not a growing send queue.
@@ -66,6 +118,9 @@ def _peername(sock: socket.socket) -> Any:
         return None
 
 
+LinkKey = tuple[int, int, tuple[str, int]]
+
+
 class TcpDomain:
     def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0) -> None:
         self.group = group
@@ -74,26 +129,78 @@ class TcpDomain:
         self.loop = group.loop
         self._listener = _listen(host, port)
         self.port = self._listener.getsockname()[1]
-        self._links: dict[tuple[int, int], PeerLink] = {}
+        # Keyed by the peer and the address dialled: a link that authenticated
+        # is used only for the address it authenticated at.
+        self._links: dict[LinkKey, PeerLink] = {}
         self._inbound: set[InboundLink] = set()
         self.closing = False
+        self._handshaking: set[InboundLink] = set()
+        self._probes: dict[bytes, PeerLink] = {}
+        self._probing: set[asyncio.Task[None]] = set()
         self.loop.add_reader(self._listener.fileno(), self._accept)
+
+    @property
+    def address(self) -> bytes:
+        return rail_bytes(self.host, self.port)
 
     # -- outbound -----------------------------------------------------------------
 
     def link_to(self, dst: NetAddr) -> PeerLink:
-        link = self._links.get(dst.key)
+        key = (dst.node, dst.group, dst.rails[0])
+        link = self._links.get(key)
         if link is None or link.state is LinkState.CLOSED:
             link = PeerLink(self, dst)
-            self._links[dst.key] = link
+            self._links[key] = link
         return link
 
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         self.link_to(part.dst).submit(part, transfer)
 
     def forget(self, link: PeerLink) -> None:
-        if self._links.get(link.dst.key) is link:
-            del self._links[link.dst.key]
+        key = (link.dst.node, link.dst.group, link.dst.rails[0])
+        if self._links.get(key) is link:
+            del self._links[key]
+
+    # -- probes (no cluster secret) ---------------------------------------------------
+
+    def expect_probe(self, nonce: bytes, link: PeerLink) -> None:
+        self._probes[nonce] = link
+
+    def forget_probe(self, link: PeerLink) -> None:
+        if link.hs is not None and self._probes.get(link.hs.nonce) is link:
+            del self._probes[link.hs.nonce]
+
+    def probe_arrived(self, nonce: bytes, token: bytes) -> None:
+        """A PROBE came to our listener: hand the token to the link that sent ``nonce``."""
+        link = self._probes.get(nonce)
+        if link is not None:
+            link.probed(token)
+
+    def send_probe(self, addr: bytes, data: bytes) -> bool:
+        """Dial ``addr`` (the initiator's claimed rail), send a PROBE, hang up."""
+        try:
+            host, port = parse_rail(addr)
+        except BadRequest as exc:
+            log.info("rail %d: peer claims a bad address: %s", self.rail, exc.message)
+            return False
+        task = self.loop.create_task(self._probe(host, port, data))
+        self._probing.add(task)
+        task.add_done_callback(self._probing.discard)
+        return True
+
+    async def _probe(self, host: str, port: int, data: bytes) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, 0))
+            sock.setblocking(False)
+            timeout = self.group.handshake_timeout_s
+            await asyncio.wait_for(self.loop.sock_connect(sock, (host, port)), timeout)
+            await asyncio.wait_for(self.loop.sock_sendall(sock, data), timeout)
+        except (TimeoutError, OSError) as exc:
+            log.info("rail %d: probe to %s:%d failed: %s", self.rail, host, port, exc)
+        finally:
+            sock.close()
 
     # -- inbound ------------------------------------------------------------------
 
@@ -106,7 +213,20 @@ class TcpDomain:
             except OSError as exc:
                 log.warning("rail %d: accept failed: %s", self.rail, exc)
                 return
-            self._inbound.add(InboundLink(self, sock))
+            if len(self._handshaking) >= MAX_HANDSHAKING:
+                sock.close()
+                continue
+            link = InboundLink(self, sock)
+            if not link.stream.closed:
+                self._inbound.add(link)
+                self._handshaking.add(link)
+
+    def handshake_done(self, link: InboundLink) -> None:
+        self._handshaking.discard(link)
+
+    def inbound_closed(self, link: InboundLink) -> None:
+        self._inbound.discard(link)
+        self._handshaking.discard(link)
 
     def close(self) -> None:
         self.closing = True
@@ -115,17 +235,21 @@ class TcpDomain:
         for link in list(self._links.values()):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
-            inbound.stream.close()
+            inbound.close()
+        for task in list(self._probing):
+            task.cancel()
 
 
 class PeerLink:
-    """Our connection to one peer's rail."""
+    """Our connection to one peer's rail: the handshake first, then our parts."""
 
     def __init__(self, domain: TcpDomain, dst: NetAddr) -> None:
         self.domain = domain
         self.dst = dst
         self.state = LinkState.CONNECTING
         self.stream: FramedStream | None = None
+        self.hs: PeerHandshake | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
         self._pending: dict[tuple[int, int], Transfer] = {}
         self._task = domain.loop.create_task(self._connect())
@@ -150,24 +274,59 @@ class PeerLink:
         if self.state is LinkState.CLOSED:
             sock.close()
             return
-        # What comes back on our link (HELLO, ACKs) never carries a payload: a
-        # frame that claims one breaks the link instead of being buffered.
+        # Until the peer proved itself what comes back is small and never carries
+        # a payload (ACKs never do): a frame that claims one breaks the link.
         self.stream = FramedStream(
             self.domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
-            max_payload=0,
+            max_body=MAX_HANDSHAKE_BODY, max_payload=0,
         )
         self.stream.on_pause = self._pause
         self.stream.on_resume = self._resume
-        g = self.domain.group
-        self.stream.send(PeerCommand.HELLO, 0, 0, g.hello_body(self.domain.rail))
-        # A peer that accepts and never answers must not keep our parts (and
-        # the memory they send from) waiting forever.
-        self.domain.loop.call_later(min(CONNECT_TIMEOUT, g.timeout_s), self._hello_timeout)
+        d = self.domain
+        now = d.loop.time()
+        self.hs = PeerHandshake(
+            Role.INITIATOR, d.group.identity, d.rail, d.group.secret, now,
+            timeout=d.group.handshake_timeout_s,
+            expect=(self.dst.node, self.dst.group, rail_bytes(host, port)),
+            admit=d.group.bind_peer)
+        self.hs.start()
+        d.expect_probe(self.hs.nonce, self)
+        self._timer = d.loop.call_at(self.hs.deadline, self._tick)
+        self.stream.send_raw(self.hs.data_to_send())
 
-    def _hello_timeout(self) -> None:
-        if self.state is LinkState.CONNECTING:
-            self.close(PeerUnreachable(f"rail {self.domain.rail}: {self.dst} did not answer "
-                                       "HELLO in time"))
+    def _tick(self) -> None:
+        if self.hs is not None and not self.hs.done:
+            self._handshake(lambda hs: hs.tick(self.domain.loop.time()))
+
+    def probed(self, token: bytes) -> None:
+        """Our listener got the PROBE for this link's handshake (no cluster secret)."""
+        self._handshake(lambda hs: hs.probe(token, self.domain.loop.time()))
+
+    def _handshake(self, step: Callable[[PeerHandshake], None]) -> None:
+        hs = self.hs
+        if hs is None or self.state is LinkState.CLOSED:
+            return
+        try:
+            step(hs)
+        except TransferdError as exc:
+            # A configuration mismatch stays a BAD_REQUEST; the rest is a link
+            # that could not be made.
+            kind = BadRequest if type(exc) is BadRequest else PeerUnreachable
+            self.close(kind(f"link to {self.dst} rail {self.domain.rail}: {exc.message}"))
+            return
+        assert self.stream is not None
+        self.stream.send_raw(hs.data_to_send())
+        if any(isinstance(ev, Ready) for ev in hs.events()):
+            self._ready()
+
+    def _ready(self) -> None:
+        assert self.stream is not None
+        self.domain.forget_probe(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        self.stream.decoder.max_body = MAX_ACK_BODY
+        self.state = LinkState.READY
+        self._send_waiting()
 
     def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         if self.state is LinkState.READY:
@@ -199,38 +358,34 @@ class PeerLink:
         self._pending[(part.op, part.index)] = transfer
         if isinstance(part, WritePart):
             body: dict[str, Any] = {
-                "op": part.op, "part": part.index, "parts": part.parts, "rkey": part.rkey,
-                "addrs": part.addrs, "lens": part.lens, "count": part.count,
+                "op": part.op, "part": part.index, "rkey": part.rkey,
+                "addrs": part.addrs, "lens": part.lens,
             }
             if part.imm is not None:
                 body["imm"] = part.imm
+            if part.span is not None:
+                body["span"] = part.span
             self.stream.send(PeerCommand.WRITE, 0, 0, body, part.src)
         else:
             self.stream.send(PeerCommand.SEND, 0, 0, {"op": part.op, "part": part.index},
                              [memoryview(part.msg)])
 
     def _on_frame(self, frame: Frame) -> None:
-        if frame.cmd == PeerCommand.ACK:
-            key = (frame.body.get("op", -1), frame.body.get("part", -1))
-            transfer = self._pending.pop(key, None)
-            if transfer is not None:
-                err = None if frame.body.get("ok") else error_from_body(frame.body)
-                transfer.part_done(err)
-        elif frame.cmd == PeerCommand.HELLO and self.state is LinkState.CONNECTING:
-            if frame.is_error:
-                self.close(error_from_body(frame.body))
-                return
-            rails = frame.body.get("rails")
-            mine = len(self.domain.group.domains)
-            if rails != mine:
-                self.close(BadRequest(
-                    f"rail count mismatch: this daemon has {mine} rail(s), peer {self.dst} "
-                    f"has {rails}; every peer must have the same number of NICs"))
-                return
-            self.state = LinkState.READY
-            self._send_waiting()
-        else:
-            self.close(BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}"))
+        if self.state is LinkState.CONNECTING:
+            self._handshake(lambda hs: hs.receive(frame, self.domain.loop.time()))
+            return
+        if frame.cmd != PeerCommand.ACK:
+            self.close(BadRequest(f"unexpected peer frame 0x{frame.cmd:02x} on a link"))
+            return
+        try:
+            key = parse_ref(frame.body)
+        except TransferdError as exc:
+            self.close(PeerUnreachable(f"link to {self.dst}: a malformed ACK: {exc.message}"))
+            return
+        transfer = self._pending.pop(key, None)
+        if transfer is not None:
+            err = None if frame.body.get("ok") is True else error_from_body(frame.body)
+            transfer.part_done(err)
 
     def _on_close(self, exc: BaseException | None) -> None:
         reason = f": {exc}" if exc else ""
@@ -243,7 +398,10 @@ class PeerLink:
         if not getattr(self.domain, "closing", False):  # no warning at shutdown
             peer_warning("peer link broken", self.dst.node, self.domain.rail,
                          self.dst.rails[0] if self.dst.rails else None, error)
+        if self._timer is not None:
+            self._timer.cancel()
         self.domain.forget(self)
+        self.domain.forget_probe(self)
         if self.stream is not None:
             self.stream.close()
         waiting, self._waiting = self._waiting, deque()
@@ -255,78 +413,99 @@ class PeerLink:
 
 
 class InboundLink:
-    """A peer's connection to this rail: its writes land here."""
+    """A peer's connection to this rail: the handshake, then its writes land here.
+
+    The first frame may instead be a PROBE (a responder checking that we listen
+    where one of our links says we do): it is handed to that link and this
+    connection closed.
+    """
 
     def __init__(self, domain: TcpDomain, sock: socket.socket) -> None:
         self.domain = domain
         self.peer: tuple[int, int] | None = None
         self._error: TransferdError | None = None
+        self._write: WriteHeader | None = None
         # The write landing now (admitted by its region): let go once its
         # bytes are in place, or the link dies under it.
         self._landing: Ref | None = None
+        g = domain.group
+        self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
+                                domain.loop.time(), timeout=g.handshake_timeout_s,
+                                admit=g.bind_peer)
+        # A stranger costs one 4 KiB body at most, and this long.
         self.stream = FramedStream(
-            domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close, sink=self._sink
+            domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
+            sink=self._sink, max_body=MAX_HANDSHAKE_BODY, max_payload=0,
         )
+        self._timer: asyncio.TimerHandle | None = domain.loop.call_at(
+            self.hs.deadline, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if not self.hs.done:
+            try:
+                self.hs.tick(self.domain.loop.time())
+            except TransferdError as exc:
+                log.info("rail %d: %s", self.domain.rail, exc.message)
+                self.close()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.stream.close()
 
     def _sink(self, frame: Frame) -> Sink:
         self._error = None
-        if self.peer is None:
-            self._error = BadRequest("HELLO first")
+        self._write = None
+        if self.peer is None:  # (the decoder takes no payload before the handshake)
+            self._error = NoHello("peer handshake first")
             return DISCARD
-        if frame.cmd == PeerCommand.WRITE:
-            try:
-                views, self._landing = self.domain.group.admit_write(
-                    self.domain.rail, frame.body, frame.payload_len, self._abort)
+        g = self.domain.group
+        try:
+            if frame.cmd == PeerCommand.WRITE:
+                self._write = WriteHeader.parse(frame.body)
+                views, self._landing = g.admit_write(self.domain.rail, self.peer, self._write,
+                                                     frame.payload_len, self._abort)
                 return views
-            except TransferdError as exc:
-                self._error = exc
-                return DISCARD
-        if frame.cmd == PeerCommand.SEND:
-            if frame.payload_len > MAX_MESSAGE:
-                # Collected in memory: a size only the sender vouches for is
-                # checked before anything is allocated for it.
-                self._error = BadRequest(
-                    f"message of {frame.payload_len} bytes is over the limit of {MAX_MESSAGE}")
-                return DISCARD
-            return None
+            if frame.cmd == PeerCommand.SEND:
+                parse_ref(frame.body)
+                if frame.payload_len > MAX_MESSAGE:
+                    # Collected in memory: a size only the sender vouches for is
+                    # checked before anything is allocated for it.
+                    raise BadRequest(f"message of {frame.payload_len} bytes is over the "
+                                     f"limit of {MAX_MESSAGE}")
+                return None
+        except TransferdError as exc:
+            self._error = exc
+            return DISCARD
         self._error = BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}")
         return DISCARD
 
     def _ack(self, body: dict[str, Any], error: TransferdError | None) -> None:
-        reply = {"op": body.get("op"), "part": body.get("part")}
+        op, part = body.get("op"), body.get("part")
+        reply = {"op": op if type(op) is int else -1, "part": part if type(part) is int else -1}
         reply.update({"ok": True} if error is None else error.to_body())
         self.stream.send(PeerCommand.ACK, 0, 0, reply)
 
     def _on_frame(self, frame: Frame) -> None:
-        g = self.domain.group
-        if frame.cmd == PeerCommand.HELLO and self.peer is None:
-            body = frame.body
-            rails = body.get("rails")
-            if rails != len(g.domains):
-                err = BadRequest(
-                    f"rail count mismatch: peer has {rails} rail(s), this daemon "
-                    f"{len(g.domains)}")
-                self.stream.send(PeerCommand.HELLO, 0x02, 0, err.to_body())
-                self.stream.close()
-                return
-            self.peer = (int(body.get("node", 0)), int(body.get("group", 0)))
-            self.stream.send(PeerCommand.HELLO, 0, 0, g.hello_body(self.domain.rail))
+        if self.peer is None:
+            self._handshake(frame)
             return
         error = self._error if frame.payload_len else None
-        self._error = None
+        write, self._error, self._write = self._write, None, None
         landing, self._landing = self._landing, None
         if landing is not None:
             # Every byte is in place (the frame is whole): the region may go.
             landing.release()
-        if self.peer is None:
-            self.stream.close()
-            return
+        g = self.domain.group
         if frame.cmd == PeerCommand.WRITE:
             if error is None:
                 try:
-                    if not frame.payload_len:
-                        g.write_views(self.domain.rail, frame.body, 0)
-                    g.landed(self.peer, frame.body, frame.payload_len)
+                    if write is None:  # no payload: the sink was not asked
+                        write = WriteHeader.parse(frame.body)
+                        g.write_views(self.domain.rail, self.peer, write, 0)
+                    g.landed(self.peer, write, frame.payload_len)
                 except TransferdError as exc:
                     error = exc
             if error is not None:
@@ -335,11 +514,17 @@ class InboundLink:
                              _peername(self.stream.sock), error)
             self._ack(frame.body, error)
         elif frame.cmd == PeerCommand.SEND:
+            if error is None:
+                try:
+                    parse_ref(frame.body)
+                except TransferdError as exc:
+                    error = exc
             if error is not None:
                 self._ack(frame.body, error)
                 return
             # Acknowledged when a client has the message, which may be later
-            # (it waits for a receive) and on another thread.
+            # (it waits for a receive) and on another thread.  Its sender is
+            # the peer this link authenticated, whatever the frame says.
             body, loop = frame.body, self.domain.loop
 
             def ack(err: TransferdError | None) -> None:
@@ -347,7 +532,41 @@ class InboundLink:
 
             g.deliver(self.peer, bytes(frame.payload or b""), ack)
         else:
-            self.stream.close()
+            self.close()
+
+    def _handshake(self, frame: Frame) -> None:
+        d = self.domain
+        if frame.cmd == PeerCommand.PROBE and self.hs.state is State.AWAIT_HELLO:
+            try:
+                nonce, token = parse_probe(frame.body)
+            except TransferdError:
+                self.close()
+                return
+            d.probe_arrived(nonce, token)
+            self.close()
+            return
+        try:
+            self.hs.receive(frame, d.loop.time())
+        except TransferdError as exc:
+            log.info("rail %d: peer handshake refused: %s", d.rail, exc.message)
+            self.stream.send_raw(self.hs.data_to_send())
+            self.close()
+            return
+        self.stream.send_raw(self.hs.data_to_send())
+        for ev in self.hs.events():
+            if isinstance(ev, Probe):
+                if not d.send_probe(ev.addr, ev.data):
+                    self.close()
+                    return
+            elif isinstance(ev, Ready):
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                d.handshake_done(self)
+                self.peer = ev.peer.key
+                # An authenticated peer's writes carry their pages' bytes.
+                self.stream.decoder.max_body = MAX_BODY
+                self.stream.decoder.max_payload = MAX_PAYLOAD
 
     def _delivered(self, body: dict[str, Any], error: TransferdError | None) -> None:
         if error is None:
@@ -363,4 +582,7 @@ class InboundLink:
         landing, self._landing = self._landing, None
         if landing is not None:
             landing.release()  # the socket is closed: no more of it lands
-        self.domain._inbound.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.domain.inbound_closed(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 import secrets
@@ -21,7 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from transferd.config import EngineConfig
+from transferd.config import ConfigError, EngineConfig
 from transferd.domains.group import Ack, Chaos, DomainGroup
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
@@ -62,7 +63,13 @@ class TransferEngine:
         self.config = config
         self.buffers = buffers
         self.metrics = metrics
+        self.secret = load_secret(config)
         self.hosts = list(config.host_rails) or [default_host]
+        if self.secret is None and not config.insecure and not config.host_rails \
+                and not _loopback(default_host):
+            # Without a secret, peers cannot authenticate: a rail only the local
+            # host can reach, unless told otherwise.
+            self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable()
         self.counter = ImmCounter(notify=self._notify)
@@ -94,7 +101,8 @@ class TransferEngine:
         def make() -> DomainGroup:
             g = DomainGroup(0, self.node, worker_loop, self.regions, self.counter,
                             self._deliver, timeout_s=self.config.peer_timeout_s,
-                            chaos=self.chaos)
+                            chaos=self.chaos, secret=self.secret,
+                            handshake_timeout_s=self.config.handshake_timeout_s)
             if self.config.domain == "verbs":  # RDMA NICs (docs/rdma.md)
                 from transferd.domains.verbs.bind import bind_verbs
 
@@ -103,6 +111,12 @@ class TransferEngine:
                 g.bind(self.hosts, self.config.peer_port)
             return g
 
+        if self.secret is None:
+            log.warning(
+                "engine: no cluster secret (engine.secret_file): peer links are not "
+                "authenticated; rails %s%s", ", ".join(self.hosts),
+                " (engine.insecure: reachable beyond this host)" if self.config.insecure
+                else " bound to loopback only")
         self.group = await asyncio.wrap_future(self.worker.run(_call(make)))
         log.info("engine %s: %d rail(s), worker on cpu %s", self.main_address(),
                  len(self.hosts), cpu)
@@ -163,6 +177,7 @@ class TransferEngine:
 
     def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
                                   dst: tuple[MrDesc, int]) -> asyncio.Future[None]:
+        self._check_descs([dst[0]])
         region = self.regions.get(src[0])
         view = region.view(region.ptr + src[1], length)
         op = next(self._ops)
@@ -173,6 +188,7 @@ class TransferEngine:
     def submit_paged_writes(self, page_len: int, imm: int | None,
                                   src: tuple[int, Pages], dst: tuple[MrDesc, Pages]
                                   ) -> asyncio.Future[None]:
+        self._check_descs([dst[0]])
         region = self.regions.get(src[0])
         sp = src[1]
         if len(sp.indices) != len(dst[1].indices):
@@ -185,8 +201,17 @@ class TransferEngine:
                            pages_per_frame=1 if self.chaos else PAGES_PER_FRAME)
         return self._submit(op, list(parts), region.buffer.ref())
 
+    def _check_descs(self, descs: Sequence[MrDesc]) -> None:
+        """Every destination rail an IP and port, and a known peer where it is bound."""
+        assert self.group is not None
+        for d in descs:
+            for rail, (addr, _) in enumerate(d.rkeys):
+                self.group.check_address(addr, rail)
+
     def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
+        assert self.group is not None
         for a in addrs:
+            self.group.check_address(a)
             if len(a.rails) != self.rails:
                 raise BadRequest(f"rail count mismatch: peer {a} has {len(a.rails)} rail(s), "
                                  f"this daemon {self.rails}")
@@ -211,6 +236,7 @@ class TransferEngine:
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
                              dsts: Sequence[ScatterDst]) -> asyncio.Future[None]:
         self._check_group(gid, [d.dst[0] for d in dsts])
+        self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
         parts: list[WritePart | SendPart] = []
         first = 0
@@ -225,6 +251,7 @@ class TransferEngine:
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
         self._check_group(gid, dsts)
+        self._check_descs(dsts)
         op = next(self._ops)
         return self._submit(op, list(plan_barrier(op, _imm(imm) or 0, dsts, self.rails)))
 
@@ -236,6 +263,8 @@ class TransferEngine:
         if len(addr.rails) != self.rails:
             raise BadRequest(f"rail count mismatch: peer {addr} has {len(addr.rails)} rail(s), "
                              f"this daemon {self.rails}")
+        assert self.group is not None
+        self.group.check_address(addr)
         op = next(self._ops)
         # The message is ours now (bytes are immutable): the caller may reuse its buffer.
         return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
@@ -360,6 +389,30 @@ class TransferEngine:
             fut.set_result(None)
         else:
             fut.set_exception(err)
+
+
+def load_secret(config: EngineConfig) -> bytes | None:
+    """The cluster secret: the file's contents (or engine.secret), whitespace stripped."""
+    if config.secret_file:
+        try:
+            with open(config.secret_file, "rb") as f:
+                data = f.read(65536).strip()
+        except OSError as exc:
+            raise ConfigError(f"engine.secret_file: cannot read {config.secret_file}: "
+                              f"{exc.strerror}") from None
+        if not data:
+            raise ConfigError(f"engine.secret_file: {config.secret_file} is empty")
+        return data
+    if config.secret.strip():
+        return config.secret.strip().encode()
+    return None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _imm(imm: int | None) -> int | None:

@@ -1,12 +1,12 @@
 """Turning a submit into wire parts, sharded over the rails of a domain group.
 
 Pure functions, no I/O: given what the client asked for and how many rails
-there are, produce :class:`WritePart` s.  The counting rules of DESIGN.md live
-here and in the receiver: a single write adds exactly 1 to its immediate
-however many parts carried it (each part says ``parts`` and the receiver
-counts the op once, when the last part has landed); a paged write adds 1 per
-page (each frame adds the pages it carries); a scatter 1 per destination; a
-barrier 1 per peer.
+there are, produce :class:`WritePart` s.  The counting rules of DESIGN.md are
+the receiver's, from what lands (no count travels): a single write adds
+exactly 1 to its immediate however many parts carried it (a split write's
+parts each name its whole ``span``, and the receiver counts once the parts
+covered it); a paged write adds 1 per page placed; a scatter 1 per
+destination; a barrier (a frame of no pages) 1 per peer.
 """
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ class WritePart:
     lens: list[int]
     src: list[memoryview]
     imm: int | None
-    count: int
-    parts: int = 1
+    # A part of a single write split in several: [addr, len] of the whole write.
+    span: list[int] | None = None
     index: int = 0
     op: int = 0
+    # How many parts carry this op (a split single write's; 1 otherwise).  The
+    # initiator's own bookkeeping, for a Domain whose receiver cannot see offsets
+    # (verbs counts a split write by its last part's carrier); tcp never sends it.
+    parts: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -101,12 +105,13 @@ def plan_single(
     sizes = split_sizes(length, n)
     parts: list[WritePart] = []
     pos = 0
+    span = [desc.ptr + dst_off, length] if len(sizes) > 1 else None
     for i, size in enumerate(sizes):
         rail = (op + i) % rails
         addr, rkey = desc.rkeys[rail]
         parts.append(WritePart(
             rail, addr, rkey, [desc.ptr + dst_off + pos], [size], [src[pos : pos + size]],
-            imm, 1 if imm is not None else 0, len(sizes), i, op,
+            imm, span, i, op, len(sizes),
         ))
         pos += size
     return parts
@@ -139,8 +144,7 @@ def plan_paged(
             end = min(f + pages_per_frame, start + count)
             parts.append(WritePart(
                 rail, addr, rkey, addrs[f:end], [page_len] * (end - f), list(src_views[f:end]),
-                imm,
-                (end - f) if imm is not None else 0, 1, len(parts), op,
+                imm, None, len(parts), op,
             ))
         start += count
     if not parts:  # zero pages: nothing moves, nothing is counted
@@ -156,5 +160,5 @@ def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[
         addr, rkey = desc.rkeys[rail]
         # Zero bytes, yet a valid descriptor (the region's address and rkey): EFA
         # requires one even for zero-length writes, so every Domain gets one.
-        parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, 1, 1, i, op))
+        parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, None, i, op))
     return parts

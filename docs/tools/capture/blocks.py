@@ -160,9 +160,16 @@ class Canon:
             rkeys.append([addr, self.name("rkey", item[1])])
         return ["MrDesc", self.name("ptr", v[0]), v[1], rkeys]
 
+    # The peer handshake's per-link randomness and what is computed from it.
+    FRESH = ("nonce", "challenge", "proof", "mac", "token")
+
     def value(self, v: Any, key: str = "") -> Any:
+        if isinstance(v, bytes) and key in self.FRESH:
+            return self.name(key, v)
         if isinstance(v, bytes):
             addr = self.netaddr(v)
+            if addr is None and key == "addrs":  # a peer's rail address ("host:port")
+                return self.HEXWORD.sub("<n>", v.decode(errors="replace"))
             return v if addr is None else addr
         if isinstance(v, dict):
             return {k: self.value(x, k) for k, x in v.items()}

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import secrets
+import shutil
+import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +24,10 @@ from capture.registry import (
     session,
 )
 from transferd.protocol import HEADER, Command, Flag, command_name
+from transferd.domains.tcp import rail_bytes
+from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand
+from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role
 
 A_NAME, B_NAME = "daemon A", "daemon B"
 
@@ -299,26 +307,55 @@ def ex_alloc_uvm_watcher(ds: Daemons) -> Capture:
     return cap
 
 
+# Daemon B of the peer-plane example proves a cluster secret, as a deployment does.
+PEER_SECRET = b"capture cluster secret"
+_SECRET_DIR = tempfile.mkdtemp(prefix="capture-secret-")
+atexit.register(shutil.rmtree, _SECRET_DIR, True)
+
+
+def _secret_config() -> str:
+    secret = os.path.join(_SECRET_DIR, "cluster.secret")
+    config = os.path.join(_SECRET_DIR, "b.toml")
+    with open(secret, "wb") as f:
+        f.write(PEER_SECRET + b"\n")
+    with open(config, "w") as f:
+        f.write(f'[engine]\nsecret_file = "{secret}"\n')
+    return config
+
+
+Daemons.ARGS["b-secret"] = ("-c", _secret_config())
+Daemons.HOSTS["b-secret"] = "127.0.0.2"
+
+
+def _frame(raw: bytes) -> Frame:
+    (f,) = FrameDecoder().feed(raw)
+    return f
+
+
 @example("PEER_PLANE", volatile=True)
 def ex_peer_plane(ds: Daemons) -> Capture:
     cap = Capture(
-        "A peer link to rail 0 of daemon B: HELLO both ways, a WRITE of 4 bytes with "
-        "immediate 3, a WRITE with a forged rkey, a SEND"
+        "A peer link to rail 0 of daemon B (cluster secret configured): HELLO, AUTH, a "
+        "WRITE of 4 bytes with immediate 3, a WRITE with a forged rkey, a SEND"
     )
-    with session(ds["b"], cap.title) as (c, _):
+    with session(ds["b-secret"], cap.title) as (c, _):
         c.capture = None
         _, desc = _region(c)
         ptr, _, ((_rail, rkey),) = desc
-        _, _, _, ((host, port),) = msgpack.unpackb(_address(c), raw=False)
+        _, node, group, ((host, port),) = msgpack.unpackb(_address(c), raw=False)
         # B's client posts a receive, so the SEND is delivered (and acknowledged) at once.
         c.send(Command.SUBMIT_RECVS, 90, {"len": 64, "count": 1}, flags=Flag.NO_REPLY)
         link = Conn(port, cap, host=host, server="daemon B rail 0", me="peer")
+        me = PeerIdentity((1 << 63) | secrets.randbits(62), 0, (rail_bytes("127.0.0.1", 1),))
+        hs = PeerHandshake(Role.INITIATOR, me, 0, PEER_SECRET, time.monotonic(),
+                           expect=(node, group, rail_bytes(host, port)))
         try:
-            link.send(PeerCommand.HELLO, 0,
-                      {"node": secrets.randbits(64) | 1, "group": 0, "rail": 0, "rails": 1})
-            link.recv()
-            write = {"op": 1, "part": 0, "parts": 1, "rkey": rkey, "addrs": [ptr + 16],
-                     "lens": [4], "count": 1, "imm": 3}
+            hs.start()
+            while not hs.done:
+                link.send(0, 0, raw=hs.data_to_send())
+                hs.receive(_frame(link.recv()), time.monotonic())
+            write = {"op": 1, "part": 0, "rkey": rkey, "addrs": [ptr + 16], "lens": [4],
+                     "imm": 3}
             link.send(PeerCommand.WRITE, 0, write, b"ABCD")
             link.recv()
             forged = {**write, "op": 2, "rkey": (rkey + 1) % (1 << 64)}
@@ -329,8 +366,11 @@ def ex_peer_plane(ds: Daemons) -> Capture:
         finally:
             link.close()
     cap.note = (
-        "This script plays the initiating daemon. The forged WRITE's 4 bytes are read and "
-        "dropped; the SEND is acknowledged once B has handed it to the receive its client "
-        "posted (without one it would wait in B's backlog, unacknowledged)."
+        "This script plays the initiating daemon, with the cluster secret. B's HELLO reply "
+        "proves B knows the secret (`proof` over the peer's `nonce` and B's `challenge`); the "
+        "peer's AUTH `mac` proves it knows it too, and B's empty AUTH reply opens the link. "
+        "The forged WRITE's 4 bytes are read and dropped; the SEND is acknowledged once B has "
+        "handed it to the receive its client posted (without one it would wait in B's "
+        "backlog, unacknowledged)."
     )
     return cap

@@ -8,8 +8,8 @@ part becomes one or more work requests per destination range.  Which of them car
 the immediate follows ``counting.py``:
 
 * ``part.parts == 1`` (a paged write's frame, a whole single write, a scatter
-  destination, a barrier): every destination range is its own unit, counting 1, and
-  ``part.count`` must equal the number of ranges.
+  destination, a barrier): every destination range is its own unit, counting 1 (the
+  receiver counts what landed; no count travels).
 * ``part.parts > 1`` (a single write split over rails): the whole op is one unit; the
   part with the last index holds its carrier.
 """
@@ -115,11 +115,8 @@ def plan_part(part: WritePart, lkey_of: LkeyOf, *, max_msg: int, max_sge: int,
     if len(part.addrs) != len(part.lens):
         raise BadRequest("write part: addrs and lens differ in length")
     imm = part.imm
-    if imm is not None and part.parts == 1 and part.count != len(part.addrs):
-        raise BadRequest(f"write part counts {part.count} but has {len(part.addrs)} ranges: "
-                         "on verbs every range of an unsplit part counts 1")
-    if imm is not None and part.parts > 1 and (part.count != 1 or len(part.addrs) != 1):
-        raise BadRequest("a single write split over rails is one range counting 1 per part")
+    if imm is not None and part.parts > 1 and len(part.addrs) != 1:
+        raise BadRequest("a single write split over rails is one range per part")
     if imm is not None and not part.addrs:
         raise BadRequest("a zero-length write needs a destination descriptor "
                          "(address and rkey), even on verbs")

@@ -1,0 +1,82 @@
+"""What a receiver counts: the bytes it placed, never a number a peer wrote.
+
+A single write split over rails arrives as parts that each name the whole
+write (its span) and their own range.  :class:`Coverage` reserves each
+part's range before its bytes land (a part outside the span, overlapping
+another, or disagreeing with the others about the span or the immediate is
+refused then) and says when the parts have covered the span, each byte once:
+that is when the write counts, once.  Pure bookkeeping, no I/O; bounded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from transferd.protocol.errors import BadRequest
+
+# Split writes whose parts have not all landed (their sender may have died):
+# the oldest is forgotten past this many.
+MAX_PARTIAL = 65536
+# Parts one split write may arrive in (the engine splits into at most 8).
+MAX_PIECES = 64
+
+Key = tuple[int, int, int]  # (peer node, peer group, op)
+
+
+@dataclass(slots=True)
+class Partial:
+    span: tuple[int, int]
+    imm: int | None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    landed: int = 0
+
+
+class Coverage:
+    def __init__(self, max_partial: int = MAX_PARTIAL, max_pieces: int = MAX_PIECES) -> None:
+        self.max_partial = max_partial
+        self.max_pieces = max_pieces
+        self._partial: OrderedDict[Key, Partial] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._partial)
+
+    def reserve(self, key: Key, span: tuple[int, int], addr: int, length: int,
+                imm: int | None) -> Partial:
+        """Claim ``[addr, addr + length)`` of the write ``key``; BadRequest if it cannot be."""
+        p = self._partial.get(key)
+        if p is None:
+            p = Partial(span, imm)
+        elif p.span != span or p.imm != imm:
+            raise BadRequest(f"write {key[2]}: a part names span {_r(span)} and immediate "
+                             f"{imm}, an earlier one {_r(p.span)} and {p.imm}")
+        base, total = span
+        end = addr + length
+        if addr < base or end > base + total:
+            raise BadRequest(f"write {key[2]}: [0x{addr:x}, +{length}) is outside its span "
+                             f"{_r(span)}")
+        for s, e in p.ranges:
+            if addr < e and s < end:
+                raise BadRequest(f"write {key[2]}: [0x{addr:x}, +{length}) overlaps a part "
+                                 f"already taken, [0x{s:x}, +{e - s})")
+        if len(p.ranges) >= self.max_pieces:
+            raise BadRequest(f"write {key[2]}: more than {self.max_pieces} parts")
+        p.ranges.append((addr, end))
+        if key not in self._partial:
+            self._partial[key] = p
+            while len(self._partial) > self.max_partial:
+                self._partial.popitem(last=False)
+        return p
+
+    def landed(self, key: Key, p: Partial, nbytes: int) -> bool:
+        """``nbytes`` of a reserved part are in place; True once the span is covered."""
+        p.landed += nbytes
+        if p.landed < p.span[1]:
+            return False
+        if self._partial.get(key) is p:
+            del self._partial[key]
+        return True
+
+
+def _r(span: tuple[int, int]) -> str:
+    return f"[0x{span[0]:x}, +{span[1]})"

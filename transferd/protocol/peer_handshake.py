@@ -1,0 +1,467 @@
+"""The peer handshake, sans-IO: two daemons prove who they are before any write.
+
+One :class:`PeerHandshake` per link end.  Frames in (:meth:`receive`), frames
+out (:meth:`data_to_send`), the clock passed in (``now``, :meth:`tick`); no
+sockets and no asyncio, so both ends can be wired to each other in memory.
+Every move is a row of :data:`TRANSITIONS`; anything else is a typed error
+and the link is closed.
+
+With a cluster secret (``engine.secret_file``) both ends prove it, over
+fresh nonces, with separate labels per direction (as the client AUTH of
+PROTOCOL.md does)::
+
+    initiator                                   responder
+    HELLO {v, node, group, rail, addrs, nonce, auth: "hmac-sha256"}  ->
+         <-  HELLO reply {v, node, group, rail, addrs, challenge, proof}
+             proof = HMAC(secret, "transferd-peer-responder-v1" + nonce + challenge + T)
+    AUTH {mac}  ->   mac = HMAC(secret, "transferd-peer-initiator-v1" + challenge + nonce + T)
+         <-  AUTH reply {}  (or UNAUTHORIZED, and the link is closed)
+
+``T`` is the msgpack of both identities (node, group and every rail's
+address), so neither end's claimed addresses can be changed in flight.  A
+replayed HELLO or AUTH fails: the other end's nonce is new on every link.
+
+Without a secret nothing can be proven, but an initiator can still be held
+to the addresses it claims: the responder sends a random token in a PROBE
+frame, on a connection of its own, to the initiator's listener for this rail
+(the :class:`Probe` event; the I/O layer sends it), and the initiator must
+echo it in AUTH {token}.  A raw socket that does not listen at the address
+it claims never learns the token, and a daemon asked to echo a nonce it did
+not send stays silent.
+
+An initiator also checks that the responder is who it dialled: the node and
+group it expected, answering on the address it connected to.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .constants import Flag
+from .errors import (
+    BadFrame,
+    BadRequest,
+    NoHello,
+    Timeout,
+    TransferdError,
+    Unauthorized,
+    error_from_body,
+)
+from .frames import Frame, encode_frame
+from .peer import PeerCommand
+
+VERSION = 1
+METHOD = "hmac-sha256"
+NONCE_LEN = 32
+MAC_LEN = 32
+# Before the handshake is done a link takes bodies of at most this and no payload.
+MAX_HANDSHAKE_BODY = 4096
+MAX_RAILS = 16
+MAX_ADDR_LEN = 256
+DEFAULT_TIMEOUT = 5.0
+RESPONDER_LABEL = b"transferd-peer-responder-v1"
+INITIATOR_LABEL = b"transferd-peer-initiator-v1"
+
+_REPLY = int(Flag.REPLY)
+_ERROR = int(Flag.ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """A daemon's domain group: its node id, its group and one opaque address per rail."""
+
+    node: int
+    group: int
+    addrs: tuple[bytes, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.node, self.group)
+
+
+class Role(enum.Enum):
+    INITIATOR = "initiator"
+    RESPONDER = "responder"
+
+
+class State(enum.Enum):
+    START = "start"
+    HELLO_SENT = "hello-sent"  # initiator: waiting for the HELLO reply
+    AWAIT_PROBE = "await-probe"  # initiator, no secret: waiting for the token
+    AUTH_SENT = "auth-sent"  # initiator: waiting for the AUTH reply
+    AWAIT_HELLO = "await-hello"  # responder
+    AWAIT_AUTH = "await-auth"  # responder
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class Input(enum.Enum):
+    START = "start"
+    HELLO = "hello"
+    HELLO_REPLY = "hello-reply"
+    # Without a secret, a HELLO reply that came before the PROBE's token.
+    REPLY_BEFORE_TOKEN = "reply-before-token"
+    PROBE = "probe"
+    AUTH = "auth"
+    AUTH_REPLY = "auth-reply"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+INI, RES = Role.INITIATOR, Role.RESPONDER
+S = State
+# (role, state, input) -> next state.  A PROBE may overtake the HELLO reply
+# (it comes on another connection): the initiator keeps the token and uses
+# it once the reply is in.
+TRANSITIONS: dict[tuple[Role, State, Input], State] = {
+    (INI, S.START, Input.START): S.HELLO_SENT,
+    (INI, S.HELLO_SENT, Input.PROBE): S.HELLO_SENT,
+    (INI, S.HELLO_SENT, Input.HELLO_REPLY): S.AUTH_SENT,  # with a secret, or a token kept
+    (INI, S.HELLO_SENT, Input.REPLY_BEFORE_TOKEN): S.AWAIT_PROBE,
+    (INI, S.AWAIT_PROBE, Input.PROBE): S.AUTH_SENT,
+    (INI, S.AUTH_SENT, Input.AUTH_REPLY): S.READY,
+    (RES, S.AWAIT_HELLO, Input.HELLO): S.AWAIT_AUTH,
+    (RES, S.AWAIT_AUTH, Input.AUTH): S.READY,
+}
+for _role in Role:
+    for _state in State:
+        if _state not in (S.READY, S.CLOSED):
+            TRANSITIONS[(_role, _state, Input.TIMEOUT)] = S.CLOSED
+            TRANSITIONS[(_role, _state, Input.ERROR)] = S.CLOSED
+    TRANSITIONS[(_role, S.READY, Input.ERROR)] = S.CLOSED
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The handshake is done: ``peer`` is who the other end proved to be."""
+
+    peer: PeerIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Send ``data`` (a PROBE frame) on a new connection to ``addr``, then close it."""
+
+    addr: bytes
+    data: bytes
+
+
+Event = Ready | Probe
+
+
+def _mac(secret: bytes, label: bytes, a: bytes, b: bytes, transcript: bytes) -> bytes:
+    return hmac.new(secret, label + a + b + transcript, hashlib.sha256).digest()
+
+
+def _bin(body: dict[str, Any], name: str, length: int) -> bytes:
+    v = body.get(name)
+    if type(v) is not bytes or len(v) != length:
+        raise BadFrame(f"peer handshake: {name!r} must be {length} bytes")
+    return v
+
+
+def _identity(body: dict[str, Any], rails: int) -> tuple[PeerIdentity, int]:
+    """The identity and rail a HELLO (or its reply) claims, every field checked."""
+    if body.get("v") != VERSION:
+        raise BadFrame(f"peer handshake version {body.get('v')!r}, this daemon speaks "
+                       f"{VERSION}")
+    node, group, rail = body.get("node"), body.get("group"), body.get("rail")
+    for name, v, top in (("node", node, (1 << 64) - 1), ("group", group, 0xFFFF),
+                         ("rail", rail, MAX_RAILS - 1)):
+        if type(v) is not int or not 0 <= v <= top:
+            raise BadFrame(f"peer handshake: {name!r} must be an integer in [0, {top}]")
+    addrs = body.get("addrs")
+    if (type(addrs) is not list or not 1 <= len(addrs) <= MAX_RAILS
+            or not all(type(a) is bytes and 0 < len(a) <= MAX_ADDR_LEN for a in addrs)):
+        raise BadFrame(f"peer handshake: 'addrs' must be 1 to {MAX_RAILS} addresses "
+                       "(bytes)")
+    assert isinstance(node, int) and isinstance(group, int) and isinstance(rail, int)
+    if len(addrs) != rails:
+        raise BadRequest(f"rail count mismatch: peer has {len(addrs)} rail(s), this daemon "
+                         f"{rails}; every peer must have the same number of NICs")
+    if node == 0:
+        raise BadFrame("peer handshake: node id 0 is not a daemon")
+    return PeerIdentity(node, group, tuple(addrs)), rail
+
+
+class PeerHandshake:
+    """One end of a link's handshake (see the module docstring)."""
+
+    def __init__(
+        self,
+        role: Role,
+        me: PeerIdentity,
+        rail: int,
+        secret: bytes | None,
+        now: float,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        expect: tuple[int, int, bytes] | None = None,
+        random: Callable[[int], bytes] = secrets.token_bytes,
+        admit: Callable[[PeerIdentity], None] | None = None,
+    ) -> None:
+        if role is Role.INITIATOR and expect is None:
+            raise ValueError("an initiator knows whom it dials: expect=(node, group, addr)")
+        self.role = role
+        self.me = me
+        self.rail = rail
+        self.secret = secret or None
+        self.deadline = now + timeout
+        self.timeout = timeout
+        self.expect = expect
+        self._random = random
+        # Called with the proven peer before the link is ready; raising a
+        # TransferdError refuses it (the peer book's binding check).
+        self._admit = admit or (lambda peer: None)
+        self.state = State.START if role is Role.INITIATOR else State.AWAIT_HELLO
+        self.peer: PeerIdentity | None = None
+        self.nonce = b""  # the initiator's
+        self._challenge = b""  # the responder's (a token without a secret)
+        self._token: bytes | None = None  # the initiator's, from a PROBE
+        self._transcript = b""
+        self._out: list[bytes] = []
+        self._events: list[Event] = []
+        self.error: TransferdError | None = None
+
+    # -- the I/O side's calls -----------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        out, self._out = self._out, []
+        return b"".join(out)
+
+    def events(self) -> list[Event]:
+        ev, self._events = self._events, []
+        return ev
+
+    @property
+    def done(self) -> bool:
+        return self.state is State.READY
+
+    def start(self) -> None:
+        """Initiator: queue HELLO."""
+        self._move(Input.START)
+        self.nonce = self._random(NONCE_LEN)
+        body = self._hello_body()
+        body["nonce"] = self.nonce
+        if self.secret is not None:
+            body["auth"] = METHOD
+        self._out.append(encode_frame(PeerCommand.HELLO, 0, 0, body))
+
+    def receive(self, frame: Frame, now: float) -> None:
+        """Take one frame of the other end; raises a TransferdError (the link is over)."""
+        try:
+            self._check_clock(now)
+            self._receive(frame)
+        except TransferdError as exc:
+            self._fail(exc, frame.cmd)
+            raise
+
+    def probe(self, token: bytes, now: float) -> None:
+        """Initiator without a secret: the token a PROBE brought to our listener."""
+        try:
+            self._check_clock(now)
+            if len(token) != NONCE_LEN:
+                raise BadFrame(f"peer handshake: a probe token is {NONCE_LEN} bytes")
+            if self.secret is not None or self._token is not None:
+                raise BadFrame("peer handshake: a probe nobody expected")
+            if self.state is State.HELLO_SENT:
+                self._move(Input.PROBE)
+                self._token = token
+                return
+            self._move(Input.PROBE)
+            self._token = token
+            self._send_auth()
+        except TransferdError as exc:
+            self._fail(exc, None)
+            raise
+
+    def tick(self, now: float) -> None:
+        """Raises Timeout once the handshake ran past its deadline unfinished."""
+        try:
+            self._check_clock(now)
+        except TransferdError as exc:
+            self._fail(exc, None)
+            raise
+
+    # -- transitions -------------------------------------------------------------------
+
+    def _move(self, what: Input) -> None:
+        want = TRANSITIONS.get((self.role, self.state, what))
+        if want is None:
+            raise BadFrame(f"peer handshake ({self.role.value}): {what.value} is not "
+                           f"allowed in state {self.state.value}")
+        self.state = want
+
+    def _check_clock(self, now: float) -> None:
+        if self.state not in (State.READY, State.CLOSED) and now >= self.deadline:
+            self._move(Input.TIMEOUT)
+            raise Timeout(f"peer handshake not finished in {self.timeout:g} s")
+
+    def _fail(self, exc: TransferdError, cmd: int | None) -> None:
+        if self.state is State.CLOSED:
+            self.error = self.error or exc
+            return
+        if self.role is Role.RESPONDER and cmd is not None:
+            # Tell the initiator why, so its operator reads the cause, not a reset.
+            self._out.append(encode_frame(cmd, _REPLY | _ERROR, 0, exc.to_body()))
+        self.state = State.CLOSED
+        self.error = exc
+
+    def _receive(self, frame: Frame) -> None:
+        if frame.payload_len:
+            raise BadFrame("peer handshake frames carry no payload")
+        cmd, reply = frame.cmd, frame.is_reply
+        if self.state in (State.READY, State.CLOSED):
+            raise BadFrame(f"peer frame 0x{cmd:02x} after the handshake "
+                           f"({self.state.value})")
+        if self.role is Role.RESPONDER:
+            if self.state is State.AWAIT_HELLO:
+                if cmd != PeerCommand.HELLO or reply:
+                    raise NoHello(f"peer frame 0x{cmd:02x} before HELLO")
+                self._on_hello(frame.body)
+            else:
+                if cmd != PeerCommand.AUTH or reply:
+                    raise Unauthorized(f"peer frame 0x{cmd:02x} where AUTH is due")
+                self._on_auth(frame.body)
+            return
+        if frame.is_error and reply:
+            raise _refused(frame.body)
+        if self.state is State.HELLO_SENT and cmd == PeerCommand.HELLO and reply:
+            self._on_reply(frame.body)
+        elif self.state is State.AUTH_SENT and cmd == PeerCommand.AUTH and reply:
+            assert self.peer is not None
+            self._admit(self.peer)
+            self._move(Input.AUTH_REPLY)
+            self._events.append(Ready(self.peer))
+        else:
+            raise BadFrame(f"peer frame 0x{cmd:02x} (reply={reply}) is not allowed in "
+                           f"state {self.state.value}")
+
+    # -- responder ------------------------------------------------------------------------
+
+    def _on_hello(self, body: dict[str, Any]) -> None:
+        peer, rail = _identity(body, len(self.me.addrs))
+        nonce = _bin(body, "nonce", NONCE_LEN)
+        if rail != self.rail:
+            raise BadRequest(f"peer dialled rail {rail} on this daemon's rail {self.rail}")
+        offered = body.get("auth")
+        if self.secret is not None and offered != METHOD:
+            raise Unauthorized("this daemon requires the cluster secret (engine.secret_file) "
+                               "and the peer offers none")
+        if self.secret is None and offered is not None:
+            raise Unauthorized("this daemon has no cluster secret (engine.secret_file) and "
+                               "the peer offers one: configure the same secret on both")
+        self._move(Input.HELLO)
+        self.peer = peer
+        self.nonce = nonce
+        self._challenge = self._random(NONCE_LEN)
+        self._transcript = _transcript(peer, self.me, rail)
+        reply = self._hello_body()
+        if self.secret is not None:
+            reply["challenge"] = self._challenge
+            reply["proof"] = _mac(self.secret, RESPONDER_LABEL, nonce, self._challenge,
+                                  self._transcript)
+        else:
+            probe = {"nonce": nonce, "token": self._challenge}
+            self._events.append(Probe(peer.addrs[rail],
+                                      encode_frame(PeerCommand.PROBE, 0, 0, probe)))
+        self._out.append(encode_frame(PeerCommand.HELLO, _REPLY, 0, reply))
+
+    def _on_auth(self, body: dict[str, Any]) -> None:
+        if self.secret is not None:
+            want = _mac(self.secret, INITIATOR_LABEL, self._challenge, self.nonce,
+                        self._transcript)
+            if not hmac.compare_digest(_bin(body, "mac", MAC_LEN), want):
+                raise Unauthorized("the peer did not prove the cluster secret: is its "
+                                   "engine.secret_file the same as this daemon's?")
+        elif not hmac.compare_digest(_bin(body, "token", NONCE_LEN), self._challenge):
+            raise Unauthorized("the peer did not echo the probe sent to the address it "
+                               "claims")
+        assert self.peer is not None
+        self._admit(self.peer)
+        self._move(Input.AUTH)
+        self._out.append(encode_frame(PeerCommand.AUTH, _REPLY, 0, {}))
+        self._events.append(Ready(self.peer))
+
+    # -- initiator ------------------------------------------------------------------------
+
+    def _on_reply(self, body: dict[str, Any]) -> None:
+        peer, rail = _identity(body, len(self.me.addrs))
+        assert self.expect is not None
+        node, group, addr = self.expect
+        if peer.key != (node, group) or rail != self.rail or peer.addrs[rail] != addr:
+            raise Unauthorized(
+                f"the daemon at {_show(addr)} answers as node {peer.node:016x}/{peer.group} "
+                f"rail {rail} at {_show(peer.addrs[rail])}, not as node {node:016x}/{group} "
+                f"rail {self.rail}")
+        self.peer = peer
+        self._transcript = _transcript(self.me, peer, rail)
+        if self.secret is not None:
+            if "proof" not in body:
+                raise Unauthorized(f"the daemon at {_show(addr)} has no cluster secret "
+                                   "(engine.secret_file) and this one has")
+            challenge = _bin(body, "challenge", NONCE_LEN)
+            want = _mac(self.secret, RESPONDER_LABEL, self.nonce, challenge, self._transcript)
+            if not hmac.compare_digest(_bin(body, "proof", MAC_LEN), want):
+                raise Unauthorized(f"the daemon at {_show(addr)} did not prove the cluster "
+                                   "secret: is its engine.secret_file the same as this "
+                                   "daemon's?")
+            self._move(Input.HELLO_REPLY)
+            self._challenge = challenge
+            self._send_auth()
+            return
+        if "proof" in body:
+            raise Unauthorized(f"the daemon at {_show(addr)} requires a cluster secret "
+                               "(engine.secret_file) and this one has none")
+        if self._token is not None:
+            self._move(Input.HELLO_REPLY)
+            self._send_auth()
+        else:
+            self._move(Input.REPLY_BEFORE_TOKEN)
+
+    def _send_auth(self) -> None:
+        if self.secret is not None:
+            body = {"mac": _mac(self.secret, INITIATOR_LABEL, self._challenge, self.nonce,
+                                self._transcript)}
+        else:
+            assert self._token is not None
+            body = {"token": self._token}
+        self._out.append(encode_frame(PeerCommand.AUTH, 0, 0, body))
+
+    def _hello_body(self) -> dict[str, Any]:
+        return {"v": VERSION, "node": self.me.node, "group": self.me.group,
+                "rail": self.rail, "addrs": list(self.me.addrs)}
+
+
+def parse_probe(body: dict[str, Any]) -> tuple[bytes, bytes]:
+    """(nonce, token) of a PROBE frame."""
+    return _bin(body, "nonce", NONCE_LEN), _bin(body, "token", NONCE_LEN)
+
+
+def _transcript(initiator: PeerIdentity, responder: PeerIdentity, rail: int) -> bytes:
+    return bytes(msgpack.packb([VERSION, initiator.node, initiator.group,
+                                list(initiator.addrs), rail, responder.node,
+                                responder.group, list(responder.addrs)]))
+
+
+def _refused(body: dict[str, Any]) -> TransferdError:
+    err = error_from_body(body)
+    err.message = f"the peer refused the handshake: {err.message}"
+    return err
+
+
+def _show(addr: bytes) -> str:
+    """An address for a message: as text where it is text, else hex."""
+    try:
+        text = addr.decode()
+    except UnicodeDecodeError:
+        return addr.hex()
+    return text if text.isprintable() else addr.hex()
