@@ -2,8 +2,8 @@
 when their region is deregistered or freed.  Live daemons; the peer is a real daemon or a
 socket driven by hand.
 
-The hand-driven peer speaks the peer plane of transferd/protocol/peer.py (HELLO, then a
-WRITE whose payload it sends in two halves), so a test can hold a write half-landed.
+The hand-driven peer speaks the peer plane of transferd/protocol/peer.py (the handshake,
+then a WRITE whose payload it sends in two halves), so a test can hold a write half-landed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, async_test, pattern, wait_until
+from tests.integration.fake_peer import FakePeer
 from tests.integration.test_accounting import OVERHEAD, device, rss
 from transferd.memory import charge_of
 from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
@@ -64,13 +65,14 @@ async def test_a_write_to_a_silent_peer_is_let_go_after_the_client_has_gone(
 class HandPeer:
     """One rail's link to a daemon, driven frame by frame."""
 
-    def __init__(self, rail: tuple[str, int]) -> None:
-        self.sock = socket.create_connection(rail, timeout=10)
+    def __init__(self, dst: NetAddr) -> None:
+        # Through the peer handshake first (the daemon has no secret: it probes the
+        # address the fake peer claims, where the fake peer listens).
+        self._fake = FakePeer(dst, 0, None)
+        self._fake.handshake()
+        self.sock = self._fake.conn.sock
         self.decoder = FrameDecoder()
         self.frames: list[Frame] = []
-        self.send(PeerCommand.HELLO, {"node": 0x4A4D, "group": 0, "rail": 0, "rails": 1})
-        hello = self.recv()
-        assert hello.cmd == PeerCommand.HELLO and not hello.is_error, hello
 
     def send(self, cmd: int, body: dict[str, Any], payload: bytes = b"",
              payload_len: int | None = None) -> None:
@@ -86,9 +88,9 @@ class HandPeer:
         return self.frames.pop(0)
 
     def write_header(self, op: int, desc: MrDesc, offset: int, length: int) -> None:
-        self.send(PeerCommand.WRITE, {"op": op, "part": 0, "parts": 1, "rkey": desc.rkeys[0][1],
-                                      "addrs": [desc.ptr + offset], "lens": [length],
-                                      "count": 1}, payload_len=length)
+        self.send(PeerCommand.WRITE, {"op": op, "part": 0, "rkey": desc.rkeys[0][1],
+                                      "addrs": [desc.ptr + offset], "lens": [length]},
+                  payload_len=length)
 
 
 async def _landing(c: Client, buf: Any, first: bytes) -> bool:
@@ -105,7 +107,7 @@ async def test_a_write_in_flight_lands_before_dereg_returns_and_none_after(
     async with await Client.connect(daemon.url) as c:
         buf = await c.alloc_buffer(size)
         mr, desc = await c.reg_mr(buf)
-        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0].rails[0])
+        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0])
         peer.write_header(1, desc, 0, size)
         await asyncio.to_thread(peer.sock.sendall, data[:half])
         # The write was admitted and is landing: its first bytes are in the buffer.

@@ -73,7 +73,9 @@ def test_a_taken_rpc_port_is_an_error_naming_it() -> None:
 
 
 def test_a_rail_this_machine_lacks_is_named_by_its_index() -> None:
-    r = run_cli([*SERVE, "-p", "0"], TRANSFERD_ENGINE_HOST_RAILS="127.0.0.1,192.0.2.77")
+    # (insecure: a non-loopback rail without a cluster secret is refused before this check)
+    r = run_cli([*SERVE, "-p", "0"], TRANSFERD_ENGINE_HOST_RAILS="127.0.0.1,192.0.2.77",
+                TRANSFERD_ENGINE_INSECURE="true")
     assert r.returncode == Exit.BIND, r.stderr
     assert "engine.host_rails[1]: 192.0.2.77 is not an address of this machine" in r.stderr
     assert "listening" not in r.stdout
