@@ -13,6 +13,7 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.landing import Coverage
@@ -108,6 +109,10 @@ class DomainGroup:
     def bind_peer(self, peer: PeerIdentity) -> None:
         """A link authenticated ``peer``: bind it (BadRequest if it contradicts a binding)."""
         self.book.bind(peer)
+
+    def hello_body(self, rail: int) -> dict[str, Any]:
+        """The verbs Domain's set-up HELLO (tcp links run peer_handshake instead)."""
+        return {"node": self.node, "group": self.index, "rail": rail, "rails": len(self.domains)}
 
     def rail_address(self, rail: int) -> NetAddr:
         return self.address.rail(rail)
@@ -218,6 +223,11 @@ class DomainGroup:
         if w.imm is not None:
             self.counter.add(w.imm, n)
             self.imms_in += n
+
+    def landed_imm(self, peer: tuple[int, int], imm: int, nbytes: int) -> None:
+        """One unit landed with its immediate (a verbs WRITE_WITH_IMM completion): one count."""
+        self.bytes_in += nbytes
+        self.counter.add(imm & 0xFFFFFFFF, 1)
 
     def close(self) -> None:
         for d in self.domains:

@@ -326,7 +326,7 @@ class VerbsDomain:
         owner = qp.owner
         if isinstance(owner, InLink) and owner.peer is not None:
             # One WRITE_WITH_IMM completion is one unit: it adds 1 (counting.py).
-            self.group.landed(owner.peer, {"imm": imm, "count": 1}, nbytes)
+            self.group.landed_imm(owner.peer, imm, nbytes)
 
     def _on_message(self, qp: QpEnd, qpn: int, slot: int, nbytes: int) -> None:
         try:
