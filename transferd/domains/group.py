@@ -227,7 +227,9 @@ class DomainGroup:
     def landed_imm(self, peer: tuple[int, int], imm: int, nbytes: int) -> None:
         """One unit landed with its immediate (a verbs WRITE_WITH_IMM completion): one count."""
         self.bytes_in += nbytes
+        self.writes_in += 1
         self.counter.add(imm & 0xFFFFFFFF, 1)
+        self.imms_in += 1
 
     def close(self) -> None:
         for d in self.domains:
