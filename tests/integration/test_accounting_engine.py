@@ -151,7 +151,7 @@ async def test_a_write_stalled_mid_payload_is_cut_short_by_dereg(
     async with await Client.connect(d.url) as c:
         buf = await c.alloc_buffer(size)
         mr, desc = await c.reg_mr(buf)
-        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0].rails[0])
+        peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0])
         peer.write_header(1, desc, 0, size)
         await asyncio.to_thread(peer.sock.sendall, data[:half])
         for _ in range(200):
