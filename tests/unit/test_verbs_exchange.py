@@ -103,3 +103,18 @@ def test_check_pair() -> None:
     with pytest.raises(BadRequest, match="neither a LID nor a GID"):
         check_pair(setup(), setup(write_qp=qp(gid=b"\0" * 16)))
     check_pair(setup(), setup(write_qp=qp(gid=b"\0" * 16, lid=7)))  # InfiniBand: a LID
+
+
+def test_channel_setup_round_trip_and_checks() -> None:
+    from transferd.domains.verbs.exchange import ChannelSetup
+
+    c = ChannelSetup(qp(), 32, 256 * 1024)
+    raw = c.to_bytes()
+    assert len(raw) == ChannelSetup.SIZE and ChannelSetup.from_bytes(raw) == c
+    with pytest.raises(BadRequest, match="magic"):
+        ChannelSetup.from_bytes(b"HTTP" + raw[4:])
+    with pytest.raises(BadRequest, match="bytes"):
+        ChannelSetup.from_bytes(raw[:-1])
+    for depth, slot in ((0, 65536), (32, 100), (32, 1 << 30)):
+        with pytest.raises(BadRequest):
+            ChannelSetup(qp(), depth, slot)

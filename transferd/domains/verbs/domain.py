@@ -19,11 +19,8 @@ that listener's host and port): the initiator's HELLO carries its two queue pair
 with its own, and the initiator connects.  The TCP connection stays open for the life of
 the queue pairs: when it closes, they are torn down and every write in flight fails.
 
-Completions: one completion queue per NIC, polled on the group's worker loop.  After
-work is posted, or a completion event arrives, the loop busy-polls for a bounded time
-(BUSY_POLL_S), then arms the completion channel and waits on its file descriptor
-(pyverbs 57 and later expose it); with an older pyverbs, where the descriptor is not
-exposed, it polls every IDLE_POLL_S instead.
+Completions: one completion queue per NIC, polled on the group's worker loop by a
+:class:`~.cqloop.CqPoller` (busy-poll for a bounded time, then the completion channel).
 
 This module needs a device; what it builds on (``sender``, ``counting``, ``completions``,
 ``wrplan``, ``exchange``) is pure and tested without one.
@@ -36,9 +33,7 @@ import contextlib
 import enum
 import logging
 import mmap
-import os
 import socket
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,7 +52,8 @@ from transferd.protocol.values import NetAddr
 
 from ..stream import FramedStream
 from . import messages
-from .completions import Completion, Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
+from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
+from .cqloop import CqPoller
 from .exchange import RailSetup, check_pair
 from .mrtable import Registration, address_of
 from .resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
@@ -75,10 +71,6 @@ WRITE_RECV_DEPTH = 1024  # WRITE_WITH_IMMs towards us in flight per peer and rai
 MSG_DEPTH = 32  # message slots per send/recv queue pair, each way
 MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
 WR_IDS = 1 << 16  # work requests in flight per NIC
-BUSY_POLL_S = 200e-6
-BURST_MAX_S = 2e-3  # the longest one busy-poll burst keeps the worker loop
-IDLE_POLL_S = 1e-3
-POLL_BATCH = 64
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0
 
@@ -266,15 +258,9 @@ class VerbsDomain:
         self.port = self._listener.getsockname()[1]
         self._links: dict[tuple[int, int], OutLink] = {}
         self._inbound: set[InLink] = set()
-        self._kicked = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._fd: int | None = getattr(self.nic.channel, "fd", None)
+        self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
+                               self.dispatcher.dispatch)
         self.loop.add_reader(self._listener.fileno(), self._accept)
-        if self._fd is not None:
-            os.set_blocking(self._fd, False)
-            self.loop.add_reader(self._fd, self._on_channel)
-        else:
-            self._timer = self.loop.call_later(IDLE_POLL_S, self._on_timer)
 
     # -- memory -------------------------------------------------------------------------
 
@@ -344,57 +330,16 @@ class VerbsDomain:
     def _on_broken(self, qp: QpEnd, why: str) -> None:
         qp.owner.close(PeerUnreachable(f"verbs rail {self.rail}: {why}"))
 
-    # -- the completion-queue loop -------------------------------------------------------
+    # -- the completion-queue loop (cqloop.py) ---------------------------------------
 
     def kick(self) -> None:
         """Work was posted: busy-poll soon."""
-        if not self._kicked:
-            self._kicked = True
-            self.loop.call_soon(self._poll_burst)
-
-    def _drain(self) -> int:
-        n, wcs = self.nic.cq.poll(POLL_BATCH)
-        for wc in wcs:
-            self.dispatcher.dispatch(Completion.from_wc(wc))
-        return int(n)
-
-    def _poll_burst(self) -> None:
-        self._kicked = False
-        start = now = time.perf_counter()
-        idle_since = now
-        while now - idle_since < BUSY_POLL_S:
-            if self._drain():
-                idle_since = time.perf_counter()
-            now = time.perf_counter()
-            if now - start > BURST_MAX_S:
-                self.kick()  # let other callbacks run, then go on
-                return
-        if self._fd is not None:
-            self.nic.cq.req_notify()
-            # A completion that came between the last poll and the arm raises no
-            # event: poll once more after arming.
-            if self._drain():
-                self.kick()
-
-    def _on_channel(self) -> None:
-        try:
-            self.nic.channel.get_cq_event(self.nic.cq)
-        except PyverbsError:
-            return  # EAGAIN: nothing yet
-        self.nic.cq.ack_events(1)
-        self._poll_burst()
-
-    def _on_timer(self) -> None:
-        self._poll_burst()
-        self._timer = self.loop.call_later(IDLE_POLL_S, self._on_timer)
+        self.poller.kick()
 
     def close(self) -> None:
         self.loop.remove_reader(self._listener.fileno())
         self._listener.close()
-        if self._fd is not None:
-            self.loop.remove_reader(self._fd)
-        if self._timer is not None:
-            self._timer.cancel()
+        self.poller.close()
         for link in list(self._links.values()):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):

@@ -145,3 +145,41 @@ def check_pair(mine: RailSetup, theirs: RailSetup) -> None:
         if qp.lid == 0 and not any(qp.gid):
             raise BadRequest(f"the peer's queue pair {qp.qpn} has neither a LID nor a GID: "
                              "it cannot be reached")
+
+
+_CHAN = struct.Struct("<4sBxHI")  # magic, version, recv_depth, slot_len
+CHANNEL_MAGIC = b"TDVC"
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSetup:
+    """One side of an rdma:// connection's set-up (over TCP at HOST:PORT): its queue
+    pair, how many receives it posts, and how large each is (the largest message the
+    other side may send it: the server's is its max_message)."""
+
+    qp: QpInfo
+    recv_depth: int
+    slot_len: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.recv_depth <= 4096:
+            raise BadRequest(f"rdma:// receive depth {self.recv_depth} is not 1-4096")
+        if not 4096 <= self.slot_len <= 64 << 20:
+            raise BadRequest(f"rdma:// message size {self.slot_len} is not 4 KiB-64 MiB")
+
+    SIZE = _CHAN.size + _QP.size
+
+    def to_bytes(self) -> bytes:
+        return _CHAN.pack(CHANNEL_MAGIC, VERSION, self.recv_depth,
+                          self.slot_len) + self.qp.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ChannelSetup:
+        if len(raw) != cls.SIZE:
+            raise BadRequest(f"rdma:// set-up must be {cls.SIZE} bytes, got {len(raw)}")
+        magic, version, depth, slot = _CHAN.unpack_from(raw)
+        if magic != CHANNEL_MAGIC:
+            raise BadRequest("rdma:// set-up: bad magic (is this an rdma:// listener?)")
+        if version != VERSION:
+            raise BadRequest(f"rdma:// set-up version {version}, this side speaks {VERSION}")
+        return cls(QpInfo.from_bytes(raw[_CHAN.size :]), depth, slot)
