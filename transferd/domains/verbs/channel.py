@@ -122,6 +122,7 @@ class RcChannel:
         self.slot_len = slot_len
         self.on_message = on_message
         self.on_close = on_close
+        self.on_drain: Callable[[], None] | None = None
         self.closed = False
         self.qp = nic.create_qp(TX_DEPTH, RECV_DEPTH)
         self.info = nic.qp_info(self.qp)
@@ -190,6 +191,8 @@ class RcChannel:
         if self.tx is not None:
             self.tx.free.append(slot)
         self._pump()
+        if self.on_drain is not None:
+            self.on_drain()
 
     # -- receiving ----------------------------------------------------------------------
 
