@@ -111,7 +111,9 @@ class ServerConfig:
         [],
         'More listeners, by URL: "tcp://HOST:PORT", "tls://HOST:PORT" (needs '
         'server.tls_cert and server.tls_key), "unix:///PATH" (stream), '
-        '"seqpacket:///PATH" (AF_UNIX SOCK_SEQPACKET, a message transport). Port 0 picks '
+        '"seqpacket:///PATH" (AF_UNIX SOCK_SEQPACKET, a message transport), '
+        '"rdma://HOST:PORT" (an RDMA RC queue pair set up over TCP at HOST:PORT, a message '
+        "transport; needs an RDMA device, docs/rdma.md). Port 0 picks "
         'one; the daemon prints every URL it got ("transferd: listening on URL"). unix and '
         "seqpacket connections can carry file descriptors (shared-memory buffers).",
         flag="--listen (repeatable)",

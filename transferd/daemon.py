@@ -119,7 +119,11 @@ class Daemon:
             for fe in frontends:
                 with _starting(f"server.host / server.port: the RPC server cannot listen on "
                                f"{hostport((s.host, s.port))}"):
-                    urls += await fe.start(self)
+                    try:
+                        urls += await fe.start(self)
+                    except TransferdError as exc:  # e.g. an rdma:// listener, no device
+                        raise StartError(f"server.listen: {exc.message}", Exit.CONFIG) \
+                            from exc
                 started.append(fe)
             m = self.config.metrics
             if m.enabled:

@@ -163,6 +163,12 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                 f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
     if this_machine:
         problems += _check_unix(cfg.server.unix_socket)
+    for i, url in enumerate(cfg.server.listen):
+        if this_machine and url.startswith("rdma://"):
+            from transferd.domains.verbs.bind import rdma_problem
+
+            if (why := rdma_problem(url)) is not None:
+                problems.append(Problem(f"server.listen[{i}]", why, Kind.MACHINE))
     if this_machine and cfg.engine.enabled and cfg.engine.domain == "verbs":
         from transferd.domains.verbs.bind import machine_problems
 

@@ -101,3 +101,37 @@ def test_verbs_needs_one_device_per_rail(tmp_path: Path) -> None:
     c = run("check-config", "--other-node", str(cfg))
     assert c.returncode == 3 and "engine.rdma_devices: domain verbs needs one RDMA device " \
         "per rail (2), got 1" in c.stderr
+
+
+def test_rdma_is_a_registered_message_transport() -> None:
+    from transferd import transports
+
+    assert "rdma" in transports.schemes()
+    kind = transports.get("rdma://127.0.0.1:1")
+    assert kind.kind == "message" and kind.fds is False
+    assert transports.parse("rdma://[::1]:7").host == "::1"
+
+
+@NONE_HERE
+def test_an_rdma_listener_without_a_device_stops_the_daemon_naming_it() -> None:
+    p = subprocess.run([sys.executable, "-m", "rpc_server.cli", "-H", "127.0.0.1", "-p", "0",
+                        "--metrics-port", "0", "--listen", "rdma://127.0.0.1:0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    assert "cannot start: server.listen[0]: rdma://127.0.0.1:0: no RDMA device" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@NONE_HERE
+def test_an_rdma_client_without_a_device_is_refused_before_any_connection() -> None:
+    import asyncio
+
+    from client import Client
+    from transferd.protocol.errors import BadRequest
+
+    async def go() -> None:
+        # Nothing listens on port 9: the refusal comes before any connection is tried.
+        with pytest.raises(BadRequest, match="no RDMA device"):
+            await Client.connect("rdma://127.0.0.1:9")
+
+    asyncio.run(go())

@@ -10,8 +10,9 @@ Built in (PROTOCOL.md, "Transports"):
 | ``tls://HOST:PORT`` | the loop's TCP transport with the standard ``ssl`` | stream | no |
 | ``unix:///PATH`` | :class:`~.sockets.SocketTransport` over SOCK_STREAM | stream | yes |
 | ``seqpacket:///PATH`` | :class:`~.sockets.SocketTransport` over SOCK_SEQPACKET | message | yes |
+| ``rdma://HOST:PORT`` | :mod:`~.rdma`: an RC queue pair, set up over TCP | message | no |
 
-Another transport (rdma) registers a :class:`TransportKind` under its scheme
+rdma registers its :class:`TransportKind` under its scheme
 with :func:`register`.  A protocol can ask its transport what it is:
 ``get_extra_info("transferd_message")`` is true on a message transport (write
 whole frames with ``transport.write_frame(head, payload, payload_len)``), and
@@ -37,6 +38,11 @@ from .builtin import register_builtins
 from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
 
 register_builtins()
+
+# rdma:// (RC SEND/RECV through pyverbs): pyverbs is imported only when one is opened.
+from .rdma import RdmaKind  # noqa: E402
+
+register(RdmaKind())
 
 __all__ = [
     "HELLO_MESSAGE",

@@ -106,3 +106,15 @@ def deregister_region(worker: Any, group: Any, region: Any) -> None:
                 d.deregister(region.ptr)
 
     worker.run_sync(dereg)
+
+
+def rdma_problem(url: str) -> str | None:
+    """Why an ``rdma://HOST:PORT`` listener or connection cannot open here, or None."""
+    from .devices import discover
+
+    report = discover()
+    if not report.usable:
+        return f"{url}: no RDMA device with an ACTIVE port: {report.reason}"
+    if (p := memlock_problem()) is not None:
+        return f"{url}: {p}"
+    return None

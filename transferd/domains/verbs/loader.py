@@ -12,15 +12,16 @@ import importlib
 import resource
 from types import ModuleType
 
-from transferd.protocol.errors import TransferdError
+from transferd.protocol.errors import BadRequest
 
 # Registering the memory a NIC may write pins it: the daemon's RLIMIT_MEMLOCK must
 # cover the registered buffers.  Below this (the old 64 KiB default) nothing works.
 MIN_MEMLOCK = 64 << 20
 
 
-class VerbsUnavailable(TransferdError):
-    """The verbs Domain cannot start here; the message names what is missing."""
+class VerbsUnavailable(BadRequest):
+    """RDMA cannot be used here (the verbs Domain, rdma://); the message names what is
+    missing."""
 
 
 def load_pyverbs() -> ModuleType:
