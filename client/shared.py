@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from transferd.protocol.errors import BadFrame, BadRequest
+from transferd.protocol.errors import BadFrame, BadRequest, OutOfBounds
 
 from .buffers import RemoteBuffer
 
@@ -44,8 +44,10 @@ class SharedBuffer(RemoteBuffer):
         return np.frombuffer(self.view, dtype=np.uint8)
 
     def local(self, offset: int, size: int) -> memoryview:
-        """``size`` bytes at ``offset``, bounds checked like the daemon checks them."""
-        self.tensor(offset, size)  # raises BadRequest when outside
+        """``size`` bytes at ``offset``, bounds checked as the daemon checks them."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise OutOfBounds(
+                f"[{offset}, {offset + size}) is outside buffer {self.id} of {self.size} bytes")
         return self.view[offset : offset + size]
 
     def unmap(self) -> None:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from client import Client
-from tests.helpers import DaemonProcess, RawConn, async_test
+from client import Client, SharedBuffer
+from tests.conftest import DaemonFactory
+from tests.helpers import REPO, DaemonProcess, RawConn, async_test, digest, pattern, wait_until
 from transferd.memory import charge_of
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.errors import BadRequest
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMemory
+from transferd.protocol.messages import Tensor
 
 MiB = 1 << 20
 
@@ -35,3 +46,189 @@ def test_shm_device_is_listed_with_its_own_limit(daemon: DaemonProcess) -> None:
     c.send(Command.ALLOC_BUFFER, {"device": "shm", "size": 1}, flags=Flag.NO_REPLY)
     ev = c.recv()  # a one-way refusal is still told, as an EVENT
     assert ev.is_error and ev.body["code"] == "BAD_REQUEST"
+
+
+# -- end to end over the descriptor-passing transports --------------------------------
+
+SCHEMES = ["unix", "seqpacket"]
+CHILD = """
+import asyncio, sys
+from client import Client
+
+async def main():
+    c = await Client.connect(sys.argv[1])
+    buf = await c.alloc_shared(int(sys.argv[2]))
+    buf.array[:] = 7  # every page touched, in the shared pages
+    await c.reg_mr(buf)
+    print(buf.id, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def _local_daemon(daemon_factory: DaemonFactory, tmp: Path, *args: str) -> DaemonProcess:
+    return daemon_factory(["--unix", str(tmp / "d.sock"),
+                           "--listen", f"seqpacket://{tmp / 'd.seq'}", *args])
+
+
+def _url(tmp: Path, scheme: str) -> str:
+    return f"unix://{tmp / 'd.sock'}" if scheme == "unix" else f"seqpacket://{tmp / 'd.seq'}"
+
+
+def _memfds(d: DaemonProcess) -> int:
+    """Mappings and descriptors of shared buffers the daemon has now."""
+    assert d.proc is not None
+    pid = d.proc.pid
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sum("memfd:transferd-" in line for line in f)
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            fds += "memfd:transferd-" in os.readlink(f"/proc/{pid}/fd/{fd}")
+    return maps + fds
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@async_test()
+async def test_set_and_get_on_a_shared_buffer_move_no_payload(
+    daemon_factory: DaemonFactory, tmp_path: Path, scheme: str
+) -> None:
+    d = _local_daemon(daemon_factory, tmp_path)
+    size = 4 * MiB
+    async with await Client.connect(_url(tmp_path, scheme)) as c, \
+            await Client.connect(d.url) as tcp:
+        buf = await c.alloc_shared(size)
+        assert isinstance(buf, SharedBuffer) and buf.size == size
+        assert buf.array.shape == (size,) and not buf.array.any()  # zero filled
+        before_client = c.stats()["bytes_out"] + c.stats()["bytes_in"]
+        before_server = await tcp.server_stats()
+        data = pattern(size, 3)
+        await c.set_tensor(buf.tensor(), data)
+        c.set_tensor_async(buf.tensor(0, 4096), pattern(4096, 4))
+        got = await c.get_tensor(buf.tensor(4096, size - 4096))
+        fut = c.get_tensor_async(buf.tensor(0, 4096))
+        await c.synchronize()
+        assert digest(got) == digest(data[4096:]) and fut.result() == pattern(4096, 4)
+        out = bytearray(100)
+        assert await c.get_tensor(buf.tensor(10, 100), out=out) is out
+        after = await tcp.server_stats()
+        for cmd in ("SET_TENSOR", "SET_TENSORS", "GET_TENSOR", "GET_TENSORS"):
+            assert after["commands"][cmd] == before_server["commands"][cmd], cmd
+        moved = c.stats()["bytes_out"] + c.stats()["bytes_in"] - before_client
+        assert moved < 1024, moved  # the SYNCHRONIZE, no payload
+        # The daemon's mapping is the same memory: a TCP client reads the bytes over the wire.
+        expect = pattern(4096, 4) + data[4096:]
+        assert digest(await tcp.get_tensor(buf.tensor())) == digest(expect)
+        await tcp.set_tensor(buf.tensor(0, 8), b"ABCDEFGH")
+        assert bytes(buf.view[:8]) == b"ABCDEFGH"
+        with pytest.raises(OutOfBounds):  # checked as the daemon checks it
+            await c.set_tensor(Tensor(buf.id, size - 4, 8), b"x" * 8)
+        with pytest.raises(OutOfBounds):
+            await c.get_tensor(Tensor(buf.id, size, 1))
+        await c.free_buffer(buf)
+    assert wait_until(lambda: _memfds(d) == 0)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@async_test()
+async def test_shared_sizes_zero_the_limit_and_one_more(
+    daemon_factory: DaemonFactory, tmp_path: Path, scheme: str
+) -> None:
+    d = _local_daemon(daemon_factory, tmp_path, "-m", "16")
+    async with await Client.connect(_url(tmp_path, scheme)) as c, \
+            await Client.connect(d.url) as tcp:
+        shm = next(x for x in await tcp.get_devices() if x["name"] == "shm")
+        zero = await c.alloc_shared(0)
+        assert zero.size == 0 and zero.view.nbytes == 0
+        assert await c.get_tensor(zero.tensor()) == b""
+        await c.free_buffer(zero)
+        with pytest.raises(OutOfMemory):
+            await c.alloc_shared(shm["max_size"] + 1)
+        assert shm["max_size"] == shm["total"] - shm["per_buffer"]
+    assert _memfds(d) == 0
+
+
+@async_test()
+async def test_shared_limit_is_its_own(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    d = _local_daemon(daemon_factory, tmp_path, "-m", "8",
+                      env={"TRANSFERD_MEMORY_SHM_LIMIT_MIB": "4"})
+    async with await Client.connect(_url(tmp_path, "unix")) as c:
+        devs = {x["name"]: x for x in await c.get_devices()}
+        assert devs["shm"]["total"] == 4 * MiB and devs["cpu"]["total"] == 8 * MiB
+        big = await c.alloc_shared(devs["shm"]["max_size"])  # all of it
+        with pytest.raises(OutOfMemory):
+            await c.alloc_shared(0)
+        host = await c.alloc_buffer(4 * MiB)  # the host limit is untouched
+        big.array[-1] = 1
+        await c.free_buffer(big)
+        await c.free_buffer(host)
+        devs = {x["name"]: x for x in await c.get_devices()}
+        assert devs["shm"]["free"] == 4 * MiB and devs["cpu"]["free"] == 8 * MiB
+    assert d.alive()
+
+
+@async_test(timeout=60)
+async def test_a_remote_daemon_writes_straight_into_a_shared_buffer(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    writer = daemon_factory()
+    d = _local_daemon(daemon_factory, tmp_path)
+    size, imm = 32 * MiB, 0x5EED
+    data = pattern(size, 11)
+    async with await Client.connect(_url(tmp_path, "unix")) as c, \
+            await Client.connect(writer.url) as w:
+        buf = await c.alloc_shared(size)
+        _, desc = await c.reg_mr(buf)
+        arrived = await c.expect_imm_count(imm, 1)
+        src = await w.alloc_buffer(size)
+        await w.set_tensor(src.tensor(), data)
+        src_mr, _ = await w.reg_mr(src)
+        await (await w.submit_single_write(size, imm, (src_mr, 0), (desc, 0))).wait(20)
+        await arrived.wait(20)
+        # In the client's memory, no GET: the daemon wrote into the pages it maps.
+        assert hashlib.sha256(buf.view).hexdigest() == hashlib.sha256(data).hexdigest()
+        await c.free_buffer(buf)
+    assert wait_until(lambda: _memfds(d) == 0)
+
+
+@async_test(timeout=60)
+async def test_a_client_that_dies_leaves_nothing_behind(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = _local_daemon(daemon_factory, tmp_path)
+    size = 16 * MiB
+    async with await Client.connect(d.url) as tcp:
+        def shm_free() -> int:
+            return int(next(x for x in _devices(d) if x["name"] == "shm")["free"])
+
+        total = shm_free()
+        child = subprocess.Popen([sys.executable, "-c", CHILD, _url(tmp_path, "unix"),
+                                  str(size)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            assert child.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 20)
+            buffer_id = int(line)
+            assert shm_free() == total - charge_of(size)
+            assert _memfds(d) >= 1  # the daemon's mapping of it
+            assert (await tcp.get_tensor((buffer_id, size - 1, 1))) == b"\x07"
+            child.kill()  # mapped, registered, and gone without a word
+            child.wait(10)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+        assert wait_until(lambda: shm_free() == total, timeout=10)
+        assert wait_until(lambda: _memfds(d) == 0, timeout=10)
+        with pytest.raises(NotFound):
+            await tcp.get_tensor((buffer_id, 0, 1))
+    assert d.alive()
+
+
+def _devices(d: DaemonProcess) -> list[dict[str, Any]]:
+    c = RawConn.to(d)
+    try:
+        c.hello()
+        return list(c.request(Command.GET_DEVICES).body["devices"])
+    finally:
+        c.sock.close()

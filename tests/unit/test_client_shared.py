@@ -8,7 +8,7 @@ import pytest
 
 from client.shared import SharedBuffer, map_shared
 from transferd.memory import BufferTable, DeviceSpec
-from transferd.protocol.errors import BadFrame, BadRequest
+from transferd.protocol.errors import BadFrame, BadRequest, OutOfBounds
 
 MiB = 1 << 20
 
@@ -38,7 +38,7 @@ def test_maps_the_daemons_pages_and_closes_the_descriptor() -> None:
     assert bytes(buf.view[10:14]) == b"wxyz" and buf.array[10] == ord("w")
     buf.local(4996, 4)[:] = b"tail"
     assert bytes(b.view(4996, 4)) == b"tail"
-    with pytest.raises(BadRequest):
+    with pytest.raises(OutOfBounds):
         buf.local(4997, 4)  # outside the 5000 bytes (the mapping's page is not the buffer)
     buf.unmap()
     with pytest.raises(BadRequest):
