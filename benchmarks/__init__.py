@@ -18,9 +18,12 @@ BENCHMARKS = [
     "engine_paged",
     "engine_rails",
     "engine_latency",
+    # Memory (issue 7)
+    "shm_read",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
+    "memory": ["shm_read"],
 }
