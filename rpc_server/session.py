@@ -355,8 +355,13 @@ class Session(asyncio.BufferedProtocol):
                     release_all(hold)
         elif plen <= SMALL_REPLY:
             self.transport.write(b"".join((head, *payload)) if plen else head)
-            if hold:  # the payload was copied into the joined bytes
-                release_all(hold)
+            if hold:
+                # The payload was copied into the joined bytes, but descriptors
+                # go by number when the write does: hold them open until then.
+                if fds and self.transport.get_write_buffer_size():
+                    self._held.extend(hold)
+                else:
+                    release_all(hold)
         else:
             # One call for all views: the transport sends them together
             # (a write per view would be a send syscall per tensor).

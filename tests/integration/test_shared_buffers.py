@@ -233,3 +233,65 @@ def _devices(d: DaemonProcess) -> list[dict[str, Any]]:
         return list(c.request(Command.GET_DEVICES).body["devices"])
     finally:
         c.sock.close()
+
+
+@async_test(timeout=60)
+async def test_an_alloc_behind_an_unread_reply_gets_its_own_descriptor(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """ALLOC_BUFFER of shm sent behind a 32 MiB GET the client does not read yet (the
+    daemon stops reading meanwhile): when the reply finally comes, the memfd with it is
+    the buffer's, though the daemon closes its own copy once sent and the client opened
+    other descriptors in the meantime."""
+    import array
+    import mmap
+    import socket
+
+    from transferd.protocol.frames import FrameDecoder, encode_frame
+
+    d = _local_daemon(daemon_factory, tmp_path)
+    size = 32 * MiB
+    async with await Client.connect(d.url) as tcp:
+        big = await tcp.alloc_buffer(size)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(tmp_path / "d.sock"))
+        s.settimeout(10)
+        dec = FrameDecoder(max_payload=1 << 30)
+        frames_in: list[Any] = []
+        fds: list[int] = []
+
+        def pump() -> None:
+            data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 4))
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(raw[: len(raw) - len(raw) % 4])
+                    fds.extend(a)
+            if not data:
+                raise ConnectionError("daemon closed")
+            frames_in.extend(dec.feed(data))
+
+        s.sendall(encode_frame(Command.HELLO, 0, 1, {"major": 1, "minor": 2, "client": "raw"}))
+        while not frames_in:
+            await asyncio.to_thread(pump)
+        frames_in.clear()
+        s.sendall(encode_frame(Command.GET_TENSOR, 0, 2, {"tensor": [big.id, 0, size]}))
+        s.sendall(encode_frame(Command.ALLOC_BUFFER, 0, 3, {"device": "shm", "size": 8192}))
+        await asyncio.sleep(0.3)  # the daemon has both replies queued behind our silence
+        # Descriptors opened meanwhile may take the number a closed memfd had.
+        decoys = [os.open("/dev/null", os.O_RDONLY) for _ in range(8)]
+        try:
+            while len([f for f in frames_in if f.seq == 3]) == 0:
+                await asyncio.to_thread(pump)
+            (reply,) = [f for f in frames_in if f.seq == 3]
+            assert not reply.is_error and reply.body["fds"] == 1 and len(fds) == 1, reply.body
+            m = mmap.mmap(fds[0], reply.body["map_size"], flags=mmap.MAP_SHARED)
+            os.close(fds[0])
+            await tcp.set_tensor((reply.body["buffer"], 100, 5), b"hello")
+            assert m[100:105] == b"hello"  # the daemon's buffer, not some other file
+            m.close()
+        finally:
+            for fd in decoys:
+                os.close(fd)
+            s.close()
+    assert d.alive()
