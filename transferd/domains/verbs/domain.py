@@ -14,10 +14,10 @@ WRITE_WITH_IMM would take the receive a message was meant to land in, and messag
 receives could not be sized or reposted independently of the write traffic.
 
 Set-up rides on a TCP connection per rail and peer (the rail's address in NetAddr is
-that listener's host and port): the initiator's HELLO carries its two queue pairs'
-:class:`~.exchange.RailSetup`, the responder creates its pair, connects them and answers
-with its own, and the initiator connects.  The TCP connection stays open for the life of
-the queue pairs: when it closes, they are torn down and every write in flight fails.
+that listener's host and port): the authenticated peer handshake first, then the two
+sides' :class:`~.exchange.RailSetup` (``links.py``).  The TCP connection stays open for
+the life of the queue pairs: when it closes, they are torn down and every write in
+flight fails.
 
 Completions: one completion queue per NIC, polled on the group's worker loop by a
 :class:`~.cqloop.CqPoller` (busy-poll for a bounded time, then the completion channel).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import mmap
 import socket
@@ -44,17 +43,15 @@ from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
     TransferdError,
-    error_from_body,
 )
 from transferd.protocol.frames import Frame
-from transferd.protocol.peer import PeerCommand
 from transferd.protocol.values import NetAddr
 
-from ..stream import FramedStream
+from ..tcp import parse_rail, rail_bytes
 from . import messages
 from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from .cqloop import CqPoller
-from .exchange import RailSetup, check_pair
+from .links import InLink, LinkState, OutLink
 from .mrtable import Registration, address_of
 from .resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from .sender import Posted, Sender
@@ -71,14 +68,9 @@ WRITE_RECV_DEPTH = 1024  # WRITE_WITH_IMMs towards us in flight per peer and rai
 MSG_DEPTH = 32  # message slots per send/recv queue pair, each way
 MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
 WR_IDS = 1 << 16  # work requests in flight per NIC
+MAX_HANDSHAKING = 64  # inbound set-up links not yet authenticated, per rail
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0
-
-
-class LinkState(enum.Enum):
-    CONNECTING = "connecting"
-    READY = "ready"
-    CLOSED = "closed"
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -256,8 +248,11 @@ class VerbsDomain:
             on_message=self._on_message, repost=self._repost, on_broken=self._on_broken)
         self._listener = _listen(host, port)
         self.port = self._listener.getsockname()[1]
-        self._links: dict[tuple[int, int], OutLink] = {}
+        # Keyed by the peer and the address dialled, as the tcp rails' links.
+        self._links: dict[tuple[int, int, tuple[str, int]], OutLink] = {}
         self._inbound: set[InLink] = set()
+        self._probes: dict[bytes, OutLink] = {}
+        self._probing: set[asyncio.Task[None]] = set()
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
                                self.dispatcher.dispatch)
         self.loop.add_reader(self._listener.fileno(), self._accept)
@@ -273,11 +268,16 @@ class VerbsDomain:
 
     # -- outbound ---------------------------------------------------------------------
 
+    @property
+    def address(self) -> bytes:
+        return rail_bytes(self.host, self.port)
+
     def link_to(self, dst: NetAddr) -> OutLink:
-        link = self._links.get(dst.key)
+        key = (dst.node, dst.group, dst.rails[0])
+        link = self._links.get(key)
         if link is None or link.state is LinkState.CLOSED:
             link = OutLink(self, dst)
-            self._links[dst.key] = link
+            self._links[key] = link
         return link
 
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
@@ -287,8 +287,49 @@ class VerbsDomain:
             transfer.fail(exc)
 
     def forget(self, link: OutLink) -> None:
-        if self._links.get(link.dst.key) is link:
-            del self._links[link.dst.key]
+        key = (link.dst.node, link.dst.group, link.dst.rails[0])
+        if self._links.get(key) is link:
+            del self._links[key]
+
+    # -- probes (no cluster secret; peer_handshake) ----------------------------------------
+
+    def expect_probe(self, nonce: bytes, link: OutLink) -> None:
+        if len(self._probes) < MAX_HANDSHAKING:
+            self._probes[nonce] = link
+
+    def forget_probe(self, link: OutLink) -> None:
+        if link.hs is not None and self._probes.get(link.hs.nonce) is link:
+            del self._probes[link.hs.nonce]
+
+    def probe_arrived(self, nonce: bytes, token: bytes) -> None:
+        link = self._probes.get(nonce)
+        if link is not None:
+            link.probed(token)
+
+    def send_probe(self, addr: bytes, data: bytes) -> bool:
+        """Dial ``addr`` (the initiator's claimed rail), send a PROBE, hang up."""
+        try:
+            host, port = parse_rail(addr)
+        except BadRequest:
+            return False
+        task = self.loop.create_task(self._probe(host, port, data))
+        self._probing.add(task)
+        task.add_done_callback(self._probing.discard)
+        return True
+
+    async def _probe(self, host: str, port: int, data: bytes) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, 0))
+            sock.setblocking(False)
+            timeout = self.group.handshake_timeout_s
+            await asyncio.wait_for(self.loop.sock_connect(sock, (host, port)), timeout)
+            await asyncio.wait_for(self.loop.sock_sendall(sock, data), timeout)
+        except (TimeoutError, OSError) as exc:
+            log.info("verbs rail %d: probe to %s:%d failed: %s", self.rail, host, port, exc)
+        finally:
+            sock.close()
 
     def fail_wrs_of(self, qp: QpEnd) -> list[Posted]:
         """Take back the work requests of a queue pair that is going away."""
@@ -306,7 +347,13 @@ class VerbsDomain:
             except OSError as exc:
                 log.warning("verbs rail %d: accept failed: %s", self.rail, exc)
                 return
+            if sum(i.state is LinkState.CONNECTING for i in self._inbound) >= MAX_HANDSHAKING:
+                sock.close()  # strangers in their handshake: a bounded number at once
+                continue
             self._inbound.add(InLink(self, sock))
+
+    def inbound_closed(self, link: InLink) -> None:
+        self._inbound.discard(link)
 
     def _on_imm(self, qp: QpEnd, imm: int, nbytes: int) -> None:
         owner = qp.owner
@@ -344,221 +391,10 @@ class VerbsDomain:
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
             inbound.close(PeerUnreachable("engine is shutting down"))
+        for task in list(self._probing):
+            task.cancel()
         self.sender.close()
         self.nic.close()
-
-
-class _SetupLink:
-    """What OutLink and InLink share: the TCP set-up connection and two queue pairs."""
-
-    domain: VerbsDomain
-    send: QpEnd | None = None
-    write: QpEnd | None = None
-    stream: FramedStream | None = None
-    state = LinkState.CONNECTING
-
-    def _make_qps(self) -> RailSetup:
-        self.send = QpEnd(self.domain, self, write=False)
-        self.write = QpEnd(self.domain, self, write=True)
-        g = self.domain.group
-        return RailSetup(g.node, g.index, self.domain.rail, len(g.domains), self.send.info,
-                         self.write.info, MSG_DEPTH, WRITE_RECV_DEPTH, MSG_LEN,
-                         self.domain.nic.choice.max_msg)
-
-    def _connect_qps(self, mine: RailSetup, raw: Any) -> RailSetup:
-        if not isinstance(raw, bytes):
-            raise BadRequest("verbs HELLO without a rail set-up")
-        theirs = RailSetup.from_bytes(raw)
-        check_pair(mine, theirs)
-        assert self.send is not None and self.write is not None
-        self.send.connect(theirs.send_qp)
-        self.write.connect(theirs.write_qp)
-        return theirs
-
-    def _close_qps(self) -> None:
-        for qp in (self.send, self.write):
-            if qp is not None:
-                qp.close()
-        self.send = self.write = None
-        if self.stream is not None:
-            self.stream.close()
-
-
-class OutLink(_SetupLink):
-    """Our queue pairs towards one peer's rail: our writes and messages go out here."""
-
-    def __init__(self, domain: VerbsDomain, dst: NetAddr) -> None:
-        self.domain = domain
-        self.dst = dst
-        self.state = LinkState.CONNECTING
-        self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
-        self._pending: dict[tuple[int, int], Transfer] = {}
-        self._setup = self._make_qps()
-        self._task = domain.loop.create_task(self._connect())
-
-    async def _connect(self) -> None:
-        host, port = self.dst.rails[0]
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((self.domain.host, 0))
-            sock.setblocking(False)
-            await asyncio.wait_for(self.domain.loop.sock_connect(sock, (host, port)),
-                                   CONNECT_TIMEOUT)
-        except (TimeoutError, OSError) as exc:
-            sock.close()
-            self.close(PeerUnreachable(f"verbs rail {self.domain.rail}: cannot reach "
-                                       f"{host}:{port} to set up: {exc or 'timed out'}"))
-            return
-        if self.state is LinkState.CLOSED:
-            sock.close()
-            return
-        self.stream = FramedStream(self.domain.loop, sock, on_frame=self._on_frame,
-                                   on_close=self._on_close, max_payload=0)
-        body = self.domain.group.hello_body(self.domain.rail)
-        body["verbs"] = self._setup.to_bytes()
-        self.stream.send(PeerCommand.HELLO, 0, 0, body)
-
-    def _on_frame(self, frame: Frame) -> None:
-        if frame.cmd != PeerCommand.HELLO or self.state is not LinkState.CONNECTING:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        if frame.is_error:
-            self.close(error_from_body(frame.body))
-            return
-        try:
-            self._connect_qps(self._setup, frame.body.get("verbs"))
-        except TransferdError as exc:
-            self.close(exc)
-            return
-        self.state = LinkState.READY
-        waiting, self._waiting = self._waiting, deque()
-        for part, transfer in waiting:
-            self._send(part, transfer)
-
-    def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
-        if self.state is LinkState.READY:
-            self._send(part, transfer)
-        elif self.state is LinkState.CLOSED:
-            transfer.fail(PeerUnreachable(f"verbs link to {self.dst} is closed"))
-        else:
-            self._waiting.append((part, transfer))
-
-    def _send(self, part: WritePart | SendPart, transfer: Transfer) -> None:
-        if transfer.finished:
-            return
-        assert self.write is not None and self.send is not None
-        if isinstance(part, WritePart):
-            self.domain.sender.write(self.write, part, transfer)
-            return
-        key = (part.op, part.index)
-        self._pending[key] = transfer
-
-        def sent(err: TransferdError | None) -> None:
-            if err is not None and self._pending.pop(key, None) is transfer:
-                transfer.fail(err)
-
-        try:
-            self.send.send_frame(PeerCommand.SEND, {"op": part.op, "part": part.index},
-                                 part.msg, sent)
-        except TransferdError as exc:
-            self._pending.pop(key, None)
-            transfer.fail(exc)
-
-    def on_message(self, frame: Frame) -> None:
-        """An ACK for one of our messages (the peer's client has it, or cannot)."""
-        if frame.cmd != PeerCommand.ACK:
-            self.close(BadRequest(f"unexpected message 0x{frame.cmd:02x} on a verbs link"))
-            return
-        key = (frame.body.get("op", -1), frame.body.get("part", -1))
-        transfer = self._pending.pop(key, None)
-        if transfer is not None:
-            transfer.part_done(None if frame.body.get("ok") else error_from_body(frame.body))
-
-    def _on_close(self, exc: BaseException | None) -> None:
-        reason = f": {exc}" if exc else ""
-        self.close(PeerUnreachable(f"verbs link to {self.dst} rail {self.domain.rail} "
-                                   f"closed{reason}"))
-
-    def close(self, error: TransferdError) -> None:
-        if self.state is LinkState.CLOSED:
-            return
-        self.state = LinkState.CLOSED
-        self.domain.forget(self)
-        waiting, self._waiting = self._waiting, deque()
-        pending, self._pending = self._pending, {}
-        self._close_qps()
-        for _, transfer in waiting:
-            transfer.fail(error)
-        for transfer in pending.values():
-            transfer.fail(error)
-
-
-class InLink(_SetupLink):
-    """A peer's queue pairs towards us: its writes land and its messages arrive here."""
-
-    def __init__(self, domain: VerbsDomain, sock: socket.socket) -> None:
-        self.domain = domain
-        self.peer: tuple[int, int] | None = None
-        self.state = LinkState.CONNECTING
-        self.stream = FramedStream(domain.loop, sock, on_frame=self._on_frame,
-                                   on_close=self._on_close, max_payload=0)
-
-    def _on_frame(self, frame: Frame) -> None:
-        g = self.domain.group
-        if frame.cmd != PeerCommand.HELLO or self.peer is not None:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        body = frame.body
-        assert self.stream is not None
-        try:
-            if body.get("rails") != len(g.domains):
-                raise BadRequest(f"rail count mismatch: peer has {body.get('rails')} "
-                                 f"rail(s), this daemon {len(g.domains)}")
-            mine = self._make_qps()
-            self._connect_qps(mine, body.get("verbs"))
-        except TransferdError as exc:
-            self.stream.send(PeerCommand.HELLO, 0x02, 0, exc.to_body())
-            self.close(exc)
-            return
-        self.peer = (int(body.get("node", 0)), int(body.get("group", 0)))
-        self.state = LinkState.READY
-        reply = g.hello_body(self.domain.rail)
-        reply["verbs"] = mine.to_bytes()
-        self.stream.send(PeerCommand.HELLO, 0, 0, reply)
-
-    def on_message(self, frame: Frame) -> None:
-        """A two-sided message: acknowledged once a client has it."""
-        if frame.cmd != PeerCommand.SEND or self.peer is None:
-            self.close(BadRequest(f"unexpected message 0x{frame.cmd:02x} on a verbs link"))
-            return
-        ref = {"op": frame.body.get("op"), "part": frame.body.get("part")}
-        loop = self.domain.loop
-
-        def ack(err: TransferdError | None) -> None:
-            loop.call_soon_threadsafe(self._ack, ref, err)
-
-        self.domain.group.deliver(self.peer, bytes(frame.payload or b""), ack)
-
-    def _ack(self, ref: dict[str, Any], error: TransferdError | None) -> None:
-        if self.send is None or self.state is LinkState.CLOSED:
-            return
-        body = dict(ref)
-        body.update({"ok": True} if error is None else error.to_body())
-        try:
-            self.send.send_frame(PeerCommand.ACK, body, b"", None)
-        except TransferdError as exc:
-            self.close(exc)
-
-    def _on_close(self, exc: BaseException | None) -> None:
-        self.close(PeerUnreachable("set-up connection closed"))
-
-    def close(self, error: TransferdError) -> None:
-        if self.state is LinkState.CLOSED:
-            return
-        self.state = LinkState.CLOSED
-        self.domain._inbound.discard(self)
-        self._close_qps()
 
 
 def shared_sender(group: Any) -> Sender:
