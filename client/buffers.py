@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transferd.protocol.errors import BadRequest
+from transferd.protocol.errors import OutOfBounds
 from transferd.protocol.messages import Tensor
 
 
@@ -20,7 +20,7 @@ class RemoteBuffer:
         if size is None:
             size = self.size - offset
         if offset < 0 or size < 0 or offset + size > self.size:
-            raise BadRequest(
+            raise OutOfBounds(
                 f"[{offset}, {offset + size}) is outside buffer {self.id} of {self.size} bytes"
             )
         return Tensor(self.id, offset, size)

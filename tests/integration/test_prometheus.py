@@ -26,6 +26,8 @@ import pytest
 
 from client import Client
 from tests.helpers import REPO, DaemonProcess, run, start_daemon
+from transferd.protocol.errors import OutOfBounds
+from transferd.protocol.messages import Tensor
 
 PROMETHEUS = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "transferd.json"
@@ -95,8 +97,8 @@ def _traffic(d: DaemonProcess) -> None:
             w = await c.submit_single_write(4096, 7, (ma, 0), (db, 0))
             await w.wait(10)
             await c.get_tensor(b.tensor(0, 4096))
-            with pytest.raises(Exception):  # noqa: B017 - any error will do: OUT_OF_BOUNDS
-                await c.get_tensor(b.tensor((1 << 20) - 8, 16))
+            with pytest.raises(OutOfBounds):  # from the daemon: an error series
+                await c.get_tensor(Tensor(b.id, (1 << 20) - 8, 16))
         finally:
             await c.close()
 
