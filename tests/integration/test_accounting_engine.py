@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import signal
 import socket
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.helpers import DaemonProcess, RawConn, async_test, pattern, wait_unti
 from tests.integration.fake_peer import FakePeer
 from tests.integration.test_accounting import OVERHEAD, device, rss
 from transferd.memory import charge_of
+from transferd.protocol.errors import Timeout
 from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 from transferd.protocol.peer import PeerCommand
 from transferd.protocol.values import MrDesc, NetAddr
@@ -172,3 +174,39 @@ async def test_a_write_stalled_mid_payload_is_cut_short_by_dereg(
         peer.sock.close()
         await c.free_buffer(buf)
     assert d.alive()
+
+
+@async_test(timeout=90)
+async def test_a_write_to_a_peer_that_stops_reading_is_let_go_after_the_timeout(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """The peer shook hands, then stopped (SIGSTOP: its kernel buffers a little, then reads
+    nothing). The write times out; the link still holding its unsent bytes is closed, so the
+    freed buffer's memory and charge come back with the client gone."""
+    a = daemon_factory(["-m", "128"], env={"TRANSFERD_ENGINE_PEER_TIMEOUT_S": "1"})
+    b = daemon_factory()
+    assert b.proc is not None
+    ctl = RawConn.to(a)
+    ctl.hello()
+    base = rss(a)
+    size = 64 * MiB
+    try:
+        async with await Client.connect(a.url) as ca, await Client.connect(b.url) as cb:
+            dst = await cb.alloc_buffer(size)
+            _, desc = await cb.reg_mr(dst)
+            src = await ca.alloc_buffer(size)
+            await ca.buffer_clear(src, 3)
+            mr, _ = await ca.reg_mr(src)
+            # The link is up (handshake done), then the peer stops.
+            await (await ca.submit_single_write(4096, None, (mr, 0), (desc, 0))).wait(20)
+            b.proc.send_signal(signal.SIGSTOP)
+            done = await ca.submit_single_write(size, None, (mr, 0), (desc, 0))
+            await ca.free_buffer(src)
+            assert device(ctl)["free"] == 128 * MiB - charge_of(size)  # held, and counted
+            with pytest.raises(Timeout):
+                await done.wait(20)
+        assert wait_until(lambda: device(ctl)["free"] == 128 * MiB, timeout=10), device(ctl)
+        assert wait_until(lambda: rss(a) - base <= OVERHEAD, timeout=5), rss(a) - base
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    assert a.alive() and b.alive()

@@ -158,6 +158,10 @@ class DomainGroup:
         peer_warning("transfer timed out", dst.node if dst else None, rail,
                      dst.rails[0] if dst and dst.rails else None, err)
         transfer.fail(err)
+        # A link still holding unsent bytes after that long has a peer that reads
+        # nothing: closed, so the memory those bytes lie in can go back.
+        for key in {(p.rail, p.dst.key): (p.rail, p.dst) for p in parts}.values():
+            self.domains[key[0]].drop_stalled(key[1], err)
 
     def connect(self, addr: NetAddr) -> None:
         """Open every rail's link to a peer now, ahead of the first transfer."""

@@ -156,6 +156,12 @@ class TcpDomain:
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         self.link_to(part.dst).submit(part, transfer)
 
+    def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
+        """A transfer to ``dst`` timed out: close its link if bytes still wait to go."""
+        link = self._links.get((dst.node, dst.group, dst.rails[0]))
+        if link is not None and link.stalled:
+            link.close(error)
+
     def forget(self, link: PeerLink) -> None:
         key = (link.dst.node, link.dst.group, link.dst.rails[0])
         if self._links.get(key) is link:
@@ -293,6 +299,11 @@ class PeerLink:
         d.expect_probe(self.hs.nonce, self)
         self._timer = d.loop.call_at(self.hs.deadline, self._tick)
         self.stream.send_raw(self.hs.data_to_send())
+
+    @property
+    def stalled(self) -> bool:
+        """Parts wait, or bytes are queued unsent (views of their sources held)."""
+        return bool(self._waiting) or (self.stream is not None and self.stream.queued > 0)
 
     def _tick(self) -> None:
         if self.hs is not None and not self.hs.done:
