@@ -100,19 +100,34 @@ class _Slots:
     def close(self, nic: Nic) -> None:
         with contextlib.suppress(TransferdError, PyverbsError):
             nic.deregister(self.addr)
-        self.view.release()
-        self.map.close()
+        # A slot view still held somewhere keeps the mapping until it goes.
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.map.close()
 
 
 class QpEnd:
     """One of our RC queue pairs towards one peer: what the Sender posts on."""
 
-    def __init__(self, domain: VerbsDomain, owner: Any, write: bool) -> None:
+    def __init__(self, domain: VerbsDomain, owner: Any, write: bool,
+                 receives: bool = True) -> None:
+        """``receives``: post receives (not on our own write queue pair towards a peer,
+        which never has a WRITE_WITH_IMM sent to it)."""
         nic = domain.nic
         self.domain = domain
         self.owner = owner
         self.write = write
-        self.qp = nic.create_qp(SEND_DEPTH, WRITE_RECV_DEPTH if write else MSG_DEPTH)
+        self.closed = False
+        depth = (WRITE_RECV_DEPTH if write else MSG_DEPTH) if receives else 1
+        # Every work request of every queue pair may complete at once: the NIC's one
+        # completion queue must hold them all, or it overruns.
+        self.cqes = SEND_DEPTH + depth
+        domain.reserve_cqes(self.cqes)
+        try:
+            self.qp = nic.create_qp(SEND_DEPTH, depth)
+        except BaseException:
+            domain.reserve_cqes(-self.cqes)
+            raise
         self.info = nic.qp_info(self.qp)
         self.max_msg = nic.choice.max_msg
         self.max_sge = nic.choice.max_sge
@@ -125,7 +140,7 @@ class QpEnd:
             # into a receive buffer, and a stray SEND of more than SINK_LEN breaks the
             # queue pair instead of landing anywhere.
             self.recv = RecvSlots(int(WrKind.WRITE_RECV), nic.sink.buf, SINK_LEN,
-                                  WRITE_RECV_DEPTH, nic.sink.lkey, stride=0)
+                                  depth if receives else 0, nic.sink.lkey, stride=0)
         else:
             self.rx = _Slots(nic, MSG_DEPTH, MSG_LEN)
             self.tx = _Slots(nic, MSG_DEPTH, MSG_LEN)
@@ -151,8 +166,19 @@ class QpEnd:
     def _post(self, batch: Sequence[Posted]) -> None:
         d = self.domain
         items = []
-        for p in batch:
-            items.append((p.spec, wr_id(WrKind.SEND, d.wrids.put(p))))
+        for k, p in enumerate(batch):
+            if self.closed:
+                err: TransferdError = PeerUnreachable("queue pair closed")
+            else:
+                try:
+                    items.append((p.spec, wr_id(WrKind.SEND, d.wrids.put(p))))
+                    continue
+                except OverflowError as exc:
+                    err = BadRequest(f"verbs rail {d.rail}: {exc}")
+            # Not posted: these fail here, in order, and nothing after them is posted.
+            for q in batch[k:]:
+                d.sender.completed(q, err)
+            break
         chains = build_chains(items, self.template)
         failed: Exception | None = None
         pos = 0
@@ -178,6 +204,8 @@ class QpEnd:
                    on_done: Any) -> None:
         """One frame in one SEND, copied into a registered slot (waits for a free one)."""
         assert self.tx is not None
+        if self.closed:
+            raise PeerUnreachable("queue pair closed")
         if not self.tx.free:
             if len(self._tx_waiting) >= SEND_DEPTH * 4:
                 raise BadRequest("too many messages waiting for a send slot")
@@ -195,7 +223,7 @@ class QpEnd:
             self.tx.free.append(i)
             if on_done is not None:
                 on_done(err)
-            if self._tx_waiting and self.tx.free:
+            if self._tx_waiting and self.tx.free and not self.closed:
                 self.send_frame(*self._tx_waiting.popleft())
 
         sge = (self.tx.addr + i * self.tx.length, n, self.tx.reg.lkey)
@@ -209,19 +237,27 @@ class QpEnd:
             self.repost(slot)  # the frame's bytes were copied out
 
     def close(self) -> None:
+        if self.closed:
+            return
+        # Closed first: whatever the failures below set off (a carrier released by a
+        # unit on another rail, a waiting message) is failed, never posted.
+        self.closed = True
         d = self.domain
         d.dispatcher.qps.pop(self.info.qpn, None)
         d.qps.pop(self.info.qpn, None)
+        err = PeerUnreachable("queue pair closed")
+        waiting = self.queue.drain()
+        tx_waiting, self._tx_waiting = self._tx_waiting, deque()
         for p in d.fail_wrs_of(self):
-            d.sender.completed(p, PeerUnreachable("queue pair closed"))
-        for _, _, _, on_done in self._tx_waiting:
+            d.sender.completed(p, err)
+        for q in waiting:
+            d.sender.completed(q, err)
+        for _, _, _, on_done in tx_waiting:
             if on_done is not None:
-                on_done(PeerUnreachable("queue pair closed"))
-        self._tx_waiting.clear()
-        for q in self.queue.drain():
-            d.sender.completed(q, PeerUnreachable("queue pair closed"))
+                on_done(err)
         with contextlib.suppress(PyverbsError):
             self.qp.close()
+        d.reserve_cqes(-self.cqes)
         self.recv.close()
         if self.template is not None:
             self.template.close()
@@ -253,9 +289,18 @@ class VerbsDomain:
         self._inbound: set[InLink] = set()
         self._probes: dict[bytes, OutLink] = {}
         self._probing: set[asyncio.Task[None]] = set()
+        self._cqes = 0
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
                                self.dispatcher.dispatch)
         self.loop.add_reader(self._listener.fileno(), self._accept)
+
+    def reserve_cqes(self, n: int) -> None:
+        """Completion-queue entries a new queue pair may need (negative: given back)."""
+        if n > 0 and self._cqes + n > self.nic.cq_depth:
+            raise BadRequest(
+                f"verbs rail {self.rail}: {self.nic.choice.name}'s completion queue "
+                f"({self.nic.cq_depth} entries) cannot take another peer's queue pairs")
+        self._cqes += n
 
     # -- memory -------------------------------------------------------------------------
 

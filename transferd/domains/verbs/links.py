@@ -82,7 +82,8 @@ class _SetupLink:
         from .domain import MSG_DEPTH, MSG_LEN, WRITE_RECV_DEPTH, QpEnd
 
         self.send = QpEnd(self.domain, self, write=False)
-        self.write = QpEnd(self.domain, self, write=True)
+        # Our own write queue pair is never written to with an immediate: no receives.
+        self.write = QpEnd(self.domain, self, write=True, receives=isinstance(self, InLink))
         g = self.domain.group
         return RailSetup(g.node, g.index, self.domain.rail, len(g.domains), self.send.info,
                          self.write.info, MSG_DEPTH, WRITE_RECV_DEPTH, MSG_LEN,

@@ -144,7 +144,7 @@ class Nic:
     """One rail's device port: the resources every peer's queue pairs share."""
 
     def __init__(self, name: str, port: int = 1, gid_index: int | None = None,
-                 cq_depth: int = 4096) -> None:
+                 cq_depth: int = 1 << 16) -> None:
         report = discover()
         names = [d.name for d in report.devices]
         if name not in names:
@@ -159,7 +159,8 @@ class Nic:
         self.gid = QpInfo.gid_from_text(self.ctx.query_gid(c.port, c.gid_index).gid)
         self.pd = PD(self.ctx)
         self.channel = CompChannel(self.ctx)
-        self.cq = CQ(self.ctx, min(cq_depth, c.max_cqe), None, self.channel, 0)
+        self.cq_depth = min(cq_depth, c.max_cqe)
+        self.cq = CQ(self.ctx, self.cq_depth, None, self.channel, 0)
         self.cq.req_notify()
         self.mrs = MrTable()
         # The local end of every zero-length write, and the buffer the write queue
