@@ -297,11 +297,13 @@ class EngineConfig:
     )
     domain: str = key(
         "tcp",
-        'The Domain (transport) of each rail: "tcp"; "verbs" (RDMA through pyverbs, one '
-        "device of engine.rdma_devices per rail; docs/rdma.md); or \"chaos\" for tests: tcp "
-        "that delivers every write in pieces, out of order, after random delays, to prove "
-        'nothing depends on delivery order. Never use "chaos" in production.',
-        choices=("tcp", "chaos", "verbs"),
+        'The Domain (transport) of each rail, by its registry name: "tcp"; "verbs" (RDMA '
+        "through pyverbs, one device of engine.rdma_devices per rail; docs/rdma.md); or, "
+        'for tests, "chaos" (a wrapper around tcp; "chaos:NAME" wraps another Domain) that '
+        "delivers every write in pieces, out of order, after random delays, to prove "
+        'nothing depends on delivery order. Never use "chaos" in production. '
+        "docs/domains.md says how to add a Domain.",
+        choices=("tcp", "chaos", "chaos:tcp", "verbs"),
     )
     rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
         [],

@@ -136,7 +136,7 @@ class Daemon:
             if self.metrics_url:
                 print(f"transferd: metrics on {self.metrics_url}", flush=True)
             if self.engine is not None:
-                rails = " ".join(f"{h}:{p}" for h, p in addr.rails)
+                rails = " ".join(r.decode(errors="backslashreplace") for r in addr.rails)
                 print(f"transferd: engine {addr.node:016x} rails {rails} "
                       f"address {addr.to_bytes().hex()}", flush=True)
             # Everything built at start-up lives as long as the daemon: move it

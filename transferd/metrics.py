@@ -252,7 +252,7 @@ class _EngineCollector:
                     "Peer WRITE parts this daemon refused, by reason (the wire code).",
                     labels=["reason"])
         counts = dict.fromkeys(REFUSE_REASONS, 0)
-        for code, n in _snapshot(lambda: list(getattr(group, "refused", {}).items()), []):
+        for code, n in _snapshot(lambda: list(getattr(group, "refused_by", {}).items()), []):
             counts[code if code in counts else "other"] += n
         for reason, n in counts.items():
             refused.add_metric([reason], n)
@@ -271,7 +271,7 @@ class _EngineCollector:
                 "Transfers this daemon initiated that have not finished.", value=in_flight)
         yield g("transferd_engine_partial_writes",
                 "Multi-part writes to this daemon some of whose parts landed.",
-                value=len(getattr(group, "_partial", ())))
+                value=len(getattr(group, "coverage", ())))
         links = g("transferd_engine_links", "Links to peers, by rail and state.",
                   labels=["rail", "state"])
         waiting = 0

@@ -32,8 +32,9 @@ from typing import Any
 
 import pytest
 
-from client import Client, MrDesc, MrHandle, RemoteBuffer
+from client import Client, MrDesc, MrHandle, NetAddr, RemoteBuffer
 from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
+from transferd.domains.tcp import parse_rail
 
 DOMAINS = ("tcp", "chaos")
 RAILS = {
@@ -63,6 +64,11 @@ def secret_file(secret: bytes = SECRET) -> str:
     return path
 
 _imms = itertools.count(random.Random().randrange(1 << 20, 1 << 31))
+
+
+def tcp_rails(addr: NetAddr) -> list[tuple[str, int]]:
+    """The (host, port) of each rail of a NetAddr whose rails are tcp (their bytes parsed)."""
+    return [parse_rail(r) for r in addr.rails]
 
 
 def fresh_imm() -> int:

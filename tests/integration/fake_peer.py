@@ -42,10 +42,10 @@ class FakePeer:
         addrs = claim or tuple(rail_bytes(*s.getsockname()) for s in self.listeners)
         # A fresh id each time: the daemon binds an id to the addresses it came with.
         self.me = PeerIdentity(node or secrets.randbits(62) + 1, 0, addrs)
-        self.conn = RawConn(*dst.rails[rail], timeout=timeout)
+        self.conn = RawConn(*parse_rail(dst.rails[rail]), timeout=timeout)
         self.hs = PeerHandshake(Role.INITIATOR, self.me, rail, secret, time.monotonic(),
                                 timeout=timeout,
-                                expect=(dst.node, dst.group, rail_bytes(*dst.rails[rail])))
+                                expect=(dst.node, dst.group, dst.rails[rail]))
 
     def handshake(self) -> None:
         """Run the handshake to its end; raises the TransferdError that ended it."""

@@ -20,6 +20,7 @@ from tests.integration.engine_cluster import (
     settle,
     start_many,
     stopped,
+    tcp_rails,
 )
 from transferd.protocol.errors import BadRequest, PeerUnreachable, Timeout
 
@@ -123,7 +124,7 @@ async def test_rail_count_mismatch(own_daemons: list[DaemonProcess], tmp_path: P
     own_daemons += [a_d, d_d]
     async with nodes(a_d, d_d) as (a, d):
         addr_a, addr_d = await a.client.main_address(), await d.client.main_address()
-        assert [h for h, _ in addr_d.rails] == ["127.0.0.8"]
+        assert [h for h, _ in tcp_rails(addr_d)] == ["127.0.0.8"]
         ra = await a.region(8192, seed=62)
         rd = await d.region(8192, seed=63)
         assert len(rd.desc.rkeys) == 1

@@ -29,6 +29,7 @@ from tests.integration.engine_cluster import (
     secret_file,
     settle,
     start_many,
+    tcp_rails,
 )
 from tests.integration.fake_peer import STRANGER, FakePeer, handshake_error
 from transferd.domains.tcp import rail_bytes
@@ -112,8 +113,8 @@ async def test_a_client_cannot_steer_a_known_peer_elsewhere(tcp_cluster: Cluster
             c = await a.client.submit_single_write(4096, imm, (src.mr, 0), (forged, 0))
             (err,) = await settle([c])
             assert isinstance(err, BadRequest), err
-            real = dst.desc.rkeys[0][0].rails[0]
-            assert f"{real[0]}:{real[1]}" in str(err) and f"{t.addr[0]}:{t.addr[1]}" in str(err)
+            real = dst.desc.rkeys[0][0].rails[0].decode()
+            assert real in str(err) and f"{t.addr[0]}:{t.addr[1]}" in str(err)
             # Sends, peer groups and barriers are checked the same way.
             liar = NetAddr(forged.node[0], forged.node[1], (t.addr, t.addr))
             with pytest.raises(BadRequest, match=f"{t.addr[1]}"):
@@ -145,7 +146,7 @@ async def test_a_client_cannot_steer_a_known_peer_elsewhere(tcp_cluster: Cluster
 
 def _stranger_attempts(addr: NetAddr, secret: bytes | None, rkey: int, ptr: int) -> None:
     """Everything a stranger without the credentials tries on rail 0; each must fail."""
-    rail0 = addr.rails[0]
+    rail0 = tcp_rails(addr)[0]
     # Frames of the established plane, with no handshake: closed.
     for cmd, body, payload in [
         (PeerCommand.SEND, {"op": 1, "part": 0}, b"hello from nobody"),
@@ -331,7 +332,7 @@ async def test_a_peer_that_stops_mid_handshake(tcp_cluster: Cluster) -> None:
         addr = await a.client.main_address()
 
         def silent() -> float:
-            with RawConn(*addr.rails[0]) as conn:
+            with RawConn(*tcp_rails(addr)[0]) as conn:
                 t0 = time.monotonic()
                 assert conn.closed_by_peer(HANDSHAKE_TIMEOUT_S + 5)
                 return time.monotonic() - t0
@@ -359,7 +360,7 @@ def test_a_replayed_handshake_is_refused(tcp_cluster: Cluster) -> None:
 
         good.conn.send_raw = record  # type: ignore[method-assign]
         good.handshake()
-    with RawConn(*addr.rails[0]) as again:
+    with RawConn(*tcp_rails(addr)[0]) as again:
         again.send_raw(sent[0])
         reply = again.recv()
         assert not reply.is_error and reply.body["challenge"]
@@ -381,7 +382,7 @@ def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
             return await c.client.main_address()
 
     addr = asyncio.run(main_address())
-    rail = addr.rails[1]
+    rail = tcp_rails(addr)[1]
     silent = [RawConn(*rail) for _ in range(MAX_HANDSHAKING)]
     try:
         # Each was accepted (the daemon reads a header from it) before the next comes.

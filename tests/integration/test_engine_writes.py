@@ -25,6 +25,7 @@ from tests.integration.engine_cluster import (
     poll,
     settle,
     start_many,
+    tcp_rails,
 )
 from transferd.protocol.errors import BadRequest
 
@@ -39,8 +40,8 @@ async def test_main_address_and_registration(tcp_cluster: Cluster) -> None:
     async with nodes(tcp_cluster.a, tcp_cluster.b) as (a, b):
         addr = await a.client.main_address()
         assert isinstance(addr, NetAddr)
-        assert [h for h, _ in addr.rails] == list(RAILS["a"])
-        assert all(0 < p < 65536 for _, p in addr.rails)
+        assert [h for h, _ in tcp_rails(addr)] == list(RAILS["a"])
+        assert all(0 < p < 65536 for _, p in tcp_rails(addr))
         assert NetAddr.from_bytes(addr.to_bytes()) == addr
         # The same address the daemon printed at start-up.
         line = next(x for x in tcp_cluster.a.stdout_lines if x.startswith("transferd: engine "))
@@ -295,7 +296,7 @@ async def test_rails_each_bind_their_own_address() -> None:
             addr_b = await b.client.main_address()
             src = await a.region(4 * MiB, seed=19)
             dst = await b.region(4 * MiB)
-            rails = addr_b.rails
+            rails = tcp_rails(addr_b)
             assert links_settle(rails, lambda ls: not any(ls)) == [[], []]
             # A small write goes over one rail only ...
             await (await a.client.submit_single_write(

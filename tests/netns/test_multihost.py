@@ -28,6 +28,7 @@ import pytest
 from benchmarks import netns
 from client import Client, MrDesc, MrHandle, Pages, RemoteBuffer
 from tests.helpers import DaemonProcess, digest, pattern, run
+from transferd.domains.tcp import parse_rail
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
@@ -119,8 +120,8 @@ def test_daemons_live_in_their_namespaces(topology: netns.Topology,
             async with await Client.connect(pair.a.url) as ca, \
                     await Client.connect(pair.b.url) as cb:
                 aa, ab = await ca.main_address(), await cb.main_address()
-                assert [h for h, _ in aa.rails] == topology.a.rails[: pair.rails]
-                assert [h for h, _ in ab.rails] == topology.b.rails[: pair.rails]
+                assert [parse_rail(r)[0] for r in aa.rails] == topology.a.rails[: pair.rails]
+                assert [parse_rail(r)[0] for r in ab.rails] == topology.b.rails[: pair.rails]
 
     run(main(), timeout=WAIT)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from transferd.domains.coverage import Coverage
 from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
-from transferd.engine.landing import Coverage
 from transferd.engine.regions import Region, RegionTable
 from transferd.engine.transfer import Transfer
 from transferd.memory import Buffer
@@ -203,10 +203,23 @@ def test_transfer_cancels_its_timer() -> None:
 
 
 @pytest.mark.parametrize("module", ["transferd.domains", "transferd.domains.tcp",
-                                    "transferd.domains.stream", "transferd.engine",
+                                    "transferd.domains.stream", "transferd.domains.group",
+                                    "transferd.domains.chaos", "transferd.domains.registry",
+                                    "transferd.parts", "transferd.engine",
                                     "transferd.engine.plan", "transferd.workers"])
 def test_modules_import_on_their_own(module: str) -> None:
     # In a fresh interpreter, whatever was imported first (no import cycle bites).
     r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                        text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+
+
+def test_domains_never_import_the_engine() -> None:
+    """The seam: domains share value types with the engine through transferd.parts only."""
+    code = ("import sys, transferd.domains.group, transferd.domains.tcp, "
+            "transferd.domains.chaos, transferd.domains.base, transferd.domains.registry; "
+            "bad = sorted(m for m in sys.modules if m.startswith('transferd.engine')); "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr

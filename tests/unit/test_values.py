@@ -35,12 +35,25 @@ def test_netaddr_round_trip(addr: NetAddr) -> None:
 
 def test_netaddr_rail_and_key() -> None:
     r1 = A.rail(1)
-    assert r1.rails == (("127.0.0.3", 40002),)
+    assert r1.rails == (b"127.0.0.3:40002",)  # the tcp Domain's address bytes
     assert r1.key == A.key == (A.node, A.group)
     assert A.rail(0) != A.rail(1)
     with pytest.raises(IndexError):
         A.rail(2)
     assert str(A) == "0123456789abcdef/0@127.0.0.2:40001,127.0.0.3:40002"
+
+
+def test_netaddr_rails_are_opaque_bytes_and_format_1_still_reads() -> None:
+    """Rails are each Domain's own bytes (format 2); format 1's [host, port] pairs (what
+    earlier daemons wrote) read as tcp addresses."""
+    inproc = NetAddr(5, 0, (b"\x00any bytes a Domain likes",))
+    assert NetAddr.from_bytes(inproc.to_bytes()) == inproc
+    old = msgpack.packb([1, 5, 0, [["127.0.0.2", 7], ["::1", 8]]])
+    assert NetAddr.from_bytes(old).rails == (b"127.0.0.2:7", b"[::1]:8")
+    assert msgpack.unpackb(A.to_bytes())[0] == 2
+    for bad in ([2, 5, 0, [b""]], [2, 5, 0, [b"x" * 257]], [2, 5, 0, ["text"]]):
+        with pytest.raises(BadRequest):
+            NetAddr.from_bytes(msgpack.packb(bad))
 
 
 def test_netaddr_is_frozen() -> None:

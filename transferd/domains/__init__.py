@@ -1,5 +1,7 @@
-"""Domains: one per NIC (rail), grouped per GPU into DomainGroups."""
+"""Domains: one per NIC (rail), behind one interface (:mod:`.base`), found by name
+(:mod:`.registry`), grouped per device into DomainGroups (:mod:`.group`).
 
-from .group import Chaos, DomainGroup
-
-__all__ = ["Chaos", "DomainGroup"]
+Nothing is imported here: the registry imports a Domain when it is first named,
+and this package never imports :mod:`transferd.engine` (shared types live in
+:mod:`transferd.parts`).
+"""

@@ -1,49 +1,44 @@
-"""A DomainGroup: the 1 to 4 rails of one GPU (or of host memory), on one worker.
+"""A DomainGroup: the 1 to 4 Domains (rails, NICs) of one device, on one worker.
 
-It shards each transfer's parts over its rails (the plan already says which
-rail), and on the receiving side checks every incoming write against the
-region table, lands it, and counts its immediate.  Everything here runs on
-the group's worker loop; the region table and the ImmCounter are the only
-things shared with the daemon's loop, and both are thread safe.
+It holds Domains of one kind, made by name from the registry, and shards each
+transfer's parts over them (the plan already says which rail).  It is their
+:class:`~transferd.domains.base.Receiver`: on the receiving side it checks
+every incoming write against its region before a byte lands, counts what
+landed, hands messages on, and knows which peers authenticated with which
+addresses.  Everything here runs on the group's worker loop; the region
+table, the ImmCounter and the peer book are the only things shared with the
+daemon's loop, and all three are thread safe.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transferd.engine.immcounter import ImmCounter
-from transferd.engine.landing import Coverage
-from transferd.engine.plan import SendPart, WritePart
-from transferd.engine.regions import RegionTable
-from transferd.engine.transfer import Transfer
 from transferd.logs import peer_warning
-from transferd.memory import Ref
+from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 from transferd.protocol.peer import WriteHeader
 from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.values import NetAddr
 
+from . import registry
+from .base import Ack, Domain, DomainOptions
+from .coverage import Coverage
 from .peers import PeerBook
-from .tcp import TcpDomain, check_rail, rail_bytes
+
+if TYPE_CHECKING:
+    from transferd.engine.immcounter import ImmCounter
+    from transferd.engine.regions import Region, RegionTable
+    from transferd.memory import Ref
 
 # deliver(peer, message, ack): ``ack(None)`` once a client has the message,
 # ``ack(error)`` if it cannot have it; ``ack`` may be called from any thread.
-Ack = Callable[["TransferdError | None"], None]
 Deliver = Callable[[tuple[int, int], bytes, Ack], None]
 
-
-@dataclass(frozen=True)
-class Chaos:
-    """Deliver out of order on purpose: random delays, every write in pieces."""
-
-    seed: int = 0
-    max_delay_s: float = 0.005
-    max_parts: int = 8
+__all__ = ["Ack", "Deliver", "DomainGroup", "DomainOptions"]
 
 
 class DomainGroup:
@@ -57,7 +52,8 @@ class DomainGroup:
         deliver: Deliver,
         *,
         timeout_s: float = 30.0,
-        chaos: Chaos | None = None,
+        domain: str = "tcp",
+        options: DomainOptions | None = None,
         secret: bytes | None = None,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
@@ -68,13 +64,14 @@ class DomainGroup:
         self.counter = counter
         self.deliver = deliver
         self.timeout_s = timeout_s
-        self.chaos = chaos
+        # The registry name of this group's Domains (all of one kind) and their settings.
+        self.domain = domain
+        self.options = options or DomainOptions()
         # The cluster secret every link proves (None: links can only be held
         # to the addresses they claim; see peer_handshake).
         self.secret = secret or None
         self.handshake_timeout_s = handshake_timeout_s
-        self._rng = random.Random(chaos.seed if chaos else 0)
-        self.domains: list[TcpDomain] = []
+        self.domains: list[Domain] = []
         self.coverage = Coverage()
         self._book: PeerBook | None = None
         self.bytes_in = 0
@@ -82,12 +79,19 @@ class DomainGroup:
         self.writes_in = 0
         self.imms_in = 0
         self.messages_in = 0
-        self.refused: dict[str, int] = {}
+        self.refused_by: dict[str, int] = {}
 
     def bind(self, hosts: list[str], port: int = 0) -> NetAddr:
-        """Open one rail per host; rail i of every peer connects to our rail i."""
-        for i, host in enumerate(hosts):
-            self.domains.append(TcpDomain(self, i, host, port if port and i == 0 else 0))
+        """One Domain per host, made by name; rail i of every peer talks to our rail i."""
+        try:
+            for i, host in enumerate(hosts):
+                self.domains.append(registry.create(self.domain, self, i, host,
+                                                    port if port and i == 0 else 0,
+                                                    self.options))
+        except BaseException:
+            self.close()
+            self.domains.clear()
+            raise
         return self.address
 
     @property
@@ -99,12 +103,11 @@ class DomainGroup:
 
     @property
     def address(self) -> NetAddr:
-        return NetAddr(self.node, self.index, tuple((d.host, d.port) for d in self.domains))
+        return NetAddr(self.node, self.index, self.identity.addrs)
 
     @property
     def identity(self) -> PeerIdentity:
-        return PeerIdentity(self.node, self.index,
-                            tuple(rail_bytes(d.host, d.port) for d in self.domains))
+        return PeerIdentity(self.node, self.index, tuple(d.address for d in self.domains))
 
     def bind_peer(self, peer: PeerIdentity) -> None:
         """A link authenticated ``peer``: bind it (BadRequest if it contradicts a binding)."""
@@ -124,7 +127,10 @@ class DomainGroup:
         (a main address lists them all, an MrDesc's rkey entry one).  Called on
         the daemon's loop, before anything is planned.
         """
-        rails = [rail_bytes(*check_rail(h, p)) for h, p in addr.rails]
+        rails = list(addr.rails)
+        for i, raw in enumerate(rails):
+            # Each Domain reads (and checks) only its own kind of address.
+            self.domains[min(first_rail + i, len(self.domains) - 1)].check_address(raw)
         known = self.book.get(addr.key)
         if known is None:
             return
@@ -144,19 +150,15 @@ class DomainGroup:
             transfer.part_done()
             return
         for part in parts:
-            domain = self.domains[part.rail]
-            if self.chaos is not None:
-                delay = self._rng.uniform(0, self.chaos.max_delay_s)
-                self.loop.call_later(delay, domain.post, part, transfer)
-            else:
-                domain.post(part, transfer)
+            self.domains[part.rail].post(part, transfer)
 
     def _timed_out(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
         err = Timeout(f"transfer {transfer.op} not acknowledged in {self.timeout_s:g} s")
         rail = parts[0].rail if parts else 0
         dst = parts[0].dst if parts else None
         peer_warning("transfer timed out", dst.node if dst else None, rail,
-                     dst.rails[0] if dst and dst.rails else None, err)
+                     dst.rails[0].decode(errors="replace") if dst and dst.rails else None,
+                     err)
         transfer.fail(err)
         # A link still holding unsent bytes after that long has a peer that reads
         # nothing: closed, so the memory those bytes lie in can go back.
@@ -167,9 +169,37 @@ class DomainGroup:
         """Open every rail's link to a peer now, ahead of the first transfer."""
         for rail, domain in enumerate(self.domains):
             if rail < len(addr.rails):
-                domain.link_to(addr.rail(rail))
+                domain.connect(addr.rail(rail))
 
-    # -- receiver side ------------------------------------------------------------
+    # -- memory ---------------------------------------------------------------------
+
+    def register(self, region: Region) -> tuple[int, ...]:
+        """Register ``region`` with every Domain (on the worker): its rkey on each rail."""
+        done: list[Domain] = []
+        try:
+            for d in self.domains:
+                done.append(d)
+                d.register(region)
+        except BaseException:
+            for d in done[:-1]:
+                d.deregister(region)
+            raise
+        return tuple(d.register(region) for d in self.domains)
+
+    def deregister(self, region: Region) -> None:
+        for d in self.domains:
+            d.deregister(region)
+
+    # -- receiver side (what the Domains call) --------------------------------------
+
+    def region(self, rkey: int, rail: int) -> Region:
+        return self.regions.by_rkey(rkey, rail)
+
+    def refused(self, error: TransferdError) -> None:
+        self.refused_by[error.code.value] = self.refused_by.get(error.code.value, 0) + 1
+
+    def delivered(self) -> None:
+        self.messages_in += 1
 
     def write_views(self, rail: int, peer: tuple[int, int], w: WriteHeader,
                     payload_len: int) -> list[memoryview]:
@@ -188,7 +218,12 @@ class DomainGroup:
         A part of a split single write also reserves its range of the write's
         span (refused if it is outside or overlaps a part already taken).
         """
-        region = self.regions.by_rkey(w.rkey, rail)
+        return self.check_write(self.region(w.rkey, rail), peer, w, payload_len, abort)
+
+    def check_write(self, region: Region, peer: tuple[int, int], w: WriteHeader,
+                    payload_len: int, abort: Callable[[], None] | None = None
+                    ) -> tuple[list[memoryview], Ref]:
+        """Bounds, payload and span checks of a WRITE into ``region``, then admission."""
         addrs, lens = w.addrs, w.lens
         if lens and min(lens) == max(lens):
             # Pages of one length (a paged write, or one part of a single write).

@@ -22,11 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transferd.engine.limits import MAX_MESSAGE
-from transferd.engine.plan import SendPart, WritePart
-from transferd.engine.transfer import Transfer
 from transferd.logs import peer_warning
-from transferd.memory import Ref
+from transferd.parts import MAX_MESSAGE, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     NoHello,
@@ -45,12 +42,14 @@ from transferd.protocol.peer_handshake import (
     State,
     parse_probe,
 )
-from transferd.protocol.values import NetAddr
+from transferd.protocol.values import NetAddr, tcp_rail
 
+from .base import Domain, DomainOptions, Receiver
 from .stream import FramedStream
 
 if TYPE_CHECKING:
-    from .group import DomainGroup
+    from transferd.engine.regions import Region
+    from transferd.memory import Ref
 
 log = logging.getLogger("transferd.domain")
 
@@ -66,8 +65,8 @@ MAX_PAYLOAD = 1 << 40
 
 
 def rail_bytes(host: str, port: int) -> bytes:
-    """A TCP rail's address as the opaque bytes the handshake carries."""
-    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+    """A TCP rail's address as the opaque bytes NetAddrs and the handshake carry."""
+    return tcp_rail(host, port)
 
 
 def parse_rail(raw: bytes) -> tuple[str, int]:
@@ -118,11 +117,16 @@ def _peername(sock: socket.socket) -> Any:
         return None
 
 
-LinkKey = tuple[int, int, tuple[str, int]]
+LinkKey = tuple[int, int, bytes]
 
 
-class TcpDomain:
-    def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0) -> None:
+class TcpDomain(Domain):
+    """One rail over TCP: a listener, one link per peer, the handshake on each."""
+
+    name = "tcp"
+
+    def __init__(self, group: Receiver, rail: int, host: str, port: int = 0,
+                 options: DomainOptions | None = None) -> None:
         self.group = group
         self.rail = rail
         self.host = host
@@ -143,6 +147,22 @@ class TcpDomain:
     def address(self) -> bytes:
         return rail_bytes(self.host, self.port)
 
+    def check_address(self, raw: bytes) -> None:
+        parse_rail(raw)
+
+    # -- memory: the region table's per-rail secret is this rail's rkey -----------------
+
+    def register(self, region: Region) -> int:
+        return region.rkeys[self.rail]
+
+    def deregister(self, region: Region) -> None:
+        # The region table forgets the rkeys and the region stops admitting.
+        pass
+
+    def connect(self, dst: NetAddr) -> None:
+        if not self.closing:
+            self.link_to(dst)
+
     # -- outbound -----------------------------------------------------------------
 
     def link_to(self, dst: NetAddr) -> PeerLink:
@@ -154,6 +174,9 @@ class TcpDomain:
         return link
 
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+        if self.closing:
+            transfer.part_done(PeerUnreachable(f"rail {self.rail} is closed"))
+            return
         self.link_to(part.dst).submit(part, transfer)
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
@@ -235,6 +258,8 @@ class TcpDomain:
         self._handshaking.discard(link)
 
     def close(self) -> None:
+        if self.closing:
+            return
         self.closing = True
         self.loop.remove_reader(self._listener.fileno())
         self._listener.close()
@@ -261,7 +286,11 @@ class PeerLink:
         self._task = domain.loop.create_task(self._connect())
 
     async def _connect(self) -> None:
-        host, port = self.dst.rails[0]
+        try:
+            host, port = parse_rail(self.dst.rails[0])
+        except BadRequest as exc:
+            self.close(exc)
+            return
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -408,7 +437,8 @@ class PeerLink:
         self.state = LinkState.CLOSED
         if not getattr(self.domain, "closing", False):  # no warning at shutdown
             peer_warning("peer link broken", self.dst.node, self.domain.rail,
-                         self.dst.rails[0] if self.dst.rails else None, error)
+                         self.dst.rails[0].decode(errors="replace") if self.dst.rails
+                         else None, error)
         if self._timer is not None:
             self._timer.cancel()
         self.domain.forget(self)
@@ -476,7 +506,8 @@ class InboundLink:
         try:
             if frame.cmd == PeerCommand.WRITE:
                 self._write = WriteHeader.parse(frame.body)
-                views, self._landing = g.admit_write(self.domain.rail, self.peer, self._write,
+                region = g.region(self._write.rkey, self.domain.rail)
+                views, self._landing = g.check_write(region, self.peer, self._write,
                                                      frame.payload_len, self._abort)
                 return views
             if frame.cmd == PeerCommand.SEND:
@@ -515,12 +546,13 @@ class InboundLink:
                 try:
                     if write is None:  # no payload: the sink was not asked
                         write = WriteHeader.parse(frame.body)
-                        g.write_views(self.domain.rail, self.peer, write, 0)
+                        region = g.region(write.rkey, self.domain.rail)
+                        g.check_write(region, self.peer, write, 0)[1].release()
                     g.landed(self.peer, write, frame.payload_len)
                 except TransferdError as exc:
                     error = exc
             if error is not None:
-                g.refused[error.code.value] = g.refused.get(error.code.value, 0) + 1
+                g.refused(error)
                 peer_warning("peer write refused", self.peer[0], self.domain.rail,
                              _peername(self.stream.sock), error)
             self._ack(frame.body, error)
@@ -581,7 +613,7 @@ class InboundLink:
 
     def _delivered(self, body: dict[str, Any], error: TransferdError | None) -> None:
         if error is None:
-            self.domain.group.messages_in += 1
+            self.domain.group.delivered()
         self._ack(body, error)
 
     def _abort(self) -> None:

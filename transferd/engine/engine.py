@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from transferd.config import ConfigError, EngineConfig
-from transferd.domains.group import Ack, Chaos, DomainGroup
+from transferd.domains.base import Ack, DomainOptions
+from transferd.domains.group import DomainGroup
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, TransferdError
@@ -34,7 +35,6 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 from .immcounter import ImmCounter
 from .limits import BACKLOG, MAX_MESSAGE
 from .plan import (
-    PAGES_PER_FRAME,
     SendPart,
     WritePart,
     plan_barrier,
@@ -83,10 +83,9 @@ class TransferEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: Worker | None = None
         self.group: DomainGroup | None = None
-        self.chaos = (
-            Chaos(config.chaos_seed, config.chaos_max_delay_ms / 1000.0)
-            if config.domain == "chaos" else None
-        )
+        # Every Domain of the group reads what it needs of these (chaos: the schedule).
+        self.domain_options = DomainOptions(config.chaos_seed,
+                                            config.chaos_max_delay_ms / 1000.0)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -101,7 +100,8 @@ class TransferEngine:
         def make() -> DomainGroup:
             g = DomainGroup(0, self.node, worker_loop, self.regions, self.counter,
                             self._deliver, timeout_s=self.config.peer_timeout_s,
-                            chaos=self.chaos, secret=self.secret,
+                            domain=self.config.domain, options=self.domain_options,
+                            secret=self.secret,
                             handshake_timeout_s=self.config.handshake_timeout_s)
             if self.config.domain == "verbs":  # RDMA NICs (docs/rdma.md)
                 from transferd.domains.verbs.bind import bind_verbs
@@ -145,16 +145,19 @@ class TransferEngine:
 
     def reg_mr(self, buffer: Buffer) -> tuple[Region, MrDesc]:
         region = self.regions.register(buffer, self.rails)
-        assert self.group is not None
-        rkeys = region.rkeys
-        if self.config.domain == "verbs":  # the NICs' own rkeys (docs/rdma.md)
-            from transferd.domains.verbs.bind import register_region
+        assert self.group is not None and self.worker is not None
+        group = self.group
+        try:
+            if self.config.domain == "verbs":  # the NICs' own rkeys (docs/rdma.md)
+                from transferd.domains.verbs.bind import register_region
 
-            try:
-                rkeys = register_region(self.worker, self.group, region)
-            except BaseException:
-                self.regions.deregister(region.id)
-                raise
+                rkeys = register_region(self.worker, group, region)
+            else:
+                # Each rail's rkey comes from the Domain that registered the memory.
+                rkeys = group.register(region)
+        except BaseException:
+            self.regions.deregister(region.id)
+            raise
         desc = MrDesc(region.ptr,
                       [(self.group.rail_address(i), k) for i, k in enumerate(rkeys)],
                       region.size)
@@ -165,6 +168,8 @@ class TransferEngine:
             from transferd.domains.verbs.bind import deregister_region
 
             deregister_region(self.worker, self.group, region)
+        elif self.group is not None:
+            self.group.deregister(region)
 
     def dereg_mr(self, region_id: int) -> None:
         self._deregistered(self.regions.deregister(region_id))
@@ -181,8 +186,7 @@ class TransferEngine:
         region = self.regions.get(src[0])
         view = region.view(region.ptr + src[1], length)
         op = next(self._ops)
-        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
-                            max_parts=self.chaos.max_parts if self.chaos else None)
+        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
         return self._submit(op, list(parts), region.buffer.ref())
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
@@ -197,8 +201,7 @@ class TransferEngine:
         base, stride = region.ptr + sp.offset, sp.stride
         views = region.views([base + i * stride for i in sp.indices], page_len)
         op = next(self._ops)
-        parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails,
-                           pages_per_frame=1 if self.chaos else PAGES_PER_FRAME)
+        parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, list(parts), region.buffer.ref())
 
     def _check_descs(self, descs: Sequence[MrDesc]) -> None:
@@ -244,8 +247,7 @@ class TransferEngine:
             op = next(self._ops)
             first = first or op
             view = region.view(region.ptr + d.src, d.len)
-            parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
-                                 max_parts=self.chaos.max_parts if self.chaos else None)
+            parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails)
         return self._submit(first or next(self._ops), parts, region.buffer.ref())
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]

@@ -1,7 +1,8 @@
 """Engine limits shared by the daemon's front end and the engine."""
 
-# Two-sided messages are for small control messages (RPC-style); bulk data
-# goes by one-sided writes.
-MAX_MESSAGE = 1 << 20
+from transferd.parts import MAX_MESSAGE
+
 # Messages that arrive before any receive is posted wait here, this many at most.
 BACKLOG = 1024
+
+__all__ = ["BACKLOG", "MAX_MESSAGE"]

@@ -14,48 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from transferd.parts import SPLIT_ALIGN, SendPart, WritePart, split_sizes
 from transferd.protocol.errors import BadRequest, OutOfBounds
-from transferd.protocol.values import MrDesc, NetAddr, Pages
+from transferd.protocol.values import MrDesc, Pages
 
 # Below this a single write goes whole over one rail: splitting a small write
 # buys no bandwidth and costs a frame per rail.
 SPLIT_MIN = 1 << 20
-SPLIT_ALIGN = 4096
 # Pages per WRITE frame: bounds the iovec list and the frame body.
 PAGES_PER_FRAME = 256
-
-
-@dataclass(slots=True)
-class WritePart:
-    rail: int
-    dst: NetAddr  # the destination rail's address
-    rkey: int
-    addrs: list[int]
-    lens: list[int]
-    src: list[memoryview]
-    imm: int | None
-    # A part of a single write split in several: [addr, len] of the whole write.
-    span: list[int] | None = None
-    index: int = 0
-    op: int = 0
-    # How many parts carry this op (a split single write's; 1 otherwise).  The
-    # initiator's own bookkeeping, for a Domain whose receiver cannot see offsets
-    # (verbs counts a split write by its last part's carrier); tcp never sends it.
-    parts: int = 1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.lens)
-
-
-@dataclass(slots=True)
-class SendPart:
-    rail: int
-    dst: NetAddr
-    msg: bytes
-    op: int = 0
-    index: int = 0
-    parts: int = 1
 
 
 @dataclass
@@ -79,16 +46,6 @@ def _check_dst(desc: MrDesc, off: int, length: int) -> None:
     # The receiver checks authoritatively; failing early here saves a round trip.
     if desc.size and (off < 0 or off + length > desc.size):
         raise OutOfBounds(f"[{off}, {off + length}) is outside the remote region of {desc.size}")
-
-
-def split_sizes(length: int, n: int, align: int = SPLIT_ALIGN) -> list[int]:
-    """``n`` near-equal, ``align``-aligned sizes adding up to ``length``."""
-    if n <= 1 or length < n * align:
-        return [length]
-    base = (length // n) // align * align
-    sizes = [base] * (n - 1)
-    sizes.append(length - base * (n - 1))
-    return sizes
 
 
 def plan_single(
@@ -162,3 +119,9 @@ def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[
         # requires one even for zero-length writes, so every Domain gets one.
         parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, None, i, op))
     return parts
+
+
+__all__ = [
+    "PAGES_PER_FRAME", "SPLIT_ALIGN", "SPLIT_MIN", "Plan", "SendPart", "WritePart",
+    "check_rails", "plan_barrier", "plan_paged", "plan_single", "split_sizes",
+]

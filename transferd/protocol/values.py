@@ -25,29 +25,60 @@ def _unpack(raw: bytes, what: str) -> Any:
         raise BadRequest(f"{what}: not a valid serialised value") from None
 
 
+# NetAddr's byte form: 2 lists each rail's address as opaque bytes (what its
+# Domain says); 1 (read, never written) listed TCP [host, port] pairs.
+_NETADDR_FORMAT = 2
+MAX_RAIL_ADDR = 256
+
+
+def tcp_rail(host: str, port: int) -> bytes:
+    """The tcp Domain's address bytes for ``host:port`` (an IPv6 host in brackets)."""
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+
+
+def _rail(r: Any) -> bytes:
+    if isinstance(r, bytes | bytearray | memoryview):
+        return bytes(r)
+    host, port = r  # a (host, port) pair: the tcp Domain's address, as its bytes
+    return tcp_rail(str(host), int(port))
+
+
 @dataclass(frozen=True, slots=True)
 class NetAddr:
     """Names a daemon's domain group (``node``, ``group``) and its rails.
 
     A main address lists every rail of the group; the NetAddr paired with an
-    rkey in an MrDesc lists the one rail that rkey is valid on.
+    rkey in an MrDesc lists the one rail that rkey is valid on.  Each rail is
+    the opaque address bytes of its Domain (only that Domain reads them: the
+    tcp one's are ``b"host:port"``); a ``(host, port)`` pair given here is
+    taken as a tcp address.
     """
 
     node: int
     group: int
-    rails: tuple[tuple[str, int], ...]
+    rails: tuple[bytes, ...]
+
+    def __init__(self, node: int, group: int, rails: Sequence[Any]) -> None:
+        object.__setattr__(self, "node", int(node))
+        object.__setattr__(self, "group", int(group))
+        object.__setattr__(self, "rails", tuple(_rail(r) for r in rails))
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb([_FORMAT, self.node, self.group, [list(r) for r in self.rails]])
+        return msgpack.packb([_NETADDR_FORMAT, self.node, self.group, list(self.rails)])
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> NetAddr:
         v = _unpack(raw, "NetAddr")
         try:
             fmt, node, group, rails = v
-            if fmt != _FORMAT:
+            if type(node) is not int or type(group) is not int or not isinstance(rails, list):
                 raise ValueError
-            return cls(int(node), int(group), tuple((str(h), int(p)) for h, p in rails))
+            if fmt == 1:
+                return cls(node, group, [tcp_rail(str(h), int(p)) for h, p in rails])
+            if fmt != _NETADDR_FORMAT or not all(
+                    type(r) is bytes and 0 < len(r) <= MAX_RAIL_ADDR for r in rails):
+                raise ValueError
+            return cls(node, group, rails)
         except (TypeError, ValueError):
             raise BadRequest("NetAddr: malformed") from None
 
@@ -60,7 +91,7 @@ class NetAddr:
         return (self.node, self.group)
 
     def __str__(self) -> str:
-        rails = ",".join(f"{h}:{p}" for h, p in self.rails)
+        rails = ",".join(r.decode(errors="backslashreplace") for r in self.rails)
         return f"{self.node:016x}/{self.group}@{rails}"
 
 

@@ -140,10 +140,15 @@ class Canon:
     def netaddr(self, raw: bytes) -> Any:
         try:
             fmt, node, group, rails = msgpack.unpackb(raw, raw=False)
-            if fmt != 1:
+            if fmt == 1:
+                return ["NetAddr", self.name("node", node), group,
+                        [[h, self.name("port", p)] for h, p in rails]]
+            if fmt != 2 or not all(isinstance(r, bytes) for r in rails):
                 return None
+            # Format 2: each rail is its Domain's address bytes (tcp: b"host:port").
             return ["NetAddr", self.name("node", node), group,
-                    [[h, self.name("port", p)] for h, p in rails]]
+                    [self.HEXWORD.sub(lambda m: ":" + self.name("port", m.group(0)[1:]),
+                                      r.decode(errors="replace")) for r in rails]]
         except Exception:
             return None
 

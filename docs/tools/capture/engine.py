@@ -24,7 +24,7 @@ from capture.registry import (
     session,
 )
 from transferd.protocol import HEADER, Command, Flag, command_name
-from transferd.domains.tcp import rail_bytes
+from transferd.domains.tcp import parse_rail, rail_bytes
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand
 from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role
@@ -94,8 +94,9 @@ request_example(
     "MAIN_ADDRESS",
     Command.MAIN_ADDRESS,
     volatile=True,
-    note="`addr` is the msgpack array `[1, node, group, [[host, port], ...]]`: format 1, the "
-    "daemon's random 64-bit node id, domain group 0 (host memory), and its one rail.",
+    note="`addr` is the msgpack array `[2, node, group, [rail, ...]]`: format 2, the "
+    "daemon's random 64-bit node id, domain group 0 (host memory), and its one rail's "
+    'address, opaque bytes its Domain reads (tcp: `b"host:port"`).',
 )
 request_example(
     "ENGINE_REG_MR",
@@ -342,13 +343,14 @@ def ex_peer_plane(ds: Daemons) -> Capture:
         c.capture = None
         _, desc = _region(c)
         ptr, _, ((_rail, rkey),) = desc
-        _, node, group, ((host, port),) = msgpack.unpackb(_address(c), raw=False)
+        _, node, group, (rail,) = msgpack.unpackb(_address(c), raw=False)
+        host, port = parse_rail(rail)
         # B's client posts a receive, so the SEND is delivered (and acknowledged) at once.
         c.send(Command.SUBMIT_RECVS, 90, {"len": 64, "count": 1}, flags=Flag.NO_REPLY)
         link = Conn(port, cap, host=host, server="daemon B rail 0", me="peer")
         me = PeerIdentity((1 << 63) | secrets.randbits(62), 0, (rail_bytes("127.0.0.1", 1),))
         hs = PeerHandshake(Role.INITIATOR, me, 0, PEER_SECRET, time.monotonic(),
-                           expect=(node, group, rail_bytes(host, port)))
+                           expect=(node, group, rail))
         try:
             hs.start()
             while not hs.done:

@@ -37,8 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from transferd.engine.plan import SendPart, WritePart
-from transferd.engine.transfer import Transfer
+from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
@@ -285,7 +284,7 @@ class VerbsDomain:
         self._listener = _listen(host, port)
         self.port = self._listener.getsockname()[1]
         # Keyed by the peer and the address dialled, as the tcp rails' links.
-        self._links: dict[tuple[int, int, tuple[str, int]], OutLink] = {}
+        self._links: dict[tuple[int, int, bytes], OutLink] = {}
         self._inbound: set[InLink] = set()
         self._probes: dict[bytes, OutLink] = {}
         self._probing: set[asyncio.Task[None]] = set()
@@ -316,6 +315,13 @@ class VerbsDomain:
     @property
     def address(self) -> bytes:
         return rail_bytes(self.host, self.port)
+
+    def check_address(self, raw: bytes) -> None:
+        """A verbs rail's address is its TCP set-up address (the Domain interface's check)."""
+        parse_rail(raw)
+
+    def connect(self, dst: NetAddr) -> None:
+        self.link_to(dst)
 
     def link_to(self, dst: NetAddr) -> OutLink:
         key = (dst.node, dst.group, dst.rails[0])

@@ -27,8 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transferd.engine.plan import SendPart, WritePart
-from transferd.engine.transfer import Transfer
+from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
@@ -49,7 +48,7 @@ from transferd.protocol.peer_handshake import (
 from transferd.protocol.values import NetAddr
 
 from ..stream import FramedStream
-from ..tcp import rail_bytes
+from ..tcp import parse_rail
 from .exchange import RailSetup, check_pair
 
 if TYPE_CHECKING:
@@ -127,7 +126,11 @@ class OutLink(_SetupLink):
         self._task = domain.loop.create_task(self._connect())
 
     async def _connect(self) -> None:
-        host, port = self.dst.rails[0]
+        try:
+            host, port = parse_rail(self.dst.rails[0])  # rails are address bytes
+        except BadRequest as exc:
+            self.close(exc)
+            return
         d = self.domain
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -149,7 +152,7 @@ class OutLink(_SetupLink):
         g = d.group
         self.hs = PeerHandshake(Role.INITIATOR, g.identity, d.rail, g.secret, d.loop.time(),
                                 timeout=g.handshake_timeout_s,
-                                expect=(self.dst.node, self.dst.group, rail_bytes(host, port)),
+                                expect=(self.dst.node, self.dst.group, self.dst.rails[0]),
                                 admit=g.bind_peer)
         self.hs.start()
         d.expect_probe(self.hs.nonce, self)

@@ -19,8 +19,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transferd.engine.plan import WritePart
-from transferd.engine.transfer import Transfer
+from transferd.parts import Transfer, WritePart
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 
 from .constants import WrOpcode

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from transferd.engine.plan import WritePart
+from transferd.parts import WritePart
 from transferd.protocol.errors import BadRequest
 
 from .constants import WrOpcode

@@ -1,0 +1,303 @@
+"""The Domain conformance suite: what every Domain must do, run over every registered one.
+
+Two "engines" in this process (a region table, an ImmCounter, host buffers and one
+DomainGroup each, with two rails), wired through the Domain under test on one event
+loop: tcp over loopback sockets, chaos around tcp and around the in-process Domain of
+:mod:`tests.domains.inproc` (defined only there: adding a Domain touches nothing
+else), and verbs, listed and skipped where there is no RDMA device.  Data is checked
+by checksum, counters by the counting rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.domains import inproc
+from transferd.domains import registry
+from transferd.domains.base import DomainOptions
+from transferd.domains.group import DomainGroup
+from transferd.engine.immcounter import ImmCounter
+from transferd.engine.plan import plan_barrier, plan_paged, plan_single
+from transferd.engine.regions import Region, RegionTable
+from transferd.memory import Buffer
+from transferd.parts import SendPart, Transfer, WritePart
+from transferd.protocol.errors import (
+    BadRequest,
+    NotFound,
+    OutOfBounds,
+    PeerUnreachable,
+    TransferdError,
+)
+from transferd.protocol.values import MrDesc, NetAddr, Pages
+
+inproc.register()
+SECRET = b"conformance suite secret"
+WAIT = 10.0
+RAILS = 2
+_hosts = itertools.count(20)
+_ids = itertools.count(1)
+
+
+def _specs() -> list[Any]:
+    """Every registered Domain (a wrapper around tcp), and chaos around inproc too."""
+    out: list[Any] = []
+    for name in registry.names():
+        if name in registry.EXTERNAL:
+            out.append(pytest.param(name, marks=pytest.mark.skip(
+                reason=f"{name}: {registry.EXTERNAL[name]}; its engine suite is tests/rdma "
+                       "(make rdma-check)")))
+        elif registry.is_wrapper(name):
+            out += [f"{name}:tcp", f"{name}:inproc"]
+        else:
+            out.append(name)
+    return out
+
+
+class Node:
+    """One engine's worth of state in this process, its group bound with ``spec``."""
+
+    def __init__(self, spec: str, loop: asyncio.AbstractEventLoop, seed: int) -> None:
+        self.regions = RegionTable()
+        self.counter = ImmCounter()
+        self.messages: list[tuple[tuple[int, int], bytes]] = []
+        self.buffers: list[Buffer] = []
+        self.node = random.Random(seed).randrange(1, 1 << 63)
+        self.group = DomainGroup(
+            0, self.node, loop, self.regions, self.counter, self._deliver, timeout_s=WAIT,
+            domain=spec, options=DomainOptions(seed=seed, max_delay_s=0.002),
+            secret=SECRET, handshake_timeout_s=2.0)
+        base = next(_hosts)
+        self.group.bind([f"127.0.{base}.{r + 1}" for r in range(RAILS)])
+        self._ops = itertools.count(1)
+
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any) -> None:
+        self.messages.append((peer, msg))
+        ack(None)
+
+    def region(self, size: int, seed: int | None = None) -> tuple[Region, MrDesc, memoryview]:
+        buf = Buffer.host(next(_ids), size)
+        self.buffers.append(buf)
+        view = buf.view(0, size)
+        if seed is not None:
+            view[:] = random.Random(seed).randbytes(size)
+        region = self.regions.register(buf, RAILS)
+        rkeys = self.group.register(region)
+        desc = MrDesc(region.ptr, [(self.group.rail_address(i), k)
+                                   for i, k in enumerate(rkeys)], size)
+        return region, desc, view
+
+    def revoke(self, region: Region) -> None:
+        self.regions.deregister(region.id)
+        self.group.deregister(region)
+
+    async def run(self, parts: list[WritePart | SendPart]) -> TransferdError | None:
+        """Execute planned parts; the transfer's error (None: every part acknowledged)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[TransferdError | None] = loop.create_future()
+
+        def done(err: TransferdError | None) -> None:
+            if not fut.done():
+                fut.set_result(err)
+
+        op = parts[0].op if parts else next(self._ops)
+        self.group.execute(Transfer(op, len(parts), 0, done), parts)
+        return await asyncio.wait_for(fut, WAIT)
+
+    def op(self) -> int:
+        return next(self._ops)
+
+    def close(self) -> None:
+        self.group.close()
+        for b in self.buffers:
+            b.release()
+
+
+def digest(b: bytes | memoryview) -> str:
+    return hashlib.sha256(bytes(b)).hexdigest()
+
+
+@pytest.fixture(params=_specs())
+def spec(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def _pair(spec: str) -> tuple[Node, Node]:
+    loop = asyncio.get_running_loop()
+    return Node(spec, loop, 1), Node(spec, loop, 2)
+
+
+def conformance(fn: Callable[[Node, Node], Any]) -> Callable[[str], None]:
+    """A case run over ``spec``: two nodes made, closed after, on a fresh loop."""
+    def test(spec: str) -> None:
+        async def main() -> None:
+            a, b = await _pair(spec)
+            try:
+                await fn(a, b)
+            finally:
+                a.close()
+                b.close()
+                await asyncio.sleep(0.01)
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+    # (not functools.wraps: pytest would read the case's (a, b) as fixtures)
+    test.__name__, test.__doc__ = fn.__name__, fn.__doc__
+    return test
+
+
+# -- the cases ------------------------------------------------------------------------------
+
+
+@conformance
+async def test_bind_gives_an_address_the_domain_reads_back(a: Node, b: Node) -> None:
+    addr = a.group.address
+    assert len(addr.rails) == RAILS and all(isinstance(r, bytes) and r for r in addr.rails)
+    assert len(set(addr.rails)) == RAILS
+    for d, raw in zip(a.group.domains, addr.rails, strict=True):
+        d.check_address(raw)
+    with pytest.raises(BadRequest):
+        a.group.domains[0].check_address(b"\xff not an address of any kind")
+    assert NetAddr.from_bytes(addr.to_bytes()) == addr
+
+
+@conformance
+async def test_single_writes_land_and_count_once(a: Node, b: Node) -> None:
+    _, _, src_view = a.region(4 << 20, seed=3)
+    _, desc, dst_view = b.region(4 << 20)
+    imm = 7
+    for length, off in [(100, 4096), (3 << 20, 65536)]:  # whole, and split over rails
+        op = a.op()
+        parts: list[WritePart | SendPart] = list(
+            plan_single(op, length, imm, src_view[:length], desc, off, RAILS))
+        assert await a.run(parts) is None
+        assert digest(dst_view[off:off + length]) == digest(src_view[:length])
+    assert b.counter.value(imm) == 2
+
+
+@conformance
+async def test_paged_writes_land_and_count_per_page(a: Node, b: Node) -> None:
+    page, n = 4096, 300
+    _, _, src_view = a.region(page * 512, seed=4)
+    _, desc, dst_view = b.region(page * 512)
+    rng = random.Random(5)
+    s_idx, d_idx = rng.sample(range(512), n), rng.sample(range(512), n)
+    views = [src_view[i * page:(i + 1) * page] for i in s_idx]
+    op = a.op()
+    parts: list[WritePart | SendPart] = list(
+        plan_paged(op, page, 9, views, desc, Pages(d_idx, page), RAILS))
+    assert await a.run(parts) is None
+    for s, d in zip(s_idx, d_idx, strict=True):
+        assert digest(dst_view[d * page:(d + 1) * page]) == digest(src_view[s * page:(s + 1) *
+                                                                                page])
+    assert b.counter.value(9) == n
+
+
+@conformance
+async def test_barrier_counts_one(a: Node, b: Node) -> None:
+    _, desc, _ = b.region(4096)
+    op = a.op()
+    assert await a.run(list(plan_barrier(op, 11, [desc], RAILS))) is None
+    assert b.counter.value(11) == 1
+
+
+@conformance
+async def test_bounds_and_rkey_refusals_leave_memory_untouched(a: Node, b: Node) -> None:
+    _, _, src_view = a.region(8192, seed=6)
+    _, desc, dst_view = b.region(8192, seed=7)
+    before = digest(dst_view)
+    unsized = MrDesc(desc.ptr, desc.rkeys, 0)  # the initiator cannot check: the receiver must
+    forged = MrDesc(desc.ptr, [(ad, k ^ 0x5A5A) for ad, k in desc.rkeys], desc.size)
+    for d, off, length, kind in [(unsized, 8192 - 100, 200, OutOfBounds),
+                                 (MrDesc(desc.ptr - 4096, desc.rkeys, 0), 0, 100, OutOfBounds),
+                                 (forged, 0, 100, NotFound)]:
+        op = a.op()
+        err = await a.run(list(plan_single(op, length, 13, src_view[:length], d, off, RAILS)))
+        assert isinstance(err, kind), (kind, err)
+    assert digest(dst_view) == before and b.counter.value(13) == 0
+
+
+@conformance
+async def test_register_and_revoke(a: Node, b: Node) -> None:
+    _, _, src_view = a.region(4096, seed=8)
+    region, desc, dst_view = b.region(4096)
+    op = a.op()
+    assert await a.run(list(plan_single(op, 4096, 15, src_view, desc, 0, RAILS))) is None
+    assert bytes(dst_view) == bytes(src_view)
+    dst_view[:] = bytes(4096)
+    b.revoke(region)
+    op = a.op()
+    err = await a.run(list(plan_single(op, 4096, 15, src_view, desc, 0, RAILS)))
+    assert isinstance(err, NotFound), err
+    assert bytes(dst_view) == bytes(4096) and b.counter.value(15) == 1
+
+
+@conformance
+async def test_many_writes_in_any_order(a: Node, b: Node) -> None:
+    """Disjoint writes in flight at once (chaos reorders and splits them): every byte
+    right, the counter exactly the number of writes."""
+    n, size = 64, 16 * 1024
+    _, _, src_view = a.region(n * size, seed=9)
+    _, desc, dst_view = b.region(n * size)
+    jobs = []
+    for i in range(n):
+        op = a.op()
+        jobs.append(a.run(list(plan_single(op, size, 17, src_view[i * size:(i + 1) * size],
+                                           desc, (n - 1 - i) * size, RAILS))))
+    assert await asyncio.gather(*jobs) == [None] * n
+    for i in range(n):
+        j = n - 1 - i
+        assert digest(dst_view[j * size:(j + 1) * size]) == digest(
+            src_view[i * size:(i + 1) * size])
+    assert b.counter.value(17) == n
+
+
+@conformance
+async def test_messages_carry_the_authenticated_sender(a: Node, b: Node) -> None:
+    op = a.op()
+    dst = b.group.rail_address(0)
+    assert await a.run([SendPart(0, dst, b"hello", op)]) is None
+    assert b.messages == [((a.node, 0), b"hello")]
+
+
+@conformance
+async def test_a_dying_peer_fails_the_transfer(a: Node, b: Node) -> None:
+    _, _, src_view = a.region(4096, seed=10)
+    _, desc, _ = b.region(4096)
+    op = a.op()
+    assert await a.run(list(plan_single(op, 4096, None, src_view, desc, 0, RAILS))) is None
+    b.close()
+    await asyncio.sleep(0.05)
+    op = a.op()
+    err = await a.run(list(plan_single(op, 4096, None, src_view, desc, 0, RAILS)))
+    assert isinstance(err, PeerUnreachable), err
+
+
+@conformance
+async def test_close_fails_what_is_outstanding_and_later_posts(a: Node, b: Node) -> None:
+    _, _, src_view = a.region(1 << 20, seed=11)
+    _, desc, _ = b.region(1 << 20)
+    op = a.op()
+    pending = asyncio.ensure_future(a.run(list(plan_single(op, 1 << 20, None, src_view, desc,
+                                                           0, RAILS))))
+    await asyncio.sleep(0)
+    a.group.close()
+    err = await pending
+    assert err is None or isinstance(err, PeerUnreachable), err
+    op = a.op()
+    err = await a.run(list(plan_single(op, 4096, None, src_view[:4096], desc, 0, RAILS)))
+    assert isinstance(err, PeerUnreachable), err
+
+
+def test_every_registered_domain_is_in_the_suite() -> None:
+    """A Domain registered anywhere is run here (or listed, and skipped with a reason)."""
+    specs = {p if isinstance(p, str) else p.values[0] for p in _specs()}
+    for name in registry.names():
+        assert any(s.split(":")[0] == name for s in specs), name
+    assert {"tcp", "chaos:tcp", "inproc", "verbs"} <= specs

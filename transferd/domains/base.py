@@ -1,0 +1,141 @@
+"""The Domain seam: one NIC (one rail of a domain group) behind one interface.
+
+A Domain moves the parts the engine planned to the peer's matching rail and
+lands what peers send it.  It is made by the registry (:mod:`.registry`) from
+its name, bound to one local address, and owned by a :class:`DomainGroup`,
+which is its :class:`Receiver`: the engine-side rules every Domain shares
+(bounds and admission of a write, what counts, who gets a message, who the
+peers are).  A Domain decides only how bytes travel.
+
+What a Domain does, and when (every call on its group's worker loop):
+
+- ``__init__(receiver, rail, host, port, options)``: bind; listen for peers.
+- ``address``: its own address, opaque bytes that travel in NetAddrs (only
+  this Domain's class reads them; :meth:`check_address` validates a client's).
+- ``register(region) -> rkey`` / ``deregister(region)``: make a registered
+  region writable through this NIC; the rkey goes in the region's MrDesc.  A
+  deregistered region's writes are refused (the region stops admitting too).
+  These two are called on the daemon's loop, not the worker's: a Domain whose
+  NIC must be touched from its worker hops there itself.
+- ``post(part, transfer)``: send one WritePart or SendPart to ``part.dst``;
+  call ``transfer.part_done()`` once the peer acknowledged it (the bytes are
+  in place, or a client has the message) or ``transfer.part_done(error)``.
+- inbound: check a write's rkey against what this Domain registered, then
+  ``receiver.check_write(...)`` before any byte lands, land the bytes, then
+  ``receiver.landed(...)`` (or ``landed_imm`` where the NIC carries the
+  immediate); hand a message to ``receiver.deliver(peer, msg, ack)``.  The
+  ``peer`` is the (node, group) the link authenticated, never a claim.
+- ``connect(dst)``: open the link to a peer's rail ahead of use (optional).
+- ``close()``: fail what is outstanding (PEER_UNREACHABLE), stop listening.
+
+The Domain conformance suite (tests/domains/) runs every registered Domain
+through the same cases; a new Domain is a module, a registry entry and a
+green run of that suite.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from transferd.protocol.errors import TransferdError
+from transferd.protocol.peer import WriteHeader
+from transferd.protocol.peer_handshake import PeerIdentity
+from transferd.protocol.values import NetAddr
+
+if TYPE_CHECKING:
+    from transferd.engine.regions import Region
+    from transferd.memory import Ref
+    from transferd.parts import SendPart, Transfer, WritePart
+
+Peer = tuple[int, int]
+# ack(None) once a client has the message, ack(error) if it cannot; any thread.
+Ack = Callable[["TransferdError | None"], None]
+
+
+@dataclass(frozen=True)
+class DomainOptions:
+    """Settings a Domain may read (from the engine's configuration)."""
+
+    seed: int = 0
+    max_delay_s: float = 0.005
+    max_parts: int = 8
+
+
+class Receiver(Protocol):
+    """What a Domain may ask of its group (the receiving side's rules, and who we are)."""
+
+    loop: asyncio.AbstractEventLoop
+    secret: bytes | None
+    handshake_timeout_s: float
+
+    @property
+    def identity(self) -> PeerIdentity: ...
+
+    def bind_peer(self, peer: PeerIdentity) -> None:
+        """A link authenticated ``peer``: BadRequest if it contradicts a binding."""
+
+    def region(self, rkey: int, rail: int) -> Region:
+        """The region ``rkey`` opens on ``rail`` (NotFound otherwise)."""
+        ...
+
+    def check_write(self, region: Region, peer: Peer, w: WriteHeader, payload_len: int,
+                    abort: Callable[[], None] | None = None
+                    ) -> tuple[list[memoryview], Ref]:
+        """Bounds, payload and span checks, then admission: where the bytes go, and
+        the Ref to release once they landed (or the write failed)."""
+        ...
+
+    def landed(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
+        """A checked WRITE's bytes are in place: count what landed."""
+
+    def landed_imm(self, peer: Peer, imm: int, nbytes: int) -> None:
+        """One unit with its immediate landed (a NIC-carried immediate): one count."""
+
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack) -> None:
+        """A two-sided message for a posted receive."""
+
+    def refused(self, error: TransferdError) -> None:
+        """A write was refused (for the metrics)."""
+
+    def delivered(self) -> None:
+        """A message was handed to a client (for the metrics)."""
+
+
+class Domain(abc.ABC):
+    """One NIC of a domain group; see the module docstring for the contract."""
+
+    #: The registry name this class is registered under.
+    name: str = ""
+    rail: int
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> bytes:
+        """This rail's address, as NetAddrs carry it."""
+
+    @abc.abstractmethod
+    def check_address(self, raw: bytes) -> None:
+        """BadRequest unless ``raw`` is a well-formed address of this kind of Domain."""
+
+    @abc.abstractmethod
+    def register(self, region: Region) -> int:
+        """Make ``region`` writable through this NIC; its rkey here."""
+
+    @abc.abstractmethod
+    def deregister(self, region: Region) -> None:
+        """No more writes into ``region`` through this NIC."""
+
+    @abc.abstractmethod
+    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+        """Send ``part``; ``transfer.part_done([error])`` when the peer acknowledged it."""
+
+    def connect(self, dst: NetAddr) -> None:  # noqa: B027 - optional, a no-op by default
+        """Open the link to ``dst`` (one rail) ahead of its first part."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fail what is outstanding (PEER_UNREACHABLE) and stop listening."""

@@ -1,0 +1,128 @@
+"""The chaos Domain: a wrapper around any other that delivers out of order on purpose.
+
+``engine.domain = "chaos"`` (around tcp) or ``"chaos:NAME"``.  Every part it is
+given is cut in pieces (a frame of pages into one frame per page, a range of
+a single write into up to ``max_parts`` aligned pieces that each name the
+write's span, so the receiver still counts it once) and every piece is handed
+to the wrapped Domain after its own random delay (seeded: the same seed, the
+same schedule).  The part completes when all its pieces did.  Nothing above
+the Domain knows: the engine plans as for any Domain, and the receiver's
+counting rules (pages placed, spans covered) make the order irrelevant.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
+
+from transferd.parts import SPLIT_ALIGN, SendPart, Transfer, WritePart, split_sizes
+from transferd.protocol.errors import TransferdError
+from transferd.protocol.values import NetAddr
+
+from .base import Domain, DomainOptions, Receiver
+
+if TYPE_CHECKING:
+    from transferd.engine.regions import Region
+
+# Pieces of one part are numbered (part index << 8) | k: at most this many.
+MAX_PIECES = 256
+
+
+def _cut(views: list[memoryview], sizes: list[int]) -> list[list[memoryview]]:
+    """``views`` (concatenated) cut into consecutive runs of ``sizes`` bytes, as views."""
+    out: list[list[memoryview]] = []
+    vi, off = 0, 0
+    for size in sizes:
+        run: list[memoryview] = []
+        left = size
+        while left:
+            v = views[vi]
+            take = min(left, len(v) - off)
+            run.append(v[off:off + take])
+            off += take
+            left -= take
+            if off == len(v):
+                vi, off = vi + 1, 0
+        out.append(run)
+    return out
+
+
+def pieces(part: WritePart, max_parts: int) -> list[WritePart]:
+    """``part`` in pieces the receiver counts exactly as the whole part."""
+    n = len(part.addrs)
+    if n > 1 and n <= MAX_PIECES:
+        srcs = _cut(part.src, part.lens)
+        return [WritePart(part.rail, part.dst, part.rkey, [a], [ln], src, part.imm, None,
+                          (part.index << 8) | k, part.op, part.parts)
+                for k, (a, ln, src) in enumerate(zip(part.addrs, part.lens, srcs, strict=True))]
+    if n == 1 and part.lens[0] >= 2 * SPLIT_ALIGN:
+        length = part.lens[0]
+        sizes = split_sizes(length, min(max_parts, MAX_PIECES, length // SPLIT_ALIGN))
+        if len(sizes) > 1:
+            # A piece names the whole write's span (its own range if the part was whole).
+            span = part.span or [part.addrs[0], length]
+            starts = [0, *accumulate(sizes)][:-1]
+            return [WritePart(part.rail, part.dst, part.rkey, [part.addrs[0] + s], [size],
+                              src, part.imm, span, (part.index << 8) | k, part.op, part.parts)
+                    for k, (s, size, src) in enumerate(
+                        zip(starts, sizes, _cut(part.src, sizes), strict=True))]
+    return [part]
+
+
+class ChaosDomain(Domain):
+    name = "chaos"
+
+    def __init__(self, receiver: Receiver, rail: int, host: str, port: int,
+                 options: DomainOptions, *, inner: Domain) -> None:
+        self.receiver = receiver
+        self.rail = rail
+        self.inner = inner
+        self.options = options
+        self._rng = random.Random(options.seed * 1009 + rail)
+
+    def __getattr__(self, name: str) -> Any:
+        # What is not the chaos Domain's is the wrapped one's (its host, its links).
+        return getattr(self.inner, name)
+
+    @property
+    def address(self) -> bytes:
+        return self.inner.address
+
+    def check_address(self, raw: bytes) -> None:
+        self.inner.check_address(raw)
+
+    def register(self, region: Region) -> int:
+        return self.inner.register(region)
+
+    def deregister(self, region: Region) -> None:
+        self.inner.deregister(region)
+
+    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+        loop = self.receiver.loop
+        todo: list[WritePart | SendPart] = []
+        if isinstance(part, WritePart):
+            todo.extend(pieces(part, self.options.max_parts))
+        else:
+            todo.append(part)
+        if len(todo) == 1:
+            target = transfer
+        else:
+            def joined(err: TransferdError | None) -> None:
+                transfer.part_done(err)
+
+            target = Transfer(transfer.op, len(todo), 0, joined)
+        for piece in todo:
+            delay = self._rng.uniform(0, self.options.max_delay_s)
+            loop.call_later(delay, self.inner.post, piece, target)
+
+    def connect(self, dst: NetAddr) -> None:
+        self.inner.connect(dst)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def factory(receiver: Receiver, rail: int, host: str, port: int, options: DomainOptions,
+            *, inner: Domain) -> ChaosDomain:
+    return ChaosDomain(receiver, rail, host, port, options, inner=inner)

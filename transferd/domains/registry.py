@@ -1,0 +1,109 @@
+"""Domains by name: ``engine.domain`` picks one (aioquic's congestion-control registry
+is the model).
+
+A name maps to a factory ``(receiver, rail, host, port, options) -> Domain``.
+A wrapper (``chaos``) is named before the Domain it wraps, after a colon:
+``"chaos:tcp"``; a wrapper alone wraps ``tcp``.  Built-in entries are
+imported on first use, so reading this module costs nothing; tests register
+their own Domains with :func:`register_domain`.
+
+``verbs`` is listed but is bound by :mod:`transferd.domains.verbs.bind` (it
+needs RDMA devices and their own set-up); it is not made by :func:`create`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from transferd.protocol.errors import BadRequest
+
+if TYPE_CHECKING:
+    from .base import Domain, DomainOptions, Receiver
+
+Factory = Callable[..., "Domain"]
+# A wrapper's factory takes the Domain it wraps as a keyword, ``inner``.
+
+_FACTORIES: dict[str, Factory] = {}
+_WRAPPERS: set[str] = set()
+# Imported on first use: "module:attribute" of the factory.
+_BUILTIN: dict[str, str] = {
+    "tcp": "transferd.domains.tcp:TcpDomain",
+    "chaos": "transferd.domains.chaos:ChaosDomain",
+}
+_BUILTIN_WRAPPERS = {"chaos"}
+# Listed (engine.domain accepts it) but bound elsewhere.
+EXTERNAL = {"verbs": "bound by transferd.domains.verbs.bind: needs RDMA devices"}
+DEFAULT_INNER = "tcp"
+
+
+def register_domain(name: str, factory: Factory, *, wrapper: bool = False) -> None:
+    """Make ``name`` a Domain (or, with ``wrapper``, a Domain around another)."""
+    if not name or ":" in name:
+        raise ValueError(f"a Domain's name is a word without ':', not {name!r}")
+    _FACTORIES[name] = factory
+    if wrapper:
+        _WRAPPERS.add(name)
+    else:
+        _WRAPPERS.discard(name)
+
+
+def unregister_domain(name: str) -> None:
+    _FACTORIES.pop(name, None)
+    _WRAPPERS.discard(name)
+
+
+def names() -> list[str]:
+    """Every Domain name known, built-in, registered and external."""
+    return sorted({*_BUILTIN, *_FACTORIES, *EXTERNAL})
+
+
+def is_wrapper(name: str) -> bool:
+    return name in _WRAPPERS or (name in _BUILTIN_WRAPPERS and name not in _FACTORIES)
+
+
+def parse(spec: str) -> list[str]:
+    """``"chaos:tcp"`` -> ``["chaos", "tcp"]`` (a lone wrapper wraps tcp); BadRequest if
+    a name is unknown or a wrapper has nothing to wrap."""
+    parts = [p.strip().lower() for p in spec.split(":")]
+    known = set(names())
+    for p in parts:
+        if p not in known:
+            raise BadRequest(f"engine.domain: unknown Domain {p!r} in {spec!r}; known: "
+                             f"{', '.join(names())}")
+    if is_wrapper(parts[-1]):
+        parts.append(DEFAULT_INNER)
+    for p in parts[:-1]:
+        if not is_wrapper(p):
+            raise BadRequest(f"engine.domain: {p!r} does not wrap another Domain ({spec!r})")
+    if is_wrapper(parts[-1]):
+        raise BadRequest(f"engine.domain: {spec!r} wraps nothing")
+    return parts
+
+
+def _factory(name: str) -> Factory:
+    f = _FACTORIES.get(name)
+    if f is not None:
+        return f
+    if name in EXTERNAL:
+        raise BadRequest(f"engine.domain: {name} is {EXTERNAL[name]}")
+    module, _, attr = _BUILTIN[name].partition(":")
+    f = getattr(importlib.import_module(module), attr)
+    return f
+
+
+def create(spec: str, receiver: Receiver, rail: int, host: str, port: int,
+           options: DomainOptions) -> Domain:
+    """The Domain ``spec`` names, bound to ``host:port``, as rail ``rail`` of ``receiver``."""
+    parts = parse(spec)
+    domain = _factory(parts[-1])(receiver, rail, host, port, options)
+    for wrapper in reversed(parts[:-1]):
+        domain = _factory(wrapper)(receiver, rail, host, port, options, inner=domain)
+    return domain
+
+
+def describe(spec: str) -> dict[str, Any]:
+    """What ``spec`` resolves to (for messages and docs)."""
+    parts = parse(spec)
+    return {"spec": spec, "chain": parts}

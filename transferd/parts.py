@@ -1,0 +1,106 @@
+"""What the engine hands a Domain, and the limits both sides share: a leaf module.
+
+The engine plans WriteParts and SendParts and tracks a Transfer per submit;
+every Domain takes them (:mod:`transferd.domains.base`).  Kept apart from both,
+so that neither imports the other at run time.  No I/O here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transferd.protocol.errors import TransferdError
+from transferd.protocol.values import NetAddr
+
+# Two-sided messages are for small control messages (RPC-style); bulk data
+# goes by one-sided writes.
+MAX_MESSAGE = 1 << 20
+# Pieces of a split write are multiples of this.
+SPLIT_ALIGN = 4096
+
+
+@dataclass(slots=True)
+class WritePart:
+    rail: int
+    dst: NetAddr  # the destination rail's address
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+    src: list[memoryview]
+    imm: int | None
+    # A part of a single write split in several: [addr, len] of the whole write.
+    span: list[int] | None = None
+    index: int = 0
+    op: int = 0
+    # How many parts carry this op (a split single write's; 1 otherwise).  The
+    # initiator's own bookkeeping, for a Domain whose receiver cannot see offsets
+    # (verbs counts a split write by its last part's carrier); tcp never sends it.
+    parts: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+@dataclass(slots=True)
+class SendPart:
+    rail: int
+    dst: NetAddr
+    msg: bytes
+    op: int = 0
+    index: int = 0
+    parts: int = 1
+
+
+def split_sizes(length: int, n: int, align: int = SPLIT_ALIGN) -> list[int]:
+    """``n`` near-equal, ``align``-aligned sizes adding up to ``length``."""
+    if n <= 1 or length < n * align:
+        return [length]
+    base = (length // n) // align * align
+    sizes = [base] * (n - 1)
+    sizes.append(length - base * (n - 1))
+    return sizes
+
+
+class Transfer:
+    """Completes once every part was acknowledged (applied at the destination).
+
+    The first failure fails the transfer; later acknowledgements are ignored.
+    ``done`` is called exactly once, on the worker's loop.
+    """
+
+    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "timer")
+
+    def __init__(self, op: int, parts: int, nbytes: int,
+                 done: Callable[[TransferdError | None], None]) -> None:
+        self.op = op
+        self.remaining = parts
+        self.nbytes = nbytes
+        self._done = done
+        self.error: TransferdError | None = None
+        self.finished = False
+        # Cancelled when the transfer ends (a peer that hangs must not hang us).
+        self.timer: asyncio.TimerHandle | None = None
+
+    def _end(self, error: TransferdError | None) -> None:
+        self.finished = True
+        self.error = error
+        if self.timer is not None:
+            self.timer.cancel()
+        self._done(error)
+
+    def part_done(self, error: TransferdError | None = None) -> None:
+        if self.finished:
+            return
+        if error is not None:
+            self.fail(error)
+            return
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self._end(None)
+
+    def fail(self, error: TransferdError) -> None:
+        if not self.finished:
+            self._end(error)
