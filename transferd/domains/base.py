@@ -26,6 +26,8 @@ What a Domain does, and when (every call on its group's worker loop):
   immediate); hand a message to ``receiver.deliver(peer, msg, ack)``.  The
   ``peer`` is the (node, group) the link authenticated, never a claim.
 - ``connect(dst)``: open the link to a peer's rail ahead of use (optional).
+- ``drop_stalled(dst, error)``: a transfer to ``dst`` timed out; close a link
+  that still holds unsent bytes (optional).
 - ``close()``: fail what is outstanding (PEER_UNREACHABLE), stop listening.
 
 The Domain conformance suite (tests/domains/) runs every registered Domain
@@ -135,6 +137,10 @@ class Domain(abc.ABC):
 
     def connect(self, dst: NetAddr) -> None:  # noqa: B027 - optional, a no-op by default
         """Open the link to ``dst`` (one rail) ahead of its first part."""
+
+    def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:  # noqa: B027
+        """A transfer to ``dst`` timed out: let go of a link whose peer reads nothing
+        (so the memory its queued bytes lie in can go back).  Optional."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -119,6 +119,9 @@ class ChaosDomain(Domain):
     def connect(self, dst: NetAddr) -> None:
         self.inner.connect(dst)
 
+    def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
+        self.inner.drop_stalled(dst, error)
+
     def close(self) -> None:
         self.inner.close()
 
