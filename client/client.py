@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from transferd import __version__, transports
+from transferd.protocol import auth as auth_methods
+from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
     DEFAULT_MAX_BODY,
-    PROTO_MAJOR,
     PROTO_MINOR,
     Command,
 )
@@ -143,11 +144,15 @@ class Client(EngineMixin, WatcherMixin):
         max_minor: int = PROTO_MINOR,
         tls_ca: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        auth: str = "hmac-sha256",
     ) -> None:
         self.url = url
         # tls:// only: verify the server with this CA file (or a ready context).
         self.tls_ca = tls_ca
         self.ssl_context = ssl_context
+        # How to prove the token when the server asks: "hmac-sha256" (always
+        # offered) or "token" (sent in HELLO; only where the server offers it).
+        self.auth = auth
         self.token = token
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -186,11 +191,22 @@ class Client(EngineMixin, WatcherMixin):
         self._conn = await Connection.open(self.url, self.connect_timeout, opts)
         self._conn.on_event = self._on_event
         self._conn.on_lost = self._events.lost
-        body: dict[str, Any] = {"major": PROTO_MAJOR, "minor": self.max_minor, "client": self.name}
-        if self.token:
-            body["token"] = self.token
+        # The handshake is the sans-IO ClientConnection's: hmac-sha256 whenever
+        # the server asks for authentication (the secret never crosses the
+        # wire, and the server proves it knows it too); auth="token" sends it.
+        hs = ClientConnection(
+            name=self.name, max_minor=self.max_minor,
+            secret=auth_methods.secret_from_text(self.token) if self.token else None,
+            method=self.auth,
+        )
         try:
-            reply = await self._conn.request(Command.HELLO, body, timeout=self.connect_timeout)
+            reply = await self._conn.request(
+                Command.HELLO, hs.hello_body(), timeout=self.connect_timeout
+            )
+            mac = hs.hello_reply(reply.body)
+            if mac is not None:
+                await self._conn.request(Command.AUTH, mac, timeout=self.connect_timeout)
+                hs.auth_reply()
         except TransferdError:
             await self._conn.close()
             raise

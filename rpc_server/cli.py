@@ -36,7 +36,10 @@ from .server import RpcFrontend
     default=None,
     help="Prometheus metrics port [0: a free one, printed]; -1 turns metrics off.",
 )
-@click.option("--token", default=None, help="Require this token in HELLO.")
+@click.option("--token", default=None, metavar="SECRET",
+              help="Refused (visible in ps): use --token-file or TRANSFERD_SERVER_TOKEN.")
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="Clients must prove the secret in this file (server.token_file).")
 @click.option("--unix", "unix_socket", default=None, help="Also listen on this Unix socket path.")
 @click.option(
     "--listen",
@@ -74,6 +77,7 @@ def main(
     protocol_minor: int | None,
     metrics_port: int | None,
     token: str | None,
+    token_file: str | None,
     unix_socket: str | None,
     listen: tuple[str, ...],
     config_path: str | None,
@@ -81,6 +85,9 @@ def main(
     log_format: str | None,
 ) -> None:
     """Serve transferd's RPC protocol (and its transfer engine) on HOST:PORT."""
+    if token is not None:
+        click.echo(f"rpc-server: {cfgmod.TOKEN_REFUSED}", err=True)
+        sys.exit(Exit.CONFIG)
     gpus = [d.strip() for d in (device or "").split(",") if d.strip() and d.strip() != "cpu"]
     overrides = {
         "gpu.devices": gpus or None,
@@ -88,7 +95,7 @@ def main(
         "server.port": port,
         "memory.host_limit_mib": mem,
         "server.protocol_minor": protocol_minor,
-        "server.token": token,
+        "server.token_file": token_file,
         "server.unix_socket": unix_socket,
         "server.listen": list(listen) or None,
         "log.level": log_level,

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from transferd import __version__
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
+from transferd.protocol import auth
+from transferd.protocol.connection import ServerSettings
 from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, Command
+
+from .admission import Admission
+
+log = logging.getLogger("transferd.session")
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
@@ -43,6 +51,50 @@ class ServerContext:
     engine: TransferEngine | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     name: str = f"transferd/{__version__}"
+    # The shared secret clients prove (b"": none required), the transports on
+    # which the token method is offered, and the handshake's deadline.
+    secret: bytes = b""
+    token_transports: tuple[str, ...] = ("unix", "seqpacket", "tls")
+    handshake_timeout: float = 5.0
+    admission: Admission = field(default_factory=Admission)
+    # One ServerSettings per listener scheme, shared by its connections (a
+    # reload of the secret updates them in place).
+    _settings: dict[str, ServerSettings] = field(default_factory=dict)
+    _refused_logged: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.token and not self.secret:
+            self.secret = auth.secret_from_text(self.token)
+
+    def settings_for(self, scheme: str, message: bool = False) -> ServerSettings:
+        st = self._settings.get(scheme)
+        if st is None:
+            st = self._settings[scheme] = ServerSettings(
+                minor=self.minor,
+                name=self.name,
+                features=self.features(),
+                max_body=self.max_body,
+                max_payload=self.max_payload,
+                secret=self.secret,
+                token_allowed=scheme in self.token_transports,
+                max_message=self.max_message if message else None,
+                handshake_timeout=self.handshake_timeout,
+            )
+        return st
+
+    def set_secret(self, secret: bytes) -> None:
+        """A new secret (SIGHUP): the next handshakes use it; open connections stay."""
+        self.secret = secret
+        for st in self._settings.values():
+            st.secret = secret
+
+    def note_refused_connection(self, source: str, why: str) -> None:
+        # One line per 5 s at most: a flood must not become a flood of logs.
+        now = time.monotonic()
+        if now - self._refused_logged >= 5.0:
+            self._refused_logged = now
+            log.warning("connection from %s refused: %s (%d refused so far)",
+                        source, why, self.admission.refused)
 
     def features(self) -> list[str]:
         if self.minor < 2:

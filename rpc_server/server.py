@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from typing import TYPE_CHECKING
 
 from transferd import transports
 from transferd.config import ServerConfig
+from transferd.protocol import auth
+from transferd.protocol.errors import BadRequest
 
 from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
+from .admission import Admission
 from .context import ServerContext
 from .session import Session
+
+log = logging.getLogger("transferd.server")
 
 if TYPE_CHECKING:
     from transferd.config import Config
@@ -32,6 +39,17 @@ def listen_urls(s: ServerConfig) -> list[str]:
     return urls
 
 
+def load_secret(s: ServerConfig) -> bytes:
+    """The shared secret: server.token_file's contents, else server.token (stripped)."""
+    if s.token_file:
+        with open(s.token_file, "rb") as f:
+            secret = auth.secret_from_text(f.read(4096))
+        if not secret:
+            raise BadRequest(f"server.token_file: {s.token_file} is empty")
+        return secret
+    return auth.secret_from_text(s.token)
+
+
 class RpcFrontend:
     """The RPC server as a daemon front end (entry point ``transferd.frontends``)."""
 
@@ -46,20 +64,30 @@ class RpcFrontend:
             buffers=daemon.buffers,
             metrics=daemon.metrics,
             minor=s.protocol_minor,
-            token=s.token,
+            secret=load_secret(s),
+            token_transports=tuple(s.token_transports),
+            handshake_timeout=s.handshake_timeout_s,
+            admission=Admission(s.max_handshakes, s.max_handshakes_per_source),
             max_body=s.max_body,
             max_payload=s.max_payload,
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
         )
         ctx = self.ctx
+        if ctx.secret:
+            log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
+                     ", ".join(ctx.token_transports) or "none")
         opts = transports.TransportOptions(
             tls_cert=s.tls_cert, tls_key=s.tls_key, max_message=s.max_message
         )
         urls = []
         try:
             for url in listen_urls(s):
-                listener = await transports.listen(url, lambda: Session(ctx), opts)
+                kind = transports.get(url)
+                settings = ctx.settings_for(kind.scheme, kind.kind == "message")
+                listener = await transports.listen(
+                    url, functools.partial(Session, ctx, settings), opts
+                )
                 self._listeners.append(listener)
                 urls.append(listener.url)
         except BaseException:
@@ -68,9 +96,12 @@ class RpcFrontend:
         return urls
 
     def reload(self, config: Config) -> None:
-        """SIGHUP: a new token applies to the next HELLO (open connections stay)."""
+        """SIGHUP: a new secret applies to the next handshake (open connections stay)."""
         if self.ctx is not None:
-            self.ctx.token = config.server.token
+            try:
+                self.ctx.set_secret(load_secret(config.server))
+            except (OSError, BadRequest) as exc:
+                log.error("reload: keeping the current secret: %s", exc)
 
     async def close(self) -> None:
         listeners, self._listeners = self._listeners, []

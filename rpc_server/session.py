@@ -9,13 +9,17 @@ Reads pause whenever replies are waiting in the transport (write-buffer
 limits of zero): GET payloads are sent from the buffer where they lie, so no
 later SET on this connection may land in that memory until the bytes are out.
 The same pause is the connection's back-pressure.
+
+The handshake (HELLO, AUTH, the pre-auth limits, the handshake timeout) is the
+sans-IO :class:`transferd.protocol.connection.ServerConnection`; this layer
+feeds it the frames that arrive before READY, writes what it produces, and
+runs the clock (a timer at its deadline).  Once READY, frames go straight from
+the decoder to the command handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import hmac
 import logging
 import socket
 import time
@@ -25,12 +29,18 @@ from typing import Any, cast
 from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
 from transferd.protocol import frames
+from transferd.protocol.connection import (
+    ConnState,
+    Ready,
+    Refused,
+    ServerConnection,
+    ServerSettings,
+)
 from transferd.protocol.constants import (
     COMMAND_MINOR,
     HEADER_SIZE,
     MAGIC,
     PROTO_MAJOR,
-    PROTO_PATCH,
     Command,
     Flag,
 )
@@ -40,12 +50,9 @@ from transferd.protocol.errors import (
     NoHello,
     ProtocolError,
     TransferdError,
-    Unauthorized,
     UnknownCommand,
-    VersionMismatch,
 )
-from transferd.protocol.frames import DISCARD, Frame, FrameDecoder, Sink
-from transferd.protocol.messages import str_field, uint_field
+from transferd.protocol.frames import DISCARD, Frame, Sink
 
 from .context import ServerContext
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
@@ -61,33 +68,38 @@ _COMMANDS: dict[int, Command] = {int(c): c for c in Command}
 _NOT_REQUEST_FLAGS = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
 
 
-class State(enum.Enum):
-    AWAIT_HELLO = "await_hello"
-    READY = "ready"
-    CLOSED = "closed"
-
+# The session's states are the connection's (HELLO, AUTH, READY, CLOSING,
+# CLOSED); the name State stays for callers that knew it.
+State = ConnState
 
 # Module-level aliases for the per-frame path: in Python 3.11 ``State.X`` and
 # ``Flag.X`` go through EnumType.__getattr__, ten times slower than a global.
-_AWAIT_HELLO = State.AWAIT_HELLO
-_CLOSED = State.CLOSED
-_HELLO = int(Command.HELLO)
+_AWAIT_HELLO = ConnState.HELLO
+_AWAIT_AUTH = ConnState.AUTH
+_CLOSED = ConnState.CLOSED
+_CLOSING = ConnState.CLOSING
+_AUTH = Command.AUTH
 _REPLY = int(Flag.REPLY)
 _NO_REPLY = int(Flag.NO_REPLY)
-_READY = State.READY
+_READY = ConnState.READY
 _pack_header = frames.HEADER.pack
 
 
 class Session(asyncio.BufferedProtocol):
-    def __init__(self, ctx: ServerContext) -> None:
+    def __init__(self, ctx: ServerContext, settings: ServerSettings | None = None) -> None:
         self.ctx = ctx
-        self.state = State.AWAIT_HELLO
+        self.state = ConnState.HELLO
         self.peer = "?"
+        self.source = "?"
         self.client_name = ""
         self.transport: asyncio.Transport | None = None
-        self._decoder = FrameDecoder(
-            max_body=ctx.max_body, max_payload=ctx.max_payload, payload_sink=self._sink_for
+        self._loop = asyncio.get_running_loop()
+        self.conn = ServerConnection(
+            settings or ctx.settings_for("tcp"), self._loop.time(), payload_sink=self._sink_for
         )
+        self._decoder = self.conn.decoder
+        self._admitted = False
+        self._timer: asyncio.TimerHandle | None = None
         # The transport asks the decoder directly: one Python call less per read.
         self.get_buffer = self._decoder.get_buffer  # type: ignore[method-assign]
         self._sink_error: TransferdError | None = None
@@ -123,13 +135,24 @@ class Session(asyncio.BufferedProtocol):
             self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
         peer = transport.get_extra_info("peername")
         self.peer = hostport(peer) if peer else "local"
+        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else "local"
         self.ctx.metrics.connections.inc()
         self.ctx.metrics.connections_accepted.inc()
+        refused = self.ctx.admission.admit(self.source)
+        if refused is not None:
+            # Over a cap: closed before a byte is read, nothing allocated.
+            self.ctx.note_refused_connection(self.source, refused)
+            self.state = _CLOSED
+            self.transport.abort()
+            return
+        self._admitted = True
+        self._timer = self._loop.call_at(self.conn.deadline, self._handshake_timeout)
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.state is not State.CLOSED:
-            self.state = State.CLOSED
+        self.state = _CLOSED
+        self.conn.connection_lost()
+        self._end_handshake()
         self.ctx.metrics.connections.dec()
         self._release_held()
         session_closed(self)  # buffers this connection owned (shared memory)
@@ -149,10 +172,10 @@ class Session(asyncio.BufferedProtocol):
         return False
 
     def pause_writing(self) -> None:
-        # Before HELLO no reply holds memory the client could overwrite, and a
+        # Before READY no reply holds memory the client could overwrite, and a
         # TLS transport pauses here while its handshake is buffered: blocking
         # reads then would stall the handshake that drains the buffer.
-        if self.state is _AWAIT_HELLO:
+        if self.state is not _READY:
             return
         self._write_blocked = True
         self._block()
@@ -166,7 +189,83 @@ class Session(asyncio.BufferedProtocol):
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""
-        self._fail(exc, cmd=self._decoder.current_cmd)
+        if self.state is _READY:
+            self._fail(exc, cmd=self._decoder.current_cmd)
+        elif self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH:
+            self._after_handshake(self.conn.refuse(exc, self._decoder.current_cmd, exc.seq or 0))
+
+    # -- the handshake ---------------------------------------------------------------
+
+    def _handshake(self, frame: Frame) -> None:
+        """A frame before READY: the sans-IO connection judges it."""
+        started = time.perf_counter()
+        sent = self.ctx.stats.bytes_out
+        cmd = _COMMANDS.get(frame.cmd)
+        if cmd is not None:
+            self.ctx.stats.commands[cmd] += 1
+            self.ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len)
+        self._after_handshake(self.conn.receive_frame(frame))
+        if cmd is not None and (self.state is _READY or self.state is _AWAIT_AUTH):
+            self.ctx.metrics.reply(cmd, self.ctx.stats.bytes_out - sent,
+                                   time.perf_counter() - started)
+
+    def _after_handshake(self, events: list[Any]) -> None:
+        for ev in events:
+            if type(ev) is Ready:
+                self.state = _READY
+                self.client_name = ev.client
+                self._end_handshake()
+                if self._write_frame is not None:
+                    cast(Any, self.transport).recv_limit = self.ctx.max_message
+                if ev.method is not None:
+                    log.debug("%s authenticated (%s) as %r", self.peer, ev.method, ev.client)
+            elif type(ev) is Refused:
+                self.state = _CLOSING
+                self.ctx.metrics.error(ev.error.code)
+                if ev.auth:
+                    delay, n = self.ctx.admission.failed(self.source, self._loop.time())
+                    log.warning(
+                        "authentication failed from %s: %s (%d in the last minute; "
+                        "answering in %.2f s)", self.peer, ev.error.message, n, delay,
+                    )
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    # Still counted as not authenticated while it waits.
+                    self._timer = self._loop.call_later(delay, self._flush_and_close)
+                    return
+                log_client_error(self.peer, ev.error, self._decoder.current_cmd, ev.error.seq)
+                self._flush_and_close()
+                return
+        self._flush_handshake()
+
+    def _flush_handshake(self) -> None:
+        t = self.transport
+        out = self.conn.frames_to_send()
+        if t is None or t.is_closing():
+            return
+        for raw in out:
+            if self._write_frame is not None:
+                self._write_frame(raw, (), 0)
+            else:
+                t.write(raw)
+            self.ctx.stats.bytes_out += len(raw)
+
+    def _flush_and_close(self) -> None:
+        self._timer = None
+        self._flush_handshake()
+        self.close()
+
+    def _handshake_timeout(self) -> None:
+        self._timer = None
+        self._after_handshake(self.conn.handle_timeout(self._loop.time()))
+
+    def _end_handshake(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._admitted:
+            self._admitted = False
+            self.ctx.admission.release(self.source)
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -188,7 +287,7 @@ class Session(asyncio.BufferedProtocol):
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _pump(self) -> None:
-        while self._blockers == 0 and self.state is not _CLOSED:
+        while self._blockers == 0 and self.state is _READY:
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as exc:
@@ -197,6 +296,25 @@ class Session(asyncio.BufferedProtocol):
             if frame is None:
                 return
             self._handle(frame)
+        state = self.state
+        if state is _AWAIT_HELLO or state is _AWAIT_AUTH:
+            self._pump_handshake()
+
+    def _pump_handshake(self) -> None:
+        while self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH:
+            try:
+                frame = self._decoder.next_frame()
+            except ProtocolError as exc:
+                # The gate (or the decoder) refused a header before READY.
+                self._after_handshake(
+                    self.conn.refuse(exc, self._decoder.current_cmd, exc.seq or 0)
+                )
+                return
+            if frame is None:
+                return
+            self._handshake(frame)
+        if self.state is _READY:
+            self._pump()
 
     def _sink_for(self, frame: Frame) -> Sink:
         self._sink_error = None
@@ -208,7 +326,7 @@ class Session(asyncio.BufferedProtocol):
             return DISCARD
 
     def _check_allowed(self, frame: Frame) -> None:
-        if self.state is _AWAIT_HELLO and frame.cmd != _HELLO:
+        if self.state is not _READY:
             raise NoHello("the first frame of a connection must be HELLO")
         if int(frame.flags) & _NOT_REQUEST_FLAGS:
             raise BadRequest("a request must not carry REPLY, ERROR or EVENT flags")
@@ -220,6 +338,8 @@ class Session(asyncio.BufferedProtocol):
                 f"{cmd.name} needs protocol minor {COMMAND_MINOR[cmd]}; this server speaks "
                 f"{PROTO_MAJOR}.{self.ctx.minor}"
             )
+        if cmd is _AUTH:
+            raise BadRequest("AUTH: this connection is already authenticated")
         if cmd not in HANDLERS:
             raise UnknownCommand(f"{cmd.name} is not served by this daemon")
 
@@ -377,38 +497,13 @@ class Session(asyncio.BufferedProtocol):
         return n
 
     def close(self) -> None:
-        if self.state is not State.CLOSED:
-            self.state = State.CLOSED
+        if self.state is not _CLOSED:
+            self.state = _CLOSED
             if self.transport is not None:
                 self.transport.close()
 
     # -- HELLO ----------------------------------------------------------------------
 
     def hello(self, frame: Frame) -> Reply:
-        if self.state is not State.AWAIT_HELLO:
-            raise BadRequest("HELLO was already received on this connection")
-        major = uint_field(frame.body, "major")
-        uint_field(frame.body, "minor")
-        self.client_name = str_field(frame.body, "client", "")
-        if major != PROTO_MAJOR:
-            raise VersionMismatch(f"client speaks major {major}, this server {PROTO_MAJOR}")
-        if self.ctx.token:
-            token = frame.body.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode(), self.ctx.token.encode()
-            ):
-                raise Unauthorized("a valid token is required" if token else "token missing")
-        self.state = State.READY
-        body: dict[str, Any] = {
-            "major": PROTO_MAJOR,
-            "minor": self.ctx.minor,
-            "patch": PROTO_PATCH,
-            "server": self.ctx.name,
-            "features": self.ctx.features(),
-            "max_body": self.ctx.max_body,
-            "max_payload": self.ctx.max_payload,
-        }
-        if self._write_frame is not None:
-            body["max_message"] = self.ctx.max_message
-            cast(Any, self.transport).recv_limit = self.ctx.max_message
-        return Reply(body)
+        """A HELLO after READY (the first one is the handshake's)."""
+        raise BadRequest("HELLO was already received on this connection")

@@ -315,6 +315,21 @@ class RawConn:
     def to(cls, daemon: DaemonProcess, timeout: float = 10.0) -> RawConn:
         return cls(*daemon.host_port, timeout=timeout)
 
+    @classmethod
+    def at(cls, url: str, timeout: float = 10.0) -> RawConn:
+        """A raw connection to a tcp:// or unix:// URL (stream transports)."""
+        if url.startswith("unix://"):
+            self = cls.__new__(cls)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(url[len("unix://"):])
+            self.decoder = FrameDecoder()
+            self.frames = []
+            self.seq = 0
+            return self
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        return cls(host.strip("[]"), int(port), timeout=timeout)
+
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 

@@ -45,8 +45,10 @@ def metrics_port_overrides(port: int | None) -> dict[str, object]:
               help="Act as a server of this protocol minor (server.protocol_minor).")
 @click.option("--metrics-port", type=int, default=None,
               help="Metrics port (metrics.port); 0 picks one; -1 turns metrics off.")
-@click.option("--token", default=None,
-              help="Require this token in HELLO (server.token); prefer TRANSFERD_SERVER_TOKEN.")
+@click.option("--token", default=None, metavar="SECRET",
+              help="Refused (visible in ps): use --token-file or TRANSFERD_SERVER_TOKEN.")
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="Clients must prove the secret in this file (server.token_file).")
 @click.option("--unix", "unix_socket", default=None,
               help="Also listen on this Unix socket path (server.unix_socket).")
 @click.option("--listen", multiple=True, metavar="URL",
@@ -72,6 +74,7 @@ def serve(
     protocol_minor: int | None,
     metrics_port: int | None,
     token: str | None,
+    token_file: str | None,
     unix_socket: str | None,
     listen: tuple[str, ...],
     log_level: str | None,
@@ -84,12 +87,16 @@ def serve(
     """
     from transferd.daemon import discover_frontends, run_daemon
 
+    if token is not None:
+        click.echo(f"transferd: {cfgmod.TOKEN_REFUSED}", err=True)
+        sys.exit(Exit.CONFIG)
+
     overrides = {
         "server.host": host,
         "server.port": port,
         "memory.host_limit_mib": mem,
         "server.protocol_minor": protocol_minor,
-        "server.token": token,
+        "server.token_file": token_file,
         "server.unix_socket": unix_socket,
         "server.listen": list(listen) or None,
         "log.level": log_level,

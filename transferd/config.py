@@ -32,6 +32,12 @@ from typing import Any
 from transferd.memory.buffers import DeviceSpec
 from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, PROTO_MINOR
 
+TOKEN_REFUSED = (
+    "--token is refused: a secret on the command line is visible to every local user "
+    "(ps, /proc/PID/cmdline). Put it in a file only the daemon's user can read and pass "
+    "--token-file FILE (server.token_file), or set TRANSFERD_SERVER_TOKEN."
+)
+
 ENV_PREFIX = "TRANSFERD_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -127,10 +133,42 @@ class ServerConfig:
     )
     token: str = key(
         "",
-        'Shared secret every client must present in HELLO ("" = none). A wrong or missing '
-        "token gets UNAUTHORIZED and a close. Prefer TRANSFERD_SERVER_TOKEN in a file only "
-        "root can read to keeping a secret in a world-readable file.",
-        flag="--token", reload=True, secret=True,
+        'Shared secret clients must prove ("" = none; server.token_file wins): with '
+        "hmac-sha256 (the secret never crosses the wire) or, on server.token_transports, as "
+        "a token in HELLO. Wrong or missing: UNAUTHORIZED and a close, logged with the "
+        "source and slowed down per source. Set it with TRANSFERD_SERVER_TOKEN or "
+        "server.token_file, never on the command line (--token is refused).",
+        reload=True, secret=True,
+    )
+    token_file: str = key(
+        "",
+        "File holding the shared secret clients prove (its contents, outer whitespace "
+        "removed); wins over server.token. Keep it readable by the daemon's user only. "
+        "SIGHUP re-reads it.",
+        flag="--token-file", reload=True,
+    )
+    token_transports: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        ["unix", "seqpacket", "tls"],
+        "Listener schemes on which the token method is offered besides hmac-sha256 (the "
+        "token crosses the wire, so by default only local sockets and TLS). hmac-sha256 is "
+        "offered everywhere a secret is set.",
+    )
+    handshake_timeout_s: float = key(
+        5.0,
+        "Seconds a connection has to finish HELLO (and AUTH) before it is closed.",
+        min=0.01, max=600,
+    )
+    max_handshakes: int = key(
+        1024,
+        "Connections that have not finished their handshake, in all; one more is closed at "
+        "once.",
+        min=1,
+    )
+    max_handshakes_per_source: int = key(
+        128,
+        "Connections from one source address (an IP; all Unix-socket clients are one "
+        "source) that have not finished their handshake; one more is closed at once.",
+        min=1,
     )
     protocol_minor: int = key(
         PROTO_MINOR,
@@ -664,6 +702,10 @@ def _listen_problems(s: ServerConfig) -> list[str]:
     from transferd import transports  # the registry knows every scheme
 
     out: list[str] = []
+    for scheme in s.token_transports:
+        if scheme not in transports.schemes():
+            out.append(f"server.token_transports: {scheme!r} is not a transport "
+                       f"({', '.join(transports.schemes())})")
     for url in s.listen:
         try:
             kind = transports.get(url)
@@ -673,6 +715,13 @@ def _listen_problems(s: ServerConfig) -> list[str]:
             continue
         if kind.scheme == "tls" and not (s.tls_cert and s.tls_key):
             out.append(f"server.listen: {url} needs server.tls_cert and server.tls_key")
+    if s.token_file:
+        try:
+            with open(s.token_file, "rb") as f:
+                if not f.read(4096).strip():
+                    out.append(f"server.token_file: {s.token_file} is empty")
+        except OSError as exc:
+            out.append(f"server.token_file: cannot read {s.token_file}: {exc.strerror}")
     if not s.tcp_listener and not s.listen and not s.unix_socket:
         out.append("server.tcp_listener: false leaves nothing to listen on")
     return out

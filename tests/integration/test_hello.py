@@ -154,10 +154,13 @@ def test_minor_2_command_on_minor_1_server_raw(daemon_factory: DaemonFactory) ->
 def test_unknown_command_id(daemon: DaemonProcess) -> None:
     with RawConn.to(daemon) as raw:
         raw.hello()
-        for cmd in (0x0A, 0x12, 0x1F, 0x40, 0xFF):
+        for cmd in (0x0B, 0x12, 0x1F, 0x40, 0xFF):
             f = raw.request(cmd)
             assert f.is_error and f.body["code"] == ErrorCode.UNKNOWN_COMMAND, cmd
             assert f.cmd == cmd
+        # AUTH (0x0A) is known: on an authenticated connection it is a bad request.
+        f = raw.request(Command.AUTH, {"mac": b"x" * 32})
+        assert f.is_error and f.body["code"] == ErrorCode.BAD_REQUEST
         assert raw.request(Command.SYNCHRONIZE).flags == Flag.REPLY
 
 
@@ -174,44 +177,7 @@ def test_version_mismatch_closes(daemon: DaemonProcess) -> None:
         assert raw.closed_by_peer()
 
 
-# -- tokens --------------------------------------------------------------------------------
-
-
-@async_test()
-async def test_token_required(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory(["--token", "s3cret-t0ken"])
-    with pytest.raises(Unauthorized):
-        await Client.connect(d.url)
-    with pytest.raises(Unauthorized):
-        await Client.connect(d.url, token="wrong")
-    with pytest.raises(Unauthorized):
-        await Client.connect(d.url, token="s3cret-t0ken-and-more")
-    async with await Client.connect(d.url, token="s3cret-t0ken") as c:
-        await _round_trip(c, n=4)
-
-
-def test_token_failure_closes_the_connection(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory(["--token", "abc"])
-    for token in (None, "", "abd", "ABC"):
-        with RawConn.to(d) as raw:
-            f = raw.hello(token=token)
-            assert f.is_error and f.body["code"] == ErrorCode.UNAUTHORIZED, token
-            assert raw.closed_by_peer()
-    with RawConn.to(d) as raw:
-        raw.send(Command.HELLO, {"major": 1, "minor": 2, "token": 12345})
-        assert raw.recv().body["code"] == ErrorCode.UNAUTHORIZED
-        assert raw.closed_by_peer()
-    with RawConn.to(d) as raw:
-        assert not raw.hello(token="abc").is_error
-        assert raw.request(Command.SYNCHRONIZE).flags == Flag.REPLY
-
-
-def test_token_from_environment(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory(env={"TRANSFERD_SERVER_TOKEN": "from-env"})
-    with RawConn.to(d) as raw:
-        assert raw.hello(token="nope").body["code"] == ErrorCode.UNAUTHORIZED
-    with RawConn.to(d) as raw:
-        assert not raw.hello(token="from-env").is_error
+# -- authentication: tests/integration/test_auth.py ------------------------------------------
 
 
 # -- transports and context managers -------------------------------------------------------
@@ -299,7 +265,7 @@ def test_sync_client_context_manager(url: str) -> None:
 
 
 def test_sync_client_connect_errors_are_raised(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory(["--token", "x"])
+    d = daemon_factory(env={"TRANSFERD_SERVER_TOKEN": "x"})
     with pytest.raises(Unauthorized):
         SyncClient(d.url)
     with SyncClient.connect(d.url, token="x") as c:

@@ -107,8 +107,10 @@ def test_a_unix_socket_in_use_is_not_taken_over(tmp_path: Path) -> None:
 
 def test_serve_takes_rpc_servers_flags(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sock")
+    (tmp_path / "tok").write_text("tok\n")
     with DaemonProcess(command=[*SERVE, "-p", "0", "-m", "24", "--metrics-port", "-1",
-                                "--unix", path, "--token", "tok", "--log-level", "WARNING",
+                                "--unix", path, "--token-file", str(tmp_path / "tok"),
+                                "--log-level", "WARNING",
                                 "--protocol-minor", "2"]) as d:
         assert d.metrics_url is None
         assert d.unix_url == f"unix://{path}"
@@ -124,7 +126,8 @@ def test_both_commands_have_version_and_the_same_flags(argv: list[str]) -> None:
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     for flag in ("-c, --config", "-H, --host", "-p, --port", "-m, --mem", "--protocol-minor",
-                 "--metrics-port", "--token", "--unix", "--log-level", "--log-format"):
+                 "--metrics-port", "--token", "--token-file", "--unix", "--log-level",
+                 "--log-format", "--listen"):
         assert flag in text, flag
     assert "-1 turns metrics off" in text
 

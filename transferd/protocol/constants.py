@@ -43,6 +43,7 @@ class Command(enum.IntEnum):
     COPY_TENSOR = 0x07
     SYNCHRONIZE = 0x08
     STATS = 0x09
+    AUTH = 0x0A
     GET_TENSORS = 0x10
     SET_TENSORS = 0x11
     # Transfer engine, minor 2 (documented in docs/protocol.md).

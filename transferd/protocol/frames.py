@@ -203,6 +203,7 @@ class FrameDecoder:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         payload_sink: SinkFactory | None = None,
         exact: bool = False,
+        buffer_size: int = READ_CHUNK,
     ) -> None:
         # exact: never ask for bytes past the current frame, so every payload
         # byte is received straight into its sink (the peer plane's mode; the
@@ -211,7 +212,9 @@ class FrameDecoder:
         self.max_body = max_body
         self.max_payload = max_payload
         self._sink_factory = payload_sink
-        self._buf = bytearray(READ_CHUNK)
+        # A connection that has not authenticated gets a small buffer
+        # (buffer_size); grow_buffer() gives it READ_CHUNK once it has.
+        self._buf = bytearray(buffer_size)
         self._view = memoryview(self._buf)
         self._start = 0  # first unconsumed byte in _buf
         self._end = 0  # one past the last received byte in _buf
@@ -225,6 +228,9 @@ class FrameDecoder:
         self._payload_left = 0
         self._discard = False
         self._direct = False  # get_buffer handed out sink memory
+        # Called with every header before the limits are checked, while set
+        # (the pre-auth rules of a server connection); raises to refuse it.
+        self.gate: Callable[[RawHeader], None] | None = None
 
     # -- the I/O side ---------------------------------------------------------
 
@@ -338,6 +344,8 @@ class FrameDecoder:
                     h = _new_header(RawHeader, _unpack_header(self._buf, start))
                     # Kept before judging it, so an error can name the frame's cmd.
                     self._header = h
+                    if self.gate is not None:
+                        self.gate(h)
                     if (
                         h.magic != MAGIC
                         or h.reserved
@@ -491,9 +499,19 @@ class FrameDecoder:
         self._view[:live] = self._view[self._start : self._end]
         self._start, self._end = 0, live
 
+    def grow_buffer(self, size: int = READ_CHUNK) -> None:
+        """Make the buffer at least ``size`` bytes (after authentication)."""
+        if len(self._buf) < size:
+            self._resize(size)
+
     def _grow(self, body_len: int) -> None:
+        # Only for a body within max_body (checked above): before
+        # authentication that is at most 4096 bytes, inside the small buffer.
+        self._resize(max(READ_CHUNK, body_len + READ_CHUNK))
+
+    def _resize(self, size: int) -> None:
         live = bytes(self._view[self._start : self._end])
-        self._buf = bytearray(max(READ_CHUNK, body_len + READ_CHUNK))
+        self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._buf[: len(live)] = live
         self._start, self._end = 0, len(live)

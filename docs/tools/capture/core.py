@@ -17,7 +17,9 @@ from transferd.protocol import Command, Flag, encode_frame
 hello_example("HELLO", "HELLO to a minor-2 server")
 hello_example("HELLO_MINOR1", "HELLO to `rpc-server --protocol-minor 1`", daemon="minor1")
 hello_example(
-    "HELLO_TOKEN", f"HELLO with a token (`rpc-server --token {TOKEN}`)", daemon="token", token=TOKEN
+    "HELLO_TOKEN",
+    f"HELLO with a token (secret `{TOKEN}` in server.token_file; token method offered on tcp)",
+    daemon="token", token=TOKEN,
 )
 request_example(
     "GET_DEVICES", "GET_DEVICES (empty body both ways but for the list)", Command.GET_DEVICES

@@ -32,6 +32,20 @@ from transferd.protocol import (
 
 CLIENT_NAME = "capture_frames/1"
 TOKEN = "s3cret"
+
+
+def _token_config() -> str:
+    """A config for the "token" daemon: the secret from a file, the token method on tcp too
+    (these examples use TCP; by default only local sockets and TLS offer it)."""
+    d = tempfile.mkdtemp(prefix="td-capture-")
+    secret = os.path.join(d, "token")
+    with open(secret, "w") as f:
+        f.write(TOKEN + "\n")
+    cfg = os.path.join(d, "token.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[server]\ntoken_file = "{secret}"\n'
+                'token_transports = ["tcp", "unix", "seqpacket", "tls"]\n')
+    return cfg
 HELLO_BODY = {"major": PROTO_MAJOR, "minor": PROTO_MINOR, "client": CLIENT_NAME}
 
 
@@ -295,7 +309,7 @@ class Daemons:
     """The daemons one example talks to, each started fresh on first use.
 
     ``main`` is a default ``rpc-server``; ``minor1`` runs with ``--protocol-minor
-    1``; ``token`` requires ``--token s3cret``; ``b`` is a default one on
+    1``; ``token`` requires the secret ``s3cret`` (from a token file); ``b`` is a default one on
     127.0.0.2, the engine examples' second node (``main`` is their node A).  A
     fresh daemon per example keeps buffer ids and counters the same whichever
     examples are run.
@@ -304,7 +318,7 @@ class Daemons:
     ARGS: ClassVar[dict[str, tuple[str, ...]]] = {
         "main": (),
         "minor1": ("--protocol-minor", "1"),
-        "token": ("--token", TOKEN),
+        "token": ("-c", _token_config()),
         "b": (),
     }
     HOSTS: ClassVar[dict[str, str]] = {"b": "127.0.0.2"}
