@@ -25,6 +25,7 @@ from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
 from .connection import Connection
+from .copies import CopiesMixin, release_sent
 from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
 from .shared import SharedBuffer, map_shared
@@ -130,7 +131,7 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
-class Client(EngineMixin, WatcherMixin):
+class Client(EngineMixin, WatcherMixin, CopiesMixin):
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(
@@ -231,6 +232,7 @@ class Client(EngineMixin, WatcherMixin):
                     await self.flush()
             finally:
                 await self._conn.close()
+                self._close_copies()
                 # The daemon frees this connection's shared buffers; our
                 # mappings go too (arrays still over one keep it until they go).
                 shared, self._shared = self._shared, {}
@@ -424,7 +426,20 @@ class Client(EngineMixin, WatcherMixin):
 
     async def flush(self) -> None:
         """Send everything queued: one SET_TENSORS and one GET_TENSORS per segment."""
+        copies = self._n_copies > 0
+        if copies:  # async device copies queued: their bytes must be in staging first
+            await self._await_copies()
+            self._n_copies = 0
         ops, self._queue = self._queue, []
+        if copies:
+            try:
+                await self._flush_ops(ops)
+            finally:
+                await release_sent(self, ops)
+            return
+        await self._flush_ops(ops)
+
+    async def _flush_ops(self, ops: list[QueuedSet | QueuedGet]) -> None:
         conn = self.conn
         waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
         try:

@@ -50,7 +50,8 @@ def segments(ops: list[QueuedSet | QueuedGet]) -> list[Segment]:
     """Split the queue where sending all writes before all reads would reorder."""
     # The usual queue is all its writes, then all its reads: one segment, found
     # with list operations instead of a Python-level turn per operation.
-    is_set = [type(op) is QueuedSet for op in ops]
+    # (Not "is QueuedSet": an async device copy's SET is a subclass.)
+    is_set = [type(op) is not QueuedGet for op in ops]
     if False not in is_set:
         return [Segment(cast(list[QueuedSet], list(ops)))] if ops else []
     first_get = is_set.index(False)
