@@ -26,6 +26,7 @@ from transferd.protocol.messages import Tensor
 from .buffers import RemoteBuffer
 from .connection import Connection
 from .copies import CopiesMixin, release_sent
+from .cuda_ipc import IpcMixin
 from .engine import EngineEvents, EngineMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
 from .shared import SharedBuffer, map_shared
@@ -131,7 +132,7 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
-class Client(EngineMixin, WatcherMixin, CopiesMixin):
+class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(

@@ -314,3 +314,27 @@ def clear(buf: Buffer, value: int) -> Awaitable[None]:
             ref.release()
 
     return wait()
+
+
+# -- client-owned GPU memory ----------------------------------------------------------------
+
+
+def register_ipc(session: Session, frame: Frame, device: str, size: int) -> Any:
+    """ALLOC_BUFFER with ``ipc_handle``: open a client's CUDA allocation as a buffer.
+
+    Owned by the connection: closed (``cudaIpcCloseMemHandle``) when it goes,
+    or at FREE_BUFFER.  Tensors on it are served like any device buffer's.
+    """
+    from transferd.memory.cuda import IpcCudaMemory
+    from transferd.protocol.messages import bytes_field, uint_field
+
+    from .handlers import Reply
+
+    if not device.startswith("cuda:"):
+        raise BadRequest(f"CUDA IPC memory is registered on a cuda:N device, not {device!r}")
+    handle = bytes_field(frame.body, "ipc_handle")
+    offset = uint_field(frame.body, "ipc_offset") if "ipc_offset" in frame.body else 0
+    buf = session.ctx.buffers.alloc(
+        device, size, owner=session,
+        create=lambda: IpcCudaMemory.open(device, handle, offset, size))
+    return Reply({"buffer": buf.id, "size": buf.size, "ipc": True})

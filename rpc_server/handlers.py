@@ -189,6 +189,8 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
     size = uint_field(frame.body, "size")
     table = session.ctx.buffers
     table.pool(device)  # an unknown device is NOT_FOUND before anything else
+    if "ipc_handle" in frame.body:  # a client's own GPU memory (CUDA IPC)
+        return device_io.register_ipc(session, frame, device, size)
     if not memory_class(device).needs_fd_passing:
         buf = table.alloc(device, size)
         return Reply({"buffer": buf.id, "size": buf.size})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,7 +272,10 @@ class BufferTable:
 
     # -- alloc and free ---------------------------------------------------------------
 
-    def alloc(self, device: str, size: int, owner: Hashable | None = None) -> Buffer:
+    def alloc(self, device: str, size: int, owner: Hashable | None = None,
+              create: Callable[[], Memory] | None = None) -> Buffer:
+        """A new buffer; ``create`` makes its Memory instead of the device's kind
+        (memory a client registers, such as a CUDA IPC handle it exported)."""
         pool = self.pool(device)
         if size > pool.max_size:
             raise OutOfMemory(
@@ -294,7 +297,7 @@ class BufferTable:
             self._held += 1
             buffer_id = next(self._ids)
         try:
-            memory = registry.create(device, size)
+            memory = create() if create is not None else registry.create(device, size)
         except BaseException:
             with self._lock:
                 pool.used -= charge

@@ -281,26 +281,64 @@ class CudaMemory(Memory):
         _cupy().cuda.runtime.free(self.ptr)
 
 
+def address_range(ptr: int) -> tuple[int, int] | None:
+    """``(base, size)`` of the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
+
+    Through the driver library itself (CuPy does not wrap this call); None
+    where it cannot be asked.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                   ctypes.c_uint64]
+    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+        return None
+    return int(base.value), int(size.value)
+
+
 class IpcCudaMemory(CudaMemory):
-    """A client's own allocation, opened from its CUDA IPC handle."""
+    """A client's own allocation, opened from its CUDA IPC handle.
+
+    The handle names the client's whole allocation; ``offset`` and ``size``
+    say which part of it is the buffer, and are checked against the
+    allocation's real extent here before anything is touched.
+    """
+
+    def __init__(self, device: str, size: int, ptr: int, base: int) -> None:
+        super().__init__(device, size, ptr, owned=False)
+        self.base = base
 
     @classmethod
-    def open(cls, device: str, handle: bytes, size: int) -> IpcCudaMemory:
+    def open(cls, device: str, handle: bytes, offset: int, size: int) -> IpcCudaMemory:
         index = device_index(device)
         if index not in GROUPS:
             raise NotFound(f"no device {device!r} on this daemon")
         if len(handle) != IPC_HANDLE_BYTES:
             raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
         cupy = _cupy()
+        rt = cupy.cuda.runtime
         with cupy.cuda.Device(index):
             try:
-                ptr = int(cupy.cuda.runtime.ipcOpenMemHandle(bytes(handle)))
+                base = int(rt.ipcOpenMemHandle(bytes(handle), rt.cudaIpcMemLazyEnablePeerAccess))
             except Exception as exc:
                 raise BadRequest(f"cannot open the CUDA IPC handle on {device}: {exc}") from None
-        return cls(device, size, ptr, owned=False)
+            extent = address_range(base)
+            if extent is not None and offset + size > extent[1]:
+                with contextlib.suppress(Exception):
+                    rt.ipcCloseMemHandle(base)
+                raise OutOfBounds(f"[{offset}, {offset + size}) is outside the client's "
+                                  f"allocation of {extent[1]} bytes")
+        return cls(device, size, base + offset, base)
+
+    def describe(self) -> dict[str, Any]:
+        return {"ipc": True}
 
     def _free(self) -> None:
-        _cupy().cuda.runtime.ipcCloseMemHandle(self.ptr)
+        _cupy().cuda.runtime.ipcCloseMemHandle(self.base)
 
 
 # -- one group per GPU ---------------------------------------------------------------------
