@@ -50,9 +50,11 @@ bench-venv:
 	-$(BENCH_VENV)/bin/python -m pip install -q numpy
 	@echo "Mooncake needs libibverbs.so.1 even over TCP (Debian: apt-get install libibverbs1)."
 
-## gpu-check: GPU tests and benchmarks, on a machine with a CUDA device
-gpu-check: $(STAMP)
-	bash scripts/gpu-check.sh
+## gpu-check: GPU tests and benchmarks and a report under $(OUT) (docs/gpu.md); no venv,
+## nothing installed: the machine's own python3 (PYTHON=...) with the checkout on the path.
+## ARGS=--dry-run exercises the script's plumbing where there is no GPU.
+gpu-check:
+	bash scripts/gpu-check.sh $(ARGS)
 
 ## rdma-deps: pyverbs from the system (python3-pyverbs), linked into the venv (docs/rdma.md)
 rdma-deps: $(STAMP)

@@ -179,6 +179,7 @@ class CopiesMixin:
         import numpy as np
 
         host = bytearray(t.size)
+        s.synchronize_device()  # what ggml_backend_synchronize(CUDA0) did
         if t.size:
             s.copy_d2h(int(np.frombuffer(host, dtype=np.uint8).ctypes.data), ptr, t.size)
         s.synchronize()

@@ -164,6 +164,14 @@ class CudaStream(DeviceStream):
             ev.record(self.stream)
         return CudaEvent(ev)
 
+    def synchronize(self) -> None:
+        with self._device:
+            self.stream.synchronize()
+
+    def synchronize_device(self) -> None:
+        with self._device:
+            self._rt.deviceSynchronize()
+
     def waiter_init(self) -> None:
         self._device.use()
 

@@ -68,6 +68,10 @@ class DeviceStream(ABC):
     def synchronize(self) -> None:
         self.record().synchronize()
 
+    def synchronize_device(self) -> None:
+        """Wait for everything on the whole device (a GPU: cudaDeviceSynchronize)."""
+        self.synchronize()
+
     def waiter_init(self) -> None:  # noqa: B027 - optional hook
         """Called once on the waiter's thread (CUDA makes its device current there)."""
 
