@@ -19,7 +19,7 @@ import pytest
 from client import Client
 from tests.gpu.gpu_common import COUNT, NO_GPU_REASON, bump, busy, gpu_daemon
 from tests.helpers import DaemonProcess, async_test
-from transferd.protocol.errors import NotFound, OutOfBounds
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
 from transferd.protocol.values import Pages
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not COUNT, reason=NO_GPU_REASON)]
@@ -67,6 +67,8 @@ async def test_device_buffer_round_trips_with_checksums(gpu: DaemonProcess) -> N
         await c.free_buffer(other)
 
 
+@pytest.mark.xfail(raises=BadRequest, strict=True,
+                   reason="the engine moves host memory only in this build (docs/gpu.md)")
 @async_test(timeout=180)
 async def test_engine_writes_device_to_device_across_two_daemons() -> None:
     with gpu_daemon() as da, gpu_daemon() as db:

@@ -21,7 +21,7 @@ import pytest
 from client import Client
 from tests.helpers import DaemonProcess, async_test
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import OutOfBounds
+from transferd.protocol.errors import BadRequest, OutOfBounds
 
 KiB, MiB = 1024, 1 << 20
 
@@ -128,3 +128,12 @@ async def test_client_vanishing_mid_get_leaves_the_daemon_serving(
         # Staging came back: large GETs still work, and the bytes are intact.
         for _ in range(2):
             assert _sha(await c.get_tensor(buf.tensor())) == _sha(data)
+
+
+@async_test(timeout=60)
+async def test_reg_mr_of_device_memory_is_refused_clearly(standin: DaemonProcess) -> None:
+    async with await Client.connect(standin.url) as c:
+        buf = await c.alloc_buffer(64 * KiB, device="standin:0")
+        with pytest.raises(BadRequest, match="engine moves host memory only"):
+            await c.reg_mr(buf)
+        assert await c.get_tensor(buf.tensor(0, 4)) == bytes(4)
