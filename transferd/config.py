@@ -228,7 +228,7 @@ class MemoryConfig:
         'Shared memory (device "shm": a memfd the daemon maps and passes to a client on the '
         "Unix socket, which maps the same pages) the daemon may hand out, all shared buffers "
         "together, in MiB; 0 serves no shm device. Counted apart from host_limit_mib.",
-        min=0, unit="MiB",
+        min=0, reload=True, unit="MiB",
     )
     max_buffers: int = key(
         32768,

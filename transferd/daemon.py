@@ -83,6 +83,8 @@ class Daemon:
             # Read when scraped: memory is returned from any thread, late.
             self.metrics.buffer_bytes.labels(name).set_function(
                 functools.partial(self.buffers.used_on, name))
+            self.metrics.buffer_lingering.labels(name).set_function(
+                functools.partial(self.buffers.lingering_on, name))
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
         self._stop: asyncio.Event | None = None

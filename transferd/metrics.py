@@ -127,7 +127,15 @@ class Metrics:
         )
         self.buffer_bytes = Gauge(
             "transferd_buffer_allocated_bytes",
-            "Bytes of buffers allocated to clients, by device.",
+            "Bytes charged for buffers whose memory is held now (whole pages plus a page of "
+            "bookkeeping each), by device.",
+            ["device"],
+            registry=r,
+        )
+        self.buffer_lingering = Gauge(
+            "transferd_buffer_lingering_bytes",
+            "Of those, bytes of buffers already freed whose memory is still held (a reply "
+            "being sent from it, a write landing in it), by device.",
             ["device"],
             registry=r,
         )

@@ -70,11 +70,14 @@ def test_a_get_never_read_keeps_its_buffer_charged_after_free(
         assert device(ctl)["free"] == total - charge_of(size)
         m = scrape(d.metrics_url or "")
         assert metric(m, "transferd_buffer_allocated_bytes", device="cpu") == charge_of(size)
+        assert metric(m, "transferd_buffer_lingering_bytes", device="cpu") == charge_of(size)
         again = ctl.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size})
         assert again.is_error and again.body["code"] == "OUT_OF_MEMORY", again.body
         assert rss(d) - base <= 128 * MiB + OVERHEAD, (round_, rss(d) - base)
         reader.sock.close()  # the reader goes: the reply lets go of the memory
         assert wait_until(lambda: device(ctl)["free"] == total), device(ctl)
+        m = scrape(d.metrics_url or "")
+        assert metric(m, "transferd_buffer_lingering_bytes", device="cpu") == 0
         assert wait_until(lambda: rss(d) - base <= OVERHEAD), rss(d) - base
     assert d.alive()
 
