@@ -395,3 +395,33 @@ def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
     time.sleep(0.3)
     with RawConn(*rail) as again:
         assert not again.closed_by_peer(0.5)
+
+
+def test_the_pre_handshake_body_cap_exactly(tcp_cluster: Cluster) -> None:
+    """A HELLO body of exactly 4096 bytes is read (and answered: it is no HELLO); one of
+    4097 is refused from its header, the link closed without a reply."""
+    from transferd.protocol.peer_handshake import MAX_HANDSHAKE_BODY
+
+    async def main_address() -> NetAddr:
+        async with nodes(tcp_cluster.b) as (b,):
+            return await b.client.main_address()
+
+    addr = asyncio.run(main_address())
+
+    def body_of(size: int) -> bytes:
+        import msgpack
+
+        # fixmap(1) + "pad" (4 bytes) + a bin16 header (3 bytes) + the padding
+        raw = bytes(msgpack.packb({"pad": b"x" * (size - 8)}))
+        assert len(raw) == size
+        return raw
+
+    for size, answered in [(MAX_HANDSHAKE_BODY, True), (MAX_HANDSHAKE_BODY + 1, False)]:
+        with RawConn(*tcp_rails(addr)[0]) as conn:
+            body = body_of(size)
+            conn.send_raw(encode_header(PeerCommand.HELLO, 0, 0, len(body), 0) + body)
+            if answered:
+                reply = conn.recv()
+                assert reply.is_error and reply.body["code"] == "BAD_FRAME", reply.body
+            assert conn.closed_by_peer()
+            assert bool(conn.frames) is False

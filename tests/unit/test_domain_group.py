@@ -137,7 +137,7 @@ def test_split_write_parts_that_lie_are_refused_before_landing(
 
 
 def test_coverage_table_is_bounded() -> None:
-    cov = Coverage(max_partial=4, max_pieces=3)
+    cov = Coverage(max_partial=4, max_pieces=3, max_peers=2)
     for op in range(10):
         cov.reserve((1, 0, op), (0, 100), 0, 10, None)
     assert len(cov) == 4
@@ -145,6 +145,15 @@ def test_coverage_table_is_bounded() -> None:
         cov.reserve((1, 0, 9), (0, 100), 10 * i, 10, None)
     with pytest.raises(BadRequest, match="more than 3 parts"):
         cov.reserve((1, 0, 9), (0, 100), 50, 10, None)
+    # One peer flooding split writes pushes out only its own: another's stays.
+    other = cov.reserve((2, 0, 1), (0, 100), 0, 50, None)
+    for op in range(100, 120):
+        cov.reserve((1, 0, op), (0, 100), 0, 10, None)
+    cov.reserve((2, 0, 1), (0, 100), 50, 50, None)
+    with pytest.raises(BadRequest, match="2 peers"):
+        cov.reserve((3, 0, 1), (0, 100), 0, 10, None)
+    assert cov.landed((2, 0, 1), other, 100)
+    cov.reserve((3, 0, 1), (0, 100), 0, 10, None)  # peer 2 is done: room again
 
 
 def test_paged_and_barrier_counts(setup: tuple[DomainGroup, Region, ImmCounter]) -> None:

@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 
 from transferd.protocol.errors import BadRequest
 
-# Split writes whose parts have not all landed (their sender may have died):
-# the oldest is forgotten past this many.
-MAX_PARTIAL = 65536
-# Parts one split write may arrive in (the engine splits into at most 8).
+# Split writes whose parts have not all landed (their sender may have died), per
+# peer: that peer's oldest is forgotten past this many, so one peer cannot push
+# another's writes out.  Peers with such writes at once: past this, refused.
+MAX_PARTIAL = 4096
+MAX_PEERS = 1024
+# Parts one split write may arrive in (the engine splits into at most 8, chaos
+# into at most 8 per part).
 MAX_PIECES = 64
 
 Key = tuple[int, int, int]  # (peer node, peer group, op)
@@ -33,39 +36,47 @@ class Partial:
 
 
 class Coverage:
-    def __init__(self, max_partial: int = MAX_PARTIAL, max_pieces: int = MAX_PIECES) -> None:
+    def __init__(self, max_partial: int = MAX_PARTIAL, max_pieces: int = MAX_PIECES,
+                 max_peers: int = MAX_PEERS) -> None:
         self.max_partial = max_partial
         self.max_pieces = max_pieces
-        self._partial: OrderedDict[Key, Partial] = OrderedDict()
+        self.max_peers = max_peers
+        self._by_peer: dict[tuple[int, int], OrderedDict[int, Partial]] = {}
 
     def __len__(self) -> int:
-        return len(self._partial)
+        return sum(len(t) for t in list(self._by_peer.values()))
 
     def reserve(self, key: Key, span: tuple[int, int], addr: int, length: int,
                 imm: int | None) -> Partial:
         """Claim ``[addr, addr + length)`` of the write ``key``; BadRequest if it cannot be."""
-        p = self._partial.get(key)
+        peer, op = (key[0], key[1]), key[2]
+        table = self._by_peer.get(peer)
+        p = table.get(op) if table is not None else None
         if p is None:
             p = Partial(span, imm)
         elif p.span != span or p.imm != imm:
-            raise BadRequest(f"write {key[2]}: a part names span {_r(span)} and immediate "
+            raise BadRequest(f"write {op}: a part names span {_r(span)} and immediate "
                              f"{imm}, an earlier one {_r(p.span)} and {p.imm}")
         base, total = span
         end = addr + length
         if addr < base or end > base + total:
-            raise BadRequest(f"write {key[2]}: [0x{addr:x}, +{length}) is outside its span "
+            raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) is outside its span "
                              f"{_r(span)}")
         for s, e in p.ranges:
             if addr < e and s < end:
-                raise BadRequest(f"write {key[2]}: [0x{addr:x}, +{length}) overlaps a part "
+                raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) overlaps a part "
                                  f"already taken, [0x{s:x}, +{e - s})")
         if len(p.ranges) >= self.max_pieces:
-            raise BadRequest(f"write {key[2]}: more than {self.max_pieces} parts")
+            raise BadRequest(f"write {op}: more than {self.max_pieces} parts")
+        if table is None:
+            if len(self._by_peer) >= self.max_peers:
+                raise BadRequest(f"{self.max_peers} peers have split writes in progress here")
+            table = self._by_peer[peer] = OrderedDict()
         p.ranges.append((addr, end))
-        if key not in self._partial:
-            self._partial[key] = p
-            while len(self._partial) > self.max_partial:
-                self._partial.popitem(last=False)
+        if op not in table:
+            table[op] = p
+            while len(table) > self.max_partial:
+                table.popitem(last=False)
         return p
 
     def landed(self, key: Key, p: Partial, nbytes: int) -> bool:
@@ -73,8 +84,12 @@ class Coverage:
         p.landed += nbytes
         if p.landed < p.span[1]:
             return False
-        if self._partial.get(key) is p:
-            del self._partial[key]
+        peer = (key[0], key[1])
+        table = self._by_peer.get(peer)
+        if table is not None and table.get(key[2]) is p:
+            del table[key[2]]
+            if not table:
+                del self._by_peer[peer]
         return True
 
 
