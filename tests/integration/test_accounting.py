@@ -172,3 +172,31 @@ def test_a_blocked_get_survives_free_with_its_bytes(
     f = reader.recv()
     assert f.seq == seq and not f.is_error and f.payload == b"\x5a" * size
     assert wait_until(lambda: device(ctl)["free"] == 64 * MiB - charge_of(16 * MiB))
+
+
+def test_a_batched_get_holds_every_buffer_it_sends_from(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(["-m", "64"])
+    ctl = RawConn.to(d)
+    ctl.hello()
+    reader = RawConn.to(d)
+    reader.hello()
+    size = 12 * MiB
+    bufs = [ok(ctl.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size})).body["buffer"]
+            for _ in range(3)]
+    for b in bufs:
+        ok(ctl.request(Command.BUFFER_CLEAR, {"buffer": b, "value": b}))
+    n = command_count(ctl, Command.GET_TENSORS)
+    # Two tensors of the first buffer, one of each other: one reply, never read.
+    reader.send(Command.GET_TENSORS, {"tensors": [[bufs[0], 0, size // 2], [bufs[1], 0, size],
+                                                  [bufs[0], size // 2, size // 2],
+                                                  [bufs[2], 0, size]]})
+    assert wait_until(lambda: command_count(ctl, Command.GET_TENSORS) == n + 1)
+    for b in bufs:
+        ok(ctl.request(Command.FREE_BUFFER, {"buffer": b}))
+    assert device(ctl)["free"] == 64 * MiB - 3 * charge_of(size)
+    f = reader.recv()  # now read it: every byte as it was, then all three let go
+    assert not f.is_error and f.payload is not None
+    expect = bytes([bufs[0]]) * size + bytes([bufs[1]]) * size + bytes([bufs[2]]) * size
+    assert f.payload == bytearray(expect[:size // 2] + expect[size:2 * size]
+                                  + expect[size // 2:size] + expect[2 * size:])
+    assert wait_until(lambda: device(ctl)["free"] == 64 * MiB), device(ctl)
