@@ -425,3 +425,35 @@ def test_the_pre_handshake_body_cap_exactly(tcp_cluster: Cluster) -> None:
                 assert reply.is_error and reply.body["code"] == "BAD_FRAME", reply.body
             assert conn.closed_by_peer()
             assert bool(conn.frames) is False
+
+
+def test_strangers_on_a_rail_cost_the_daemon_almost_nothing(tcp_cluster: Cluster) -> None:
+    """300 strangers each announcing a 16 MiB body before any handshake (a rail once
+    allocated it from the header), then 64 that stay silent: the daemon's RSS moves by
+    a few MiB at most, and its clients are served throughout."""
+    from tests.integration.test_accounting import rss
+
+    cl = tcp_cluster
+
+    async def main_address() -> NetAddr:
+        async with nodes(cl.c) as (c,):
+            return await c.client.main_address()
+
+    addr = asyncio.run(main_address())
+    rail = tcp_rails(addr)[0]
+    base = rss(cl.c)
+    huge = encode_header(PeerCommand.HELLO, 0, 0, 16 << 20, 0)
+    for _ in range(300):
+        with RawConn(*rail) as conn:
+            conn.send_raw(huge)
+            assert conn.closed_by_peer(5)
+    silent = [RawConn(*rail) for _ in range(64)]
+    try:
+        time.sleep(0.3)
+        grown = rss(cl.c) - base
+        print(f"rail strangers: RSS grew by {grown / (1 << 20):.2f} MiB")
+        assert grown < 8 << 20, f"RSS grew by {grown / (1 << 20):.1f} MiB"
+        assert asyncio.run(main_address()) == addr  # a client is still served
+    finally:
+        for c in silent:
+            c.close()

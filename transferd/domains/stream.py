@@ -48,6 +48,7 @@ class FramedStream:
         sink: SinkFactory | None = None,
         max_body: int = 16 * 1024 * 1024,
         max_payload: int = 1 << 40,
+        buffer_size: int = frames.READ_CHUNK,
     ) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -55,7 +56,8 @@ class FramedStream:
         self.loop = loop
         self.sock = sock
         self.decoder = FrameDecoder(
-            max_body=max_body, max_payload=max_payload, payload_sink=sink, exact=True
+            max_body=max_body, max_payload=max_payload, payload_sink=sink, exact=True,
+            buffer_size=buffer_size,
         )
         self._on_frame = on_frame
         self._on_close = on_close

@@ -60,6 +60,9 @@ MAX_HANDSHAKING = 64
 # After the handshake: an ACK carries an error message at most; a WRITE names
 # up to 4096 pages (plan.PAGES_PER_FRAME is 256).
 MAX_ACK_BODY = 64 * 1024
+# The decoder's buffer before the handshake is done: a header and a 4 KiB body
+# (a stranger's connection costs this, not a 256 KiB read buffer).
+PRE_AUTH_BUFFER = 8192
 MAX_BODY = 1 << 20
 MAX_PAYLOAD = 1 << 40
 
@@ -313,7 +316,7 @@ class PeerLink:
         # a payload (ACKs never do): a frame that claims one breaks the link.
         self.stream = FramedStream(
             self.domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
-            max_body=MAX_HANDSHAKE_BODY, max_payload=0,
+            max_body=MAX_HANDSHAKE_BODY, max_payload=0, buffer_size=PRE_AUTH_BUFFER,
         )
         self.stream.on_pause = self._pause
         self.stream.on_resume = self._resume
@@ -365,6 +368,7 @@ class PeerLink:
         if self._timer is not None:
             self._timer.cancel()
         self.stream.decoder.max_body = MAX_ACK_BODY
+        self.stream.decoder.grow_buffer(2 * MAX_ACK_BODY)
         self.state = LinkState.READY
         self._send_waiting()
 
@@ -477,6 +481,7 @@ class InboundLink:
         self.stream = FramedStream(
             domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
             sink=self._sink, max_body=MAX_HANDSHAKE_BODY, max_payload=0,
+            buffer_size=PRE_AUTH_BUFFER,
         )
         self._timer: asyncio.TimerHandle | None = domain.loop.call_at(
             self.hs.deadline, self._tick)
@@ -610,6 +615,7 @@ class InboundLink:
                 # An authenticated peer's writes carry their pages' bytes.
                 self.stream.decoder.max_body = MAX_BODY
                 self.stream.decoder.max_payload = MAX_PAYLOAD
+                self.stream.decoder.grow_buffer()
 
     def _delivered(self, body: dict[str, Any], error: TransferdError | None) -> None:
         if error is None:
