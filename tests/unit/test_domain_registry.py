@@ -1,0 +1,55 @@
+"""Domains by name: parsing engine.domain, wrappers, registering a Domain of one's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from transferd.domains import registry
+from transferd.domains.base import DomainOptions
+from transferd.protocol.errors import BadRequest
+
+
+def test_names_and_specs() -> None:
+    assert {"tcp", "chaos", "verbs"} <= set(registry.names())
+    assert registry.parse("tcp") == ["tcp"]
+    assert registry.parse("chaos") == ["chaos", "tcp"]  # a wrapper alone wraps tcp
+    assert registry.parse("Chaos:TCP") == ["chaos", "tcp"]
+    assert registry.parse("chaos:chaos") == ["chaos", "chaos", "tcp"]
+    for bad, words in [("bogus", "unknown Domain 'bogus'"), ("tcp:chaos", "does not wrap"),
+                       ("chaos:bogus", "unknown"), ("", "unknown")]:
+        with pytest.raises(BadRequest, match=words):
+            registry.parse(bad)
+
+
+def test_verbs_is_listed_but_bound_elsewhere() -> None:
+    assert registry.parse("verbs") == ["verbs"]
+    with pytest.raises(BadRequest, match="RDMA devices"):
+        registry.create("verbs", None, 0, "127.0.0.1", 0, DomainOptions())  # type: ignore[arg-type]
+
+
+def test_a_domain_of_ones_own_and_a_wrapper_around_it() -> None:
+    made: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, receiver: object, rail: int, host: str, port: int,
+                     options: DomainOptions, *, inner: object = None) -> None:
+            self.inner = inner
+            made.append((type(self).__name__, rail))
+
+    class Wrap(Fake):
+        pass
+
+    registry.register_domain("fake", Fake)  # type: ignore[arg-type]
+    registry.register_domain("wrap", Wrap, wrapper=True)  # type: ignore[arg-type]
+    try:
+        assert {"fake", "wrap"} <= set(registry.names())
+        d = registry.create("wrap:fake", None, 1, "h", 0, DomainOptions())  # type: ignore[arg-type]
+        assert isinstance(d, Wrap) and isinstance(d.inner, Fake)
+        assert made == [("Fake", 1), ("Wrap", 1)]
+        with pytest.raises(ValueError):
+            registry.register_domain("a:b", Fake)  # type: ignore[arg-type]
+    finally:
+        registry.unregister_domain("fake")
+        registry.unregister_domain("wrap")
+    with pytest.raises(BadRequest):
+        registry.parse("fake")
