@@ -131,7 +131,7 @@ def test_an_rdma_client_without_a_device_is_refused_before_any_connection() -> N
 
     async def go() -> None:
         # Nothing listens on port 9: the refusal comes before any connection is tried.
-        with pytest.raises(BadRequest, match="no RDMA device|pyverbs is not importable"):
+        with pytest.raises(BadRequest, match=r"no RDMA device|pyverbs is not importable"):
             await Client.connect("rdma://127.0.0.1:9")
 
     asyncio.run(go())
