@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 from capture.live import CLIENT_NAME, HELLO_BODY, TOKEN, Capture, Daemons
 from capture.registry import (
     _quiet,
@@ -12,7 +13,7 @@ from capture.registry import (
     request_example,
     session,
 )
-from transferd.protocol import Command, Flag, encode_frame
+from transferd.protocol import Command, Flag, auth, encode_frame
 
 hello_example("HELLO", "HELLO to a minor-2 server")
 hello_example("HELLO_MINOR1", "HELLO to `rpc-server --protocol-minor 1`", daemon="minor1")
@@ -21,6 +22,24 @@ hello_example(
     f"HELLO with a token (secret `{TOKEN}` in server.token_file; token method offered on tcp)",
     daemon="token", token=TOKEN,
 )
+# The client's nonce is fixed here so the example reads the same each time; the
+# server's challenge (and so its proof and the client's mac) is fresh per run.
+AUTH_NONCE = bytes(range(32))
+
+
+@example("HELLO_AUTH", volatile=True)
+def ex_hello_auth(ds: Daemons) -> Capture:
+    title = (f"hmac-sha256: HELLO with a nonce, the challenge and the server's proof, then AUTH "
+             f"(secret `{TOKEN}`)")
+    with session(ds["token"], title, hello=False) as (c, cap):
+        c.send(Command.HELLO, 1, {**HELLO_BODY, "auth": auth.HMAC_SHA256, "nonce": AUTH_NONCE})
+        reply = msgpack.unpackb(c.recv()[24:])
+        mac = auth.client_mac(TOKEN.encode(), reply["challenge"], AUTH_NONCE)
+        c.send(Command.AUTH, 2, {"mac": mac})
+        c.recv()
+    return cap
+
+
 request_example(
     "GET_DEVICES", "GET_DEVICES (empty body both ways but for the list)", Command.GET_DEVICES
 )
