@@ -20,6 +20,8 @@ BENCHMARKS = [
     "engine_latency",
     # Memory (issue 7)
     "shm_read",
+    # Connections (issue 6)
+    "transports",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
