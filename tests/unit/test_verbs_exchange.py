@@ -118,3 +118,18 @@ def test_channel_setup_round_trip_and_checks() -> None:
     for depth, slot in ((0, 65536), (32, 100), (32, 1 << 30)):
         with pytest.raises(BadRequest):
             ChannelSetup(qp(), depth, slot)
+
+
+def test_a_verbs_region_descriptor_round_trips_with_one_nic_rkey_per_rail() -> None:
+    """An MrDesc of a verbs group: the region's address and each NIC's own 32-bit rkey
+    (from ibv_reg_mr), paired with that rail's address; the byte form carries them all."""
+    from transferd.protocol.values import MrDesc, NetAddr
+
+    rails = (("198.18.0.1", 7001), ("198.18.1.1", 7002))
+    addr = NetAddr(0xDEADBEEF, 0, rails)
+    desc = MrDesc(0x7F00_1234_0000, [(addr.rail(i), k) for i, k in
+                                     enumerate((0x0001_2345, 0xFFFF_FFFF))], 1 << 30)
+    back = MrDesc.from_bytes(desc.to_bytes())
+    assert back == desc and [k for _, k in back.rkeys] == [0x0001_2345, 0xFFFF_FFFF]
+    assert [a.rails for a, _ in back.rkeys] == [(rails[0],), (rails[1],)]
+    assert back.node == (0xDEADBEEF, 0) and back.size == 1 << 30

@@ -124,3 +124,13 @@ def test_mrtable_refuses_overlap_and_finds_by_range() -> None:
     assert t.remove(1000).lkey == 1
     with pytest.raises(NotFound):
         t.find(1000, 1)
+
+
+def test_rkeys_and_addresses_that_do_not_fit_a_work_request_are_refused(mem) -> None:  # type: ignore[no-untyped-def]
+    a, t = mem
+    v = memoryview(a)[:100]
+    addr = desc(1).rkeys[0][0]
+    with pytest.raises(BadRequest, match="not a verbs rkey"):
+        plan(WritePart(0, addr, 1 << 40, [PTR], [100], [v], None), t)
+    with pytest.raises(BadRequest, match="64-bit"):
+        plan(WritePart(0, addr, 1, [(1 << 64) - 50], [100], [v], None), t)

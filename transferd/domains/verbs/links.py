@@ -236,7 +236,10 @@ class OutLink(_SetupLink):
             return
         assert self.write is not None and self.send is not None
         if isinstance(part, WritePart):
-            self.domain.sender.write(self.write, part, transfer)
+            try:
+                self.domain.sender.write(self.write, part, transfer)
+            except TransferdError as exc:  # a part no work request can carry
+                transfer.fail(exc)
             return
         key = (part.op, part.index)
         self._pending[key] = transfer

@@ -114,6 +114,14 @@ def plan_part(part: WritePart, lkey_of: LkeyOf, *, max_msg: int, max_sge: int,
     part with ``parts == 1`` (a split write's unit is named by its op)."""
     if len(part.addrs) != len(part.lens):
         raise BadRequest("write part: addrs and lens differ in length")
+    if not 0 <= part.rkey <= 0xFFFF_FFFF:
+        # A descriptor from a tcp daemon (64-bit rkeys), or made up: refused before it
+        # reaches a work request's 32-bit field.
+        raise BadRequest(f"rkey 0x{part.rkey:x} is not a verbs rkey (32-bit): is the "
+                         "destination a daemon with RDMA rails?")
+    if part.addrs and (min(part.addrs) < 0
+                       or max(a + n for a, n in zip(part.addrs, part.lens)) > 1 << 64):
+        raise BadRequest("write part: a destination range is outside the 64-bit space")
     imm = part.imm
     if imm is not None and part.parts > 1 and len(part.addrs) != 1:
         raise BadRequest("a single write split over rails is one range per part")
