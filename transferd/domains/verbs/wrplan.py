@@ -120,7 +120,7 @@ def plan_part(part: WritePart, lkey_of: LkeyOf, *, max_msg: int, max_sge: int,
         raise BadRequest(f"rkey 0x{part.rkey:x} is not a verbs rkey (32-bit): is the "
                          "destination a daemon with RDMA rails?")
     if part.addrs and (min(part.addrs) < 0
-                       or max(a + n for a, n in zip(part.addrs, part.lens)) > 1 << 64):
+                       or max(map(sum, zip(part.addrs, part.lens, strict=True))) > 1 << 64):
         raise BadRequest("write part: a destination range is outside the 64-bit space")
     imm = part.imm
     if imm is not None and part.parts > 1 and len(part.addrs) != 1:
