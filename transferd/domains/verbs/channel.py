@@ -241,7 +241,9 @@ class RcChannel:
             if s is not None:
                 s.close(hub.nic)
         self._out.clear()
-        self.on_close(err)
+        # As asyncio's transports do: connection_lost comes from the loop, not from
+        # inside the call that closed (the protocol may be mid-callback).
+        hub.loop.call_soon(self.on_close, err)
 
     def close(self) -> None:
         self.fail(None)
