@@ -5,9 +5,14 @@
   connection over either cap is closed at once, before a byte is read.
 - Failed authentications per source: each failure within ``window`` seconds
   doubles the wait before the UNAUTHORIZED reply (and the close) goes out, from
-  ``base`` up to ``cap`` seconds.  While it waits the connection still counts
-  as unauthenticated, so a source can try at most ``max_per_source`` secrets
-  per wait.  The table holds at most ``max_sources`` entries (oldest dropped).
+  ``base`` up to ``cap`` seconds.  The verdicts of one source are answered one
+  after another: a failure's wait starts when the source's previous one was
+  answered, and while a source has failures in the window even a good secret
+  is answered only after the waits before it (:meth:`verdict_delay`).  So
+  neither parallel connections nor hanging up early and reading the silence
+  as "wrong" (a success would have answered at once) gets a source more than
+  one verdict per wait.  The table holds at most ``max_sources`` entries
+  (oldest dropped).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ class Admission:
         self.pending = 0
         self.by_source: dict[str, int] = {}
         self.refused = 0
-        # source -> (failures in the window, time of the last one)
-        self._fails: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # source -> (failures in the window, time of the last one, the time
+        # before which no further verdict for this source is answered)
+        self._fails: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
 
     def admit(self, source: str) -> str | None:
         """Count a new connection; the reason it is refused, or None."""
@@ -59,15 +65,31 @@ class Admission:
             self.by_source.pop(source, None)
 
     def failed(self, source: str, now: float) -> tuple[float, int]:
-        """A failed authentication: (seconds to wait before answering, failures so far)."""
-        count, last = self._fails.pop(source, (0, now))
+        """A failed authentication: (seconds to wait before answering, failures so far).
+
+        The wait starts once this source's earlier verdicts are answered.
+        """
+        count, last, free = self._fails.pop(source, (0, now, now))
         if now - last > self.window:
-            count = 0
+            count, free = 0, now
         count += 1
-        self._fails[source] = (count, now)
+        at = max(now, free) + min(self.cap, self.base * (1 << min(count - 1, 20)))
+        self._fails[source] = (count, now, at)
         while len(self._fails) > self.max_sources:
             self._fails.popitem(last=False)
-        return min(self.cap, self.base * (1 << min(count - 1, 20))), count
+        return at - now, count
+
+    def verdict_delay(self, source: str, now: float) -> float:
+        """Seconds before a good secret from ``source`` may be answered (0: at once).
+
+        Non-zero only while earlier failures of this source wait for their
+        answer: answering a success sooner would tell a guesser that hangs up
+        early which guess was right.
+        """
+        rec = self._fails.get(source)
+        if rec is None or now - rec[1] > self.window:
+            return 0.0
+        return max(0.0, rec[2] - now)
 
     def failures(self, source: str) -> int:
-        return self._fails.get(source, (0, 0.0))[0]
+        return self._fails.get(source, (0, 0.0, 0.0))[0]

@@ -212,13 +212,18 @@ class Session(asyncio.BufferedProtocol):
     def _after_handshake(self, events: list[Any]) -> None:
         for ev in events:
             if type(ev) is Ready:
-                self.state = _READY
-                self.client_name = ev.client
-                self._end_handshake()
-                if self._write_frame is not None:
-                    cast(Any, self.transport).recv_limit = self.ctx.max_message
                 if ev.method is not None:
-                    log.debug("%s authenticated (%s) as %r", self.peer, ev.method, ev.client)
+                    hold = self.ctx.admission.verdict_delay(self.source, self._loop.time())
+                    if hold > 0:
+                        # This source's failed attempts are still waiting for
+                        # their answers: a good secret is answered after them,
+                        # so hanging up early tells a guesser nothing.
+                        self._block()
+                        if self._timer is not None:
+                            self._timer.cancel()
+                        self._timer = self._loop.call_later(hold, self._ready_in_turn, ev)
+                        return
+                self._ready(ev)
             elif type(ev) is Refused:
                 self.state = _CLOSING
                 self.ctx.metrics.error(ev.error.code)
@@ -237,6 +242,23 @@ class Session(asyncio.BufferedProtocol):
                 self._flush_and_close()
                 return
         self._flush_handshake()
+
+    def _ready(self, ev: Ready) -> None:
+        self.state = _READY
+        self.client_name = ev.client
+        self._end_handshake()
+        if self._write_frame is not None:
+            cast(Any, self.transport).recv_limit = self.ctx.max_message
+        if ev.method is not None:
+            log.debug("%s authenticated (%s) as %r", self.peer, ev.method, ev.client)
+
+    def _ready_in_turn(self, ev: Ready) -> None:
+        self._timer = None
+        if self.state is _CLOSED:
+            return
+        self._ready(ev)
+        self._flush_handshake()
+        self._unblock()
 
     def _flush_handshake(self) -> None:
         t = self.transport
@@ -301,7 +323,7 @@ class Session(asyncio.BufferedProtocol):
             self._pump_handshake()
 
     def _pump_handshake(self) -> None:
-        while self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH:
+        while (self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH) and not self._blockers:
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as exc:
