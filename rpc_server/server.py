@@ -78,7 +78,8 @@ class RpcFrontend:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")
         opts = transports.TransportOptions(
-            tls_cert=s.tls_cert, tls_key=s.tls_key, max_message=s.max_message
+            tls_cert=s.tls_cert, tls_key=s.tls_key, max_message=s.max_message,
+            handshake_timeout=s.handshake_timeout_s,
         )
         urls = []
         try:

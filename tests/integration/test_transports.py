@@ -168,3 +168,25 @@ async def test_a_shared_buffer_arrives_over_each_descriptor_transport(
         assert digest(await c.get_tensor(buf.tensor())) == digest(data)
         await c.set_tensor(buf.tensor(0, 4096), pattern(4096, 6))
         assert bytes(buf.view[:4096]) == pattern(4096, 6)  # type: ignore[attr-defined]
+
+
+def test_a_tls_handshake_that_never_comes_is_closed(
+    daemon_factory: DaemonFactory, certs: tuple[str, str]
+) -> None:
+    import socket
+    import time
+
+    cert, key = certs
+    d = daemon_factory(["--listen", "tls://127.0.0.1:0"],
+                       env={"TRANSFERD_SERVER_TLS_CERT": cert, "TRANSFERD_SERVER_TLS_KEY": key,
+                            "TRANSFERD_SERVER_HANDSHAKE_TIMEOUT_S": "0.5"})
+    host, _, port = _url(d, "tls")[len("tls://"):].rpartition(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        # Not a byte of TLS: the server gives up after the handshake timeout.
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    assert 0.4 <= time.monotonic() - t0 < 8
+    assert d.alive()

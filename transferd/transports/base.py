@@ -47,6 +47,9 @@ class TransportOptions:
     max_message: int = 256 * 1024
     first_message: int | None = None
     backlog: int = 1024
+    # Server side, tls: seconds a client has for the TLS handshake (before
+    # the protocol's own handshake timeout starts).
+    handshake_timeout: float = 5.0
     # Seconds to wait for a connection (client side).
     timeout: float | None = 10.0
 

@@ -38,9 +38,10 @@ class Tcp(TransportKind):
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
     ) -> Listener:
         loop = asyncio.get_running_loop()
+        ctx = self._ssl(opts, server=True)
         server = await loop.create_server(
-            factory, ep.host, ep.port, reuse_address=True, backlog=opts.backlog,
-            ssl=self._ssl(opts, server=True),
+            factory, ep.host, ep.port, reuse_address=True, backlog=opts.backlog, ssl=ctx,
+            ssl_handshake_timeout=opts.handshake_timeout if ctx is not None else None,
         )
         host, port = server.sockets[0].getsockname()[:2]
         return _ServerListener(self, server, Endpoint(self.scheme, host, port).url)
