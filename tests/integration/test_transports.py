@@ -183,9 +183,9 @@ def test_a_tls_handshake_that_never_comes_is_closed(
                             "TRANSFERD_SERVER_HANDSHAKE_TIMEOUT_S": "0.5"})
     host, _, port = _url(d, "tls")[len("tls://"):].rpartition(":")
     t0 = time.monotonic()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        # Not a byte of TLS: the server gives up after the handshake timeout.
-        with contextlib.suppress(ConnectionResetError):
-            assert s.recv(1) == b""
+    # Not a byte of TLS: the server gives up after the handshake timeout.
+    with (socket.create_connection((host, int(port)), timeout=10) as s,
+          contextlib.suppress(ConnectionResetError)):
+        assert s.recv(1) == b""
     assert 0.4 <= time.monotonic() - t0 < 8
     assert d.alive()
