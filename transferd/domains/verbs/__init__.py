@@ -12,11 +12,18 @@ Modules, from pure to device:
 * ``constants``  the libibverbs numbers the pure modules use
 * ``loader``     importing pyverbs, and why it cannot be where it cannot
 * ``devices``    discovery: devices, ports, GIDs, NUMA nodes, or why there are none
+* ``framing``    frames over a message transport (cut, whole-message reader, scatter)
+* ``msgtransport`` the asyncio transport of rdma:// over any carrier of whole messages
+* ``bind``       the engine's hooks: preflight, one Domain per rail, region registration
 * ``wr``         (pyverbs) SendWR chains, receive slots, templates
 * ``resources``  (pyverbs) context, protection domain, CQ, queue pairs, registration
-* ``domain``     (pyverbs) the Domain itself and its completion-queue loop
+* ``cqloop``     (device) busy-poll, then the completion channel (or a timer)
+* ``domain``     (pyverbs) the Domain itself: its queue pairs and completion dispatch
+* ``links``      (pyverbs) the peer handshake, the queue-pair set-up, a link's traffic
+* ``channel``    (pyverbs) the RC SEND/RECV carrier of rdma://
 
-Only ``wr``, ``resources`` and ``domain`` import pyverbs, and only when used.
+``wr``, ``resources``, ``domain``, ``links`` and ``channel`` import pyverbs, only when
+used; the rest is pure and tested without pyverbs or a device.
 docs/rdma.md is the user's page.
 """
 
