@@ -193,6 +193,7 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
         return device_io.register_ipc(session, frame, device, size)
     if not memory_class(device).needs_fd_passing:
         buf = table.alloc(device, size)
+        buf.allocated_by = session.peer
         return Reply({"buffer": buf.id, "size": buf.size})
     # Shared memory: the client maps the memfd that comes with the reply.
     if not carries_fds(session):
@@ -203,6 +204,7 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
                          "ALLOC_BUFFER cannot be one-way")
     # Owned by this connection: freed when it goes (the client's mapping is its own).
     buf = table.alloc(device, size, owner=session)
+    buf.allocated_by = session.peer
     memory = buf.memory
     assert memory is not None
     fd = memory.fd()
@@ -352,4 +354,9 @@ def synchronize(session: Session, frame: Frame) -> Reply | Awaitable[None] | Non
 
 @handler(Command.STATS)
 def stats(session: Session, frame: Frame) -> Reply:
-    return Reply(session.ctx.stats.to_body())
+    body = session.ctx.stats.to_body()
+    if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
+        from transferd.inventory import buffer_listing
+
+        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine))
+    return Reply(body)

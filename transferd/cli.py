@@ -9,6 +9,7 @@ import click
 from transferd import __version__
 from transferd import config as cfgmod
 from transferd.config_docs import toml_value
+from transferd.commands import register as register_commands
 from transferd.exits import Exit
 
 
@@ -183,6 +184,9 @@ def devices(rdma: bool, as_json: bool) -> None:
     report = discover()
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.text())
     sys.exit(Exit.OK if report.usable else Exit.FAILURE)
+
+
+register_commands(main)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,11 @@ class RegionTable:
             raise NotFound("rkey does not name a registered region on this rail")
         return region
 
+    def snapshot(self) -> list[Region]:
+        """Every region registered now (for listings: transferd buffers)."""
+        with self._lock:
+            return list(self._by_id.values())
+
     def regions_of(self, buffer: Buffer) -> list[Region]:
         with self._lock:
             return [r for r in self._by_id.values() if r.buffer is buffer]

@@ -43,6 +43,8 @@ class Buffer:
     memory: Memory | None = field(repr=False, default=None)
     # The session that owns it (shared buffers die with their connection).
     owner: Hashable | None = field(repr=False, default=None)
+    # The client connection that allocated it, as host:port (listings only).
+    allocated_by: str = field(repr=False, default="")
     _view: memoryview | None = field(repr=False, default=None)
     _refs: int = field(repr=False, default=0)
     _freed: bool = field(repr=False, default=False)
@@ -325,6 +327,11 @@ class BufferTable:
             self.devices[buf.device].lingering += charge_of(buf.size)
         buf.free()
         return buf
+
+    def snapshot(self, limit: int) -> list[Buffer]:
+        """Up to ``limit`` buffers held now, by id (for listings: transferd buffers)."""
+        with self._lock:
+            return sorted(self._buffers.values(), key=lambda b: b.id)[:limit]
 
     def owned_by(self, owner: Hashable) -> list[Buffer]:
         with self._lock:

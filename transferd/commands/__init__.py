@@ -1,0 +1,17 @@
+"""The ``transferd`` subcommands beyond serve and check-config.
+
+Each module defines click commands; :func:`register` adds them to the group.  A
+helper with a new command adds its module here (one line), and device discovery
+plugs into ``transferd devices`` / ``doctor`` through :mod:`transferd.commands.probes`.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def register(group: click.Group) -> None:
+    from . import remote
+
+    for cmd in (remote.ping, remote.stats, remote.buffers):
+        group.add_command(cmd)

@@ -1,0 +1,227 @@
+"""Commands that ask a running daemon: ``ping``, ``stats``, ``buffers``.
+
+Each connects with the client library (any URL the client takes, a token when the
+daemon wants one), asks over the protocol, and prints for a person or, with
+``--json``, for a script.  A daemon that cannot be reached, or refuses, is exit 1
+with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+
+from transferd.exits import Exit
+
+T = TypeVar("T")
+
+URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False)
+TOKEN = click.option("--token", envvar="TRANSFERD_TOKEN", default=None,
+                     help="Token for HELLO (or TRANSFERD_TOKEN in the environment).")
+TIMEOUT = click.option("--timeout", type=float, default=5.0, show_default=True,
+                       help="Seconds to wait for the daemon.")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _with_client(url: str, token: str | None, timeout: float,
+                 work: Callable[[Any], Awaitable[T]]) -> T:
+    """Connect, run ``work(client)``, close; exit 1 naming the reason when it fails."""
+    from client import Client
+    from transferd.protocol.errors import TransferdError
+
+    async def go() -> T:
+        c = await asyncio.wait_for(Client.connect(url, token=token, timeout=timeout, connect_timeout=timeout), timeout)
+        try:
+            return await work(c)
+        finally:
+            await c.close()
+
+    try:
+        return asyncio.run(go())
+    except (OSError, TimeoutError, TransferdError) as exc:
+        why = str(exc) or type(exc).__name__
+        click.echo(f"transferd: {url}: {why}", err=True)
+        sys.exit(Exit.FAILURE)
+
+
+# -- ping -------------------------------------------------------------------------------
+
+
+@click.command(short_help="HELLO a daemon and time round trips.")
+@URL
+@TOKEN
+@TIMEOUT
+@click.option("-n", "--count", type=click.IntRange(1, 100_000), default=10, show_default=True,
+              help="Round trips to time (SYNCHRONIZE: the cheapest command with a reply).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool) -> None:
+    """Connect to URL (tcp://, unix://, ...), print what HELLO says, time COUNT round trips."""
+
+    async def work(c: Any) -> dict[str, Any]:
+        rtts = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await asyncio.wait_for(c.synchronize(), timeout)
+            rtts.append(time.perf_counter() - t0)
+        return {"rtts": rtts, "version": ".".join(map(str, c.version)),
+                "server": c.server, "features": c.features, "max_body": c.max_body}
+
+    t0 = time.perf_counter()
+    out = _with_client(url, token, timeout, work)
+    out["url"] = url
+    out["connect_s"] = time.perf_counter() - t0 - sum(out["rtts"])
+    rtts = sorted(out["rtts"])
+    out["min_s"], out["max_s"] = rtts[0], rtts[-1]
+    out["avg_s"] = sum(rtts) / len(rtts)
+    out["p50_s"] = rtts[len(rtts) // 2]
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    us = 1e6
+    click.echo(f"{url}: {out['server']} protocol {out['version']}, "
+               f"features {', '.join(out['features']) or '(none)'}, "
+               f"max_body {_size(out['max_body'])}")
+    click.echo(f"{count} round trips: min {out['min_s'] * us:.0f} us, p50 {out['p50_s'] * us:.0f} "
+               f"us, avg {out['avg_s'] * us:.0f} us, max {out['max_s'] * us:.0f} us")
+
+
+# -- stats ------------------------------------------------------------------------------
+
+
+async def _sample(c: Any) -> dict[str, Any]:
+    from transferd.protocol.constants import Command
+
+    stats = dict((await c.server_stats()))
+    devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
+    stats["devices"] = list(devices)
+    stats["t"] = time.monotonic()
+    return stats
+
+
+def _table(now: dict[str, Any], before: dict[str, Any] | None, url: str) -> str:
+    dt = (now["t"] - before["t"]) if before else 0.0
+    lines = [f"transferd stats {url}  ({time.strftime('%H:%M:%S')})", ""]
+
+    def rate(key: str) -> str:
+        if not before or dt <= 0:
+            return ""
+        return f"{(now[key] - before[key]) / dt:,.0f}/s"
+
+    lines.append(f"{'bytes in':<22}{now['bytes_in']:>18,}  {rate('bytes_in'):>14}")
+    lines.append(f"{'bytes out':<22}{now['bytes_out']:>18,}  {rate('bytes_out'):>14}")
+    lines.append("")
+    lines.append(f"{'device':<10}{'used':>14}{'free':>14}{'total':>14}")
+    for d in now["devices"]:
+        total, free = int(d.get("total", 0)), int(d.get("free", 0))
+        lines.append(f"{d.get('name', '?'):<10}{_size(total - free):>14}{_size(free):>14}"
+                     f"{_size(total):>14}")
+    lines.append("")
+    lines.append(f"{'command':<22}{'received':>18}  {'rate':>14}")
+    prev = before["commands"] if before else {}
+    for name, n in sorted(now["commands"].items(), key=lambda kv: -kv[1]):
+        if not n:
+            continue
+        r = f"{(n - prev.get(name, 0)) / dt:,.1f}/s" if before and dt > 0 else ""
+        lines.append(f"{name:<22}{n:>18,}  {r:>14}")
+    return "\n".join(lines)
+
+
+@click.command(short_help="A live table of a daemon's counters.")
+@URL
+@TOKEN
+@TIMEOUT
+@click.option("--once", is_flag=True, help="Print once and exit.")
+@click.option("--json", "as_json", is_flag=True,
+              help="JSON: one object per refresh (with --once, just one).")
+@click.option("-i", "--interval", type=click.FloatRange(0.1, 3600), default=1.0,
+              show_default=True, help="Seconds between refreshes.")
+@click.option("--count", type=click.IntRange(1), default=None,
+              help="Stop after this many refreshes (default: until Ctrl-C).")
+def stats(url: str, token: str | None, timeout: float, once: bool, as_json: bool,
+          interval: float, count: int | None) -> None:
+    """Show STATS and GET_DEVICES of the daemon at URL, refreshed in place every INTERVAL s.
+
+    Counts are since the daemon started; rates are over the last interval.
+    """
+    if once:
+        count = 1
+    tty = sys.stdout.isatty() and not as_json
+
+    async def work(c: Any) -> None:
+        before: dict[str, Any] | None = None
+        n = 0
+        while count is None or n < count:
+            now = await asyncio.wait_for(_sample(c), timeout)
+            if as_json:
+                click.echo(json.dumps({k: v for k, v in now.items() if k != "t"}))
+            else:
+                text = _table(now, before, url)
+                # In place on a terminal: home, clear, draw.
+                click.echo(("\x1b[H\x1b[2J" if tty else "") + text + ("" if tty else "\n"))
+            before = now
+            n += 1
+            if count is None or n < count:
+                await asyncio.sleep(interval)
+
+    try:
+        _with_client(url, token, timeout, work)
+    except KeyboardInterrupt:
+        pass
+
+
+# -- buffers ----------------------------------------------------------------------------
+
+
+def _by(b: dict[str, Any]) -> str:
+    """Who allocated it; "(owned)" when it dies with that connection (shared memory)."""
+    who = b.get("allocated_by") or b.get("owner") or "?"
+    return f"{who} (owned)" if b.get("owner") else str(who)
+
+
+@click.command(short_help="List a daemon's buffers and regions.")
+@URL
+@TOKEN
+@TIMEOUT
+@click.option("--json", "as_json", is_flag=True, help="The listing as JSON.")
+def buffers(url: str, token: str | None, timeout: float, as_json: bool) -> None:
+    """List the buffers of the daemon at URL: id, device, size, the connection that owns
+    it, and its registered regions (STATS with "buffers", docs/protocol.md)."""
+    from transferd.protocol.constants import Command
+
+    async def work(c: Any) -> dict[str, Any]:
+        return dict((await c.conn.request(Command.STATS, {"buffers": True})).body)
+
+    body = _with_client(url, token, timeout, work)
+    if "buffers" not in body:
+        click.echo(f"transferd: {url}: this daemon does not list its buffers (an older "
+                   "version): upgrade it", err=True)
+        sys.exit(Exit.FAILURE)
+    if as_json:
+        click.echo(json.dumps({"buffers": body["buffers"], "truncated": body["truncated"]}))
+        return
+    rows = body["buffers"]
+    click.echo(f"{'id':>8}  {'device':<8}{'size':>12}  {'allocated by':<24}regions")
+    total: dict[str, int] = {}
+    for b in rows:
+        regions = ", ".join(f"{r['id']} ({_size(r['size'])}"
+                            + (f", {r['admitted']} writes landing" if r["admitted"] else "") + ")"
+                            for r in b["regions"]) or "-"
+        click.echo(f"{b['id']:>8}  {b['device']:<8}{_size(b['size']):>12}  "
+                   f"{_by(b):<24}{regions}")
+        total[b["device"]] = total.get(b["device"], 0) + b["size"]
+    summary = ", ".join(f"{_size(n)} on {d}" for d, n in total.items()) or "nothing"
+    more = " (listing cut at 10,000)" if body["truncated"] else ""
+    click.echo(f"{len(rows)} buffer(s){more}: {summary}")

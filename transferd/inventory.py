@@ -1,0 +1,40 @@
+"""What a daemon holds, for operators: buffers and their regions (STATS with ``buffers``).
+
+``transferd buffers URL`` asks for it; the alert runbook uses it to find who holds
+memory.  The listing is bounded (:data:`MAX_LISTED` buffers) and says when it was cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_LISTED = 10_000
+
+
+def _owner(owner: Any) -> str | None:
+    """The owning connection's peer address (``host:port``, or "local")."""
+    if owner is None:
+        return None
+    return str(getattr(owner, "peer", None) or type(owner).__name__)
+
+
+def buffer_listing(buffers: Any, engine: Any = None, limit: int = MAX_LISTED) -> dict[str, Any]:
+    """``{"buffers": [...], "truncated": bool}`` for a STATS reply."""
+    listed = buffers.snapshot(limit + 1)
+    truncated = len(listed) > limit
+    listed = listed[:limit]
+    by_buffer: dict[int, list[dict[str, Any]]] = {}
+    regions = getattr(engine, "regions", None)
+    if regions is not None:
+        for r in regions.snapshot():
+            by_buffer.setdefault(r.buffer.id, []).append(
+                {"id": r.id, "size": r.size, "rkeys": list(r.rkeys), "admitted": r.admitted})
+    return {
+        "buffers": [
+            {"id": b.id, "device": b.device, "size": b.size,
+             "allocated_by": getattr(b, "allocated_by", "") or None,
+             "owner": _owner(b.owner), "regions": by_buffer.get(b.id, [])}
+            for b in listed
+        ],
+        "truncated": truncated,
+    }
