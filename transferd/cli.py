@@ -8,8 +8,8 @@ import click
 
 from transferd import __version__
 from transferd import config as cfgmod
-from transferd.config_docs import toml_value
 from transferd.commands import register as register_commands
+from transferd.config_docs import toml_value
 from transferd.exits import Exit
 
 

@@ -9,6 +9,7 @@ with the reason on stderr.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -43,7 +44,8 @@ def _with_client(url: str, token: str | None, timeout: float,
     from transferd.protocol.errors import TransferdError
 
     async def go() -> T:
-        c = await asyncio.wait_for(Client.connect(url, token=token, timeout=timeout, connect_timeout=timeout), timeout)
+        c = await asyncio.wait_for(
+            Client.connect(url, token=token, timeout=timeout, connect_timeout=timeout), timeout)
         try:
             return await work(c)
         finally:
@@ -104,7 +106,7 @@ def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool)
 async def _sample(c: Any) -> dict[str, Any]:
     from transferd.protocol.constants import Command
 
-    stats = dict((await c.server_stats()))
+    stats = dict(await c.server_stats())
     devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
     stats["devices"] = list(devices)
     stats["t"] = time.monotonic()
@@ -176,10 +178,8 @@ def stats(url: str, token: str | None, timeout: float, once: bool, as_json: bool
             if count is None or n < count:
                 await asyncio.sleep(interval)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a live table
         _with_client(url, token, timeout, work)
-    except KeyboardInterrupt:
-        pass
 
 
 # -- buffers ----------------------------------------------------------------------------
