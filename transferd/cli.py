@@ -166,26 +166,6 @@ def check_config(path: str | None, show: bool, other_node: bool) -> None:
     )
 
 
-@main.command(short_help="List RDMA devices and ports (or say why there are none).")
-@click.option("--rdma", is_flag=True, default=True, show_default=True,
-              help="RDMA devices (the only kind listed so far).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
-def devices(rdma: bool, as_json: bool) -> None:
-    """RDMA devices, their ports (state, link layer, LID, MTU), GIDs and NUMA nodes.
-
-    Without any, says why: pyverbs missing, no RDMA device in the kernel (and whether
-    soft-RoCE is there), no userspace provider, or a memlock limit too low.  Exits 0
-    when some port is ACTIVE, 1 otherwise (docs/rdma.md).
-    """
-    import json
-
-    from transferd.domains.verbs.devices import discover
-
-    report = discover()
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.text())
-    sys.exit(Exit.OK if report.usable else Exit.FAILURE)
-
-
 register_commands(main)
 
 

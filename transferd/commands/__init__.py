@@ -11,7 +11,7 @@ import click
 
 
 def register(group: click.Group) -> None:
-    from . import remote
+    from . import doctor, remote
 
-    for cmd in (remote.ping, remote.stats, remote.buffers):
+    for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers):
         group.add_command(cmd)
