@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from client import SyncClient
 from tests.conftest import DaemonFactory
@@ -13,21 +14,25 @@ from tests.integration.test_cli import clean_env
 from transferd.exits import Exit
 
 
-def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "transferd.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=clean_env())
+                          text=True, timeout=timeout, cwd=REPO, env=clean_env(**env))
 
 
-def test_ping_says_hello_and_times_round_trips(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory(["--token", "tok"])
-    r = cli("ping", d.url, "-n", "7", "--token", "tok")
+def test_ping_says_hello_and_times_round_trips(daemon_factory: DaemonFactory,
+                                               tmp_path: Path) -> None:
+    d = daemon_factory(env={"TRANSFERD_SERVER_TOKEN": "tok"})
+    tok = tmp_path / "tok"
+    tok.write_text("tok\n")
+    tok.chmod(0o600)
+    r = cli("ping", d.url, "-n", "7", "--token-file", str(tok))
     assert r.returncode == 0, r.stderr
     assert "protocol 1.2" in r.stdout and "engine" in r.stdout
     assert "7 round trips: min " in r.stdout
-    j = json.loads(cli("ping", d.url, "-n", "3", "--token", "tok", "--json").stdout)
+    j = json.loads(cli("ping", d.url, "-n", "3", "--json", TRANSFERD_TOKEN="tok").stdout)
     assert len(j["rtts"]) == 3 and 0 < j["min_s"] <= j["p50_s"] <= j["max_s"] < 5
     # A wrong token and an address nobody listens on: exit 1, the reason named.
-    r = cli("ping", d.url, "--token", "wrong")
+    r = cli("ping", d.url, TRANSFERD_TOKEN="wrong")
     assert r.returncode == Exit.FAILURE and "UNAUTHORIZED" in r.stderr
     host, port = d.host_port
     d.stop()

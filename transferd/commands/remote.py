@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -23,8 +24,20 @@ from transferd.exits import Exit
 T = TypeVar("T")
 
 URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False)
-TOKEN = click.option("--token", envvar="TRANSFERD_TOKEN", default=None,
-                     help="Token for HELLO (or TRANSFERD_TOKEN in the environment).")
+TOKEN = click.option("--token-file", "token", default=None, type=click.Path(dir_okay=False),
+                     callback=lambda _ctx, _p, v: _read_token(v),
+                     help="File holding the daemon's token (else TRANSFERD_TOKEN, if set); "
+                          "never on the command line, where ps shows it.")
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return os.environ.get("TRANSFERD_TOKEN") or None
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror}", param_hint="--token-file") from None
 TIMEOUT = click.option("--timeout", type=float, default=5.0, show_default=True,
                        help="Seconds to wait for the daemon.")
 
