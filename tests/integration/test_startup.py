@@ -139,3 +139,15 @@ def test_help_texts_are_not_truncated() -> None:
     assert r.returncode == 0, r.stderr
     commands = r.stdout.split("Commands:")[1]
     assert "..." not in commands, r.stdout  # click cuts a first line too long with "..."
+
+
+@pytest.mark.parametrize(("prog", "var"), [("transferd", "_TRANSFERD_COMPLETE"),
+                                           ("rpc-server", "_RPC_SERVER_COMPLETE")])
+def test_shell_completion_as_documented(prog: str, var: str) -> None:
+    exe = Path(sys.executable).parent / prog
+    if not exe.exists():
+        pytest.skip(f"{prog} is not installed next to {sys.executable}")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30,
+                       env={"PATH": "/usr/bin:/bin", var: "bash_source"})
+    assert r.returncode == 0 and "complete -o nosort -F" in r.stdout, r.stdout + r.stderr
+    assert var in (REPO / "docs" / "operations.md").read_text()

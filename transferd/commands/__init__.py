@@ -11,7 +11,8 @@ import click
 
 
 def register(group: click.Group) -> None:
-    from . import doctor, remote
+    from . import bench, doctor, remote
 
-    for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers):
+    for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers,
+                bench.bench):
         group.add_command(cmd)
