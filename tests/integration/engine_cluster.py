@@ -3,8 +3,12 @@
 Daemon A's rails are 127.0.0.2 and 127.0.0.3, B's 127.0.0.4 and .5, C's .6 and .7 (all
 of 127.0.0.0/8 is loopback on Linux).  ``clusters`` (session scope) keeps one trio per
 domain ("tcp" or "chaos") for every test that leaves its daemons as it found them;
-``cluster`` hands one to a test, parametrized over both domains, and checks that all
-three daemons survived.  Tests that kill or stop a daemon start their own with
+``cluster`` hands one to a test, parametrized over both domains and the three client
+transports (paired, not crossed: tcp over tcp, chaos over unix, tcp over seqpacket -- the
+domain works between daemons and the client transport between a client and its daemon, so
+each of them once covers both at a third of the cross product's cost), and checks that
+all three daemons survived.  :func:`nodes` connects over the client transport of the
+``cluster`` in use (tcp outside it).  Tests that kill or stop a daemon start their own with
 :func:`start_many`.
 
 Counters and receive backlogs belong to a daemon, so tests sharing a cluster take fresh
@@ -37,6 +41,8 @@ from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
 from transferd.domains.tcp import parse_rail
 
 DOMAINS = ("tcp", "chaos")
+# (domain, client transport) of each ``cluster`` parameter.
+CLUSTER_PARAMS = (("tcp", "tcp"), ("chaos", "unix"), ("tcp", "seqpacket"))
 RAILS = {
     "a": ("127.0.0.2", "127.0.0.3"),
     "b": ("127.0.0.4", "127.0.0.5"),
@@ -120,10 +126,15 @@ class Cluster:
 
 
 def start_cluster(domain: str, **engine: Any) -> Cluster:
+    """Three daemons of ``domain``, each listening on tcp, unix and seqpacket."""
     engine.setdefault("secret_file", secret_file())
     engine.setdefault("handshake_timeout_s", HANDSHAKE_TIMEOUT_S)
+    where = tempfile.mkdtemp(prefix="td-cl-", dir="/tmp")  # short: AF_UNIX paths are < 108
+    atexit.register(shutil.rmtree, where, True)
     specs = [
-        {"env": engine_env(RAILS[n], domain, chaos_seed=i + 1, **engine)}
+        {"env": engine_env(RAILS[n], domain, chaos_seed=i + 1, **engine),
+         "args": ["--listen", f"unix://{where}/{n}.sock",
+                  "--listen", f"seqpacket://{where}/{n}.seq"]}
         for i, n in enumerate("abc")
     ]
     return Cluster(domain, *start_many(specs))
@@ -170,12 +181,30 @@ def _watch(cl: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
         assert "Traceback" not in new and " ERROR " not in new, f"daemon {name}:\n{new}"
 
 
-@pytest.fixture(params=DOMAINS)
+# The client transport :func:`nodes` and :func:`client_url` use: the ``cluster``
+# fixture sets it for its test (a global, not a Cluster field, because the trios are
+# shared by every transport and ``nodes`` is handed daemons, not a cluster).
+_client_transport = "tcp"
+
+
+def client_url(d: DaemonProcess) -> str:
+    """The URL of ``d`` for the client transport in use (tcp outside ``cluster``)."""
+    return d.url if _client_transport == "tcp" else d.url_for(_client_transport)
+
+
+@pytest.fixture(params=CLUSTER_PARAMS, ids=lambda p: p[0] if p[1] == "tcp" else "-".join(p))
 def cluster(
     request: pytest.FixtureRequest, clusters: Callable[[str], Cluster]
 ) -> Iterator[Cluster]:
-    """A running trio of two-rail daemons, once per domain; all must survive the test."""
-    yield from _watch(clusters(request.param), request)
+    """A running trio of two-rail daemons, its clients over one transport (CLUSTER_PARAMS);
+    all must survive the test."""
+    global _client_transport
+    domain, transport = request.param
+    _client_transport = transport
+    try:
+        yield from _watch(clusters(domain), request)
+    finally:
+        _client_transport = "tcp"
 
 
 @pytest.fixture
@@ -239,7 +268,7 @@ async def nodes(*daemons: DaemonProcess) -> AsyncIterator[list[Node]]:
     opened: list[Node] = []
     try:
         for d in daemons:
-            opened.append(Node(d, await Client.connect(d.url, timeout=WAIT)))
+            opened.append(Node(d, await Client.connect(client_url(d), timeout=WAIT)))
         yield opened
     finally:
         for n in opened:

@@ -17,6 +17,7 @@ from tests.integration.engine_cluster import (
     WAIT,
     Cluster,
     MiB,
+    client_url,
     fresh_imm,
     nodes,
     poll,
@@ -229,14 +230,14 @@ async def test_client_vanishing_with_transfers_in_flight(cluster: Cluster) -> No
         imm, imm2 = fresh_imm(), fresh_imm()
 
         # A sender that submits a lot and closes without waiting for any of it.
-        x = await Client.connect(cluster.a.url, timeout=WAIT)
+        x = await Client.connect(client_url(cluster.a), timeout=WAIT)
         ws = [await x.submit_single_write(256 * 1024, imm, (src.mr, k * 256 * 1024),
                                           (dst.desc, k * 256 * 1024)) for k in range(32)]
         await x.close()
         errors = await settle(ws)
         assert all(e is None or isinstance(e, ConnectionLost) for e in errors), errors
         # And one that drops its connection without a goodbye, mid-submit.
-        z = await Client.connect(cluster.a.url, timeout=WAIT)
+        z = await Client.connect(client_url(cluster.a), timeout=WAIT)
         zs = [await z.submit_single_write(256 * 1024, fresh_imm(), (src.mr, 0), (dst.desc, 0))
               for _ in range(8)]
         transport = z.conn.transport
@@ -248,7 +249,7 @@ async def test_client_vanishing_with_transfers_in_flight(cluster: Cluster) -> No
             await z.close()
 
         # A receiver that registers an expectation and receives, then goes away.
-        y = await Client.connect(cluster.b.url, timeout=WAIT)
+        y = await Client.connect(client_url(cluster.b), timeout=WAIT)
         ey = await y.expect_imm_count(imm2, 3, wait=False)
         y.submit_recvs(64, 2, lambda m: None)
         await y.imm_count(0)
