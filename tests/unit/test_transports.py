@@ -310,3 +310,29 @@ async def test_descriptors_nobody_took_are_closed_with_the_transport() -> None:
         os.close(r)
         os.close(w)
         ta.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@async_test()
+async def test_descriptors_past_the_cap_are_all_closed_not_only_the_first() -> None:
+    """A flood of descriptors: BAD_FRAME, and none of the flood's leaks (the rest of the
+    message that found the table full used to stay open: 15 of every 16)."""
+    ta, _pa, tb, pb = pair(socket.SOCK_STREAM, message=False)
+    r, w = os.pipe()
+    try:
+        before = _open_fds()
+        for i in range(6):  # 6 x 16 > 64
+            ta.send_fds([r] * 16)
+            ta.write_frame(encode_frame(9, 0, i, None), [], 0)
+        await asyncio.wait_for(pb.lost, 5)
+        assert [str(e) for e in pb.errors] == ["BAD_FRAME: more than 64 file descriptors not taken"]
+        tb.close()
+        await asyncio.sleep(0.05)
+        assert _open_fds() <= before, (before, _open_fds())
+    finally:
+        ta.close()
+        os.close(r)
+        os.close(w)

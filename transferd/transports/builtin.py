@@ -112,6 +112,7 @@ class _UnixListener(Listener):
                 self._loop, conn, self._factory(), message=self.kind.kind == "message",
                 max_message=self._opts.max_message,
                 recv_limit=self._opts.first_message or HELLO_MESSAGE,
+                keep_fds=False,  # a server takes no descriptors from its clients
             )
 
     async def close(self) -> None:

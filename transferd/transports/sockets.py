@@ -109,8 +109,13 @@ class SocketTransport(asyncio.Transport):
         max_message: int = MIN_MAX_MESSAGE,
         recv_limit: int | None = None,
         extra: dict[str, Any] | None = None,
+        keep_fds: bool = True,
     ) -> None:
         super().__init__(extra)
+        # False on the server: no frame a client sends announces descriptors,
+        # so whatever rides in is closed on arrival (a stranger cannot fill
+        # our fd table, not even up to MAX_HELD_FDS per connection).
+        self.keep_fds = keep_fds
         self._loop = loop
         self._sock = sock
         self._fd = sock.fileno()
@@ -233,16 +238,23 @@ class SocketTransport(asyncio.Transport):
         return [self.received_fds.popleft() for _ in range(n)]
 
     def _collect_fds(self, ancdata: list[tuple[int, int, bytes]]) -> None:
+        over = False
         for level, kind, data in ancdata:
             if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
                 continue
             fds = array.array("i")
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
             for fd in fds:
-                if len(self.received_fds) >= MAX_HELD_FDS:
+                if self.keep_fds and not over and len(self.received_fds) < MAX_HELD_FDS:
+                    self.received_fds.append(fd)
+                    continue
+                # Every descriptor of the message is ours once received: close
+                # the rest too, not only the one that found the table full.
+                over = over or self.keep_fds
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                    raise BadFrame(f"more than {MAX_HELD_FDS} file descriptors not taken")
-                self.received_fds.append(fd)
+        if over:
+            raise BadFrame(f"more than {MAX_HELD_FDS} file descriptors not taken")
 
     # -- reading ----------------------------------------------------------------------
 
