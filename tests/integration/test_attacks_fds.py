@@ -68,7 +68,7 @@ def test_descriptors_a_client_sends_are_closed_on_arrival(
                         _with_fds(s, HELLO[i:i + 1], [r] * 16)
                 else:
                     _with_fds(s, HELLO, [r] * 16)
-                assert open_fds(local) <= base + 1
+                assert wait_until(lambda: open_fds(local) <= base + 1, 5), (base, open_fds(local))
             # After HELLO: 100 requests, each with 16 descriptors, all served.
             s = _connect(local, scheme)
             with s:
@@ -79,7 +79,7 @@ def test_descriptors_a_client_sends_are_closed_on_arrival(
                     _with_fds(s, encode_frame(Command.SYNCHRONIZE, 0, 10 + i), [r] * 16)
                     frames = dec.feed(s.recv(65536))
                     assert [(f.seq, f.is_error) for f in frames] == [(10 + i, False)]
-                assert open_fds(local) <= base + 1
+                assert wait_until(lambda: open_fds(local) <= base + 1, 5), (base, open_fds(local))
             data = pattern(8192, 5)
             buf = good.alloc_buffer(8192)
             good.set_tensor(buf.tensor(), data)
