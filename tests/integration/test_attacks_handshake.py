@@ -100,6 +100,19 @@ def test_bodies_at_the_limit_and_msgpack_bombs(secured: DaemonProcess) -> None:
             raw.send_raw(encode_header(Command.HELLO, 0, 3, len(lists), 0) + lists)
             assert raw.recv().body["code"] == ErrorCode.BAD_REQUEST  # no minor
             assert raw.closed_by_peer()
+        # A malformed HELLO closes (protocol.md, HELLO); a second one where AUTH is due too.
+        for body in ({"major": "1", "minor": 2}, {"minor": 2}, {"major": 1, "minor": -1},
+                     {"major": 1, "minor": 2, "client": 5}):
+            with RawConn.to(secured) as raw:
+                f = raw.request(Command.HELLO, body)
+                assert f.body["code"] == ErrorCode.BAD_REQUEST, (body, f.body)
+                assert raw.closed_by_peer(), body
+        with RawConn.to(secured) as raw:
+            raw.send_raw(_hello_of(100))
+            assert not raw.recv().is_error
+            raw.send_raw(_hello_of(100))
+            assert raw.recv().body["code"] == ErrorCode.UNAUTHORIZED
+            assert raw.closed_by_peer()
         # AUTH before HELLO: NO_HELLO, from the header.
         with RawConn.to(secured) as raw:
             raw.send(Command.AUTH, {"mac": b"\0" * 32}, seq=4)
