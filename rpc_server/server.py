@@ -79,7 +79,7 @@ class RpcFrontend:
                      ", ".join(ctx.token_transports) or "none")
         opts = transports.TransportOptions(
             tls_cert=s.tls_cert, tls_key=s.tls_key, max_message=s.max_message,
-            handshake_timeout=s.handshake_timeout_s,
+            handshake_timeout=s.handshake_timeout_s, admission=ctx.admission,
         )
         urls = []
         try:

@@ -52,6 +52,10 @@ class TransportOptions:
     handshake_timeout: float = 5.0
     # Seconds to wait for a connection (client side).
     timeout: float | None = 10.0
+    # Server side, tls: the server's caps on connections not yet authenticated
+    # (an object with ``admit(source) -> reason | None`` and ``release(source)``),
+    # which count a TLS connection from its TCP accept, through its TLS handshake.
+    admission: Any = None
 
 
 class Listener(ABC):

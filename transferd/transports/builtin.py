@@ -1,9 +1,10 @@
-"""The built-in transports: tcp, tls (the loop's own), unix and seqpacket (ours)."""
+"""The built-in transports: tcp, tls (accepted by hand, then the loop's TLS), unix, seqpacket."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import ssl
@@ -13,6 +14,8 @@ from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
 from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
+
+log = logging.getLogger("transferd.transports")
 
 
 class _ServerListener(Listener):  # tcp and tls
@@ -61,6 +64,30 @@ class Tls(Tcp):
     scheme = "tls"
     private = True
 
+    async def listen(
+        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
+    ) -> Listener:
+        ctx = self._ssl(opts, server=True)
+        assert ctx is not None
+        try:
+            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise BadRequest(f"cannot listen on {ep.url}: {exc}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(opts.backlog)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise BadRequest(f"cannot listen on {ep.url}: {exc.strerror}") from None
+        host, port = sock.getsockname()[:2]
+        return _TlsListener(self, sock, Endpoint(self.scheme, host, port).url, factory, ctx,
+                            opts)
+
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         if opts.ssl_context is not None:
             return opts.ssl_context
@@ -79,6 +106,69 @@ class Tls(Tcp):
         ctx = ssl.create_default_context(cafile=opts.tls_ca or None)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         return ctx
+
+
+class _TlsListener(Listener):
+    """A tls:// listener that counts a connection from its TCP accept.
+
+    The loop's own ``create_server(ssl=...)`` hands the protocol its transport
+    only once the TLS handshake is done, so a stranger that connects and sends
+    nothing escaped the caps on connections not yet authenticated.  Here the
+    socket is accepted by hand, judged by ``opts.admission`` by its source
+    address (closed at once over a cap, before a byte is read), and its TLS
+    handshake runs with ``opts.handshake_timeout``; the slot is given back when
+    the handshake ends, and the protocol's own handshake counts from there.
+    """
+
+    def __init__(self, kind: TransportKind, sock: socket.socket, url: str,
+                 factory: ProtocolFactory, ctx: ssl.SSLContext, opts: TransportOptions) -> None:
+        self.kind = kind
+        self.url = url
+        self._sock = sock
+        self._factory = factory
+        self._ctx = ctx
+        self._opts = opts
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        admission = self._opts.admission
+        for _ in range(64):  # a burst of connections, then let others run
+            try:
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # EMFILE and the like: the next readiness retries
+            source = str(addr[0])
+            if admission is not None and admission.admit(source) is not None:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            task = asyncio.ensure_future(
+                self._handshake(conn, source if admission is not None else None))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handshake(self, conn: socket.socket, source: str | None) -> None:
+        try:
+            # The loop owns the socket from here and closes it if this fails.
+            await self._loop.connect_accepted_socket(
+                self._factory, conn, ssl=self._ctx,
+                ssl_handshake_timeout=self._opts.handshake_timeout)
+        except Exception as exc:  # a failed or timed-out TLS handshake
+            log.debug("tls handshake from %s failed: %r", source, exc)
+        finally:
+            if source is not None:
+                self._opts.admission.release(source)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        for t in list(self._tasks):
+            t.cancel()
 
 
 class _UnixListener(Listener):
