@@ -115,14 +115,21 @@ def host_address(view: memoryview) -> int:
 
 
 class CudaEvent(DeviceEvent):
+    """A CuPy event, queried and waited on through the runtime directly.
+
+    ``cudaEventSynchronize`` is called without the GIL (CuPy's runtime
+    wrapper releases it), so the waiter thread never stalls the event loops.
+    """
+
     def __init__(self, event: Any) -> None:
         self.event = event
+        self._rt = _cupy().cuda.runtime
 
     def done(self) -> bool:
-        return bool(self.event.done)
+        return int(self._rt.eventQuery(self.event.ptr)) == 0  # cudaSuccess
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        self._rt.eventSynchronize(self.event.ptr)
 
 
 class CudaStream(DeviceStream):
