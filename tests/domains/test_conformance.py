@@ -4,7 +4,8 @@ Two "engines" in this process (a region table, an ImmCounter, host buffers and o
 DomainGroup each, with two rails), wired through the Domain under test on one event
 loop: tcp over loopback sockets, chaos around tcp and around the in-process Domain of
 :mod:`tests.domains.inproc` (defined only there: adding a Domain touches nothing
-else), and verbs, listed and skipped where there is no RDMA device.  Data is checked
+else), and verbs, skipped with the reason (pyverbs missing, no device, no soft-RoCE) where
+there is no RDMA device with an ACTIVE port.  Data is checked
 by checksum, counters by the counting rules.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.domains import inproc
+from tests.rdma.devices import rdma_devices
 from transferd.domains import registry
 from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
@@ -38,6 +40,7 @@ from transferd.protocol.errors import (
 from transferd.protocol.values import MrDesc, NetAddr, Pages
 
 inproc.register()
+RDMA_DEVICES, RDMA_WHY = rdma_devices()
 SECRET = b"conformance suite secret"
 WAIT = 10.0
 RAILS = 2
@@ -46,18 +49,26 @@ _ids = itertools.count(1)
 
 
 def _specs() -> list[Any]:
-    """Every registered Domain (a wrapper around tcp), and chaos around inproc too."""
+    """Every registered Domain (a wrapper around tcp), and chaos around inproc too; verbs
+    skipped, with the reason, where there is no RDMA device."""
     out: list[Any] = []
     for name in registry.names():
-        if name in registry.EXTERNAL:
-            out.append(pytest.param(name, marks=pytest.mark.skip(
-                reason=f"{name}: {registry.EXTERNAL[name]}; its engine suite is tests/rdma "
-                       "(make rdma-check)")))
-        elif registry.is_wrapper(name):
+        if registry.is_wrapper(name):
             out += [f"{name}:tcp", f"{name}:inproc"]
+        elif name == "verbs" and RDMA_WHY is not None:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"verbs: {RDMA_WHY}")))
         else:
             out.append(name)
     return out
+
+
+def _settings() -> dict[str, dict[str, Any]]:
+    """Each Domain's own settings: verbs runs every rail on the device found (or named
+    by TRANSFERD_RDMA_DEVICES, one per rail, the first one repeated if fewer)."""
+    if not RDMA_DEVICES:
+        return {}
+    devs = (RDMA_DEVICES * RAILS)[:RAILS]
+    return {"verbs": {"devices": devs, "port": 1, "gid_index": -1}}
 
 
 class Node:
@@ -71,7 +82,8 @@ class Node:
         self.node = random.Random(seed).randrange(1, 1 << 63)
         self.group = DomainGroup(
             0, self.node, loop, self.regions, self.counter, self._deliver, timeout_s=WAIT,
-            domain=spec, options=DomainOptions(seed=seed, max_delay_s=0.002),
+            domain=spec, options=DomainOptions(seed=seed, max_delay_s=0.002,
+                                                settings=_settings()),
             secret=SECRET, handshake_timeout_s=2.0)
         base = next(_hosts)
         self.group.bind([f"127.0.{base}.{r + 1}" for r in range(RAILS)])
@@ -296,8 +308,20 @@ async def test_close_fails_what_is_outstanding_and_later_posts(a: Node, b: Node)
 
 
 def test_every_registered_domain_is_in_the_suite() -> None:
-    """A Domain registered anywhere is run here (or listed, and skipped with a reason)."""
+    """A Domain registered anywhere is run here (verbs: skipped only with a reason)."""
     specs = {p if isinstance(p, str) else p.values[0] for p in _specs()}
     for name in registry.names():
         assert any(s.split(":")[0] == name for s in specs), name
     assert {"tcp", "chaos:tcp", "inproc", "verbs"} <= specs
+
+
+def test_verbs_is_skipped_only_with_the_reason_there_is_no_device() -> None:
+    """verbs runs this suite where a device is ACTIVE; elsewhere its skip says why."""
+    verbs = [p for p in _specs() if not isinstance(p, str) and p.values[0] == "verbs"]
+    if RDMA_WHY is None:
+        assert verbs == [] and "verbs" in _specs()
+        return
+    (param,) = verbs
+    (mark,) = param.marks
+    assert mark.kwargs["reason"] == f"verbs: {RDMA_WHY}"
+    assert any(w in RDMA_WHY for w in ("pyverbs", "no RDMA device", "TRANSFERD_RDMA_DEVICES"))

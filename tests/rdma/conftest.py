@@ -7,30 +7,9 @@ Every test here starts real daemons over real verbs; nothing is simulated.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from transferd.domains.verbs.devices import discover
-from transferd.domains.verbs.loader import pyverbs_missing
-
-
-def rdma_devices() -> tuple[list[str], str | None]:
-    """(devices for daemon a and b, or why there are none)."""
-    given = [d for d in os.environ.get("TRANSFERD_RDMA_DEVICES", "").split(",") if d]
-    if (why := pyverbs_missing()) is not None:
-        return [], why
-    report = discover()
-    active = [d.name for d in report.devices if any(p.active for p in d.ports)]
-    if given:
-        missing = [d for d in given if d not in active]
-        if missing:
-            return [], f"TRANSFERD_RDMA_DEVICES names {missing}, not ACTIVE here"
-        return given, None
-    if not active:
-        return [], f"no RDMA device with an ACTIVE port: {report.reason}"
-    return active[:1], None
-
+from tests.rdma.devices import rdma_devices
 
 DEVICES, WHY = rdma_devices()
 needs_rdma = pytest.mark.skipif(WHY is not None, reason=f"verbs: {WHY}")

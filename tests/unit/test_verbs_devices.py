@@ -135,3 +135,35 @@ def test_an_rdma_client_without_a_device_is_refused_before_any_connection() -> N
             await Client.connect("rdma://127.0.0.1:9")
 
     asyncio.run(go())
+
+
+def test_verbs_is_a_registry_entry_and_a_domain() -> None:
+    """verbs is made by the registry like tcp; where pyverbs or a device is missing,
+    asking for it fails naming what, before anything listens."""
+    import asyncio
+
+    from transferd.domains import registry
+    from transferd.domains.base import Domain, DomainOptions
+
+    assert "verbs" in registry.names() and not registry.is_wrapper("verbs")
+    assert registry.parse("verbs") == ["verbs"]
+    if pyverbs_missing() is None:
+        from transferd.domains.verbs.domain import VerbsDomain
+
+        assert issubclass(VerbsDomain, Domain) and VerbsDomain.name == "verbs"
+    if REPORT.usable:
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        class Group:  # only the loop is read before the device is opened
+            pass
+
+        g = Group()
+        g.loop = loop  # type: ignore[attr-defined]
+        with pytest.raises(VerbsUnavailable, match=r"rdma_devices|pyverbs"):
+            registry.create("verbs", g, 0, "127.0.0.1", 0, DomainOptions())  # type: ignore[arg-type]
+        opts = DomainOptions(settings={"verbs": {"devices": ["mlx5_0"]}})
+        with pytest.raises(VerbsUnavailable, match=r"RDMA|pyverbs|device|mlx5_0|MEMLOCK"):
+            registry.create("verbs", g, 0, "127.0.0.1", 0, opts)  # type: ignore[arg-type]
+    finally:
+        loop.close()

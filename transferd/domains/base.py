@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.peer import WriteHeader
@@ -60,11 +60,21 @@ Ack = Callable[["TransferdError | None"], None]
 
 @dataclass(frozen=True)
 class DomainOptions:
-    """Settings a Domain may read (from the engine's configuration)."""
+    """Settings a Domain may read (from the engine's configuration).
+
+    ``settings`` holds each Domain's own settings under its registry name (verbs:
+    ``{"devices": [...], "port": 1, "gid_index": -1}``): the group and the engine
+    pass them through unread, and only that Domain looks at them (:meth:`of`).
+    """
 
     seed: int = 0
     max_delay_s: float = 0.005
     max_parts: int = 8
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def of(self, name: str) -> Mapping[str, Any]:
+        """The settings of the Domain registered as ``name`` (empty if none given)."""
+        return self.settings.get(name, {})
 
 
 class Receiver(Protocol):

@@ -177,16 +177,16 @@ class DomainGroup:
 
     def register(self, region: Region) -> tuple[int, ...]:
         """Register ``region`` with every Domain (on the worker): its rkey on each rail."""
-        done: list[Domain] = []
+        rkeys: list[int] = []
         try:
             for d in self.domains:
-                done.append(d)
-                d.register(region)
+                # Once per Domain: a NIC registers (and pins) the memory each time.
+                rkeys.append(d.register(region))
         except BaseException:
-            for d in done[:-1]:
+            for d in self.domains[:len(rkeys)]:
                 d.deregister(region)
             raise
-        return tuple(d.register(region) for d in self.domains)
+        return tuple(rkeys)
 
     def deregister(self, region: Region) -> None:
         for d in self.domains:

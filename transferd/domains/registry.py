@@ -7,8 +7,9 @@ A wrapper (``chaos``) is named before the Domain it wraps, after a colon:
 imported on first use, so reading this module costs nothing; tests register
 their own Domains with :func:`register_domain`.
 
-``verbs`` is listed but is bound by :mod:`transferd.domains.verbs.bind` (it
-needs RDMA devices and their own set-up); it is not made by :func:`create`.
+``verbs`` is an entry like ``tcp``: its factory (:func:`transferd.domains.verbs.bind.
+create`) reads its devices from ``options.of("verbs")`` and, where pyverbs or a device is
+missing, raises :class:`~transferd.domains.verbs.VerbsUnavailable` naming what.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ _WRAPPERS: set[str] = set()
 _BUILTIN: dict[str, str] = {
     "tcp": "transferd.domains.tcp:TcpDomain",
     "chaos": "transferd.domains.chaos:ChaosDomain",
+    "verbs": "transferd.domains.verbs.bind:create",
 }
 _BUILTIN_WRAPPERS = {"chaos"}
-# Listed (engine.domain accepts it) but bound elsewhere.
-EXTERNAL = {"verbs": "bound by transferd.domains.verbs.bind: needs RDMA devices"}
 DEFAULT_INNER = "tcp"
 
 
@@ -55,8 +55,8 @@ def unregister_domain(name: str) -> None:
 
 
 def names() -> list[str]:
-    """Every Domain name known, built-in, registered and external."""
-    return sorted({*_BUILTIN, *_FACTORIES, *EXTERNAL})
+    """Every Domain name known, built-in and registered."""
+    return sorted({*_BUILTIN, *_FACTORIES})
 
 
 def is_wrapper(name: str) -> bool:
@@ -86,8 +86,6 @@ def _factory(name: str) -> Factory:
     f = _FACTORIES.get(name)
     if f is not None:
         return f
-    if name in EXTERNAL:
-        raise BadRequest(f"engine.domain: {name} is {EXTERNAL[name]}")
     module, _, attr = _BUILTIN[name].partition(":")
     f = getattr(importlib.import_module(module), attr)
     return f

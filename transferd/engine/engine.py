@@ -84,8 +84,12 @@ class TransferEngine:
         self.worker: Worker | None = None
         self.group: DomainGroup | None = None
         # Every Domain of the group reads what it needs of these (chaos: the schedule).
-        self.domain_options = DomainOptions(config.chaos_seed,
-                                            config.chaos_max_delay_ms / 1000.0)
+        # Each Domain's own settings go under its name, passed through unread.
+        self.domain_options = DomainOptions(
+            config.chaos_seed, config.chaos_max_delay_ms / 1000.0,
+            settings={"verbs": {"devices": tuple(config.rdma_devices),
+                                "port": config.rdma_port,
+                                "gid_index": config.rdma_gid_index}})
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -103,12 +107,7 @@ class TransferEngine:
                             domain=self.config.domain, options=self.domain_options,
                             secret=self.secret,
                             handshake_timeout_s=self.config.handshake_timeout_s)
-            if self.config.domain == "verbs":  # RDMA NICs (docs/rdma.md)
-                from transferd.domains.verbs.bind import bind_verbs
-
-                bind_verbs(g, self.hosts, self.config.peer_port, self.config)
-            else:
-                g.bind(self.hosts, self.config.peer_port)
+            g.bind(self.hosts, self.config.peer_port)
             return g
 
         if self.secret is None:
@@ -148,13 +147,8 @@ class TransferEngine:
         assert self.group is not None and self.worker is not None
         group = self.group
         try:
-            if self.config.domain == "verbs":  # the NICs' own rkeys (docs/rdma.md)
-                from transferd.domains.verbs.bind import register_region
-
-                rkeys = register_region(self.worker, group, region)
-            else:
-                # Each rail's rkey comes from the Domain that registered the memory.
-                rkeys = group.register(region)
+            # Each rail's rkey comes from the Domain that registered the memory.
+            rkeys = group.register(region)
         except BaseException:
             self.regions.deregister(region.id)
             raise
@@ -164,11 +158,7 @@ class TransferEngine:
         return region, desc
 
     def _deregistered(self, region: Region) -> None:
-        if self.config.domain == "verbs":
-            from transferd.domains.verbs.bind import deregister_region
-
-            deregister_region(self.worker, self.group, region)
-        elif self.group is not None:
+        if self.group is not None:
             self.group.deregister(region)
 
     def dereg_mr(self, region_id: int) -> None:

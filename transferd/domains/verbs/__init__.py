@@ -14,7 +14,7 @@ Modules, from pure to device:
 * ``devices``    discovery: devices, ports, GIDs, NUMA nodes, or why there are none
 * ``framing``    frames over a message transport (cut, whole-message reader, scatter)
 * ``msgtransport`` the asyncio transport of rdma:// over any carrier of whole messages
-* ``bind``       the engine's hooks: preflight, one Domain per rail, region registration
+* ``bind``       the registry entry (``verbs``): preflight, then one Domain per rail
 * ``wr``         (pyverbs) SendWR chains, receive slots, templates
 * ``resources``  (pyverbs) context, protection domain, CQ, queue pairs, registration
 * ``cqloop``     (device) busy-poll, then the completion channel (or a timer)

@@ -1,6 +1,8 @@
-"""Putting verbs Domains into a domain group: one per rail, from the engine's config.
+"""The verbs Domain's registry entry: its factory, and the checks before a device opens.
 
-Called on the group's worker (after it was pinned), like the tcp rails' bind.  Raises
+The registry calls :func:`create` once per rail on the group's worker, as it makes tcp
+rails; the devices come from the Domain's own settings (``DomainOptions.of("verbs")``,
+filled from engine.rdma_devices / rdma_port / rdma_gid_index).  Raises
 :class:`~.loader.VerbsUnavailable` naming what is missing (pyverbs, a device, an active
 port, the memlock limit) before anything listens, so a daemon asked for verbs where
 there is none stops at start with that message.
@@ -8,9 +10,13 @@ there is none stops at start with that message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import NAME
 from .loader import VerbsUnavailable, load_pyverbs, memlock_problem
+
+if TYPE_CHECKING:
+    from transferd.domains.base import Domain, DomainOptions
 
 
 def preflight(devices: list[str]) -> None:
@@ -23,27 +29,22 @@ def preflight(devices: list[str]) -> None:
         raise VerbsUnavailable(p)
 
 
-def bind_verbs(group: Any, hosts: list[str], port: int, config: Any) -> None:
-    """One VerbsDomain per rail: rail i listens for set-up on hosts[i] and uses
-    config.rdma_devices[i]."""
-    devices = list(config.rdma_devices)
+def create(receiver: Any, rail: int, host: str, port: int, options: DomainOptions) -> Domain:
+    """The registry's factory for ``verbs``: rail ``rail`` listens for set-up on ``host``
+    and uses ``options.of("verbs")["devices"][rail]`` (engine.rdma_devices), its port
+    ``port`` (engine.rdma_port) and GID index ``gid_index`` (-1 or absent: one is picked)."""
+    settings = options.of(NAME)
+    devices = [str(d) for d in settings.get("devices", ())]
     preflight(devices)
-    if len(devices) != len(hosts):
-        raise VerbsUnavailable(f"engine.rdma_devices names {len(devices)} device(s) for "
-                               f"{len(hosts)} rail(s)")
+    if rail >= len(devices):
+        raise VerbsUnavailable(f"engine.rdma_devices names {len(devices)} device(s); "
+                               f"rail {rail} has none")
     from .domain import VerbsDomain
 
-    gid = None if config.rdma_gid_index < 0 else config.rdma_gid_index
-    try:
-        for i, (host, dev) in enumerate(zip(hosts, devices, strict=True)):
-            group.domains.append(VerbsDomain(group, i, host, port if i == 0 else 0,
-                                             device=dev, ib_port=config.rdma_port,
-                                             gid_index=gid))
-    except BaseException:
-        for d in group.domains:
-            d.close()
-        group.domains.clear()
-        raise
+    gid = int(settings.get("gid_index", -1))
+    return VerbsDomain(receiver, rail, host, port, device=devices[rail],
+                       ib_port=int(settings.get("port", 1)),
+                       gid_index=None if gid < 0 else gid)
 
 
 def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
@@ -70,42 +71,6 @@ def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
                             "not ACTIVE"))
     out += [("engine.domain", f"verbs: {p}") for p in report.problems]
     return out
-
-
-def register_region(worker: Any, group: Any, region: Any) -> tuple[int, ...]:
-    """Register a region with every rail's NIC (on the group's worker): the rkeys, one
-    per rail, that its MrDesc carries.  The NIC checks rkey and bounds of every write
-    that arrives; nothing of the region table's own rkeys is used on verbs."""
-    device = getattr(getattr(region.buffer, "memory", None), "kind", "cpu")
-
-    def reg() -> tuple[int, ...]:
-        done: list[Any] = []
-        try:
-            for d in group.domains:
-                done.append(d)
-                d.register(region.ptr, region.size, str(device))
-        except BaseException:
-            for d in done[:-1]:
-                d.deregister(region.ptr)
-            raise
-        return tuple(d.nic.mrs.find(region.ptr, region.size).rkey for d in group.domains)
-
-    return tuple(worker.run_sync(reg))
-
-
-def deregister_region(worker: Any, group: Any, region: Any) -> None:
-    """ibv_dereg_mr on every rail: from its return no remote write lands in the region
-    (one in flight fails at its initiator with a remote access error)."""
-    import contextlib
-
-    from transferd.protocol.errors import TransferdError
-
-    def dereg() -> None:
-        for d in group.domains:
-            with contextlib.suppress(TransferdError):
-                d.deregister(region.ptr)
-
-    worker.run_sync(dereg)
 
 
 def rdma_problem(url: str) -> str | None:

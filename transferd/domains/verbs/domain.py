@@ -34,8 +34,8 @@ import logging
 import mmap
 import socket
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
@@ -46,6 +46,7 @@ from transferd.protocol.errors import (
 from transferd.protocol.frames import Frame
 from transferd.protocol.values import NetAddr
 
+from ..base import Domain
 from ..tcp import parse_rail, rail_bytes
 from . import messages
 from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
@@ -58,7 +59,11 @@ from .sendq import SendQueue
 from .wr import RecvSlots, ZeroWriteTemplate, build_chains
 
 if TYPE_CHECKING:
+    from transferd.engine.regions import Region
+
     from ..group import DomainGroup
+
+T = TypeVar("T")
 
 log = logging.getLogger("transferd.verbs")
 
@@ -70,6 +75,7 @@ WR_IDS = 1 << 16  # work requests in flight per NIC
 MAX_HANDSHAKING = 64  # inbound set-up links not yet authenticated, per rail
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0
+REGISTER_TIMEOUT = 10.0  # ibv_reg_mr pins the pages: large regions take a while
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -265,11 +271,18 @@ class QpEnd:
                 s.close(d.nic)
 
 
-class VerbsDomain:
-    """One rail: a NIC port, its set-up listener, and its links to peers."""
+class VerbsDomain(Domain):
+    """One rail: a NIC port, its set-up listener, and its links to peers.
+
+    Made by the registry (``verbs``, :func:`~.bind.create`), which reads the device,
+    port and GID index from the Domain's own settings.
+    """
+
+    name = "verbs"
 
     def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0, *,
                  device: str, ib_port: int = 1, gid_index: int | None = None) -> None:
+        # Beyond the Receiver, the links use the group's hello_body and deliver.
         self.group = group
         self.rail = rail
         self.host = host
@@ -303,12 +316,37 @@ class VerbsDomain:
 
     # -- memory -------------------------------------------------------------------------
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> int:
-        """Register memory for remote writes on this NIC: the rkey for the MrDesc."""
-        return self.nic.register(addr, length, device).rkey
+    def register(self, region: Region) -> int:
+        """ibv_reg_mr of the region on this NIC: its rkey for the MrDesc.  The NIC checks
+        rkey and bounds of every write that arrives; the region table's own rkeys are
+        not used on verbs."""
+        device = str(getattr(getattr(region.buffer, "memory", None), "kind", "cpu"))
+        return self._on_worker(lambda: self.nic.register(region.ptr, region.size,
+                                                         device).rkey)
 
-    def deregister(self, addr: int) -> None:
-        self.nic.deregister(addr)
+    def deregister(self, region: Region) -> None:
+        """ibv_dereg_mr: from its return no remote write lands in the region (one in
+        flight fails at its initiator with a remote access error)."""
+        def dereg() -> None:
+            with contextlib.suppress(TransferdError):
+                self.nic.deregister(region.ptr)
+
+        self._on_worker(dereg)
+
+    def _on_worker(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this rail's worker loop (register and deregister come from the
+        daemon's loop; the NIC's registration table is the worker's) and wait for it."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop or not self.loop.is_running():
+            return fn()
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(REGISTER_TIMEOUT)
 
     # -- outbound ---------------------------------------------------------------------
 
