@@ -25,7 +25,7 @@ def test_verbs_is_an_entry_that_names_what_it_lacks() -> None:
     """verbs is made by create() like tcp; without devices in its settings (or without
     pyverbs) it refuses, naming what is missing, before anything listens."""
     assert registry.parse("verbs") == ["verbs"]
-    with pytest.raises(BadRequest, match="rdma_devices|pyverbs"):
+    with pytest.raises(BadRequest, match=r"rdma_devices|pyverbs"):
         registry.create("verbs", None, 0, "127.0.0.1", 0, DomainOptions())  # type: ignore[arg-type]
 
 
