@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from transferd.memory import Ref, memory_class
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, TransferdError
@@ -276,13 +278,50 @@ def free_buffer(session: Session, frame: Frame) -> Awaitable[None] | None:
     return wait_drained(regions, patience(session))
 
 
+# The most bytes one frame clears or copies before the loop serves others: a
+# few milliseconds of memset/memmove.  Larger clears and copies go on in
+# slices between which other connections' frames run; this connection's next
+# frames wait until the whole operation is done (frames run in order).
+SLICE = 8 << 20
+
+
+async def _sliced(refs: Sequence[Ref], steps: Sequence[Callable[[], None]]) -> None:
+    try:
+        for step in steps:
+            step()
+            await asyncio.sleep(0)  # let the loop serve other connections
+    finally:
+        for r in refs:
+            r.release()
+
+
 @handler(Command.BUFFER_CLEAR)
 def buffer_clear(session: Session, frame: Frame) -> Awaitable[None] | None:
     buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
+    value = uint_field(frame.body, "value", 255)
     if device_io.io_of(buf) is not None:
-        return device_io.clear(buf, uint_field(frame.body, "value", 255))
-    buf.clear(uint_field(frame.body, "value", 255))
-    return None
+        return device_io.clear(buf, value)
+    if buf.size <= SLICE:
+        buf.clear(value)
+        return None
+    if not 0 <= value <= 255:
+        raise BadRequest(f"clear value {value} is not a byte (0-255)")
+    whole = buf.array(0, buf.size)  # checked (a freed buffer is NOT_FOUND) before any slice
+    steps = [lambda o=o: whole[o : o + SLICE].fill(value) for o in range(0, buf.size, SLICE)]
+    # The ref keeps the memory mapped if the buffer is freed between slices.
+    return _sliced([buf.ref()], steps)
+
+
+def _copy_steps(s: Any, d: Any, size: int, backward: bool) -> list[Callable[[], None]]:
+    """Slices of one copy, in the order that reads no byte an earlier slice wrote."""
+    offs = list(range(0, size, SLICE))
+    if backward:
+        offs.reverse()
+
+    def step(o: int) -> Callable[[], None]:
+        return lambda: np.copyto(d[o : o + SLICE], s[o : o + SLICE])
+
+    return [step(o) for o in offs]
 
 
 @handler(Command.SET_TENSOR)
@@ -331,6 +370,13 @@ def copy_tensor(session: Session, frame: Frame) -> Awaitable[None] | None:
     dst = tensor_field(frame.body, "dst")
     table = session.ctx.buffers
     try:
+        if src.size > SLICE and src.size == dst.size:
+            sb, db = table.get(src.buffer), table.get(dst.buffer)
+            s, d = sb.array(src.offset, src.size), db.array(dst.offset, dst.size)
+            # Overlapping ranges of one buffer: a slice must not overwrite
+            # source bytes a later slice reads, so copy towards the overlap.
+            backward = sb is db and dst.offset > src.offset
+            return _sliced([sb.ref(), db.ref()], _copy_steps(s, d, src.size, backward))
         table.copy(src, dst)
     except BadRequest:
         pairs = [(table.get(src.buffer), src), (table.get(dst.buffer), dst)]

@@ -63,6 +63,11 @@ log = logging.getLogger("transferd.session")
 # into one write: one syscall instead of two costs a small copy.
 SMALL_REPLY = 16 * 1024
 
+# Frames one connection runs in one turn of the loop before yielding to the
+# others (a handler's own work is bounded separately: large clears and copies
+# go in slices).
+PUMP_FRAMES = 64
+
 # Hot-path lookups: calling an IntEnum or combining IntFlags runs Python code.
 _COMMANDS: dict[int, Command] = {int(c): c for c in Command}
 _NOT_REQUEST_FLAGS = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
@@ -309,7 +314,15 @@ class Session(asyncio.BufferedProtocol):
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _pump(self) -> None:
+        budget = PUMP_FRAMES
         while self._blockers == 0 and self.state is _READY:
+            if budget == 0:
+                # Bounded work per turn: other connections' frames run before
+                # this one's next (reads pause meanwhile, frames stay in order).
+                self._block()
+                self._loop.call_soon(self._unblock)
+                return
+            budget -= 1
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as exc:

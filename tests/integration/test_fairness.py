@@ -1,0 +1,93 @@
+"""One client cannot stall the others: issue 11's fairness attacks, against live daemons.
+
+Each test runs the attack on one connection and measures, on another, how long
+a small request takes while it runs.  A frame's own work is bounded (large
+clears and copies go in slices that yield to the loop) and a connection yields
+between frames after a bounded number, so the bystander waits milliseconds
+where it used to wait for the whole attack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from tests.conftest import DaemonFactory
+from tests.helpers import RawConn
+from transferd.protocol.constants import Command, Flag
+
+MiB = 1 << 20
+
+
+def ok(f: Any) -> Any:
+    assert not f.is_error, f.body
+    return f
+
+
+def worst_latency(conn: RawConn, buf: int, until: float, rounds: int = 400) -> tuple[float, int]:
+    """The slowest of small GET_TENSORs on ``conn`` until ``until`` (bounded rounds)."""
+    worst, n = 0.0, 0
+    while n < rounds and time.monotonic() < until:
+        t0 = time.perf_counter()
+        ok(conn.request(Command.GET_TENSOR, {"tensor": [buf, 0, 64]}))
+        worst = max(worst, time.perf_counter() - t0)
+        n += 1
+    return worst, n
+
+
+def test_pipelined_large_clears_do_not_stall_another_client(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """40 one-way BUFFER_CLEARs of 256 MiB (seconds of memset): another client's GET stays fast."""
+    d = daemon_factory(["-m", "512"])
+    attacker, other = RawConn.to(d, timeout=30), RawConn.to(d)
+    attacker.hello()
+    other.hello()
+    size = 256 * MiB
+    big = ok(attacker.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size})).body
+    small = ok(other.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4096})).body
+    ok(attacker.request(Command.BUFFER_CLEAR, {"buffer": big["buffer"], "value": 1}))
+    t0 = time.perf_counter()
+    ok(attacker.request(Command.BUFFER_CLEAR, {"buffer": big["buffer"], "value": 2}))
+    one = time.perf_counter() - t0
+    n = 40
+    for i in range(n):
+        attacker.send(Command.BUFFER_CLEAR, {"buffer": big["buffer"], "value": i % 256},
+                      flags=Flag.NO_REPLY)
+    started = time.monotonic()
+    worst, rounds = worst_latency(other, small["buffer"], started + n * one)
+    # The attack's frames all ran, in order: the last value is in place.
+    last = ok(attacker.request(Command.GET_TENSOR, {"tensor": [big["buffer"], size - 16, 16]}))
+    elapsed = time.monotonic() - started
+    assert last.payload == bytes([(n - 1) % 256]) * 16
+    assert rounds >= 10, (rounds, elapsed)
+    print("clear-attack worst GET latency", worst, "one clear", one, "elapsed", elapsed)
+    # Before: one GET waited for every clear queued ahead of it (n * one seconds).
+    assert worst < max(0.25, 4 * one / (size // (8 * MiB))), (worst, one, elapsed)
+    assert elapsed > 0.5 * n * one * 0.5, (elapsed, one)  # the attack really ran meanwhile
+
+
+def test_large_copies_are_sliced_and_correct(daemon_factory: DaemonFactory) -> None:
+    """COPY_TENSOR of 64 MiB, overlapping both ways in one buffer and across two: right bytes."""
+    d = daemon_factory(["-m", "512"])
+    c = RawConn.to(d, timeout=30)
+    c.hello()
+    size = 64 * MiB + 12345
+    shift = 3 * MiB + 7
+    a = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size + shift})).body["buffer"]
+    b = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size})).body["buffer"]
+    data = (bytes(range(251)) * (size // 251 + 1))[:size]
+    for dst_off, src_off in ((shift, 0), (0, shift)):  # dst after src, then before
+        ok(c.request(Command.SET_TENSOR, {"tensor": [a, src_off, size]}, data))
+        ok(c.request(Command.COPY_TENSOR, {"src": [a, src_off, size], "dst": [a, dst_off, size]}))
+        got = ok(c.request(Command.GET_TENSOR, {"tensor": [a, dst_off, size]})).payload
+        assert hashlib.sha256(got).hexdigest() == hashlib.sha256(data).hexdigest()
+    ok(c.request(Command.COPY_TENSOR, {"src": [a, 0, size], "dst": [b, 0, size]}))
+    got = ok(c.request(Command.GET_TENSOR, {"tensor": [b, 0, size]})).payload
+    want = ok(c.request(Command.GET_TENSOR, {"tensor": [a, 0, size]})).payload
+    assert hashlib.sha256(got).digest() == hashlib.sha256(want).digest()
+    # A buffer freed while a sliced copy runs keeps its memory until the copy ends.
+    c.send(Command.COPY_TENSOR, {"src": [a, 0, size], "dst": [b, 0, size]}, flags=Flag.NO_REPLY)
+    ok(c.request(Command.FREE_BUFFER, {"buffer": b}))
+    ok(c.request(Command.GET_DEVICES))
