@@ -394,6 +394,12 @@ class EngineConfig:
         "then it takes a 4 KiB body and no payload.",
         min=1e-3, unit="s",
     )
+    max_expectations: int = key(
+        65536,
+        "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "
+        "is refused with TOO_LARGE. They go when they fire or the connection closes.",
+        min=1,
+    )
 
     def has_secret(self) -> bool:
         return bool(self.secret_file or self.secret)

@@ -27,7 +27,7 @@ from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
-from transferd.protocol.errors import BadRequest, NotFound, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
@@ -320,6 +320,9 @@ class TransferEngine:
         """``callback`` runs on the daemon's loop once ``imm`` reaches ``count``."""
         imm = _imm(imm) or 0
         mine = self._expectations.setdefault(owner, set())
+        if len(mine) >= self.config.max_expectations:
+            raise OverLimit(f"{len(mine)} expectations already wait on this connection "
+                           f"(engine.max_expectations = {self.config.max_expectations})")
 
         def fired() -> None:
             mine.discard(fired)

@@ -13,8 +13,9 @@ lock guards both, and callbacks run outside it through ``notify``.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,12 +27,23 @@ class Expectation:
     imm: int
     count: int
     callback: Callable[[], None]
+    key: int = 0
 
 
 class ImmCounter:
+    """Counters and the expectations waiting on them.
+
+    Each immediate's expectations are an OrderedDict (insertion order is the
+    order served; removing any one is O(1)), and every expectation is found by
+    its callback, so dropping a closed connection's n expectations is O(n),
+    not a scan of every waiting expectation per one (which was quadratic).
+    """
+
     def __init__(self, notify: Notify | None = None) -> None:
         self._counts: defaultdict[int, int] = defaultdict(int)
-        self._waiting: defaultdict[int, deque[Expectation]] = defaultdict(deque)
+        self._waiting: dict[int, OrderedDict[int, Expectation]] = {}
+        self._by_callback: dict[Callable[[], None], list[Expectation]] = {}
+        self._keys = itertools.count(1)
         self._lock = threading.Lock()
         # How a fired callback is run: directly, or handed to another loop.
         self._notify: Notify = notify or (lambda fn: fn())
@@ -39,6 +51,11 @@ class ImmCounter:
     def value(self, imm: int) -> int:
         with self._lock:
             return self._counts.get(imm, 0)
+
+    def pending(self) -> int:
+        """How many expectations wait (all immediates)."""
+        with self._lock:
+            return sum(len(q) for q in self._waiting.values())
 
     def add(self, imm: int, n: int = 1) -> None:
         with self._lock:
@@ -52,33 +69,53 @@ class ImmCounter:
             self._notify(callback)
             return
         with self._lock:
-            self._waiting[imm].append(Expectation(imm, count, callback))
+            e = Expectation(imm, count, callback, next(self._keys))
+            q = self._waiting.get(imm)
+            if q is None:
+                q = self._waiting[imm] = OrderedDict()
+            q[e.key] = e
+            self._by_callback.setdefault(callback, []).append(e)
             fired = self._fire(imm)
-        for e in fired:
-            self._notify(e.callback)
+        for f in fired:
+            self._notify(f.callback)
 
     def _fire(self, imm: int) -> list[Expectation]:
         # Expectations on one immediate are served in the order registered.
         q = self._waiting.get(imm)
         fired: list[Expectation] = []
-        while q and self._counts[imm] >= q[0].count:
-            e = q.popleft()
-            self._counts[imm] -= e.count
+        if q is None:
+            return fired
+        counts = self._counts
+        while q:
+            e = next(iter(q.values()))
+            if counts[imm] < e.count:
+                break
+            q.popitem(last=False)
+            counts[imm] -= e.count
+            self._forget(e)
             fired.append(e)
-        if q is not None and not q:
+        if not q:
             del self._waiting[imm]
         return fired
 
+    def _forget(self, e: Expectation) -> None:
+        mine = self._by_callback.get(e.callback)
+        if mine is None:
+            return
+        if len(mine) == 1:
+            del self._by_callback[e.callback]
+        else:
+            mine.remove(e)  # a callback shared by several expectations: rare, short lists
+
     def cancel(self, callback: Callable[[], None]) -> int:
-        """Drop every expectation with this callback (its client went away)."""
-        n = 0
+        """Drop every expectation with this callback (its client went away): O(its count)."""
         with self._lock:
-            for imm in list(self._waiting):
-                q = self._waiting[imm]
-                kept = deque(e for e in q if e.callback is not callback)
-                n += len(q) - len(kept)
-                if kept:
-                    self._waiting[imm] = kept
-                else:
-                    del self._waiting[imm]
-        return n
+            mine = self._by_callback.pop(callback, [])
+            for e in mine:
+                q = self._waiting.get(e.imm)
+                if q is None:
+                    continue
+                q.pop(e.key, None)
+                if not q:
+                    del self._waiting[e.imm]
+        return len(mine)

@@ -48,6 +48,13 @@ class TooLarge(ProtocolError):
     code = ErrorCode.TOO_LARGE
 
 
+class OverLimit(TooLarge):
+    """A request over a per-request or per-connection cap (TOO_LARGE): refused whole,
+    before anything is allocated; unlike a frame too large, the connection goes on."""
+
+    fatal = False
+
+
 class NoHello(ProtocolError):
     code = ErrorCode.NO_HELLO
 
