@@ -58,7 +58,8 @@ def _classes() -> dict[str, type[TransferdError]]:
         if (
             isinstance(obj, type)
             and issubclass(obj, TransferdError)
-            and obj.__name__ not in ("TransferdError", "ProtocolError", "ConnectionLost")
+            and obj.__name__ not in ("TransferdError", "ProtocolError", "ConnectionLost",
+                                     "OverLimit")  # TOO_LARGE that keeps the connection
         ):
             out[obj.code.value] = obj
     return out
