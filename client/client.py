@@ -167,6 +167,9 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
         self.features: list[str] = []
         self.max_body = DEFAULT_MAX_BODY
         self.max_payload = 1 << 34
+        # Per-request caps the server announced (0: none announced).
+        self.max_tensors = 0
+        self.max_reply = 1 << 34
         self._conn: Connection | None = None
         self._queue: list[QueuedSet | QueuedGet] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -218,6 +221,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
         self.features = list(b.get("features", []))
         self.max_body = int(b.get("max_body", DEFAULT_MAX_BODY))
         self.max_payload = int(b.get("max_payload", self.max_payload))
+        self.max_tensors = int(b.get("max_tensors", 0))
+        self.max_reply = int(b.get("max_reply", self.max_payload))
         self._conn.decoder.max_body = max(DEFAULT_MAX_BODY, self.max_body)
         if "max_message" in b:
             self._conn.set_max_message(int(b["max_message"]))
@@ -479,7 +484,7 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
             return
         conn = self.conn
         if self.minor >= 2 and self.switches.batched_set:
-            for part in chunks(sets, self.max_body, self.max_payload):
+            for part in chunks(sets, self.max_body, self.max_payload, self.max_tensors):
                 # Tensors are tuples: msgpack writes each as its [buffer, offset, size].
                 conn.send_oneway(
                     _SET_TENSORS, {"tensors": [s.tensor for s in part]}, [s.data for s in part]
@@ -496,7 +501,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
         conn = self.conn
         waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
         if self.minor >= 2 and self.switches.batched_get:
-            for part in chunks(gets, self.max_body, self.max_payload):
+            for part in chunks(gets, self.max_body, min(self.max_payload, self.max_reply),
+                               self.max_tensors):
                 fut = conn.request(
                     _GET_TENSORS,
                     {"tensors": [g.tensor for g in part]},

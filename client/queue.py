@@ -72,9 +72,12 @@ def segments(ops: list[QueuedSet | QueuedGet]) -> list[Segment]:
     return [s for s in out if s.sets or s.gets]
 
 
-def chunks(items: list[Any], max_body: int, max_payload: int) -> Iterator[list[Any]]:
-    """Split a batch so each command's body and payload stay inside the limits."""
+def chunks(items: list[Any], max_body: int, max_payload: int,
+           max_tensors: int = 0) -> Iterator[list[Any]]:
+    """Split a batch so each command's body, payload and tensor count stay inside the limits."""
     per_body = max(1, (max_body - BODY_SLACK) // TENSOR_WIRE_BYTES)
+    if max_tensors > 0:
+        per_body = min(per_body, max_tensors)
     if 0 < len(items) <= per_body and sum([i.tensor.size for i in items]) <= max_payload:
         yield items  # the usual case: the whole batch fits one command
         return

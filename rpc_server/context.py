@@ -46,6 +46,9 @@ class ServerContext:
     token: str = ""
     max_body: int = DEFAULT_MAX_BODY
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    # Per-request caps (announced in HELLO): tensors per batch, payload bytes per reply.
+    max_tensors: int = 65536
+    max_reply: int = DEFAULT_MAX_PAYLOAD
     # Announced in HELLO on a message transport: the continuation message size.
     max_message: int = 256 * 1024
     engine: TransferEngine | None = None
@@ -79,6 +82,7 @@ class ServerContext:
                 token_allowed=scheme in self.token_transports,
                 max_message=self.max_message if message else None,
                 handshake_timeout=self.handshake_timeout,
+                limits={"max_tensors": self.max_tensors, "max_reply": self.max_reply},
             )
         return st
 

@@ -11,6 +11,7 @@ says the submit was accepted.  docs/protocol.md has every body field.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -69,18 +70,33 @@ def _submit(
         fut.add_done_callback(lambda f: _completed(session, frame, f))
         return None if frame.no_reply else Reply({})
 
-    if engine.has_slot():
+    cap = engine.config.max_inflight_per_client
+    if len(session.pending) < cap and engine.has_slot():
         return go()
 
     async def later() -> Reply | None:
+        # This connection's own share first (its frames wait meanwhile, others'
+        # do not), then a slot of the worker shared by all.
+        while len(session.pending) >= cap:
+            room = _room.get(session)
+            if room is None or room.done():
+                room = _room[session] = asyncio.get_running_loop().create_future()
+            await room
         await engine.wait_slot()
         return go()
 
     return later()
 
 
+# A connection at its max_inflight_per_client waits on this for one of its own to finish.
+_room: weakref.WeakKeyDictionary[Session, asyncio.Future[None]] = weakref.WeakKeyDictionary()
+
+
 def _completed(session: Session, frame: Frame, fut: asyncio.Future[None]) -> None:
     session.pending.discard(fut)
+    room = _room.pop(session, None)
+    if room is not None and not room.done():
+        room.set_result(None)
     exc = fut.exception() if not fut.cancelled() else None
     if exc is None:
         session.send_frame(frame.cmd, Flag.EVENT, frame.seq, {"ok": True})

@@ -16,7 +16,7 @@ import numpy as np
 
 from transferd.memory import Ref, memory_class
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadRequest, OverLimit, TransferdError
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.messages import (
     Tensor,
@@ -115,8 +115,14 @@ def batch_views(
     tensor anywhere before NotFound / OutOfBounds for the first bad one).
     """
     table = session.ctx.buffers
+    wire = frame.body.get("tensors")
+    cap = session.ctx.max_tensors
+    if type(wire) is list and len(wire) > cap:
+        # Refused before a tensor is looked up: the work of one frame is bounded.
+        raise OverLimit(f"a batch of {len(wire)} tensors is over this server's max_tensors "
+                        f"({cap}, announced in HELLO): split it")
     try:
-        views = _fast_views(table, frame.body.get("tensors"), used)
+        views = _fast_views(table, wire, used)
     except TransferdError:
         views = None
     if views is None:
@@ -348,7 +354,14 @@ def get_tensor(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
         if device_io.io_of(buf) is None:
             raise
         return device_io.get_reply(session, frame, [(buf, t)])
+    _check_reply(session, t.size)
     return Reply(None, [view], [buf.ref()])
+
+
+def _check_reply(session: Session, nbytes: int) -> None:
+    if nbytes > session.ctx.max_reply:
+        raise OverLimit(f"a reply of {nbytes} bytes is over this server's max_reply "
+                        f"({session.ctx.max_reply}, announced in HELLO): split the request")
 
 
 @handler(Command.GET_TENSORS)
@@ -361,6 +374,7 @@ def get_tensors(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
         if not device_io.any_device(pairs):
             raise
         return device_io.get_reply(session, frame, pairs)
+    _check_reply(session, sum(map(len, views)))
     return Reply(None, views, [b.ref() for b in used.values()])
 
 

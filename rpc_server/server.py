@@ -70,6 +70,8 @@ class RpcFrontend:
             admission=Admission(s.max_handshakes, s.max_handshakes_per_source),
             max_body=s.max_body,
             max_payload=s.max_payload,
+            max_tensors=s.max_tensors,
+            max_reply=s.max_reply,
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
         )

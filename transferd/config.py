@@ -190,6 +190,21 @@ class ServerConfig:
         "Clients split batches to stay under it. Default 16 GiB.",
         min=1, unit="bytes",
     )
+    max_tensors: int = key(
+        65536,
+        "Most tensors in one GET_TENSORS or SET_TENSORS batch; announced in HELLO as "
+        "max_tensors. A larger batch gets TOO_LARGE (the connection goes on) before any "
+        "tensor is looked up; clients split their batches to stay under it. It bounds the "
+        "work of one frame on the daemon's loop and what a reply holds while unread.",
+        min=1, max=1 << 24,
+    )
+    max_reply: int = key(
+        DEFAULT_MAX_PAYLOAD,
+        "Most payload bytes of one reply (GET_TENSOR, GET_TENSORS); announced in HELLO as "
+        "max_reply. A larger request gets TOO_LARGE (the connection goes on); clients split "
+        "their batches to stay under it. Default 16 GiB.",
+        min=1, unit="bytes",
+    )
     max_message: int = key(
         256 * 1024,
         "Message transports (seqpacket): the size of every payload continuation message, "
@@ -393,6 +408,14 @@ class EngineConfig:
         "Seconds a peer link may take to finish its handshake before it is closed. Until "
         "then it takes a 4 KiB body and no payload.",
         min=1e-3, unit="s",
+    )
+    max_inflight_per_client: int = key(
+        1024,
+        "Most engine operations (writes, scatters, barriers, sends) one client connection "
+        "may have in flight at once, of the engine worker's 4,096 slots shared by all: its "
+        "next submit waits (holding back that connection's later frames) until one of its "
+        "own finishes, so one client's writes to a silent peer cannot take every slot.",
+        min=1, max=4096,
     )
     max_expectations: int = key(
         65536,

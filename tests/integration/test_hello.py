@@ -45,7 +45,8 @@ def test_hello_reply_on_the_wire(daemon: DaemonProcess) -> None:
         assert f.cmd == Command.HELLO and f.flags == Flag.REPLY and f.seq == 1
         assert f.payload_len == 0
         assert set(f.body) == {
-            "major", "minor", "patch", "server", "features", "max_body", "max_payload"
+            "major", "minor", "patch", "server", "features", "max_body", "max_payload",
+            "max_tensors", "max_reply",
         }
         assert (f.body["major"], f.body["minor"], f.body["patch"]) == (1, 2, 0)
         assert isinstance(f.body["server"], str)

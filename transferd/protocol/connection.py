@@ -179,6 +179,9 @@ class ServerSettings:
     # Message transports announce their continuation size in HELLO.
     max_message: int | None = None
     handshake_timeout: float = 5.0
+    # Per-request caps announced in HELLO besides max_body / max_payload
+    # (max_tensors, max_reply): the session enforces them.
+    limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def methods(self) -> list[str]:
@@ -329,6 +332,7 @@ class ServerConnection(_Machine):
             }
             if s.max_message is not None:
                 reply["max_message"] = s.max_message
+            reply.update(s.limits)
             if not s.secret:
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, None)

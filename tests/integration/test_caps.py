@@ -1,0 +1,76 @@
+"""Per-request caps (issue 11): tensors per batch and bytes per reply, announced in HELLO.
+
+A batch over the cap is refused whole with TOO_LARGE before a tensor is looked
+up, the connection goes on; the client splits its queued batches under the
+caps the server announced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from client import Client
+from tests.conftest import DaemonFactory
+from tests.helpers import RawConn, async_test, digest, pattern
+from transferd.protocol.constants import Command
+
+
+def ok(f: Any) -> Any:
+    assert not f.is_error, f.body
+    return f
+
+
+def too_large(f: Any, word: str) -> None:
+    assert f.is_error and f.body["code"] == "TOO_LARGE", f.body
+    assert word in f.body["message"], f.body
+
+
+def test_hello_announces_the_caps(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(env={"TRANSFERD_SERVER_MAX_TENSORS": "100",
+                            "TRANSFERD_SERVER_MAX_REPLY": "4096"})
+    c = RawConn.to(d)
+    hello = c.hello()
+    assert (hello.body["max_tensors"], hello.body["max_reply"]) == (100, 4096)
+    buf = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 65536})).body["buffer"]
+    # 100 tensors: served; 101: TOO_LARGE, and the connection goes on.
+    ok(c.request(Command.GET_TENSORS, {"tensors": [[buf, 8 * i, 8] for i in range(100)]}))
+    too_large(c.request(Command.GET_TENSORS, {"tensors": [[buf, 0, 8]] * 101}), "max_tensors")
+    too_large(c.request(Command.SET_TENSORS, {"tensors": [[buf, 0, 8]] * 101},
+                        b"\x07" * 808), "max_tensors")
+    # Nothing of the refused SET landed; the next frame after its payload is read.
+    assert ok(c.request(Command.GET_TENSOR, {"tensor": [buf, 0, 8]})).payload == bytes(8)
+    # Bytes per reply: 4096 served, 4097 refused, one tensor or a batch.
+    ok(c.request(Command.GET_TENSOR, {"tensor": [buf, 0, 4096]}))
+    too_large(c.request(Command.GET_TENSOR, {"tensor": [buf, 0, 4097]}), "max_reply")
+    too_large(c.request(Command.GET_TENSORS, {"tensors": [[buf, 0, 4096], [buf, 0, 1]]}),
+              "max_reply")
+    ok(c.request(Command.STATS))
+
+
+def test_default_caps_are_announced(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory()
+    c = RawConn.to(d)
+    hello = c.hello()
+    assert hello.body["max_tensors"] == 65536
+    assert hello.body["max_reply"] == hello.body["max_payload"]
+
+
+@async_test()
+async def test_client_splits_under_the_announced_caps(daemon_factory: DaemonFactory) -> None:
+    """max_tensors 100, max_reply 64 KiB: 250 queued sets and gets of 1 KiB go in 3 + 4."""
+    d = daemon_factory(env={"TRANSFERD_SERVER_MAX_TENSORS": "100",
+                            "TRANSFERD_SERVER_MAX_REPLY": str(64 * 1024)})
+    async with await Client.connect(d.url) as c:
+        assert (c.max_tensors, c.max_reply) == (100, 64 * 1024)
+        n, size = 250, 1024
+        buf = await c.alloc_buffer(n * size)
+        data = [pattern(size, i) for i in range(n)]
+        s0 = (await c.server_stats())["commands"]
+        for i in range(n):
+            c.set_tensor_async(buf.tensor(i * size, size), data[i])
+        futs = [c.get_tensor_async(buf.tensor(i * size, size)) for i in range(n)]
+        await c.flush()
+        s1 = (await c.server_stats())["commands"]
+        assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
+        assert s1["SET_TENSORS"] - s0["SET_TENSORS"] == 3  # 100 + 100 + 50
+        assert s1["GET_TENSORS"] - s0["GET_TENSORS"] == 4  # 64 KiB each: 64+64+64+58
