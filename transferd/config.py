@@ -417,6 +417,14 @@ class EngineConfig:
         "own finishes, so one client's writes to a silent peer cannot take every slot.",
         min=1, max=4096,
     )
+    max_recv_pools: int = key(
+        64,
+        "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "
+        "receives of one length; post fewer, larger ones); one more is refused with "
+        "TOO_LARGE. Every arriving message looks through the posted pools, so they are "
+        "bounded.",
+        min=1, max=65536,
+    )
     max_expectations: int = key(
         65536,
         "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "

@@ -74,3 +74,23 @@ async def test_client_splits_under_the_announced_caps(daemon_factory: DaemonFact
         assert [digest(f.result()) for f in futs] == [digest(x) for x in data]
         assert s1["SET_TENSORS"] - s0["SET_TENSORS"] == 3  # 100 + 100 + 50
         assert s1["GET_TENSORS"] - s0["GET_TENSORS"] == 4  # 64 KiB each: 64+64+64+58
+
+
+def test_receive_pools_per_connection_are_capped(daemon_factory: DaemonFactory) -> None:
+    """engine.max_recv_pools = 3: the 4th SUBMIT_RECVS is TOO_LARGE; another connection's
+    own allowance is untouched, and a closed connection's pools are gone."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_MAX_RECV_POOLS": "3"})
+    c = RawConn.to(d)
+    c.hello()
+    for _ in range(3):
+        ok(c.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1000}))
+    too_large(c.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1}), "max_recv_pools")
+    ok(c.request(Command.STATS))
+    o = RawConn.to(d)
+    o.hello()
+    ok(o.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1}))
+    c.close()
+    again = RawConn.to(d)
+    again.hello()
+    for _ in range(3):
+        ok(again.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1}))

@@ -33,7 +33,7 @@ from transferd.workers import Worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
-from .limits import BACKLOG, MAX_MESSAGE
+from .limits import BACKLOG, BACKLOG_BYTES, MAX_MESSAGE
 from .plan import (
     SendPart,
     WritePart,
@@ -78,6 +78,9 @@ class TransferEngine:
         self._group_ids = itertools.count(1)
         self._pools: deque[RecvPool] = deque()
         self._backlog: deque[tuple[tuple[int, int], bytes, Ack]] = deque()
+        self._backlog_bytes = 0
+        # Receive pools per connection (engine.max_recv_pools bounds them).
+        self._pool_count: Counter[Hashable] = Counter()
         self._pool_lock = threading.Lock()
         self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -266,8 +269,14 @@ class TransferEngine:
         if length <= 0 or count <= 0:
             raise BadRequest("submit_recvs needs a positive length and count")
         with self._pool_lock:
+            if self._pool_count[owner] >= self.config.max_recv_pools:
+                raise OverLimit(f"{self._pool_count[owner]} receive pools already posted on "
+                                f"this connection (engine.max_recv_pools = "
+                                f"{self.config.max_recv_pools}): post fewer, larger ones")
+            self._pool_count[owner] += 1
             self._pools.append(RecvPool(owner, length, count, callback))
             backlog, self._backlog = self._backlog, deque()
+            self._backlog_bytes = 0
         for queued in backlog:
             self._deliver(*queued)
 
@@ -290,10 +299,13 @@ class TransferEngine:
                     longest = max(p.length for p in self._pools)
                     error = BadRequest(f"message of {len(msg)} bytes is larger than every "
                                        f"posted receive buffer (at most {longest})")
-                elif len(self._backlog) >= BACKLOG:
-                    error = BadRequest("no receive free and the backlog is full")
+                elif len(self._backlog) >= BACKLOG or \
+                        self._backlog_bytes + len(msg) > BACKLOG_BYTES:
+                    error = BadRequest("no receive free and the backlog is full "
+                                       f"({BACKLOG} messages or {BACKLOG_BYTES >> 20} MiB)")
                 else:
                     self._backlog.append((peer, msg, ack))
+                    self._backlog_bytes += len(msg)
                 if error is not None:
                     ack(error)
                 return
@@ -308,6 +320,8 @@ class TransferEngine:
                 with self._pool_lock:
                     pool.count += 1
                     queued = self._backlog.popleft() if self._backlog else None
+                    if queued is not None:
+                        self._backlog_bytes -= len(queued[1])
                 if queued is not None:
                     self._deliver(*queued)
 
@@ -338,7 +352,8 @@ class TransferEngine:
         for cb in self._expectations.pop(owner, []):
             self.counter.cancel(cb)
         with self._pool_lock:
-            self._pools = deque(p for p in self._pools if p.owner is not owner)
+            if self._pool_count.pop(owner, 0):
+                self._pools = deque(p for p in self._pools if p.owner is not owner)
 
     # -- internals ---------------------------------------------------------------------
 
