@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
@@ -112,10 +112,6 @@ class DomainGroup:
     def bind_peer(self, peer: PeerIdentity) -> None:
         """A link authenticated ``peer``: bind it (BadRequest if it contradicts a binding)."""
         self.book.bind(peer)
-
-    def hello_body(self, rail: int) -> dict[str, Any]:
-        """The verbs Domain's set-up HELLO (tcp links run peer_handshake instead)."""
-        return {"node": self.node, "group": self.index, "rail": rail, "rails": len(self.domains)}
 
     def rail_address(self, rail: int) -> NetAddr:
         return self.address.rail(rail)

@@ -33,6 +33,7 @@ import contextlib
 import logging
 import mmap
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -282,7 +283,6 @@ class VerbsDomain(Domain):
 
     def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0, *,
                  device: str, ib_port: int = 1, gid_index: int | None = None) -> None:
-        # Beyond the Receiver, the links use the group's hello_body and deliver.
         self.group = group
         self.rail = rail
         self.host = host
@@ -486,12 +486,15 @@ class VerbsDomain(Domain):
         self.nic.close()
 
 
+# One Sender per group, kept here rather than on the group (which knows no Domain kind).
+_SENDERS: weakref.WeakKeyDictionary[Any, Sender] = weakref.WeakKeyDictionary()
+
+
 def shared_sender(group: Any) -> Sender:
     """The group's Sender (its carrier gate spans the group's rails)."""
-    sender = getattr(group, "_verbs_sender", None)
+    sender = _SENDERS.get(group)
     if sender is None:
         sender = Sender(lambda link: lambda a, n: link.domain.nic.mrs.find(a, n).lkey,
                         lambda link: (link.domain.nic.sink.buf, 0, link.domain.nic.sink.lkey))
-        group._verbs_sender = sender
+        _SENDERS[group] = sender
     return sender
-
