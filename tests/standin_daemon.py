@@ -9,7 +9,8 @@ sockets on a machine without a GPU.  ``standin:0`` is never offered by the
 product: only this test entry point registers it.
 
 Environment: ``STANDIN_CHUNK`` / ``STANDIN_CHUNKS`` (staging), ``STANDIN_DELAY_S``
-(a slow device), ``STANDIN_LIMIT_MIB``.
+(a slow device), ``STANDIN_LIMIT_MIB``, ``STANDIN_HOLD_FILE`` (the stream is held
+while that file exists: a test holds the device of another process).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from transferd.memory.staging import DeviceIO, StagingPool
 from transferd.memory.streams import EventWaiter
 from transferd.protocol.errors import NotFound, OutOfBounds
 
-STREAM = StandinStream("standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")))
+STREAM = StandinStream("standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
+                       hold_path=os.environ.get("STANDIN_HOLD_FILE") or None)
 POOL = StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
                    int(os.environ.get("STANDIN_CHUNKS", "4")), name="staging of standin:0")
 IO = DeviceIO(STREAM, EventWaiter(STREAM), POOL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import queue
 import threading
 import time
@@ -60,9 +61,12 @@ class StandinDeviceMemory:
 
 
 class StandinStream(DeviceStream):
-    def __init__(self, name: str = "standin", delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "standin", delay_s: float = 0.0,
+                 hold_path: str | None = None) -> None:
         self.name = name
         self.delay_s = delay_s
+        # While this file exists the stream is held (a test holds another process's stream).
+        self.hold_path = hold_path
         self.log: list[LogEntry] = []
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue(4096)
         self._run = threading.Event()
@@ -76,6 +80,10 @@ class StandinStream(DeviceStream):
             if item is None:
                 return
             self._run.wait(30)
+            if self.hold_path:
+                deadline = time.monotonic() + 30  # bounded, as hold() is
+                while os.path.exists(self.hold_path) and time.monotonic() < deadline:
+                    time.sleep(0.002)
             item()
 
     def _op(self, op: str, nbytes: int, fn: Callable[[], None]) -> None:

@@ -101,6 +101,16 @@ class Receiver(Protocol):
         the Ref to release once they landed (or the write failed)."""
         ...
 
+    def device_io(self, region: Region) -> Any:
+        """The DeviceIO (stream, event waiter, staging) of a device region, else None."""
+        ...
+
+    def check_device_write(self, region: Region, peer: Peer, w: WriteHeader,
+                           payload_len: int, abort: Callable[[], None] | None = None
+                           ) -> tuple[list[tuple[int, int]], Ref]:
+        """check_write for device memory: each page's device address and length."""
+        ...
+
     def landed(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
         """A checked WRITE's bytes are in place: count what landed."""
 

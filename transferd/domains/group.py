@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
-from transferd.protocol.errors import BadRequest, Timeout, TransferdError
+from transferd.protocol.errors import BadRequest, OutOfBounds, Timeout, TransferdError
 from transferd.protocol.peer import WriteHeader
 from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from transferd.protocol.peer_handshake import PeerIdentity
@@ -218,6 +218,13 @@ class DomainGroup:
         """
         return self.check_write(self.region(w.rkey, rail), peer, w, payload_len, abort)
 
+    @staticmethod
+    def device_io(region: Region) -> Any:
+        """The DeviceIO of a region of device memory (no host view), else None."""
+        mem = region.buffer.memory
+        io = getattr(mem, "io", None)
+        return io if io is not None and mem is not None and mem.host_view is None else None
+
     def check_write(self, region: Region, peer: tuple[int, int], w: WriteHeader,
                     payload_len: int, abort: Callable[[], None] | None = None
                     ) -> tuple[list[memoryview], Ref]:
@@ -241,6 +248,40 @@ class DomainGroup:
                 admitted.release()
                 raise
         return views, admitted
+
+    def check_device_write(self, region: Region, peer: tuple[int, int], w: WriteHeader,
+                           payload_len: int, abort: Callable[[], None] | None = None
+                           ) -> tuple[list[tuple[int, int]], Ref]:
+        """:meth:`check_write` for a region of device memory (no host view).
+
+        The same bounds, payload and span checks, page by page, then admission;
+        gives each page's device address and length instead of host views (the
+        bytes go through staging, see tcp.py's inbound link).
+        """
+        mem = region.buffer.memory
+        assert mem is not None
+        # A device Memory's check(offset, size) gives the device address (bounds checked).
+        device_address: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+        pages: list[tuple[int, int]] = []
+        total = 0
+        for a, n in zip(w.addrs, w.lens, strict=True):
+            off = a - region.ptr
+            if off < 0 or n < 0 or off + n > region.size:
+                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
+                                  f"[0x{region.ptr:x}, +{region.size})")
+            pages.append((device_address(off, n), n))
+            total += n
+        if total != payload_len:
+            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        admitted = region.admit(abort)
+        if w.span is not None:
+            try:
+                w.partial = self.coverage.reserve((peer[0], peer[1], w.op), w.span,
+                                                  w.addrs[0], w.lens[0], w.imm)
+            except BaseException:
+                admitted.release()
+                raise
+        return pages, admitted
 
     def landed(self, peer: tuple[int, int], w: WriteHeader, nbytes: int) -> None:
         """A WRITE's bytes are in place: count what landed, by the counting rules.

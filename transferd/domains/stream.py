@@ -70,13 +70,14 @@ class FramedStream:
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
         self._paused = False
+        self._reading = True
         loop.add_reader(sock.fileno(), self._readable)
 
     # -- receive ----------------------------------------------------------------
 
     def _readable(self) -> None:
         for _ in range(READS_PER_WAKEUP):
-            if self.closed:
+            if self.closed or not self._reading:
                 return
             bufs = self.decoder.get_buffers(IOV_MAX, RECV_BYTES)
             try:
@@ -97,7 +98,7 @@ class FramedStream:
             try:
                 while (frame := self.decoder.next_frame()) is not None:
                     self._on_frame(frame)
-                    if self.closed:
+                    if self.closed or not self._reading:
                         return
             except ProtocolError as exc:
                 log.warning("peer stream broken: %s", exc)
@@ -180,6 +181,17 @@ class FramedStream:
     @property
     def queued(self) -> int:
         return self._out_bytes
+
+    def pause_reading(self) -> None:
+        """Read nothing more until :meth:`resume_reading` (a receiver waiting for memory)."""
+        if not self.closed and self._reading:
+            self._reading = False
+            self.loop.remove_reader(self.sock.fileno())
+
+    def resume_reading(self) -> None:
+        if not self.closed and not self._reading:
+            self._reading = True
+            self.loop.add_reader(self.sock.fileno(), self._readable)
 
     def close(self, exc: BaseException | None = None) -> None:
         if self.closed:

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transferd.logs import peer_warning
+from transferd.memory.staging import GatedLanding
 from transferd.parts import MAX_MESSAGE, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     NoHello,
+    OutOfMemory,
     PeerUnreachable,
     TransferdError,
     error_from_body,
@@ -473,6 +475,8 @@ class InboundLink:
         # The write landing now (admitted by its region): let go once its
         # bytes are in place, or the link dies under it.
         self._landing: Ref | None = None
+        # A write into device memory being received: (DeviceIO, staging chunks, pages).
+        self._staged: tuple[Any, list[Any], list[tuple[int, int]]] | None = None
         g = domain.group
         self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
                                 domain.loop.time(), timeout=g.handshake_timeout_s,
@@ -512,6 +516,9 @@ class InboundLink:
             if frame.cmd == PeerCommand.WRITE:
                 self._write = WriteHeader.parse(frame.body)
                 region = g.region(self._write.rkey, self.domain.rail)
+                io = g.device_io(region)
+                if io is not None and frame.payload_len:
+                    return self._stage(g, io, region, frame)
                 views, self._landing = g.check_write(region, self.peer, self._write,
                                                      frame.payload_len, self._abort)
                 return views
@@ -529,6 +536,93 @@ class InboundLink:
         self._error = BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}")
         return DISCARD
 
+    def _stage(self, g: Receiver, io: Any, region: Region, frame: Frame) -> Sink:
+        """A WRITE into device memory: its payload is received into pinned staging.
+
+        The chunks come from the group's bounded pool.  This link takes only
+        chunks that are free now (a sink cannot wait) and, after each device
+        write, stops reading until that write's chunks are back (see
+        :meth:`_land_device`), so a link waits for staging instead of
+        anything growing.  A payload larger than the whole pool is refused.
+        """
+        assert self._write is not None and self.peer is not None
+        pool = io.pool
+        need = -(-frame.payload_len // pool.chunk_size)
+        if need > pool.capacity:
+            raise BadRequest(f"a write of {frame.payload_len} bytes into {region.buffer.device} "
+                             f"memory is larger than its staging ({pool.capacity} x "
+                             f"{pool.chunk_size} bytes)")
+        pages, admitted = g.check_device_write(region, self.peer, self._write,
+                                               frame.payload_len, self._abort)
+        chunks: list[Any] = []
+        for _ in range(need):
+            got = pool.try_acquire()
+            if got is None:
+                for c in chunks:
+                    pool.release(c)
+                admitted.release()
+                raise OutOfMemory(f"staging of {region.buffer.device} is taken "
+                                  f"({pool.in_use} of {pool.capacity} chunks in use)")
+            chunks.append(got)
+        self._landing = admitted
+        self._staged = (io, chunks, pages)
+        left = frame.payload_len
+        views = []
+        for c in chunks:
+            k = min(left, c.size)
+            views.append(c.view[:k])
+            left -= k
+        return views
+
+    def _land_device(self, frame: Frame, write: WriteHeader, landing: Ref | None) -> None:
+        """The payload is in staging: H2D copies, and count and ACK only after their event.
+
+        Until then the region's admission (``landing``) is held and this link
+        reads nothing more (exact framing: the next frame stays in the socket).
+        """
+        assert self._staged is not None
+        io, chunks, pages = self._staged
+        self._staged = None
+        gate = GatedLanding(io.stream, io.waiter, io.pool)
+        per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
+        step = io.pool.chunk_size
+        pos = 0
+        for dev, n in pages:
+            while n:
+                ci, off = divmod(pos, step)
+                k = min(n, step - off)
+                per_chunk[ci].append((dev, off, k))
+                dev, n, pos = dev + k, n - k, pos + k
+        left = [len(chunks)]
+        loop, g, body, nbytes = self.domain.loop, self.domain.group, frame.body, frame.payload_len
+        peer = self.peer
+        assert peer is not None
+
+        def copied() -> None:  # on the event waiter's thread, once per chunk
+            left[0] -= 1
+            if left[0]:
+                return
+            loop.call_soon_threadsafe(done)
+
+        def done() -> None:
+            if landing is not None:
+                landing.release()
+            error: TransferdError | None = None
+            try:
+                g.landed(peer, write, nbytes)
+            except TransferdError as exc:
+                error = exc
+            self.stream.resume_reading()
+            self._ack(body, error)
+
+        self.stream.pause_reading()
+        try:
+            for chunk, pieces in zip(chunks, per_chunk, strict=True):
+                gate.land(chunk, pieces, copied)
+        except BaseException:
+            self.stream.resume_reading()
+            raise
+
     def _ack(self, body: dict[str, Any], error: TransferdError | None) -> None:
         op, part = body.get("op"), body.get("part")
         reply = {"op": op if type(op) is int else -1, "part": part if type(part) is int else -1}
@@ -542,6 +636,12 @@ class InboundLink:
         error = self._error if frame.payload_len else None
         write, self._error, self._write = self._write, None, None
         landing, self._landing = self._landing, None
+        if self._staged is not None and write is not None:
+            try:
+                self._land_device(frame, write, landing)
+                return
+            except TransferdError as exc:
+                error = exc
         if landing is not None:
             # Every byte is in place (the frame is whole): the region may go.
             landing.release()
@@ -628,6 +728,10 @@ class InboundLink:
                                               PeerUnreachable("region deregistered"))
 
     def _on_close(self, exc: BaseException | None) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:  # closed mid-payload: the chunks go back unused
+            for chunk in staged[1]:
+                staged[0].pool.release(chunk)
         landing, self._landing = self._landing, None
         if landing is not None:
             landing.release()  # the socket is closed: no more of it lands

@@ -20,14 +20,14 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from transferd.config import ConfigError, EngineConfig
 from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
-from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
@@ -74,6 +74,8 @@ class TransferEngine:
         self.regions = RegionTable()
         self.counter = ImmCounter(notify=self._notify)
         self._ops = itertools.count(1)
+        # Taken by a write from device memory while it gathers its staging chunks.
+        self._staging_lock: asyncio.Lock | None = None
         self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
         self._group_ids = itertools.count(1)
         self._pools: deque[RecvPool] = deque()
@@ -177,8 +179,11 @@ class TransferEngine:
                                   dst: tuple[MrDesc, int]) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
         region = self.regions.get(src[0])
-        view = region.view(region.ptr + src[1], length)
         op = next(self._ops)
+        if DomainGroup.device_io(region) is not None:
+            return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: list(
+                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails)))
+        view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
         return self._submit(op, list(parts), region.buffer.ref())
 
@@ -192,10 +197,75 @@ class TransferEngine:
             raise BadRequest(f"{len(sp.indices)} source pages for {len(dst[1].indices)} "
                              "destination pages")
         base, stride = region.ptr + sp.offset, sp.stride
-        views = region.views([base + i * stride for i in sp.indices], page_len)
         op = next(self._ops)
+        if DomainGroup.device_io(region) is not None:
+            pages = [(base + i * stride, page_len) for i in sp.indices]
+            return self._from_device(op, region, pages, lambda v: list(
+                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails)))
+        views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, list(parts), region.buffer.ref())
+
+    def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
+                     plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
+                     ) -> asyncio.Future[None]:
+        """A write whose source is device memory: D2H into staging, then the send.
+
+        Each page (absolute address, length) is bounds checked now, copied into
+        pinned staging of the region's group (waiting for chunks: back-pressure),
+        and the parts are planned on those copies once the copies' event
+        completed; the chunks go back when the transfer finished.
+        """
+        io = DomainGroup.device_io(region)
+        mem = region.buffer.memory
+        assert io is not None and mem is not None and self.loop is not None
+        # A device Memory's check(offset, size) gives the device address (bounds checked).
+        device_address: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+        pool = io.pool
+        devs: list[int] = []
+        places: list[tuple[int, int]] = []  # (chunk, offset): pages never straddle chunks
+        ci, used = 0, 0
+        for a, n in pages:
+            off = a - region.ptr
+            if off < 0 or n < 0 or off + n > region.size:
+                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
+                                  f"[0x{region.ptr:x}, +{region.size})")
+            if n > pool.chunk_size:
+                raise BadRequest(f"a write of {n} bytes from {region.buffer.device} memory is "
+                                 f"larger than a staging chunk ({pool.chunk_size} bytes)")
+            devs.append(device_address(off, n))
+            if used + n > pool.chunk_size:
+                ci, used = ci + 1, 0
+            places.append((ci, used))
+            used += n
+        need = ci + 1
+        if need > pool.capacity:
+            raise BadRequest(f"a write from {region.buffer.device} memory needs {need} staging "
+                             f"chunks, the pool has {pool.capacity}")
+        held = region.buffer.ref()
+        if self._staging_lock is None:
+            self._staging_lock = asyncio.Lock()
+        lock = self._staging_lock
+
+        async def run() -> None:
+            chunks: list[Any] = []
+            try:
+                # One transfer takes its chunks at a time: two never hold half each.
+                async with lock:
+                    for _ in range(need):
+                        chunks.append(await pool.acquire())
+                views = []
+                for dev, (c, off), (_, n) in zip(devs, places, pages, strict=True):
+                    io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
+                    views.append(chunks[c].view[off:off + n])
+                await io.waiter.wait(io.stream.record())
+                await self._submit(op, plan(views))
+            finally:
+                held.release()
+                for chunk in chunks:
+                    pool.release(chunk)
+
+        return asyncio.ensure_future(run())
 
     def _check_descs(self, descs: Sequence[MrDesc]) -> None:
         """Every destination rail an IP and port, and a known peer where it is bound."""
@@ -234,6 +304,9 @@ class TransferEngine:
         self._check_group(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
+        if DomainGroup.device_io(region) is not None:
+            raise BadRequest(f"a scatter from {region.buffer.device} memory is not supported "
+                             "(single and paged writes are)")
         parts: list[WritePart | SendPart] = []
         first = 0
         for d in dsts:

@@ -1,0 +1,169 @@
+"""The engine on device memory, between two real daemons with the stand-in device.
+
+Both daemons run ``tests/standin_daemon.py`` (a device without a host view,
+reached only through a stand-in stream and staging, as a GPU's is).  Writes go
+device to device, host to device and device to host over the tcp Domain; the
+bytes are compared by checksum.  Daemon b's stream can be held from here (its
+``STANDIN_HOLD_FILE``): while it is, a write into b's device memory is in b's
+staging but not on its device, and nothing is counted nor acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from client import Client, Pages
+from tests.helpers import DaemonProcess, async_test, digest
+from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
+from transferd.protocol.errors import BadRequest
+
+KiB = 1024
+WAIT = 20.0
+CHUNK, CHUNKS = 256 * KiB, 4
+
+
+@pytest.fixture(scope="module")
+def hold_file() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="td-hold-") as d:
+        yield os.path.join(d, "hold")
+
+
+@pytest.fixture(scope="module")
+def pair(hold_file: str) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    daemons = []
+    for rail, hold in (("127.0.0.10", ""), ("127.0.0.11", hold_file)):
+        env = engine_env([rail], secret_file=secret_file())
+        env.update({"STANDIN_CHUNK": str(CHUNK), "STANDIN_CHUNKS": str(CHUNKS),
+                    "STANDIN_HOLD_FILE": hold})
+        daemons.append(DaemonProcess(
+            command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1",
+                     "-p", "0", "--metrics-port", "-1"], env=env))
+    try:
+        for d in daemons:
+            d.start()
+        for d in daemons:
+            d.wait_ready()
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+async def _clients(pair: tuple[DaemonProcess, DaemonProcess]) -> AsyncIterator[tuple[Client, Client]]:
+    a = await Client.connect(pair[0].url)
+    b = await Client.connect(pair[1].url)
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _device_region(c: Client, size: int, data: bytes | None = None,
+                         device: str = "standin:0") -> tuple:
+    buf = await c.alloc_buffer(size, device=device)
+    if data is not None:
+        await c.set_tensor(buf.tensor(0, len(data)), data)
+    mr, desc = await c.reg_mr(buf)
+    return buf, mr, desc
+
+
+@async_test(timeout=90)
+async def test_device_to_device_single_and_paged_writes(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    async for a, b in _clients(pair):
+        data = os.urandom(512 * KiB)
+        sbuf, smr, _ = await _device_region(a, 512 * KiB, data)
+        dbuf, _, ddesc = await _device_region(b, 1024 * KiB)
+        imm = fresh_imm()
+        # A single write of one staging chunk, at an offset on both sides.
+        n = 200 * KiB
+        done = await b.expect_imm_count(imm, 1, wait=False)
+        w = await a.submit_single_write(n, imm, (smr, 4096), (ddesc, 8192))
+        await w.wait(WAIT)
+        await done.wait(WAIT)
+        got = bytes(await b.get_tensor(dbuf.tensor(8192, n)))
+        assert digest(got) == digest(data[4096:4096 + n])
+        # Paged: 12 pages of 16 KiB (spread over the source's staging chunks).
+        page = 16 * KiB
+        src_idx, dst_idx = list(range(0, 24, 2)), list(range(40, 52))
+        done = await b.expect_imm_count(imm, len(src_idx), wait=False)
+        w = await a.submit_paged_writes(page, imm, (smr, Pages(src_idx, page, 0)),
+                                        (ddesc, Pages(dst_idx, page, 0)))
+        await w.wait(WAIT)
+        await done.wait(WAIT)
+        for si, di in zip(src_idx, dst_idx, strict=True):
+            got = bytes(await b.get_tensor(dbuf.tensor(di * page, page)))
+            assert digest(got) == digest(data[si * page:(si + 1) * page]), (si, di)
+        # The other way, device on b to device on a, over many writes: staging is reused.
+        back, bmr, _ = await _device_region(b, 64 * KiB, os.urandom(64 * KiB))
+        abuf, _, adesc = await _device_region(a, 64 * KiB)
+        for i in range(20):
+            w = await b.submit_single_write(4 * KiB, None, (bmr, i * 1024), (adesc, i * 1024))
+            await w.wait(WAIT)
+        want = bytes(await b.get_tensor(back.tensor(0, 23 * KiB)))
+        assert digest(bytes(await a.get_tensor(abuf.tensor(0, 23 * KiB)))) == digest(want)
+
+
+@async_test(timeout=90)
+async def test_host_to_device_and_device_to_host(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    async for a, b in _clients(pair):
+        data = os.urandom(CHUNK * CHUNKS)
+        hbuf = await a.alloc_buffer(len(data))
+        await a.set_tensor(hbuf.tensor(), data)
+        hmr, hdesc = await a.reg_mr(hbuf)
+        dbuf, dmr, ddesc = await _device_region(b, len(data))
+        imm = fresh_imm()
+        # A whole staging pool's worth into b's device (parts of up to the pool).
+        done = await b.expect_imm_count(imm, 1, wait=False)
+        w = await a.submit_single_write(len(data), imm, (hmr, 0), (ddesc, 0))
+        await w.wait(WAIT)
+        await done.wait(WAIT)
+        assert digest(bytes(await b.get_tensor(dbuf.tensor()))) == digest(data)
+        # Device on b to host on a.
+        out = await a.alloc_buffer(CHUNK)
+        _, odesc = await a.reg_mr(out)
+        w = await b.submit_single_write(CHUNK, None, (dmr, CHUNK), (odesc, 0))
+        await w.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(out.tensor()))) == digest(data[CHUNK:2 * CHUNK])
+        # A device source larger than one staging chunk is refused clearly.
+        w = await b.submit_single_write(CHUNK + 1, None, (dmr, 0), (odesc, 0))
+        with pytest.raises(BadRequest, match="larger than a staging chunk"):
+            await w.wait(WAIT)
+        # Bounds as for host memory.
+        with pytest.raises(Exception, match="outside"):
+            w = await b.submit_single_write(4096, None, (dmr, len(data) - 10), (odesc, 0))
+            await w.wait(WAIT)
+        del hmr
+
+
+@async_test(timeout=90)
+async def test_counted_only_after_the_device_copy_completed(
+        pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
+    async for a, b in _clients(pair):
+        data = os.urandom(64 * KiB)
+        hbuf = await a.alloc_buffer(len(data))
+        await a.set_tensor(hbuf.tensor(), data)
+        hmr, _ = await a.reg_mr(hbuf)
+        dbuf, _, ddesc = await _device_region(b, len(data))
+        imm = fresh_imm()
+        with open(hold_file, "w"):
+            pass
+        try:
+            w = await a.submit_single_write(len(data), imm, (hmr, 0), (ddesc, 0))
+            # The bytes reach b's staging at once; its device copy is held.
+            await asyncio.sleep(0.5)
+            assert await b.imm_count(imm) == 0
+            assert not w.done()  # no ACK went out
+        finally:
+            os.unlink(hold_file)
+        await w.wait(WAIT)
+        assert await b.imm_count(imm) == 1
+        assert digest(bytes(await b.get_tensor(dbuf.tensor()))) == digest(data)
