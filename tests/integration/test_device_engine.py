@@ -11,6 +11,7 @@ staging but not on its device, and nothing is counted nor acknowledged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import pytest
 from client import Client, Pages
 from tests.helpers import DaemonProcess, async_test, digest
 from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
-from transferd.protocol.errors import BadRequest
+from transferd.protocol.errors import BadRequest, OutOfBounds
 
 KiB = 1024
 WAIT = 20.0
@@ -55,7 +56,9 @@ def pair(hold_file: str) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
             d.stop()
 
 
-async def _clients(pair: tuple[DaemonProcess, DaemonProcess]) -> AsyncIterator[tuple[Client, Client]]:
+@contextlib.asynccontextmanager
+async def _clients(pair: tuple[DaemonProcess, DaemonProcess]
+                   ) -> AsyncIterator[tuple[Client, Client]]:
     a = await Client.connect(pair[0].url)
     b = await Client.connect(pair[1].url)
     try:
@@ -77,9 +80,9 @@ async def _device_region(c: Client, size: int, data: bytes | None = None,
 @async_test(timeout=90)
 async def test_device_to_device_single_and_paged_writes(
         pair: tuple[DaemonProcess, DaemonProcess]) -> None:
-    async for a, b in _clients(pair):
+    async with _clients(pair) as (a, b):
         data = os.urandom(512 * KiB)
-        sbuf, smr, _ = await _device_region(a, 512 * KiB, data)
+        _, smr, _ = await _device_region(a, 512 * KiB, data)
         dbuf, _, ddesc = await _device_region(b, 1024 * KiB)
         imm = fresh_imm()
         # A single write of one staging chunk, at an offset on both sides.
@@ -114,11 +117,11 @@ async def test_device_to_device_single_and_paged_writes(
 @async_test(timeout=90)
 async def test_host_to_device_and_device_to_host(
         pair: tuple[DaemonProcess, DaemonProcess]) -> None:
-    async for a, b in _clients(pair):
+    async with _clients(pair) as (a, b):
         data = os.urandom(CHUNK * CHUNKS)
         hbuf = await a.alloc_buffer(len(data))
         await a.set_tensor(hbuf.tensor(), data)
-        hmr, hdesc = await a.reg_mr(hbuf)
+        hmr, _ = await a.reg_mr(hbuf)
         dbuf, dmr, ddesc = await _device_region(b, len(data))
         imm = fresh_imm()
         # A whole staging pool's worth into b's device (parts of up to the pool).
@@ -138,16 +141,15 @@ async def test_host_to_device_and_device_to_host(
         with pytest.raises(BadRequest, match="larger than a staging chunk"):
             await w.wait(WAIT)
         # Bounds as for host memory.
-        with pytest.raises(Exception, match="outside"):
+        with pytest.raises(OutOfBounds, match="outside"):
             w = await b.submit_single_write(4096, None, (dmr, len(data) - 10), (odesc, 0))
             await w.wait(WAIT)
-        del hmr
 
 
 @async_test(timeout=90)
 async def test_counted_only_after_the_device_copy_completed(
         pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
-    async for a, b in _clients(pair):
+    async with _clients(pair) as (a, b):
         data = os.urandom(64 * KiB)
         hbuf = await a.alloc_buffer(len(data))
         await a.set_tensor(hbuf.tensor(), data)
