@@ -67,10 +67,10 @@ async def test_device_buffer_round_trips_with_checksums(gpu: DaemonProcess) -> N
         await c.free_buffer(other)
 
 
-@pytest.mark.xfail(raises=BadRequest, strict=True,
-                   reason="the engine moves host memory only in this build (docs/gpu.md)")
 @async_test(timeout=180)
 async def test_engine_writes_device_to_device_across_two_daemons() -> None:
+    # A write from device memory is staged whole: at most one staging chunk
+    # (gpu.staging_chunk_kib, 4 MiB by default) per single write (docs/gpu.md).
     with gpu_daemon() as da, gpu_daemon() as db:
         async with await Client.connect(da.url) as a, await Client.connect(db.url) as b:
             src = await a.alloc_buffer(16 * MiB, device="cuda:0")
@@ -79,15 +79,22 @@ async def test_engine_writes_device_to_device_across_two_daemons() -> None:
             await a.set_tensor(src.tensor(), data)
             mr, _ = await a.reg_mr(src)
             _, desc = await b.reg_mr(dst)
-            w = await a.submit_single_write(8 * MiB, 71, (mr, 0), (desc, 0))
-            await w.wait(60)
-            await b.expect_imm_count(71, 1)
+            for off in (0, 4 * MiB):
+                w = await a.submit_single_write(4 * MiB, 71, (mr, off), (desc, off))
+                await w.wait(60)
+            await b.expect_imm_count(71, 2)
             idx = list(range(128, 256))
             p = await a.submit_paged_writes(64 * KiB, 72, (mr, Pages(idx, 64 * KiB)),
                                             (desc, Pages(idx, 64 * KiB)))
             await p.wait(60)
             await b.expect_imm_count(72, len(idx))
-            assert _sha(await b.get_tensor(dst.tensor())) == _sha(data)
+            got = await b.get_tensor(dst.tensor(0, 16 * MiB))
+            assert _sha(got[:8 * MiB]) == _sha(data[:8 * MiB])
+            assert _sha(got[8 * MiB:]) == _sha(data[8 * MiB:])
+            # A device source over one staging chunk is refused, with the reason.
+            with pytest.raises(BadRequest, match="larger than a staging chunk"):
+                w = await a.submit_single_write(4 * MiB + 1, None, (mr, 0), (desc, 0))
+                await w.wait(60)
 
 
 @async_test(timeout=120)
