@@ -9,6 +9,7 @@ into memory the caller supplied (``sink``) when there is one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from transferd.protocol.frames import Frame, FrameDecoder, Sink
 
 # Joining a small payload with its header saves a syscall; big ones go as is.
 SMALL_WRITE = 16 * 1024
+# How long close() waits for the server to finish what this connection sent
+# and close its side, before closing outright.
+CLOSE_LINGER = 5.0
 
 _NAMES: dict[int, str] = {int(c): c.name for c in Command}
 # In Python 3.11 ``Flag.X`` goes through EnumType.__getattr__: alias it once.
@@ -340,8 +344,18 @@ class Connection(asyncio.BufferedProtocol):
         failed, self.failed = self.failed, []
         return failed
 
-    async def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+    async def close(self, linger: float = CLOSE_LINGER) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing():
+            if self.lost is None and self._closed is not None and t.can_write_eof():
+                # Half-close, then read until the server closes: it runs every
+                # frame we sent first.  Closing outright could make our socket
+                # answer its replies with a reset that discards frames it has
+                # not read yet.
+                t.write_eof()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._closed), linger)
+            if not t.is_closing():
+                t.close()
         if self._closed is not None:
             await asyncio.shield(self._closed)

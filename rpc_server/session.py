@@ -109,6 +109,8 @@ class Session(asyncio.BufferedProtocol):
         self.get_buffer = self._decoder.get_buffer  # type: ignore[method-assign]
         self._sink_error: TransferdError | None = None
         self._blockers = 0
+        # The client half-closed: run what it sent, then close.
+        self._eof = False
         # Engine operations this connection submitted and that have not
         # finished; SYNCHRONIZE waits for them.
         self.pending: set[asyncio.Future[Any]] = set()
@@ -174,7 +176,14 @@ class Session(asyncio.BufferedProtocol):
         self._pump()
 
     def eof_received(self) -> bool:
-        return False
+        # A half-close says "that is all I send", not "drop what I sent": the
+        # frames already received still run, in order, and the connection
+        # closes once the last of them has (the client keeps reading until then).
+        if self.state is not _READY:
+            return False
+        self._eof = True
+        self._loop.call_soon(self._pump)
+        return True
 
     def pause_writing(self) -> None:
         # Before READY no reply holds memory the client could overwrite, and a
@@ -329,6 +338,8 @@ class Session(asyncio.BufferedProtocol):
                 self._fail(exc, cmd=self._decoder.current_cmd)
                 return
             if frame is None:
+                if self._eof:
+                    self.close()
                 return
             self._handle(frame)
         state = self.state

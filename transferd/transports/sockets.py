@@ -143,6 +143,7 @@ class SocketTransport(asyncio.Transport):
         self._protocol_paused = False
         self._reading = False
         self._closing = False
+        self._eof_pending = False  # write_eof() asked: shut down writing once drained
         self._lost = False
         # Message mode: continuation bytes still due for the current frame, and
         # the rest of a message whose scatter was paused by the protocol.
@@ -218,10 +219,20 @@ class SocketTransport(asyncio.Transport):
         self._loop.call_soon(self._connection_lost, None)
 
     def can_write_eof(self) -> bool:
-        return False
+        return True
 
     def write_eof(self) -> None:
-        raise NotImplementedError("this transport cannot half-close")
+        # Half-close once what is queued has gone: the peer then reads an end
+        # of stream (a zero-length receive, on a SOCK_SEQPACKET socket too).
+        if self._closing or self._lost or self._eof_pending:
+            return
+        self._eof_pending = True
+        if not self._queue:
+            self._shutdown_write()
+
+    def _shutdown_write(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
 
     # -- descriptors ------------------------------------------------------------------
 
@@ -455,6 +466,8 @@ class SocketTransport(asyncio.Transport):
             if self._closing:
                 self._connection_lost(None)
                 return
+            if self._eof_pending:
+                self._shutdown_write()
         self._maybe_resume_protocol()
 
     def _maybe_pause_protocol(self) -> None:
