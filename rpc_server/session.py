@@ -35,6 +35,7 @@ from transferd.protocol.connection import (
     Refused,
     ServerConnection,
     ServerSettings,
+    failure_frame,
 )
 from transferd.protocol.constants import (
     COMMAND_MINOR,
@@ -467,14 +468,12 @@ class Session(asyncio.BufferedProtocol):
     ) -> None:
         seq = exc.seq if seq is None else seq
         self.ctx.metrics.error(exc.code)
-        flags = Flag.REPLY | Flag.ERROR
-        if no_reply and not exc.fatal:
-            # One-way command failed: tell the client unasked, keep serving.
-            flags = Flag.EVENT | Flag.ERROR
+        # REPLY|ERROR, or EVENT|ERROR for a one-way command (the sans-IO rule).
+        flags, close = failure_frame(_NO_REPLY if no_reply else 0, exc)
         # At INFO with the client's address (rate-limited by the log handler).
         log_client_error(self.peer, exc, cmd, seq)
         self.send_frame(cmd, flags, seq or 0, exc.to_body())
-        if exc.fatal:
+        if close:
             self.close()
 
     # -- output -------------------------------------------------------------------

@@ -6,11 +6,14 @@ connection exchange ``data_to_send()`` until neither has anything to say.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
 import pytest
 
+from client import Client
+from client.connection import Connection as ClientProtocol
 from transferd.protocol import auth
 from transferd.protocol.connection import (
     HANDSHAKE_BUFFER,
@@ -24,9 +27,10 @@ from transferd.protocol.connection import (
     Request,
     ServerConnection,
     ServerSettings,
+    failure_frame,
 )
 from transferd.protocol.constants import Command, ErrorCode, Flag
-from transferd.protocol.errors import TransferdError
+from transferd.protocol.errors import BadFrame, NotFound, TransferdError
 from transferd.protocol.frames import FrameDecoder, encode_frame, encode_header
 
 SECRET = b"correct horse battery staple"
@@ -326,3 +330,72 @@ def test_ordering_frames_after_hello_in_one_read() -> None:
     events = s.receive_data(data)
     assert [type(e) for e in events] == [Ready, Request, Request]
     assert [e.frame.seq for e in events[1:]] == [2, 3]
+
+
+# -- EVENT frames for failed NO_REPLY commands ------------------------------------------------
+
+_NR = int(Flag.NO_REPLY)
+_REPLY_ERROR = int(Flag.REPLY | Flag.ERROR)
+_EVENT_ERROR = int(Flag.EVENT | Flag.ERROR)
+
+
+@pytest.mark.parametrize(("request_flags", "exc", "want"), [
+    (0, NotFound("no buffer 9"), (_REPLY_ERROR, False)),
+    (_NR, NotFound("no buffer 9"), (_EVENT_ERROR, False)),
+    (0, BadFrame("bad magic"), (_REPLY_ERROR, True)),
+    # A fatal error closes the connection: it is a reply even to a one-way command.
+    (_NR, BadFrame("bad magic"), (_REPLY_ERROR, True)),
+])
+def test_which_frame_answers_a_failed_request(
+    request_flags: int, exc: TransferdError, want: tuple[int, bool]
+) -> None:
+    assert failure_frame(request_flags, exc) == want
+
+
+def _feed(proto: ClientProtocol, data: bytes) -> None:
+    """Hand ``data`` to the client's protocol as its transport would (no socket)."""
+    view = memoryview(data)
+    while view:
+        buf = proto.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        proto.buffer_updated(n)
+        view = view[n:]
+
+
+def test_a_failed_no_reply_command_is_raised_at_the_clients_next_flush_point() -> None:
+    c, s = ClientConnection(), server()
+    handshake(c, s)
+    assert s.state is ConnState.READY
+    (req,) = s.receive_data(encode_frame(Command.FREE_BUFFER, Flag.NO_REPLY, 7, {"id": 9}))
+    assert isinstance(req, Request)
+    # The handler failed; a one-way command's failure goes out unasked and the
+    # connection keeps serving.
+    assert s.request_failed(req.frame, NotFound("FREE_BUFFER: no buffer 9")) is False
+    assert s.state is ConnState.READY
+    down = s.data_to_send()
+    (frame,) = FrameDecoder().feed(down)
+    assert (int(frame.flags), frame.cmd, frame.seq) == (_EVENT_ERROR, Command.FREE_BUFFER, 7)
+
+    # The client library's protocol, fed those bytes in memory: nothing is raised
+    # until its next flush point, which raises it once.
+    client = Client("tcp://in-memory")
+    proto = ClientProtocol()
+    client._conn = proto
+    _feed(proto, down)
+    assert [type(e) for e in proto.failed] == [NotFound]
+    with pytest.raises(NotFound, match="no buffer 9") as info:
+        asyncio.run(client.flush())
+    assert info.value.seq == 7
+    asyncio.run(client.flush())  # raised once, not again
+
+    # The same command asking for a reply gets REPLY|ERROR; a fatal error closes.
+    (req,) = s.receive_data(encode_frame(Command.FREE_BUFFER, 0, 8, {"id": 9}))
+    assert s.request_failed(req.frame, NotFound("FREE_BUFFER: no buffer 9")) is False
+    (frame,) = FrameDecoder().feed(s.data_to_send())
+    assert (int(frame.flags), frame.seq) == (_REPLY_ERROR, 8)
+    (req,) = s.receive_data(encode_frame(Command.FREE_BUFFER, Flag.NO_REPLY, 9, {"id": 9}))
+    assert s.request_failed(req.frame, BadFrame("bad magic")) is True
+    assert s.state is ConnState.CLOSING
+    (frame,) = FrameDecoder().feed(s.data_to_send())
+    assert int(frame.flags) == _REPLY_ERROR

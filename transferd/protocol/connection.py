@@ -160,6 +160,24 @@ class _Machine:
         self._go(Input.LOST)
 
 
+# -- a failed request ----------------------------------------------------------------------
+
+_NO_REPLY_FLAG = int(Flag.NO_REPLY)
+_REPLY_ERROR_FLAGS = int(Flag.REPLY | Flag.ERROR)
+_EVENT_ERROR_FLAGS = int(Flag.EVENT | Flag.ERROR)
+
+
+def failure_frame(request_flags: int, exc: TransferdError) -> tuple[int, bool]:
+    """The flags of the frame that answers a failed request, and whether the connection
+    then closes: REPLY|ERROR, except that a NO_REPLY command's non-fatal failure goes out
+    unasked as EVENT|ERROR (the client raises it at its next flush point) and the
+    connection keeps serving.  A fatal error is REPLY|ERROR and closes, NO_REPLY or not.
+    """
+    if request_flags & _NO_REPLY_FLAG and not exc.fatal:
+        return _EVENT_ERROR_FLAGS, False
+    return _REPLY_ERROR_FLAGS, exc.fatal
+
+
 # -- server ---------------------------------------------------------------------------------
 
 
@@ -392,6 +410,15 @@ class ServerConnection(_Machine):
             return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, is_auth=True)
         self._send_reply(frame, None)
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
+
+    def request_failed(self, frame: Frame, exc: TransferdError) -> bool:
+        """READY: queue the answer to a request that failed (``failure_frame``); True when
+        the connection closes (a fatal error: the state goes to CLOSING)."""
+        flags, close = failure_frame(int(frame.flags), exc)
+        self._out.append(encode_frame(frame.cmd, flags, frame.seq, exc.to_body()))
+        if close:
+            self._go(Input.REFUSED)
+        return close
 
     def _send_reply(self, frame: Frame, body: dict[str, Any] | None) -> None:
         self._out.append(encode_frame(frame.cmd, _REPLY, frame.seq, body))
