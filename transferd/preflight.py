@@ -3,7 +3,8 @@
 :func:`check` looks at a valid :class:`~transferd.config.Config` the way
 ``serve`` would use it: every host resolves, every listener's address is one
 this machine has (``engine.host_rails[1]: 10.0.1.11 is not an address of this
-machine``), no two listeners of the daemon share a port, the memory limit fits
+machine``), no two listeners of the daemon share a port (server.port, every
+network URL of server.listen, metrics, the engine's rails) or a socket path, the memory limit fits
 in the machine, a Unix socket path is not a running daemon's, and (``bind=True``)
 every fixed port is free.  Each problem names the key it comes from.  ``serve``
 runs it first and starts nothing when it finds one; ``check-config`` runs it
@@ -21,8 +22,10 @@ import stat
 from dataclasses import dataclass
 from enum import Enum
 
+from transferd import transports
 from transferd.config import Config
 from transferd.exits import Exit
+from transferd.transports.base import Endpoint
 
 
 class Kind(Enum):
@@ -62,7 +65,16 @@ class Listener:
 
 
 def listeners(cfg: Config) -> list[Listener]:
-    out = [Listener("RPC server", "server.port", "server.host", cfg.server.host, cfg.server.port)]
+    out = []
+    if cfg.server.tcp_listener:
+        out.append(Listener("RPC server", "server.port", "server.host", cfg.server.host,
+                            cfg.server.port))
+    # server.listen's network URLs (tcp, tls, rdma's set-up port): config validation
+    # parsed them already.
+    for i, (url, ep) in enumerate(_listen_endpoints(cfg)):
+        if not ep.path:
+            out.append(Listener(f"{url} listener", f"server.listen[{i}]", f"server.listen[{i}]",
+                                ep.host, ep.port))
     if cfg.metrics.enabled:
         out.append(Listener("metrics endpoint", "metrics.port", "metrics.host",
                             cfg.metrics.host, cfg.metrics.port))
@@ -77,6 +89,10 @@ def listeners(cfg: Config) -> list[Listener]:
             out.append(Listener(f"engine rail {i}", "engine.peer_port" if i == 0 else
                                 f"engine.host_rails[{i}]", f"engine.host_rails[{i}]", host, port))
     return out
+
+
+def _listen_endpoints(cfg: Config) -> list[tuple[str, Endpoint]]:
+    return [(url, transports.parse(url)) for url in cfg.server.listen]
 
 
 def _resolve(host: str) -> list[str] | None:
@@ -161,8 +177,24 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
             problems.append(Problem(
                 "memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more than this "
                 f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
-    if this_machine:
-        problems += _check_unix(cfg.server.unix_socket)
+    # Local sockets: one path per listener, each free to take.
+    paths = [("server.unix_socket", cfg.server.unix_socket, socket.SOCK_STREAM)]
+    for i, (_, ep) in enumerate(_listen_endpoints(cfg)):
+        if ep.path:
+            kind = socket.SOCK_SEQPACKET if ep.scheme == "seqpacket" else socket.SOCK_STREAM
+            paths.append((f"server.listen[{i}]", ep.path, kind))
+    taken: dict[str, str] = {}
+    for key, path, kind in paths:
+        if not path:
+            continue
+        where = os.path.abspath(path)
+        if where in taken:
+            problems.append(Problem(key, f"{path} is also {taken[where]}'s socket: one path "
+                                    "per listener", Kind.CONFIG))
+            continue
+        taken[where] = key
+        if this_machine:
+            problems += _check_unix(path, key, kind)
     for i, url in enumerate(cfg.server.listen):
         if this_machine and url.startswith("rdma://"):
             from transferd.domains.verbs.bind import rdma_problem
@@ -187,10 +219,10 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
     return problems
 
 
-def _check_unix(path: str) -> list[Problem]:
+def _check_unix(path: str, key: str = "server.unix_socket",
+                kind: int = socket.SOCK_STREAM) -> list[Problem]:
     if not path:
         return []
-    key = "server.unix_socket"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return [Problem(key, f"{path}: directory {parent} does not exist", Kind.MACHINE)]
@@ -204,7 +236,7 @@ def _check_unix(path: str) -> list[Problem]:
     if not stat.S_ISSOCK(st.st_mode):
         return []  # a left-over file: the listener replaces it
     # A socket file: stale (removed at start) unless something still accepts on it.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_UNIX, kind) as s:
         s.settimeout(1.0)
         try:
             s.connect(path)
