@@ -440,3 +440,13 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float =
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+def rss(d: DaemonProcess) -> int:
+    """The daemon's resident memory in bytes (VmRSS of /proc/PID/status)."""
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, metric, scrape, wait_until
+from tests.helpers import RawConn, metric, rss, scrape, wait_until
 from transferd.memory import PAGE, charge_of
 from transferd.protocol.constants import Command, Flag
 
@@ -22,15 +22,6 @@ MiB = 1 << 20
 # What serving the attack may add to the daemon's RSS beyond the buffers
 # themselves: frame buffers, Python objects of the connections, malloc arenas.
 OVERHEAD = 16 * MiB
-
-
-def rss(d: DaemonProcess) -> int:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def device(conn: RawConn, name: str = "cpu") -> dict[str, Any]:

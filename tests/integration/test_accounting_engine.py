@@ -19,9 +19,9 @@ import pytest
 
 from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, async_test, pattern, wait_until
+from tests.helpers import DaemonProcess, RawConn, async_test, pattern, rss, wait_until
 from tests.integration.fake_peer import FakePeer
-from tests.integration.test_accounting import OVERHEAD, device, rss
+from tests.integration.test_accounting import OVERHEAD, device
 from transferd.memory import charge_of
 from transferd.protocol.errors import Timeout
 from transferd.protocol.frames import Frame, FrameDecoder, encode_frame

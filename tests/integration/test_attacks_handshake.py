@@ -21,22 +21,13 @@ import pytest
 
 from client import SyncClient
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, digest, pattern
+from tests.helpers import DaemonProcess, RawConn, digest, pattern, rss
 from transferd.protocol import auth
 from transferd.protocol.constants import PROTO_MAJOR, Command, ErrorCode, Flag
 from transferd.protocol.frames import FrameDecoder, encode_frame, encode_header
 
 MiB = 1 << 20
 SECRET = "handshake-attacks-secret"
-
-
-def rss(d: DaemonProcess) -> int:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def still_works(c: SyncClient, seed: int) -> None:

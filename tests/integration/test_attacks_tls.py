@@ -20,8 +20,7 @@ import pytest
 
 from client import SyncClient
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, digest, pattern, wait_until
-from tests.integration.test_preauth import rss
+from tests.helpers import DaemonProcess, digest, pattern, rss, wait_until
 from tests.integration.test_transports import make_cert
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")

@@ -431,7 +431,7 @@ def test_strangers_on_a_rail_cost_the_daemon_almost_nothing(tcp_cluster: Cluster
     """300 strangers each announcing a 16 MiB body before any handshake (a rail once
     allocated it from the header), then 64 that stay silent: the daemon's RSS moves by
     a few MiB at most, and its clients are served throughout."""
-    from tests.integration.test_accounting import rss
+    from tests.helpers import rss
 
     cl = tcp_cluster
 

@@ -20,20 +20,11 @@ import pytest
 
 from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, async_test, digest, pattern, wait_until
+from tests.helpers import DaemonProcess, RawConn, async_test, digest, pattern, rss, wait_until
 from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.frames import FrameDecoder, encode_frame, encode_header
 
 MiB = 1 << 20
-
-
-def rss(d: DaemonProcess) -> int:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 async def still_works(c: Client, seed: int) -> None:
