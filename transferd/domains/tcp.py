@@ -23,35 +23,29 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transferd.logs import peer_warning
-from transferd.memory.staging import GatedLanding
-from transferd.parts import MAX_MESSAGE, SendPart, Transfer, WritePart
+from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
-    NoHello,
-    OutOfMemory,
     PeerUnreachable,
     TransferdError,
     error_from_body,
 )
-from transferd.protocol.frames import DISCARD, Frame, Sink
-from transferd.protocol.peer import PeerCommand, WriteHeader, parse_ref
+from transferd.protocol.frames import Frame
+from transferd.protocol.peer import PeerCommand, parse_ref
 from transferd.protocol.peer_handshake import (
     MAX_HANDSHAKE_BODY,
     PeerHandshake,
-    Probe,
     Ready,
     Role,
-    State,
-    parse_probe,
 )
 from transferd.protocol.values import NetAddr, tcp_rail
 
 from .base import Domain, DomainOptions, Receiver
 from .stream import FramedStream
+from .tcp_inbound import PRE_AUTH_BUFFER, InboundLink
 
 if TYPE_CHECKING:
     from transferd.engine.regions import Region
-    from transferd.memory import Ref
 
 log = logging.getLogger("transferd.domain")
 
@@ -62,11 +56,6 @@ MAX_HANDSHAKING = 64
 # After the handshake: an ACK carries an error message at most; a WRITE names
 # up to 4096 pages (plan.PAGES_PER_FRAME is 256).
 MAX_ACK_BODY = 64 * 1024
-# The decoder's buffer before the handshake is done: a header and a 4 KiB body
-# (a stranger's connection costs this, not a 256 KiB read buffer).
-PRE_AUTH_BUFFER = 8192
-MAX_BODY = 1 << 20
-MAX_PAYLOAD = 1 << 40
 
 
 def rail_bytes(host: str, port: int) -> bytes:
@@ -114,12 +103,6 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setblocking(False)
     return sock
 
-
-def _peername(sock: socket.socket) -> Any:
-    try:
-        return sock.getpeername()
-    except OSError:
-        return None
 
 
 LinkKey = tuple[int, int, bytes]
@@ -457,285 +440,3 @@ class PeerLink:
             transfer.fail(error)
         for transfer in pending.values():
             transfer.fail(error)
-
-
-class InboundLink:
-    """A peer's connection to this rail: the handshake, then its writes land here.
-
-    The first frame may instead be a PROBE (a responder checking that we listen
-    where one of our links says we do): it is handed to that link and this
-    connection closed.
-    """
-
-    def __init__(self, domain: TcpDomain, sock: socket.socket) -> None:
-        self.domain = domain
-        self.peer: tuple[int, int] | None = None
-        self._error: TransferdError | None = None
-        self._write: WriteHeader | None = None
-        # The write landing now (admitted by its region): let go once its
-        # bytes are in place, or the link dies under it.
-        self._landing: Ref | None = None
-        # A write into device memory being received: (DeviceIO, staging chunks, pages).
-        self._staged: tuple[Any, list[Any], list[tuple[int, int]]] | None = None
-        g = domain.group
-        self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
-                                domain.loop.time(), timeout=g.handshake_timeout_s,
-                                admit=g.bind_peer)
-        # A stranger costs one 4 KiB body at most, and this long.
-        self.stream = FramedStream(
-            domain.loop, sock, on_frame=self._on_frame, on_close=self._on_close,
-            sink=self._sink, max_body=MAX_HANDSHAKE_BODY, max_payload=0,
-            buffer_size=PRE_AUTH_BUFFER,
-        )
-        self._timer: asyncio.TimerHandle | None = domain.loop.call_at(
-            self.hs.deadline, self._tick)
-
-    def _tick(self) -> None:
-        self._timer = None
-        if not self.hs.done:
-            try:
-                self.hs.tick(self.domain.loop.time())
-            except TransferdError as exc:
-                log.info("rail %d: %s", self.domain.rail, exc.message)
-                self.close()
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.stream.close()
-
-    def _sink(self, frame: Frame) -> Sink:
-        self._error = None
-        self._write = None
-        if self.peer is None:  # (the decoder takes no payload before the handshake)
-            self._error = NoHello("peer handshake first")
-            return DISCARD
-        g = self.domain.group
-        try:
-            if frame.cmd == PeerCommand.WRITE:
-                self._write = WriteHeader.parse(frame.body)
-                region = g.region(self._write.rkey, self.domain.rail)
-                io = g.device_io(region)
-                if io is not None and frame.payload_len:
-                    return self._stage(g, io, region, frame)
-                views, self._landing = g.check_write(region, self.peer, self._write,
-                                                     frame.payload_len, self._abort)
-                return views
-            if frame.cmd == PeerCommand.SEND:
-                parse_ref(frame.body)
-                if frame.payload_len > MAX_MESSAGE:
-                    # Collected in memory: a size only the sender vouches for is
-                    # checked before anything is allocated for it.
-                    raise BadRequest(f"message of {frame.payload_len} bytes is over the "
-                                     f"limit of {MAX_MESSAGE}")
-                return None
-        except TransferdError as exc:
-            self._error = exc
-            return DISCARD
-        self._error = BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}")
-        return DISCARD
-
-    def _stage(self, g: Receiver, io: Any, region: Region, frame: Frame) -> Sink:
-        """A WRITE into device memory: its payload is received into pinned staging.
-
-        The chunks come from the group's bounded pool.  This link takes only
-        chunks that are free now (a sink cannot wait) and, after each device
-        write, stops reading until that write's chunks are back (see
-        :meth:`_land_device`), so a link waits for staging instead of
-        anything growing.  A payload larger than the whole pool is refused.
-        """
-        assert self._write is not None and self.peer is not None
-        pool = io.pool
-        need = -(-frame.payload_len // pool.chunk_size)
-        if need > pool.capacity:
-            raise BadRequest(f"a write of {frame.payload_len} bytes into {region.buffer.device} "
-                             f"memory is larger than its staging ({pool.capacity} x "
-                             f"{pool.chunk_size} bytes)")
-        pages, admitted = g.check_device_write(region, self.peer, self._write,
-                                               frame.payload_len, self._abort)
-        chunks: list[Any] = []
-        for _ in range(need):
-            got = pool.try_acquire()
-            if got is None:
-                for c in chunks:
-                    pool.release(c)
-                admitted.release()
-                raise OutOfMemory(f"staging of {region.buffer.device} is taken "
-                                  f"({pool.in_use} of {pool.capacity} chunks in use)")
-            chunks.append(got)
-        self._landing = admitted
-        self._staged = (io, chunks, pages)
-        left = frame.payload_len
-        views = []
-        for c in chunks:
-            k = min(left, c.size)
-            views.append(c.view[:k])
-            left -= k
-        return views
-
-    def _land_device(self, frame: Frame, write: WriteHeader, landing: Ref | None) -> None:
-        """The payload is in staging: H2D copies, and count and ACK only after their event.
-
-        Until then the region's admission (``landing``) is held and this link
-        reads nothing more (exact framing: the next frame stays in the socket).
-        """
-        assert self._staged is not None
-        io, chunks, pages = self._staged
-        self._staged = None
-        gate = GatedLanding(io.stream, io.waiter, io.pool)
-        per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
-        step = io.pool.chunk_size
-        pos = 0
-        for dev, n in pages:
-            while n:
-                ci, off = divmod(pos, step)
-                k = min(n, step - off)
-                per_chunk[ci].append((dev, off, k))
-                dev, n, pos = dev + k, n - k, pos + k
-        left = [len(chunks)]
-        loop, g, body, nbytes = self.domain.loop, self.domain.group, frame.body, frame.payload_len
-        peer = self.peer
-        assert peer is not None
-
-        def copied() -> None:  # on the event waiter's thread, once per chunk
-            left[0] -= 1
-            if left[0]:
-                return
-            loop.call_soon_threadsafe(done)
-
-        def done() -> None:
-            if landing is not None:
-                landing.release()
-            error: TransferdError | None = None
-            try:
-                g.landed(peer, write, nbytes)
-            except TransferdError as exc:
-                error = exc
-            self.stream.resume_reading()
-            self._ack(body, error)
-
-        self.stream.pause_reading()
-        try:
-            for chunk, pieces in zip(chunks, per_chunk, strict=True):
-                gate.land(chunk, pieces, copied)
-        except BaseException:
-            self.stream.resume_reading()
-            raise
-
-    def _ack(self, body: dict[str, Any], error: TransferdError | None) -> None:
-        op, part = body.get("op"), body.get("part")
-        reply = {"op": op if type(op) is int else -1, "part": part if type(part) is int else -1}
-        reply.update({"ok": True} if error is None else error.to_body())
-        self.stream.send(PeerCommand.ACK, 0, 0, reply)
-
-    def _on_frame(self, frame: Frame) -> None:
-        if self.peer is None:
-            self._handshake(frame)
-            return
-        error = self._error if frame.payload_len else None
-        write, self._error, self._write = self._write, None, None
-        landing, self._landing = self._landing, None
-        if self._staged is not None and write is not None:
-            try:
-                self._land_device(frame, write, landing)
-                return
-            except TransferdError as exc:
-                error = exc
-        if landing is not None:
-            # Every byte is in place (the frame is whole): the region may go.
-            landing.release()
-        g = self.domain.group
-        if frame.cmd == PeerCommand.WRITE:
-            if error is None:
-                try:
-                    if write is None:  # no payload: the sink was not asked
-                        write = WriteHeader.parse(frame.body)
-                        region = g.region(write.rkey, self.domain.rail)
-                        g.check_write(region, self.peer, write, 0)[1].release()
-                    g.landed(self.peer, write, frame.payload_len)
-                except TransferdError as exc:
-                    error = exc
-            if error is not None:
-                g.refused(error)
-                peer_warning("peer write refused", self.peer[0], self.domain.rail,
-                             _peername(self.stream.sock), error)
-            self._ack(frame.body, error)
-        elif frame.cmd == PeerCommand.SEND:
-            if error is None:
-                try:
-                    parse_ref(frame.body)
-                except TransferdError as exc:
-                    error = exc
-            if error is not None:
-                self._ack(frame.body, error)
-                return
-            # Acknowledged when a client has the message, which may be later
-            # (it waits for a receive) and on another thread.  Its sender is
-            # the peer this link authenticated, whatever the frame says.
-            body, loop = frame.body, self.domain.loop
-
-            def ack(err: TransferdError | None) -> None:
-                loop.call_soon_threadsafe(self._delivered, body, err)
-
-            g.deliver(self.peer, bytes(frame.payload or b""), ack)
-        else:
-            self.close()
-
-    def _handshake(self, frame: Frame) -> None:
-        d = self.domain
-        if frame.cmd == PeerCommand.PROBE and self.hs.state is State.AWAIT_HELLO:
-            try:
-                nonce, token = parse_probe(frame.body)
-            except TransferdError:
-                self.close()
-                return
-            d.probe_arrived(nonce, token)
-            self.close()
-            return
-        try:
-            self.hs.receive(frame, d.loop.time())
-        except TransferdError as exc:
-            log.info("rail %d: peer handshake refused: %s", d.rail, exc.message)
-            self.stream.send_raw(self.hs.data_to_send())
-            self.close()
-            return
-        self.stream.send_raw(self.hs.data_to_send())
-        for ev in self.hs.events():
-            if isinstance(ev, Probe):
-                if not d.send_probe(ev.addr, ev.data):
-                    self.close()
-                    return
-            elif isinstance(ev, Ready):
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
-                d.handshake_done(self)
-                self.peer = ev.peer.key
-                # An authenticated peer's writes carry their pages' bytes.
-                self.stream.decoder.max_body = MAX_BODY
-                self.stream.decoder.max_payload = MAX_PAYLOAD
-                self.stream.decoder.grow_buffer()
-
-    def _delivered(self, body: dict[str, Any], error: TransferdError | None) -> None:
-        if error is None:
-            self.domain.group.delivered()
-        self._ack(body, error)
-
-    def _abort(self) -> None:
-        # From any thread: the link is closed on its worker, and no more lands.
-        self.domain.loop.call_soon_threadsafe(self.stream.close,
-                                              PeerUnreachable("region deregistered"))
-
-    def _on_close(self, exc: BaseException | None) -> None:
-        staged, self._staged = self._staged, None
-        if staged is not None:  # closed mid-payload: the chunks go back unused
-            for chunk in staged[1]:
-                staged[0].pool.release(chunk)
-        landing, self._landing = self._landing, None
-        if landing is not None:
-            landing.release()  # the socket is closed: no more of it lands
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.domain.inbound_closed(self)
