@@ -85,6 +85,26 @@ def check_rail(host: str, port: int) -> tuple[str, int]:
     return host, port
 
 
+async def dial_probe(loop: asyncio.AbstractEventLoop, bind_host: str, host: str, port: int,
+                     data: bytes, timeout: float, label: str) -> None:
+    """Connect from ``bind_host`` to ``host:port``, send ``data`` (a PROBE), hang up.
+
+    Used by every Domain whose handshake runs over a rail's TCP link; a failure
+    is only logged (the initiator's handshake then times out on its own).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((bind_host, 0))
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+        await asyncio.wait_for(loop.sock_sendall(sock, data), timeout)
+    except (TimeoutError, OSError) as exc:
+        log.info("%s: probe to %s:%d failed: %s", label, host, port, exc)
+    finally:
+        sock.close()
+
+
 class LinkState(enum.Enum):
     CONNECTING = "connecting"  # connecting, then the handshake
     READY = "ready"
@@ -206,18 +226,8 @@ class TcpDomain(Domain):
         return True
 
     async def _probe(self, host: str, port: int, data: bytes) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((self.host, 0))
-            sock.setblocking(False)
-            timeout = self.group.handshake_timeout_s
-            await asyncio.wait_for(self.loop.sock_connect(sock, (host, port)), timeout)
-            await asyncio.wait_for(self.loop.sock_sendall(sock, data), timeout)
-        except (TimeoutError, OSError) as exc:
-            log.info("rail %d: probe to %s:%d failed: %s", self.rail, host, port, exc)
-        finally:
-            sock.close()
+        await dial_probe(self.loop, self.host, host, port, data,
+                         self.group.handshake_timeout_s, f"rail {self.rail}")
 
     # -- inbound ------------------------------------------------------------------
 

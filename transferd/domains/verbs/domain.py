@@ -48,7 +48,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.values import NetAddr
 
 from ..base import Domain
-from ..tcp import parse_rail, rail_bytes
+from ..tcp import dial_probe, parse_rail, rail_bytes
 from . import messages
 from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from .cqloop import CqPoller
@@ -407,18 +407,8 @@ class VerbsDomain(Domain):
         return True
 
     async def _probe(self, host: str, port: int, data: bytes) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((self.host, 0))
-            sock.setblocking(False)
-            timeout = self.group.handshake_timeout_s
-            await asyncio.wait_for(self.loop.sock_connect(sock, (host, port)), timeout)
-            await asyncio.wait_for(self.loop.sock_sendall(sock, data), timeout)
-        except (TimeoutError, OSError) as exc:
-            log.info("verbs rail %d: probe to %s:%d failed: %s", self.rail, host, port, exc)
-        finally:
-            sock.close()
+        await dial_probe(self.loop, self.host, host, port, data,
+                         self.group.handshake_timeout_s, f"verbs rail {self.rail}")
 
     def fail_wrs_of(self, qp: QpEnd) -> list[Posted]:
         """Take back the work requests of a queue pair that is going away."""
