@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make rdma-check`: the tests that need RDMA (tests/rdma/) over real verbs, and a report.
+# `make rdma-check`: the tests that need RDMA (tests/rdma/: the engine and rdma:// suites) and the Domain conformance suite (tests/domains/, verbs among its Domains) over real verbs, and a report.
 #
 # Where the devices come from, first that works:
 #   1. TRANSFERD_RDMA_DEVICES=dev_a,dev_b given: those (daemon a uses the first, b the second)
@@ -119,13 +119,13 @@ fi
 echo "rdma-check: devices $DEVICES ($HOW)"
 # Registered memory is pinned: the daemons the tests start inherit this limit.
 ulimit -l unlimited 2>/dev/null || echo "rdma-check: cannot raise the memlock limit ($(ulimit -l) KiB)"
-TRANSFERD_RDMA_DEVICES=$DEVICES $PY -m pytest -q -rs tests/rdma \
+TRANSFERD_RDMA_DEVICES=$DEVICES $PY -m pytest -q -rs tests/rdma tests/domains \
   --junitxml="$OUT/rdma-junit.xml" > "$OUT/pytest.txt" 2>&1
 rc=$?
 if [ "$rc" = 0 ]; then
-  report 0 "tests/rdma passed over $DEVICES" "$DEVICES" "$HOW"
+  report 0 "tests/rdma and tests/domains passed over $DEVICES" "$DEVICES" "$HOW"
 else
-  report 1 "tests/rdma failed over $DEVICES (pytest exit $rc; see $OUT/pytest.txt)" "$DEVICES" "$HOW"
+  report 1 "tests/rdma or tests/domains failed over $DEVICES (pytest exit $rc; see $OUT/pytest.txt)" "$DEVICES" "$HOW"
   rc=1
 fi
 exit "$rc"
