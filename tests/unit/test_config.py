@@ -306,7 +306,7 @@ def test_generated_files_match_the_schema() -> None:
 
     bad = config_docs.drifted()
     assert not bad, (
-        f"{', '.join(bad)} differ from the schema in transferd/config.py: "
+        f"{', '.join(bad)} differ from the schema in transferd/config_sections.py: "
         f"run `{config_docs.COMMAND}`"
     )
 

@@ -1,0 +1,483 @@
+"""The configuration schema's sections: every key, its default, its doc and its bounds.
+
+A leaf of :mod:`transferd.config`, which assembles these sections into
+:class:`~transferd.config.Config` and loads them (file, environment, flags); split
+from it so the schema an operator reads is not buried in the loader.  Every name
+here is also importable from :mod:`transferd.config`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, PROTO_MINOR
+
+TOKEN_REFUSED = (
+    "--token is refused: a secret on the command line is visible to every local user "
+    "(ps, /proc/PID/cmdline). Put it in a file only the daemon's user can read and pass "
+    "--token-file FILE (server.token_file), or set TRANSFERD_SERVER_TOKEN."
+)
+
+ENV_PREFIX = "TRANSFERD_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+
+
+class ConfigError(ValueError):
+    """One or more configuration keys or values are wrong; each message names its key.
+
+    ``errors`` lists every problem found; ``str()`` is one per line.
+    """
+
+    def __init__(self, errors: str | list[str]) -> None:
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def key(
+    default: Any,
+    doc: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple[str, ...] = (),
+    flag: str = "",
+    reload: bool = False,
+    secret: bool = False,
+    unit: str = "",
+) -> Any:
+    """Declare a config key.
+
+    ``doc``: what it does, for operators (becomes the comment in the TOML file
+    and the reference).  ``min``/``max``: inclusive bounds of a number;
+    ``choices``: the allowed strings (matched case-insensitively, stored lower
+    case).  ``flag``: the command-line flags that set it, as documented.
+    ``reload``: SIGHUP applies a change without a restart.  ``secret``: masked
+    by ``check-config --print``.
+    """
+    meta = {
+        "doc": " ".join(doc.split()),
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "flag": flag,
+        "reload": reload,
+        "secret": secret,
+        "unit": unit,
+    }
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServerConfig:
+    """The RPC server: where clients connect."""
+
+    host: str = key(
+        "127.0.0.1",
+        'Address the RPC server listens on (TCP), an IP address or a name that resolves. '
+        '"0.0.0.0" listens on every IPv4 address; anything but loopback should come with '
+        "a token. Also the engine's single rail when engine.host_rails is empty.",
+        flag="-H/--host",
+    )
+    port: int = key(
+        18515,
+        'TCP port of the RPC server; 0 lets the system pick a free one (printed at start: '
+        '"transferd: listening on tcp://HOST:PORT"). A port given that is taken is an error '
+        "naming it.",
+        min=0, max=65535, flag="-p/--port",
+    )
+    tcp_listener: bool = key(
+        True,
+        "Listen on tcp://host:port. false leaves only the listeners of server.listen and "
+        "server.unix_socket (a daemon reachable only through local sockets or TLS).",
+    )
+    listen: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'More listeners, by URL: "tcp://HOST:PORT", "tls://HOST:PORT" (needs '
+        'server.tls_cert and server.tls_key), "unix:///PATH" (stream), '
+        '"seqpacket:///PATH" (AF_UNIX SOCK_SEQPACKET, a message transport), '
+        '"rdma://HOST:PORT" (an RDMA RC queue pair set up over TCP at HOST:PORT, a message '
+        "transport; needs an RDMA device, docs/rdma.md). Port 0 picks "
+        'one; the daemon prints every URL it got ("transferd: listening on URL"). unix and '
+        "seqpacket connections can carry file descriptors (shared-memory buffers).",
+        flag="--listen (repeatable)",
+    )
+    unix_socket: str = key(
+        "",
+        'Also listen on this Unix stream socket path ("" = none). A stale socket file at '
+        'the path is removed at start, and the file at stop. Clients connect with '
+        '"unix:///path". Two daemons must not share a path: give each its own.',
+        flag="--unix",
+    )
+    token: str = key(
+        "",
+        'Shared secret clients must prove ("" = none; server.token_file wins): with '
+        "hmac-sha256 (the secret never crosses the wire) or, on server.token_transports, as "
+        "a token in HELLO. Wrong or missing: UNAUTHORIZED and a close, logged with the "
+        "source and slowed down per source. Set it with TRANSFERD_SERVER_TOKEN or "
+        "server.token_file, never on the command line (--token is refused).",
+        reload=True, secret=True,
+    )
+    token_file: str = key(
+        "",
+        "File holding the shared secret clients prove (its contents, outer whitespace "
+        "removed); wins over server.token. Keep it readable by the daemon's user only. "
+        "SIGHUP re-reads it.",
+        flag="--token-file", reload=True,
+    )
+    token_transports: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        ["unix", "seqpacket", "tls"],
+        "Listener schemes on which the token method is offered besides hmac-sha256 (the "
+        "token crosses the wire, so by default only local sockets and TLS). hmac-sha256 is "
+        "offered everywhere a secret is set.",
+    )
+    handshake_timeout_s: float = key(
+        5.0,
+        "Seconds a connection has to finish HELLO (and AUTH) before it is closed.",
+        min=0.01, max=600,
+    )
+    max_handshakes: int = key(
+        1024,
+        "Connections that have not finished their handshake, in all; one more is closed at "
+        "once.",
+        min=1,
+    )
+    max_handshakes_per_source: int = key(
+        128,
+        "Connections from one source address (an IP; all Unix-socket clients are one "
+        "source) that have not finished their handshake; one more is closed at once.",
+        min=1,
+    )
+    protocol_minor: int = key(
+        PROTO_MINOR,
+        "Protocol minor this server acts as: 2 (current) or 1. As minor 1 it reports minor 1 "
+        "in HELLO and answers minor-2 commands (GET_TENSORS, SET_TENSORS, the engine "
+        "commands) with UNKNOWN_COMMAND: for compatibility tests and A/B runs.",
+        min=1, max=2, flag="--protocol-minor",
+    )
+    max_body: int = key(
+        DEFAULT_MAX_BODY,
+        "Largest frame body (the msgpack map) accepted, in bytes; announced in HELLO. A "
+        "larger header gets TOO_LARGE and a close. The default (4 MiB) holds a batch of "
+        "well over 100,000 tensors.",
+        min=1024, unit="bytes",
+    )
+    max_payload: int = key(
+        DEFAULT_MAX_PAYLOAD,
+        "Largest frame payload (raw tensor bytes) accepted, in bytes; announced in HELLO. "
+        "Clients split batches to stay under it. Default 16 GiB.",
+        min=1, unit="bytes",
+    )
+    max_tensors: int = key(
+        65536,
+        "Most tensors in one GET_TENSORS or SET_TENSORS batch; announced in HELLO as "
+        "max_tensors. A larger batch gets TOO_LARGE (the connection goes on) before any "
+        "tensor is looked up; clients split their batches to stay under it. It bounds the "
+        "work of one frame on the daemon's loop and what a reply holds while unread.",
+        min=1, max=1 << 24,
+    )
+    max_reply: int = key(
+        DEFAULT_MAX_PAYLOAD,
+        "Most payload bytes of one reply (GET_TENSOR, GET_TENSORS); announced in HELLO as "
+        "max_reply. A larger request gets TOO_LARGE (the connection goes on); clients split "
+        "their batches to stay under it. Default 16 GiB.",
+        min=1, unit="bytes",
+    )
+    max_message: int = key(
+        256 * 1024,
+        "Message transports (seqpacket): the size of every payload continuation message, "
+        "announced in HELLO as max_message.",
+        min=65536, max=1 << 20, unit="bytes",
+    )
+    tls_cert: str = key(
+        "",
+        'PEM certificate chain for tls:// listeners ("" = none; a tls:// listener without '
+        "it is a configuration error).",
+    )
+    tls_key: str = key("", "PEM private key for tls:// listeners (keep it readable by the "
+                       "daemon only).")
+
+
+@dataclass
+class MemoryConfig:
+    """Buffers: memory the daemon hands out to clients, each device under its own limit."""
+
+    host_limit_mib: int = key(
+        4096,
+        "Host memory the daemon may hand out as buffers, all buffers together, in MiB. "
+        "ALLOC_BUFFER past it gets OUT_OF_MEMORY; GET_DEVICES reports it as total. Buffers "
+        "are backed lazily, so this is what the daemon promises; it must not exceed the "
+        "machine's memory.",
+        min=1, flag="-m/--mem", reload=True, unit="MiB",
+    )
+    max_buffer_mib: int = key(
+        0,
+        "Largest single buffer, in MiB; 0 = no cap but host_limit_mib, which it must not "
+        "exceed. GET_DEVICES reports it as max_size.",
+        min=0, reload=True, unit="MiB",
+    )
+    shm_limit_mib: int = key(
+        1024,
+        'Shared memory (device "shm": a memfd the daemon maps and passes to a client on the '
+        "Unix socket, which maps the same pages) the daemon may hand out, all shared buffers "
+        "together, in MiB; 0 serves no shm device. Counted apart from host_limit_mib.",
+        min=0, reload=True, unit="MiB",
+    )
+    max_buffers: int = key(
+        32768,
+        "Most buffers held at once, all devices together (a freed buffer still counts while "
+        "a reply or a write holds it). Each is a mapping of its own: the kernel allows a "
+        "process vm.max_map_count of them (65530 by default), and the interpreter needs "
+        "some too. ALLOC_BUFFER past it gets OUT_OF_MEMORY.",
+        min=1, max=1 << 20,
+    )
+
+
+@dataclass
+class GpuConfig:
+    """CUDA devices (needs CuPy): one domain group per GPU, its worker on the GPU's NUMA node."""
+
+    devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'CUDA devices to serve buffers from, besides host memory: "cuda:N" each, as '
+        'GET_DEVICES and ALLOC_BUFFER name them (rpc-server -d cuda:0 or -d cuda:0,cuda:1; '
+        "one rpc-server per GPU is the llama.cpp way). Each gets its own group: a worker "
+        "pinned to a core of the GPU's NUMA node with the GPU's context current, a CUDA "
+        "stream, and its pinned staging. A device CuPy does not find stops the start.",
+        flag="-d/--device",
+    )
+    memory_limit_mib: int = key(
+        0,
+        "Device memory the daemon may hand out as buffers on each GPU, in MiB; 0 = 90% of "
+        "what the device reports free at start. GET_DEVICES reports it as total.",
+        min=0, unit="MiB",
+    )
+    staging_mib: int = key(
+        32,
+        "Pinned host staging per GPU, in MiB, allocated at start and reused: every byte "
+        "between the wire and a device goes through it (a GET copies device to staging "
+        "while the previous chunk is sent). When all of it is in use, work waits; it "
+        "never grows.",
+        min=1, max=65536, unit="MiB",
+    )
+    staging_chunk_kib: int = key(
+        4096,
+        "Size of one staging chunk, in KiB: the unit of one device copy in the pipeline. "
+        "staging_mib holds staging_mib * 1024 / staging_chunk_kib chunks (at least one).",
+        min=64, max=1048576, unit="KiB",
+    )
+
+
+@dataclass
+class MetricsConfig:
+    """The Prometheus endpoint, http://HOST:PORT/metrics."""
+
+    enabled: bool = key(
+        True, "Serve Prometheus metrics over HTTP.", flag="--metrics-port -1 turns it off"
+    )
+    host: str = key(
+        "127.0.0.1",
+        'Address of the metrics endpoint; "0.0.0.0" for a Prometheus on another host (the '
+        "endpoint has no authentication: firewall it).",
+    )
+    port: int = key(
+        0,
+        "Port of the metrics endpoint. 0 (the default) lets the system pick a free one, "
+        'printed at start ("transferd: metrics on http://HOST:PORT/metrics"), so that '
+        "daemons started with different RPC ports never collide; a node's service sets a "
+        "fixed port for Prometheus to scrape (18516 in deploy/ and config/examples/). A port "
+        "given that is taken is an error naming metrics.port.",
+        min=0, max=65535, flag="--metrics-port",
+    )
+
+
+@dataclass
+class EngineConfig:
+    """The transfer engine: the peer plane between daemons."""
+
+    enabled: bool = key(
+        True,
+        "Run the transfer engine (registered regions, one-sided writes, immediate "
+        "counters, the engine commands 0x20-0x3F). Off: those commands get "
+        'UNKNOWN_COMMAND and HELLO\'s features lack "engine".',
+    )
+    host_rails: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        "One local address per rail (NIC) of the host domain group, 1 to 4 of them; empty "
+        "= one rail on server.host. Each must be an address of this machine. Every peer "
+        "must have the same rail count.",
+    )
+    peer_port: int = key(
+        0,
+        "Port of the peer plane (daemon-to-daemon links) on the first rail; 0 lets the "
+        "system pick. The ports in use travel in the daemon's NetAddr (printed at start: "
+        '"transferd: engine NODE rails HOST:PORT ..."), so peers need not be told. Fix it '
+        "when a firewall must be opened for it.",
+        min=0, max=65535,
+    )
+    pin_workers: bool = key(
+        True,
+        "Pin each engine worker thread to a core of its device's NUMA node, within the "
+        "CPUs the process may use; a failure to pin is logged, never fatal.",
+    )
+    peer_timeout_s: float = key(
+        30.0,
+        "Seconds the engine waits for a peer to acknowledge a transfer before it fails the "
+        "transfer with TIMEOUT at the initiator; must be positive.",
+        min=1e-3, unit="s",
+    )
+    domain: str = key(
+        "tcp",
+        'The Domain (transport) of each rail, by its registry name: "tcp"; "verbs" (RDMA '
+        "through pyverbs, one device of engine.rdma_devices per rail; docs/rdma.md); or, "
+        'for tests, "chaos" (a wrapper around tcp; "chaos:NAME" wraps another Domain) that '
+        "delivers every write in pieces, out of order, after random delays, to prove "
+        'nothing depends on delivery order. Never use "chaos" in production. '
+        "docs/domains.md says how to add a Domain.",
+        choices=("tcp", "chaos", "chaos:tcp", "verbs"),
+    )
+    rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'With domain = "verbs": the RDMA device of each rail, in the order of '
+        'engine.host_rails (names as `transferd devices` lists them, e.g. "mlx5_0"); one '
+        "per rail. The rail's host address carries the queue-pair set-up over TCP.",
+    )
+    rdma_port: int = key(
+        1, 'With domain = "verbs": the port of each RDMA device to use (1 on most NICs).',
+        min=1, max=255,
+    )
+    rdma_gid_index: int = key(
+        -1,
+        'With domain = "verbs": the GID index of the port; -1 picks one (on RoCE the '
+        "RoCE v2 GID of an IPv4 address first, on InfiniBand index 0).",
+        min=-1, max=255,
+    )
+    chaos_seed: int = key(
+        0, 'Seed of the "chaos" domain\'s random delays and order. Ignored by "tcp".'
+    )
+    chaos_max_delay_ms: float = key(
+        5.0,
+        'Largest random delay the "chaos" domain puts before each piece it sends, in '
+        'milliseconds. Ignored by "tcp".',
+        min=0, unit="ms",
+    )
+    secret_file: str = key(
+        "",
+        "A file holding the cluster secret (its contents, whitespace stripped), the same "
+        "on every daemon, readable by the daemon's user only: every peer link proves it "
+        "in both directions (HMAC-SHA256 over fresh nonces) before any byte or rkey "
+        'crosses. "" (and no engine.secret): links are not authenticated, the rails bind '
+        "to loopback only, and a non-loopback rail is refused unless engine.insecure is "
+        "set. Never a command-line flag.",
+    )
+    secret: str = key(
+        "",
+        "The cluster secret itself, for a service manager that injects secrets into the "
+        "environment (TRANSFERD_ENGINE_SECRET); prefer engine.secret_file. Not both.",
+        secret=True,
+    )
+    insecure: bool = key(
+        False,
+        "Without a cluster secret, allow rails beyond loopback anyway: any host that "
+        "reaches a rail port can then act as a peer. Only on a network you trust.",
+    )
+    handshake_timeout_s: float = key(
+        5.0,
+        "Seconds a peer link may take to finish its handshake before it is closed. Until "
+        "then it takes a 4 KiB body and no payload.",
+        min=1e-3, unit="s",
+    )
+    max_inflight_per_client: int = key(
+        1024,
+        "Most engine operations (writes, scatters, barriers, sends) one client connection "
+        "may have in flight at once, of the engine worker's 4,096 slots shared by all: its "
+        "next submit waits (holding back that connection's later frames) until one of its "
+        "own finishes, so one client's writes to a silent peer cannot take every slot.",
+        min=1, max=4096,
+    )
+    max_recv_pools: int = key(
+        64,
+        "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "
+        "receives of one length; post fewer, larger ones); one more is refused with "
+        "TOO_LARGE. Every arriving message looks through the posted pools, so they are "
+        "bounded.",
+        min=1, max=65536,
+    )
+    max_expectations: int = key(
+        65536,
+        "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "
+        "is refused with TOO_LARGE. They go when they fire or the connection closes.",
+        min=1,
+    )
+
+    def has_secret(self) -> bool:
+        return bool(self.secret_file or self.secret)
+
+
+def _rail_problems(e: EngineConfig) -> list[str]:
+    """Without a secret, rails on loopback only unless insecure is set."""
+    if e.has_secret() or e.insecure:
+        return []
+    out = []
+    for host in e.host_rails:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            out.append(
+                f"engine.host_rails: {host} is not a loopback address, and without a cluster "
+                "secret peers are not authenticated: set engine.secret_file (the same on "
+                "every daemon), or engine.insecure = true to accept the risk")
+    return out
+
+
+@dataclass
+class LogConfig:
+    """The daemon's log, on stderr (the journal under systemd)."""
+
+    level: str = key(
+        "info",
+        "Log level: debug, info, warning or error (any case). docs/operations.md says what "
+        "each level logs.",
+        choices=LOG_LEVELS, flag="--log-level", reload=True,
+    )
+    format: str = key(
+        "text",
+        'Log line format: "text" (one readable line per record) or "json" (one JSON '
+        "object per line, for log shippers).",
+        choices=LOG_FORMATS, flag="--log-format",
+    )
+
+
+def _listen_problems(s: ServerConfig) -> list[str]:
+    from transferd import transports  # the registry knows every scheme
+
+    out: list[str] = []
+    for scheme in s.token_transports:
+        if scheme not in transports.schemes():
+            out.append(f"server.token_transports: {scheme!r} is not a transport "
+                       f"({', '.join(transports.schemes())})")
+    for url in s.listen:
+        try:
+            kind = transports.get(url)
+            kind.parse(url)
+        except Exception as exc:
+            out.append(f"server.listen: {getattr(exc, 'message', exc)}")
+            continue
+        if kind.scheme == "tls" and not (s.tls_cert and s.tls_key):
+            out.append(f"server.listen: {url} needs server.tls_cert and server.tls_key")
+    if s.token_file:
+        try:
+            with open(s.token_file, "rb") as f:
+                if not f.read(4096).strip():
+                    out.append(f"server.token_file: {s.token_file} is empty")
+        except OSError as exc:
+            out.append(f"server.token_file: cannot read {s.token_file}: {exc.strerror}")
+    if not s.tcp_listener and not s.listen and not s.unix_socket:
+        out.append("server.tcp_listener: false leaves nothing to listen on")
+    return out
