@@ -22,10 +22,13 @@ BENCHMARKS = [
     "shm_read",
     # Connections (issue 6)
     "transports",
+    # How cost grows (issue 12)
+    "copies",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
     "memory": ["shm_read"],
+    "scale": ["copies"],
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transferd import __version__, transports
+from transferd.copies import COUNTING, count
 from transferd.protocol import auth as auth_methods
 from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
@@ -52,7 +53,12 @@ def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
                 pos = 0
                 for g in gets:
                     end = pos + g.tensor[2]
-                    g.result = payload[pos:end]
+                    # Called twice per reply (its done callback, then the flush
+                    # itself): a read already settled is not cut out again.
+                    if not g.future.done():
+                        g.result = payload[pos:end]
+                        if COUNTING:
+                            count("client.batch_cut", end - pos)
                     pos = end
         for g in gets:
             f = g.future
@@ -345,6 +351,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
             if self._queue:
                 await self.flush()  # a flush point, as over the wire
             self._shared[t.buffer].local(t.offset, t.size)[:] = view
+            if COUNTING:
+                count("client.shared_set", t.size)
             return
         # A Tensor is a tuple: msgpack writes it as the [buffer, offset, size] array.
         await self._call(_SET_TENSOR, {"tensor": t}, [view])
@@ -397,6 +405,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
             if view.nbytes != t.size:
                 raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
             self._shared[t.buffer].local(t.offset, t.size)[:] = view
+            if COUNTING:
+                count("client.shared_set", t.size)
             return
         if type(data) is bytes:  # immutable, one byte per item: held as is
             if len(data) != t.size:
@@ -408,6 +418,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
             raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
         if copy and not view.readonly:
             data = bytes(view)
+            if COUNTING:
+                count("client.queue_copy", t.size)
         self._queue.append(QueuedSet(t, data))
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
@@ -523,6 +535,8 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
     def _get_local(self, t: Tensor, out: Any) -> Any:
         """A shared buffer's tensor, copied out of this process's mapping."""
         src = self._shared[t.buffer].local(t.offset, t.size)
+        if COUNTING:
+            count("client.shared_get", t.size)
         if out is None:
             return bytearray(src)
         self._out_view(t, out)[:] = src

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from transferd import transports
+from transferd.copies import COUNTING, count
 from transferd.protocol import frames
 from transferd.protocol.constants import (
     HEADER_SIZE,
@@ -293,6 +294,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._write_frame is not None:
             self._write_frame(head, views, plen)
         elif plen <= SMALL_WRITE:
+            if COUNTING and plen:
+                count("client.send_join", plen)
             self.transport.write(b"".join((head, *views)) if plen else head)
         else:
             # One call for all payload objects: sent together, not a syscall each.

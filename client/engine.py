@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import ConnectionLost, TransferdError, error_from_body
 from transferd.protocol.frames import Frame
@@ -105,6 +106,8 @@ class EngineEvents:
         if frame.cmd == Command.SUBMIT_RECVS and not frame.is_error:
             cb = self.receivers.get(frame.seq)
             if cb is not None:
+                if COUNTING:
+                    count("client.recv_message", frame.payload_len)
                 cb(bytes(frame.payload or b""))
                 return True
             return False
@@ -188,6 +191,8 @@ class EngineMixin:
         # The payload is written to the socket (or copied) before this returns
         # control, so the caller may reuse ``msg`` at once.
         data = bytes(memoryview(msg).cast("B"))
+        if COUNTING:
+            count("client.send_message", len(data))
         return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data])
 
     def submit_recvs(self: Client, length: int, count: int,  # type: ignore[misc]

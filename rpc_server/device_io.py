@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from transferd.copies import COUNTING, count
 from transferd.memory.base import Ref
 from transferd.memory.staging import DeviceIO, StagingChunk, device_to_wire
 from transferd.protocol import frames
@@ -178,6 +179,8 @@ async def _land(landing: _Landing, payload: bytearray | None) -> None:
                 bio = io_of(buf)
                 if bio is None:
                     buf.view(t.offset, t.size)[:] = src[pos : pos + t.size]
+                    if COUNTING:
+                        count("device_io.collected", t.size)
                     continue
                 waits.append(_push(bio, _dev_ptr(buf, t), src[pos : pos + t.size]))
         if waits:

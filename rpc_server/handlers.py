@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from transferd.copies import COUNTING, count
 from transferd.memory import Ref, memory_class
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, OverLimit, TransferdError
@@ -325,7 +326,12 @@ def _copy_steps(s: Any, d: Any, size: int, backward: bool) -> list[Callable[[], 
         offs.reverse()
 
     def step(o: int) -> Callable[[], None]:
-        return lambda: np.copyto(d[o : o + SLICE], s[o : o + SLICE])
+        def run() -> None:
+            if COUNTING:
+                count("copy_tensor", min(SLICE, size - o))
+            np.copyto(d[o : o + SLICE], s[o : o + SLICE])
+
+        return run
 
     return [step(o) for o in offs]
 
@@ -415,6 +421,10 @@ def synchronize(session: Session, frame: Frame) -> Reply | Awaitable[None] | Non
 @handler(Command.STATS)
 def stats(session: Session, frame: Frame) -> Reply:
     body = session.ctx.stats.to_body()
+    if COUNTING:  # TRANSFERD_COUNT_COPIES=1 (transferd/copies.py, docs/protocol.md)
+        from transferd.copies import snapshot
+
+        body["copies"] = snapshot()
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
+from transferd.copies import COUNTING, count
 from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
 from transferd.protocol import frames
@@ -519,6 +520,8 @@ class Session(asyncio.BufferedProtocol):
                 else:
                     release_all(hold)
         elif plen <= SMALL_REPLY:
+            if COUNTING and plen:
+                count("session.reply_join", plen)
             self.transport.write(b"".join((head, *payload)) if plen else head)
             if hold:
                 # The payload was copied into the joined bytes, but descriptors

@@ -13,6 +13,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
+from transferd.copies import COUNTING, count
 from transferd.logs import peer_warning
 from transferd.memory.staging import GatedLanding
 from transferd.parts import MAX_MESSAGE
@@ -278,6 +279,8 @@ class InboundLink:
             def ack(err: TransferdError | None) -> None:
                 loop.call_soon_threadsafe(self._delivered, body, err)
 
+            if COUNTING:
+                count("peer.deliver", frame.payload_len)
             g.deliver(self.peer, bytes(frame.payload or b""), ack)
         else:
             self.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from transferd.config import ConfigError, EngineConfig
+from transferd.copies import COUNTING, count
 from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.memory import Buffer, BufferTable, Ref
@@ -334,6 +335,8 @@ class TransferEngine:
         assert self.group is not None
         self.group.check_address(addr)
         op = next(self._ops)
+        if COUNTING:
+            count("engine.send_message", len(msg))
         # The message is ours now (bytes are immutable): the caller may reuse its buffer.
         return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
 

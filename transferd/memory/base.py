@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest, OutOfBounds
 
 PAGE = mmap.PAGESIZE
@@ -146,10 +147,14 @@ class Memory(ABC):
     def stage_in(self, offset: int, data: memoryview) -> None:
         """Copy ``data`` into the allocation at ``offset`` (bounds checked)."""
         self._host(offset, len(data))[:] = data
+        if COUNTING:
+            count("memory.stage_in", len(data))
 
     def stage_out(self, offset: int, out: memoryview) -> None:
         """Copy ``len(out)`` bytes at ``offset`` into ``out`` (bounds checked)."""
         out[:] = self._host(offset, len(out))
+        if COUNTING:
+            count("memory.stage_out", len(out))
 
     def _host(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:

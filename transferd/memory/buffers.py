@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMemory
 from transferd.protocol.messages import Tensor
 
@@ -345,6 +346,8 @@ class BufferTable:
             raise BadRequest(f"copy of {src.size} bytes into a tensor of {dst.size}")
         s = self.get(src.buffer).array(src.offset, src.size)
         d = self.get(dst.buffer).array(dst.offset, dst.size)
+        if COUNTING:
+            count("copy_tensor", src.size)
         np.copyto(d, s)  # handles overlapping ranges in one buffer
 
     def close(self) -> None:

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from transferd.copies import COUNTING, count
+
 from .constants import (
     DEFAULT_MAX_BODY,
     DEFAULT_MAX_PAYLOAD,
@@ -453,6 +455,8 @@ class FrameDecoder:
         if self._discard:
             self._payload_left -= len(data)
             return
+        if COUNTING:
+            count("decoder.payload", len(data))
         # One pass over the segments (a batch's many small tensors); the same
         # bookkeeping as _advance_payload, inlined (segments are never empty).
         segs = self._segments
@@ -496,6 +500,8 @@ class FrameDecoder:
 
     def _compact(self) -> None:
         live = self._end - self._start
+        if COUNTING:
+            count("decoder.compact", live)
         self._view[:live] = self._view[self._start : self._end]
         self._start, self._end = 0, live
 
@@ -511,6 +517,8 @@ class FrameDecoder:
 
     def _resize(self, size: int) -> None:
         live = bytes(self._view[self._start : self._end])
+        if COUNTING:
+            count("decoder.resize", 2 * len(live))
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._buf[: len(live)] = live

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, ProtocolError, TooLarge
 
@@ -344,15 +345,21 @@ class SocketTransport(asyncio.Transport):
                 # The protocol paused mid-message (a zero-copy reply is in
                 # flight): keep the rest until it resumes.
                 self._stash = memoryview(bytes(data[pos:]))
+                if COUNTING:
+                    count("transport.stash", n - pos)
                 return
             dst = cast(memoryview, proto.get_buffer(n - pos))
             k = min(len(dst), n - pos)
             if k == 0:
                 if not self._reading:
                     self._stash = memoryview(bytes(data[pos:]))
+                    if COUNTING:
+                        count("transport.stash", n - pos)
                     return
                 raise BadFrame("receive buffer full")
             dst[:k] = data[pos : pos + k]
+            if COUNTING:
+                count("transport.scatter", k)
             pos += k
             proto.buffer_updated(k)
 
@@ -401,6 +408,8 @@ class SocketTransport(asyncio.Transport):
             for chunk in _message_chunks(payload, self.max_message):
                 if len(chunk) > _IOV:
                     chunk = [memoryview(b"".join(chunk))]
+                    if COUNTING:
+                        count("transport.join", len(chunk[0]))
                 msgs.append((chunk, []))
         for views, mfds in msgs:
             self._queue.append((views, mfds))

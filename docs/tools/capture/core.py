@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+
 from capture.live import CLIENT_NAME, HELLO_BODY, TOKEN, Capture, Daemons
 from capture.registry import (
     _quiet,

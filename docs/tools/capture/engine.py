@@ -23,8 +23,8 @@ from capture.registry import (
     request_example,
     session,
 )
-from transferd.protocol import HEADER, Command, Flag, command_name
 from transferd.domains.tcp import parse_rail, rail_bytes
+from transferd.protocol import HEADER, Command, Flag, command_name
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand
 from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role

@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
 
 from .completions import Dispatcher, QpRole, WrIds, WrKind, wr_id
@@ -171,6 +172,8 @@ class RcChannel:
             for v in views:  # the one copy: into registered memory
                 slot[pos : pos + len(v)] = v
                 pos += len(v)
+            if COUNTING:
+                count("verbs.send_slot", pos)
             self.queued -= pos
             ident = wr_id(WrKind.SEND, self.hub.sends.put((self, i)))
             spec = WrSpec(WrOpcode.SEND, [(tx.addr + i * tx.length, pos, tx.reg.lkey)])

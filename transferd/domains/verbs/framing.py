@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, TooLarge
 
@@ -101,5 +102,7 @@ def scatter(data: memoryview, protocol: Any) -> None:
         if k == 0:
             raise BadFrame("receive buffer full")
         dst[:k] = data[pos : pos + k]
+        if COUNTING:
+            count("verbs.scatter", k)
         pos += k
         protocol.buffer_updated(k)

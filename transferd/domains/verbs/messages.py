@@ -10,6 +10,7 @@ frame its header announces is BAD_FRAME (the link is broken, not resynchronised)
 
 from __future__ import annotations
 
+from transferd.copies import COUNTING, count
 from transferd.protocol import frames
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, BadRequest
@@ -27,6 +28,8 @@ def encode_into(slot: memoryview, cmd: int, body: dict[str, object],
     slot[:HEADER_SIZE] = frames.encode_header(cmd, 0, 0, len(raw), len(payload))
     slot[HEADER_SIZE : HEADER_SIZE + len(raw)] = raw
     slot[HEADER_SIZE + len(raw) : n] = payload
+    if COUNTING:
+        count("verbs.encode", len(payload))
     return n
 
 
@@ -44,4 +47,6 @@ def parse(message: memoryview, max_body: int = 4096) -> Frame:
     f = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, h.body_len)
     if h.payload_len:
         f.payload = bytearray(message[HEADER_SIZE + h.body_len :])
+        if COUNTING:
+            count("verbs.parse", h.payload_len)
     return f
