@@ -6,11 +6,12 @@ from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 from .client import Client, RemoteBuffer, Switches
 from .engine import Completion, MrHandle, PeerGroup
+from .leases import Lease
 from .shared import SharedBuffer
 from .sync import SyncClient
 from .watchers import UvmWatcher
 
 __all__ = [
-    "Client", "Completion", "MrDesc", "MrHandle", "NetAddr", "Pages", "PeerGroup",
+    "Client", "Completion", "Lease", "MrDesc", "MrHandle", "NetAddr", "Pages", "PeerGroup",
     "RemoteBuffer", "ScatterDst", "SharedBuffer", "Switches", "SyncClient", "Tensor", "UvmWatcher",
 ]

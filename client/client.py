@@ -29,6 +29,7 @@ from .connection import Connection
 from .copies import CopiesMixin, release_sent
 from .cuda_ipc import IpcMixin
 from .engine import EngineEvents, EngineMixin
+from .leases import LeaseMixin
 from .queue import QueuedGet, QueuedSet, chunks, segments
 from .shared import SharedBuffer, map_shared
 from .watchers import WatcherMixin
@@ -138,7 +139,7 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
-class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
+class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(
@@ -299,13 +300,18 @@ class Client(EngineMixin, WatcherMixin, CopiesMixin, IpcMixin):
     async def get_devices(self) -> list[dict[str, Any]]:
         return list((await self._call(Command.GET_DEVICES)).body["devices"])
 
-    async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
+    async def alloc_buffer(self, size: int, device: str = "cpu", *, owner: str | None = None,
+                           lease: str | None = None) -> RemoteBuffer:
         """A buffer on ``device``; ``"shm"`` (unix:// or seqpacket:// only) maps it here too.
 
         A shared buffer is a :class:`SharedBuffer`: ``.array`` and ``.view``
-        are its memory in this process.
+        are its memory in this process.  ``owner``: ``"daemon"`` (kept until
+        freed), ``"connection"`` (freed when this client disconnects); ``lease``:
+        the name of a lease that owns it; neither: the daemon's default
+        (memory.default_owner; a shared buffer is the connection's).
         """
-        r = await self._call(Command.ALLOC_BUFFER, {"device": device, "size": size})
+        body = {"device": device, "size": size, **self._owner_fields(owner, lease)}
+        r = await self._call(Command.ALLOC_BUFFER, body)
         buffer_id, got = int(r.body["buffer"]), int(r.body["size"])
         nfds = r.body.get("fds", 0)
         if not nfds:

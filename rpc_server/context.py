@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from transferd import __version__
 from transferd.memory import BufferTable
+from transferd.memory.leases import LeaseTable
 from transferd.metrics import Metrics
 from transferd.protocol import auth
 from transferd.protocol.connection import ServerSettings
@@ -52,6 +53,10 @@ class ServerContext:
     # Announced in HELLO on a message transport: the continuation message size.
     max_message: int = 256 * 1024
     engine: TransferEngine | None = None
+    # Owners (docs/engine.md): the owner of a buffer whose ALLOC_BUFFER names
+    # none ("daemon" or "connection"), and the daemon's named leases.
+    default_owner: str = "daemon"
+    leases: LeaseTable | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     name: str = f"transferd/{__version__}"
     # The shared secret clients prove (b"": none required), the transports on

@@ -29,9 +29,12 @@ from transferd.protocol.messages import (
 )
 
 from . import device_io
+from .ownership import owner_for, owner_name, patience_of, session_closed, wait_drained
+
+__all__ = ["HANDLERS", "SINKS", "Reply", "handler", "patience", "session_closed",
+           "wait_drained"]
 
 if TYPE_CHECKING:
-    from transferd.engine.regions import Region
     from transferd.memory import Buffer, BufferTable
 
     from .session import Session
@@ -200,10 +203,18 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
     table.pool(device)  # an unknown device is NOT_FOUND before anything else
     if "ipc_handle" in frame.body:  # a client's own GPU memory (CUDA IPC)
         return device_io.register_ipc(session, frame, device, size)
-    if not memory_class(device).needs_fd_passing:
-        buf = table.alloc(device, size)
+    shared = memory_class(device).needs_fd_passing
+    # Who owns it (docs/engine.md): asked for, else the daemon's default; a
+    # shared buffer's is its connection (the client maps it) unless asked.
+    owner = owner_for(session, frame.body, "connection" if shared else session.ctx.default_owner)
+    asked = "owner" in frame.body or "lease" in frame.body
+    if not shared:
+        buf = table.alloc(device, size, owner=owner)
         buf.allocated_by = session.peer
-        return Reply({"buffer": buf.id, "size": buf.size})
+        body: dict[str, Any] = {"buffer": buf.id, "size": buf.size}
+        if asked:  # echoed only when asked: a reply older clients know stays byte for byte
+            body["owner"] = owner_name(owner)
+        return Reply(body)
     # Shared memory: the client maps the memfd that comes with the reply.
     if not carries_fds(session):
         raise BadRequest(f"a {device!r} buffer is shared memory: it needs a connection that "
@@ -211,8 +222,9 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
     if frame.no_reply:
         raise BadRequest(f"a {device!r} buffer's descriptor comes with the reply: "
                          "ALLOC_BUFFER cannot be one-way")
-    # Owned by this connection: freed when it goes (the client's mapping is its own).
-    buf = table.alloc(device, size, owner=session)
+    # By default owned by this connection: freed when it goes (the client's
+    # mapping is its own).
+    buf = table.alloc(device, size, owner=owner)
     buf.allocated_by = session.peer
     memory = buf.memory
     assert memory is not None
@@ -226,52 +238,14 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
         held.release()
 
     body = {"buffer": buf.id, "size": buf.size, "fds": 1, **memory.describe()}
+    if asked:
+        body["owner"] = owner_name(owner)
     return Reply(body, (), [Ref(sent)], [fd])
-
-
-def session_closed(session: Session) -> None:
-    """Free the buffers a closed connection owned (its shared buffers)."""
-    table = session.ctx.buffers
-    engine = session.ctx.engine
-    for buf in table.owned_by(session):
-        try:
-            table.free_buffer(buf.id)
-        except TransferdError:
-            continue  # freed meanwhile
-        if engine is not None:
-            # Writes in flight into it finish landing (they hold its memory).
-            engine.buffer_freed(buf)
-
-
-def wait_drained(regions: Sequence[Region], patience: float = 30.0) -> Awaitable[None] | None:
-    """None when no write is in flight into ``regions``, else an awaitable until then.
-
-    Writes admitted before the regions were deregistered finish landing (and
-    are acknowledged to their initiators); later ones were refused.  One that
-    has not finished after ``patience`` seconds (a peer stalled mid-payload)
-    is cut short: its link is closed, its initiator sees the link fail, and
-    nothing more of it lands.
-    """
-    pending = [r for r in regions if not r.drained().done()]
-    if not pending:
-        return None
-
-    async def wait() -> None:
-        done = asyncio.gather(*(asyncio.wrap_future(r.drained()) for r in pending))
-        try:
-            await asyncio.wait_for(asyncio.shield(done), patience)
-        except TimeoutError:
-            for r in pending:
-                r.abort_admitted()
-            await done
-
-    return wait()
 
 
 def patience(session: Session) -> float:
     """How long DEREG_MR / FREE_BUFFER wait for a write in flight before cutting it short."""
-    engine = session.ctx.engine
-    return engine.config.peer_timeout_s if engine is not None else 30.0
+    return patience_of(session.ctx)
 
 
 @handler(Command.FREE_BUFFER)

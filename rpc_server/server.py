@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -9,11 +10,14 @@ from typing import TYPE_CHECKING
 
 from transferd import transports
 from transferd.config import ServerConfig
+from transferd.memory.leases import LeaseTable
 from transferd.protocol import auth
 from transferd.protocol.errors import BadRequest
 
 from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
+    lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
+    ownership,
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
 from .admission import Admission
@@ -74,8 +78,14 @@ class RpcFrontend:
             max_reply=s.max_reply,
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
+            default_owner=cfg.memory.default_owner,
         )
         ctx = self.ctx
+        m = cfg.memory
+        ctx.leases = LeaseTable(
+            asyncio.get_running_loop(), functools.partial(ownership.lease_expired, ctx),
+            max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
+            max_ttl_s=m.max_lease_ttl_s)
         if ctx.secret:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")
@@ -107,6 +117,8 @@ class RpcFrontend:
                 log.error("reload: keeping the current secret: %s", exc)
 
     async def close(self) -> None:
+        if self.ctx is not None and self.ctx.leases is not None:
+            self.ctx.leases.close()  # no lease timer outlives the front end
         listeners, self._listeners = self._listeners, []
         for lst in listeners:
             with contextlib.suppress(Exception):

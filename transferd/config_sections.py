@@ -235,6 +235,33 @@ class MemoryConfig:
         "some too. ALLOC_BUFFER past it gets OUT_OF_MEMORY.",
         min=1, max=1 << 20,
     )
+    default_owner: str = key(
+        "daemon",
+        "Who owns a buffer whose ALLOC_BUFFER names no owner: \"daemon\" (it stays until "
+        "FREE_BUFFER, what every client that knows nothing of owners expects) or "
+        "\"connection\" (freed, its regions deregistered, when the allocating connection "
+        "closes: no buffer outlives a client that crashed). Shared-memory buffers are the "
+        "connection's either way. A client may always say owner or lease itself.",
+        choices=("daemon", "connection"),
+    )
+    max_leases: int = key(
+        1024,
+        "Most named leases (LEASE) the daemon holds at once; one more is refused with "
+        "TOO_LARGE.",
+        min=1, max=1 << 20,
+    )
+    max_leases_per_connection: int = key(
+        64,
+        "Most live leases one client connection may have created; one more is refused "
+        "with TOO_LARGE. Leases outlive their creator, which then no longer counts them.",
+        min=1, max=1 << 20,
+    )
+    max_lease_ttl_s: float = key(
+        3600.0,
+        "Longest ttl a LEASE may ask for, in seconds: a lease nobody renews frees its "
+        "buffers within this long.",
+        min=0.001, unit="s",
+    )
 
 
 @dataclass

@@ -42,7 +42,8 @@ class Buffer:
     device: str
     size: int
     memory: Memory | None = field(repr=False, default=None)
-    # The session that owns it (shared buffers die with their connection).
+    # Who owns it: None, the daemon (until FREE_BUFFER); a session (freed when
+    # that connection closes); a Lease (freed when it ends or expires).
     owner: Hashable | None = field(repr=False, default=None)
     # The client connection that allocated it, as host:port (listings only).
     allocated_by: str = field(repr=False, default="")
@@ -214,6 +215,8 @@ class BufferTable:
         self.max_buffers = max_buffers
         self._held = 0
         self._buffers: dict[int, Buffer] = {}
+        # Buffers by owner (a connection, a lease): what goes when the owner does.
+        self._owned: dict[Hashable, dict[int, Buffer]] = {}
         self._ids = itertools.count(1)
         # Engine workers run in their own threads and look buffers up too;
         # memory is returned from whichever thread let go of it last.
@@ -311,6 +314,8 @@ class BufferTable:
         memory.on_gone(lambda: self._returned.append((pool, charge)))
         with self._lock:
             self._buffers[buffer_id] = buf
+            if owner is not None:
+                self._owned.setdefault(owner, {})[buffer_id] = buf
         return buf
 
     def get(self, buffer_id: int) -> Buffer:
@@ -325,6 +330,12 @@ class BufferTable:
             buf = self._buffers.pop(buffer_id, None)
             if buf is None:
                 raise NotFound(f"no buffer {buffer_id}")
+            if buf.owner is not None:
+                mine = self._owned.get(buf.owner)
+                if mine is not None:
+                    mine.pop(buffer_id, None)
+                    if not mine:
+                        del self._owned[buf.owner]
             self.devices[buf.device].lingering += charge_of(buf.size)
         buf.free()
         return buf
@@ -335,8 +346,9 @@ class BufferTable:
             return sorted(self._buffers.values(), key=lambda b: b.id)[:limit]
 
     def owned_by(self, owner: Hashable) -> list[Buffer]:
+        """The buffers ``owner`` holds now (no scan of the table)."""
         with self._lock:
-            return [b for b in self._buffers.values() if b.owner is owner]
+            return list(self._owned.get(owner, {}).values())
 
     def tensor_view(self, t: Tensor) -> memoryview:
         return self.get(t.buffer).view(t.offset, t.size)
@@ -354,6 +366,7 @@ class BufferTable:
         with self._lock:
             buffers = list(self._buffers.values())
             self._buffers.clear()
+            self._owned.clear()
         for buf in buffers:
             with self._lock:
                 self.devices[buf.device].lingering += charge_of(buf.size)

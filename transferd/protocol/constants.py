@@ -60,6 +60,9 @@ class Command(enum.IntEnum):
     SUBMIT_RECVS = 0x2A
     ALLOC_UVM_WATCHER = 0x2B
     IMM_COUNT = 0x2C
+    # Owners and deadlines (docs/protocol.md): served with or without the engine.
+    LEASE = 0x2D
+    END_LEASE = 0x2E
     EVENT = 0x3F
 
 

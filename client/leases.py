@@ -1,0 +1,123 @@
+"""Named leases on the client: buffers that outlive this connection while someone renews them.
+
+::
+
+    async with client.lease("kv/req-42", ttl=10.0) as lease:   # LEASE, then renewed
+        buf = await lease.alloc_buffer(1 << 20)                  # owned by the lease
+        ...                                                      # every ttl/3 in the background
+    # leaving the block ends the lease: its buffers are freed, their rkeys revoked
+
+``lease.detach()`` inside the block stops renewing without ending it: the
+buffers then stay until the ttl runs out, unless another connection (another
+process) renews the same name with ``client.renew_lease(name, ttl)`` or
+``client.lease(name, ttl)``.  docs/engine.md ("Owners and leases") has the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from transferd.protocol.constants import Command
+from transferd.protocol.errors import NotFound, TransferdError
+
+if TYPE_CHECKING:
+    from .buffers import RemoteBuffer
+    from .client import Client
+
+log = logging.getLogger("transferd.client")
+
+
+def _ttl_ms(ttl: float) -> int:
+    return max(0, round(ttl * 1000))
+
+
+class Lease:
+    """A named lease this client renews until the block ends (or :meth:`detach`)."""
+
+    def __init__(self, client: Client, name: str, ttl: float, *, end: bool = True) -> None:
+        self.client = client
+        self.name = name
+        self.ttl = ttl
+        # End the lease (free its buffers) when the block ends.
+        self.end_on_exit = end
+        self.created = False
+        # The renewal that failed, if one did (the lease may then expire).
+        self.error: TransferdError | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Lease:
+        self.created = await self.client.renew_lease(self.name, self.ttl)
+        self._task = asyncio.ensure_future(self._renew_forever())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop()
+        if self.end_on_exit and self.client.conn.lost is None:
+            with contextlib.suppress(NotFound):  # expired meanwhile: nothing left to end
+                await self.client.end_lease(self.name)
+
+    def detach(self) -> None:
+        """Stop renewing; the lease lives on until its ttl runs out or another renews it."""
+        self.end_on_exit = False
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def renew(self) -> None:
+        await self.client.renew_lease(self.name, self.ttl)
+
+    async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
+        """A buffer this lease owns."""
+        return await self.client.alloc_buffer(size, device, lease=self.name)
+
+    async def _renew_forever(self) -> None:
+        # A third of the ttl: two renewals may be lost (or late) before it runs out.
+        period = self.ttl / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.client.renew_lease(self.name, self.ttl)
+            except TransferdError as exc:
+                self.error = exc
+                log.warning("lease %r: renewal failed: %s", self.name, exc)
+                if self.client.conn.lost is not None or isinstance(exc, NotFound):
+                    return  # nothing more to renew on (or with)
+
+
+class LeaseMixin:
+    """Lease methods of :class:`client.Client`."""
+
+    def lease(self: Client, name: str, ttl: float, *, end: bool = True) -> Lease:  # type: ignore[misc]
+        """An async context manager: makes or renews lease ``name``, renews it meanwhile,
+        and ends it when the block ends (``end=False``: leaves it to run out)."""
+        return Lease(self, name, ttl, end=end)
+
+    async def renew_lease(self: Client, name: str, ttl: float) -> bool:  # type: ignore[misc]
+        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now.
+
+        Not a flush point: sent at once, beside whatever is queued (a lease
+        orders nothing).
+        """
+        r = await self.conn.request(Command.LEASE, {"lease": name, "ttl_ms": _ttl_ms(ttl)},
+                                    timeout=self.timeout)
+        return bool(r.body.get("created"))
+
+    async def end_lease(self: Client, name: str) -> int:  # type: ignore[misc]
+        """END_LEASE: free the lease's buffers now; how many there were."""
+        r = await self._call(Command.END_LEASE, {"lease": name})
+        return int(r.body.get("buffers", 0))
+
+    @staticmethod
+    def _owner_fields(owner: str | None, lease: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if owner is not None:
+            body["owner"] = owner
+        if lease is not None:
+            body["lease"] = lease
+        return body

@@ -1,0 +1,24 @@
+"""The owner and lease examples: LEASE, ALLOC_BUFFER owned by it, END_LEASE (one daemon)."""
+
+from __future__ import annotations
+
+from capture.live import Capture, Daemons
+from capture.registry import example, session
+from transferd.protocol import Command
+
+
+@example("LEASE")
+def ex_lease(ds: Daemons) -> Capture:
+    with session(ds["main"], "LEASE kv/req-42 for 10 s, a buffer it owns, END_LEASE") as (c, cap):
+        c.send(Command.LEASE, 2, {"lease": "kv/req-42", "ttl_ms": 10000})
+        c.recv()
+        c.send(Command.ALLOC_BUFFER, 3, {"device": "cpu", "size": 64, "lease": "kv/req-42"})
+        c.recv()
+        c.send(Command.END_LEASE, 4, {"lease": "kv/req-42"})
+        c.recv()
+    cap.note = (
+        "`created` is true: no lease of that name existed (a second LEASE renews it and "
+        "says false). The ALLOC_BUFFER reply names its owner because the request did. "
+        "END_LEASE freed the one buffer the lease owned."
+    )
+    return cap

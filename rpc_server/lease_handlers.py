@@ -1,0 +1,64 @@
+"""LEASE (0x2D) and END_LEASE (0x2E): named owners of buffers that outlive a connection.
+
+LEASE ``{"lease": name, "ttl_ms": n}`` makes the lease, or renews it: its
+deadline becomes ``n`` ms from now.  Reply ``{"lease", "ttl_ms", "created",
+"buffers"}``.  ALLOC_BUFFER ``{"lease": name}`` makes a buffer it owns.  When
+the deadline passes unrenewed, or END_LEASE ``{"lease": name}`` ends it, its
+buffers are freed and their regions' rkeys revoked; END_LEASE replies
+``{"buffers": n}`` once the writes admitted into those regions have landed.
+Any connection that knows the name may renew or end it.  Served on every
+minor-2 daemon, with or without the engine.  docs/protocol.md has the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from transferd.memory.leases import LeaseTable
+from transferd.protocol.constants import Command
+from transferd.protocol.errors import UnknownCommand
+from transferd.protocol.frames import Frame
+from transferd.protocol.messages import str_field, uint_field
+
+from .handlers import Reply, handler
+from .ownership import release_owned
+
+if TYPE_CHECKING:
+    from .session import Session
+
+# A ttl in ms fits in a u32 (49 days): more than any max_lease_ttl_s makes sense for.
+MAX_TTL_MS = 0xFFFFFFFF
+
+
+def _leases(session: Session) -> LeaseTable:
+    leases = session.ctx.leases
+    if leases is None:  # pragma: no cover - every RPC front end makes its table
+        raise UnknownCommand("this daemon serves no leases")
+    return leases
+
+
+@handler(Command.LEASE)
+def lease(session: Session, frame: Frame) -> Reply:
+    leases = _leases(session)
+    name = str_field(frame.body, "lease")
+    ttl_ms = uint_field(frame.body, "ttl_ms", MAX_TTL_MS)
+    got, created = leases.renew(name, ttl_ms / 1000.0, session)
+    return Reply({"lease": got.name, "ttl_ms": ttl_ms, "created": created,
+                  "buffers": len(session.ctx.buffers.owned_by(got))})
+
+
+@handler(Command.END_LEASE)
+def end_lease(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
+    ended = _leases(session).end(str_field(frame.body, "lease"))
+    n, drained = release_owned(session.ctx, ended)
+    reply = Reply({"buffers": n})
+    if drained is None:
+        return reply
+
+    async def after() -> Reply:
+        # As FREE_BUFFER: after the reply no byte of a peer write lands in them.
+        await drained
+        return reply
+
+    return after()
