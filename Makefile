@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 ARGS   ?=
 
-.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-deps rdma-check clean venv
+.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-deps rdma-check soak clean venv
 
 venv: $(STAMP)
 
@@ -39,6 +39,14 @@ bench: $(STAMP)
 ## bench-engine: the transfer engine's figures only (issue 3); ARGS=--quick for a short run
 bench-engine: $(STAMP)
 	$(PY) -m benchmarks --only engine $(ARGS)
+
+## soak: 16 clients and 3 daemons under mixed load for SOAK_SECONDS (default 180), every
+## byte checked at the end; benchmarks/results/soak.json and soak.png (docs/operations.md)
+SOAK_SECONDS ?= 180
+soak: $(STAMP)
+	@# The PNG needs the optional plot extra; without it the soak runs and says so.
+	-@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q -e '.[plot]'
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m benchmarks.soak $(ARGS)
 
 ## bench-venv: Mooncake and NIXL for the engine figures, in .bench-venv (never a dependency)
 BENCH_VENV ?= .bench-venv

@@ -69,6 +69,10 @@ class ServerContext:
     # reload of the secret updates them in place).
     _settings: dict[str, ServerSettings] = field(default_factory=dict)
     _refused_logged: float = 0.0
+    # The open (admitted) connections, for the drain at SIGTERM (rpc_server/drain.py);
+    # bounded by the daemon's descriptors.  While draining, new requests are refused.
+    sessions: set[Any] = field(default_factory=set)
+    draining: bool = False
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:

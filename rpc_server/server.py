@@ -15,6 +15,7 @@ from transferd.protocol import auth
 from transferd.protocol.errors import BadRequest
 
 from . import (
+    drain,
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     ownership,
@@ -115,6 +116,23 @@ class RpcFrontend:
                 self.ctx.set_secret(load_secret(config.server))
             except (OSError, BadRequest) as exc:
                 log.error("reload: keeping the current secret: %s", exc)
+
+    # -- the drain at SIGTERM (rpc_server/drain.py; Daemon.drain runs the steps) --
+
+    async def drain_begin(self) -> None:
+        """Stop accepting (listeners closed) and refuse new requests on open connections."""
+        await self.close()
+        if self.ctx is not None:
+            drain.begin(self.ctx)
+
+    def in_flight(self) -> int:
+        return drain.in_flight(self.ctx) if self.ctx is not None else 0
+
+    def fail_in_flight(self, drain_s: float) -> int:
+        return drain.fail_in_flight(self.ctx, drain_s) if self.ctx is not None else 0
+
+    async def close_connections(self, timeout: float) -> int:
+        return await drain.close_all(self.ctx, timeout) if self.ctx is not None else 0
 
     async def close(self) -> None:
         if self.ctx is not None and self.ctx.leases is not None:

@@ -48,6 +48,7 @@ from transferd.protocol.constants import (
 )
 from transferd.protocol.errors import (
     BadRequest,
+    Cancelled,
     Internal,
     NoHello,
     ProtocolError,
@@ -90,6 +91,11 @@ _REPLY = int(Flag.REPLY)
 _NO_REPLY = int(Flag.NO_REPLY)
 _READY = ConnState.READY
 _pack_header = frames.HEADER.pack
+
+
+def _stopping() -> Cancelled:
+    return Cancelled("the daemon is stopping (SIGTERM, draining): request refused, "
+                     "nothing done; retry on another daemon or after the restart")
 
 
 class Session(asyncio.BufferedProtocol):
@@ -155,6 +161,7 @@ class Session(asyncio.BufferedProtocol):
             self.transport.abort()
             return
         self._admitted = True
+        self.ctx.sessions.add(self)
         self._timer = self._loop.call_at(self.conn.deadline, self._handshake_timeout)
         log.debug("connection from %s", self.peer)
 
@@ -163,6 +170,7 @@ class Session(asyncio.BufferedProtocol):
         self.conn.connection_lost()
         self._end_handshake()
         self.ctx.metrics.connections.dec()
+        self.ctx.sessions.discard(self)
         self._release_held()
         session_closed(self)  # buffers this connection owned (shared memory)
         if self.ctx.engine is not None:
@@ -367,6 +375,8 @@ class Session(asyncio.BufferedProtocol):
     def _sink_for(self, frame: Frame) -> Sink:
         self._sink_error = None
         try:
+            if self.ctx.draining:
+                raise _stopping()
             self._check_allowed(frame)
             return payload_sink(self, frame)
         except TransferdError as exc:
@@ -398,6 +408,9 @@ class Session(asyncio.BufferedProtocol):
             self.ctx.stats.commands[cmd] += 1
             self.ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
         try:
+            if self.ctx.draining and not frame.payload_len:
+                # A payload frame was judged by its sink when its header came.
+                raise _stopping()
             if frame.payload_len:
                 # The sink already judged this frame; a discarded payload
                 # always has its reason recorded.

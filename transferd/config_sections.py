@@ -193,6 +193,16 @@ class ServerConfig:
         "announced in HELLO as max_message.",
         min=65536, max=1 << 20, unit="bytes",
     )
+    drain_s: float = key(
+        20.0,
+        "SIGTERM/SIGINT: seconds to drain before exiting. The daemon stops accepting at "
+        "once and refuses new requests on open connections (CANCELLED); requests and engine "
+        "transfers already running finish for up to this long; what is still running then "
+        "fails with TIMEOUT (outcome unknown: the peer may have placed it), connections are "
+        "closed and the daemon exits 0. A second signal ends the drain early. Keep systemd's "
+        "TimeoutStopSec at least 10 s above it (deploy/transferd.service: 30 s for 20 s).",
+        min=0, max=3600, reload=True,
+    )
     tls_cert: str = key(
         "",
         'PEM certificate chain for tls:// listeners ("" = none; a tls:// listener without '

@@ -88,13 +88,17 @@ class Daemon:
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
         self._stop: asyncio.Event | None = None
+        # A second SIGTERM/SIGINT during the drain ends it early.
+        self._hurry: asyncio.Event | None = None
+        self._engine_closed = False
 
     async def run(self, frontends: Sequence[Frontend]) -> None:
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, self._on_stop_signal)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         started = self.frontends
@@ -153,14 +157,14 @@ class Daemon:
                 self.watchdog.start()
             await self._stop.wait()
             sd_notify("STOPPING=1")
-            log.info("stopping")
+            await self.drain(self.config.server.drain_s)
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
-            if self.engine is not None:
+            if self.engine is not None and not self._engine_closed:
                 await self.engine.close()
             self.buffers.close()
             if self.config.gpu.devices:
@@ -171,6 +175,57 @@ class Daemon:
     def stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
+
+    def _on_stop_signal(self) -> None:
+        assert self._stop is not None and self._hurry is not None
+        if self._stop.is_set():
+            log.warning("second stop signal: ending the drain now")
+            self._hurry.set()
+        self._stop.set()
+
+    async def drain(self, drain_s: float) -> None:
+        """Stop accepting; let running work finish for up to ``drain_s``; fail the rest.
+
+        Front ends that can drain (the RPC server: ``drain_begin``, ``in_flight``,
+        ``fail_in_flight``, ``close_connections``) stop accepting and refuse new
+        requests; running requests and engine transfers get until the deadline (a
+        second signal ends it early).  Then what is still pending fails with TIMEOUT, the
+        engine closes (nothing more is acknowledged), and connections close
+        once those replies are out (1 s at most for one that does not read).  The
+        worst case is ``drain_s`` plus the engine's close (5 s) plus 1 s.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + drain_s
+        drainers: list[Any] = [fe for fe in self.frontends if hasattr(fe, "drain_begin")]
+        for fe in drainers:
+            with contextlib.suppress(Exception):
+                await fe.drain_begin()
+        busy = sum(fe.in_flight() for fe in drainers)
+        log.info("stopping: no new connections or requests; %d requests and transfers "
+                 "running, draining for up to %g s", busy, drain_s)
+        hurry = self._hurry
+        while busy and loop.time() < deadline and not (hurry and hurry.is_set()):
+            await asyncio.sleep(min(0.02, max(0.0, deadline - loop.time())))
+            busy = sum(fe.in_flight() for fe in drainers)
+        # What still runs fails first, with TIMEOUT (the peer may have placed it: outcome
+        # unknown), not with the engine's "shutting down", which would read as not done.
+        failed = sum(fe.fail_in_flight(drain_s) for fe in drainers)
+        if self.engine is not None:
+            self._engine_closed = True
+            await self.engine.close()
+        aborted = 0
+        for fe in drainers:
+            with contextlib.suppress(Exception):
+                aborted += await fe.close_connections(1.0)
+        took = loop.time() - started
+        if failed or busy:
+            log.warning("drain time ran out after %.2f s with %d still running: %d transfers "
+                        "failed with TIMEOUT, waiting requests cancelled", took, busy, failed)
+        else:
+            log.info("drained in %.2f s", took)
+        if aborted:
+            log.warning("%d connections did not read their last replies: aborted", aborted)
 
     def workers(self) -> list[Any]:
         """The worker threads the watchdog watches (the engine's)."""
