@@ -4,6 +4,13 @@ Submits are one-way frames (NO_REPLY); each returns a :class:`Completion` at
 once, which the daemon resolves with an EVENT frame carrying the submit's
 seq when the transfer was applied at its destination (or failed).  A
 Completion is an awaitable, takes callbacks, and is a flag (``done()``).
+
+Every submit and expectation ends exactly once: done, failed, timed out or
+cancelled.  ``timeout=`` (seconds) is its deadline on the daemon;
+``await completion.cancel()`` ends one early.  A ``Timeout`` or a
+``Cancelled`` of a write says the daemon stopped waiting, not that nothing
+landed: parts already sent may still land and count at the destination (the
+outcome is unknown; docs/engine.md, "Deadlines and cancelling").
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from transferd.copies import COUNTING, count
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.errors import ConnectionLost, TransferdError, error_from_body
+from transferd.protocol.errors import ConnectionLost, NotFound, TransferdError, error_from_body
 from transferd.protocol.frames import Frame
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
@@ -46,6 +53,24 @@ class Completion:
     def __init__(self, what: str) -> None:
         self.what = what
         self._future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # CANCEL of the request this is the end of: (client, its seq).
+        self._origin: tuple[Client, int] | None = None
+
+    async def cancel(self) -> bool:
+        """Ask the daemon to end this now (CANCEL); True if that is how it ended.
+
+        When this returns, the Completion has ended: with ``Cancelled`` (True),
+        or with what it ended with before the cancel arrived (False).  A
+        cancelled write may still have landed in part (see the module doc).
+        """
+        if self.done() or self._origin is None:
+            return False
+        client, seq = self._origin
+        try:
+            r = await client.conn.request(Command.CANCEL, {"seq": seq}, timeout=client.timeout)
+        except NotFound:
+            return False  # it ended first; its EVENT came (or comes) before our reply
+        return bool(r.body.get("cancelled"))
 
     def done(self) -> bool:
         return self._future.done()
@@ -82,6 +107,11 @@ class Completion:
 
 
 MessageHandler = Callable[[bytes], None]
+
+
+def _ms(seconds: float) -> int:
+    """A deadline in whole milliseconds (0 is refused by the daemon, not rounded up)."""
+    return max(0, round(seconds * 1000))
 
 
 class EngineEvents:
@@ -143,30 +173,33 @@ class EngineMixin:
         await self._call(Command.DEREG_MR, {"mr": mr.id})
 
     async def _submit(self: Client, cmd: Command, body: dict[str, Any],  # type: ignore[misc]
-                      payload: Sequence[Any] = ()) -> Completion:
+                      payload: Sequence[Any] = (), timeout: float | None = None) -> Completion:
         if self._queue:
             await self.flush()
+        if timeout is not None:
+            body["timeout_ms"] = _ms(timeout)
         c = Completion(cmd.name)
         seq = self.conn.send(cmd, body, payload, flags=Flag.NO_REPLY)
+        c._origin = (self, seq)
         self._events.waiting[seq] = c
         await self.conn.drain()
         return c
 
     async def submit_single_write(  # type: ignore[misc]
         self: Client, length: int, imm: int | None, src: tuple[MrHandle, int],
-        dst: tuple[MrDesc, int],
+        dst: tuple[MrDesc, int], *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.SINGLE_WRITE, {
             "len": length, "imm": imm, "src": [src[0].id, src[1]],
-            "dst": [dst[0].to_wire(), dst[1]]})
+            "dst": [dst[0].to_wire(), dst[1]]}, timeout=timeout)
 
     async def submit_paged_writes(  # type: ignore[misc]
         self: Client, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
-        dst: tuple[MrDesc, Pages],
+        dst: tuple[MrDesc, Pages], *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.PAGED_WRITES, {
             "page_len": page_len, "imm": imm, "src": [src[0].id, src[1].to_wire()],
-            "dst": [dst[0].to_wire(), dst[1].to_wire()]})
+            "dst": [dst[0].to_wire(), dst[1].to_wire()]}, timeout=timeout)
 
     async def add_peer_group(self: Client, addrs: Sequence[NetAddr]) -> PeerGroup:  # type: ignore[misc]
         r = await self._call(Command.ADD_PEER_GROUP, {"addrs": [a.to_bytes() for a in addrs]})
@@ -174,26 +207,30 @@ class EngineMixin:
 
     async def submit_scatter(  # type: ignore[misc]
         self: Client, group: PeerGroup | None, imm: int | None, src: MrHandle,
-        dsts: Sequence[ScatterDst],
+        dsts: Sequence[ScatterDst], *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.SCATTER, {
             "group": group.id if group else None, "imm": imm, "mr": src.id,
-            "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]})
+            "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]},
+            timeout=timeout)
 
     async def submit_barrier(  # type: ignore[misc]
-        self: Client, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc]
+        self: Client, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
+        *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.BARRIER, {
             "group": group.id if group else None, "imm": imm,
-            "dsts": [d.to_wire() for d in dsts]})
+            "dsts": [d.to_wire() for d in dsts]}, timeout=timeout)
 
-    async def submit_send(self: Client, addr: NetAddr, msg: Any) -> Completion:  # type: ignore[misc]
+    async def submit_send(self: Client, addr: NetAddr, msg: Any,  # type: ignore[misc]
+                          *, timeout: float | None = None) -> Completion:
         # The payload is written to the socket (or copied) before this returns
         # control, so the caller may reuse ``msg`` at once.
         data = bytes(memoryview(msg).cast("B"))
         if COUNTING:
             count("client.send_message", len(data))
-        return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data])
+        return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data],
+                                  timeout=timeout)
 
     def submit_recvs(self: Client, length: int, count: int,  # type: ignore[misc]
                      callback: MessageHandler) -> None:
@@ -204,18 +241,25 @@ class EngineMixin:
 
     async def expect_imm_count(  # type: ignore[misc]
         self: Client, imm: int, count: int, callback: Callable[[], None] | None = None,
-        *, wait: bool | None = None,
+        *, wait: bool | None = None, timeout: float | None = None,
     ) -> Completion:
         """Fires once immediate ``imm`` has counted ``count`` (which it then consumes).
 
         Without a callback this waits for it; with one (or ``wait=False``) it
         returns the Completion as soon as the daemon has registered it.
+        ``timeout``: its deadline in seconds (the daemon's engine.expect_timeout_s
+        when None); past it the Completion fails with ``Timeout``, nothing consumed.
+        The callback runs only if it fired.
         """
         c = Completion(f"imm {imm} x{count}")
-        r = self.conn.request(Command.EXPECT_IMM_COUNT, {"imm": imm, "count": count})
+        body: dict[str, Any] = {"imm": imm, "count": count}
+        if timeout is not None:
+            body["timeout_ms"] = _ms(timeout)
+        r = self.conn.request(Command.EXPECT_IMM_COUNT, body)
+        c._origin = (self, self.conn.last_seq)
         self._events.waiting[self.conn.last_seq] = c
         if callback is not None:
-            c.add_done_callback(lambda _: callback())
+            c.add_done_callback(lambda done: None if done.exception() else callback())
         await r
         if wait if wait is not None else callback is None:
             await c

@@ -17,12 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 from transferd.engine.limits import MAX_MESSAGE
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.errors import BadRequest, TransferdError, UnknownCommand
+from transferd.protocol.errors import (
+    BadRequest,
+    Cancelled,
+    NotFound,
+    TransferdError,
+    UnknownCommand,
+)
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, field, uint_field
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 from .handlers import SINKS, Reply, handler, patience, wait_drained
+from .ops import Op, ops_of, timeout_of
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
@@ -60,13 +67,25 @@ def _uint(v: Any, what: str) -> int:
 def _submit(
     session: Session, frame: Frame, start: Callable[[], asyncio.Future[None]]
 ) -> Reply | Awaitable[Reply | None] | None:
-    """Hand a checked submit to the engine; wait for a worker slot only when full."""
+    """Hand a checked submit to the engine; wait for a worker slot only when full.
+
+    Its deadline: ``timeout_ms`` if it names one (at most engine.peer_timeout_s,
+    which bounds every transfer anyway); a write from device memory, whose
+    staging wait comes before the transfer's own clock starts, gets twice
+    engine.peer_timeout_s unless it names one.
+    """
     engine = _engine(session)
+    peer_timeout = engine.config.peer_timeout_s
+    name = Command(frame.cmd).name
+    timeout = timeout_of(frame.body, None, peer_timeout, f"a {name}", "engine.peer_timeout_s")
 
     def go() -> Reply | None:
         fut = start()
         session.pending.add(fut)
-        fut.add_done_callback(lambda f: _completed(session, frame, f))
+        op = Op(frame.seq, name, lambda err: engine.cancel(fut, err))
+        staged = timeout is None and isinstance(fut, asyncio.Task)
+        ops_of(session).add(op, 2 * peer_timeout if staged else timeout)
+        fut.add_done_callback(lambda f: _completed(session, frame, f, op))
         return None if frame.no_reply else Reply({})
 
     cap = engine.config.max_inflight_per_client
@@ -91,12 +110,16 @@ def _submit(
 _room: weakref.WeakKeyDictionary[Session, asyncio.Future[None]] = weakref.WeakKeyDictionary()
 
 
-def _completed(session: Session, frame: Frame, fut: asyncio.Future[None]) -> None:
+def _completed(session: Session, frame: Frame, fut: asyncio.Future[None], op: Op) -> None:
     session.pending.discard(fut)
     room = _room.pop(session, None)
     if room is not None and not room.done():
         room.set_result(None)
-    exc = fut.exception() if not fut.cancelled() else None
+    if fut.cancelled():  # a write from device memory stopped while staging: nothing sent
+        exc: BaseException | None = op.reason or Cancelled(f"{op.what} was cancelled")
+    else:
+        exc = fut.exception()
+    ops_of(session).finished(op, exc if isinstance(exc, TransferdError) else None)
     if exc is None:
         session.send_frame(frame.cmd, Flag.EVENT, frame.seq, {"ok": True})
     elif isinstance(exc, TransferdError):
@@ -238,13 +261,30 @@ def expect_imm_count(session: Session, frame: Frame) -> Reply | None:
     engine = _engine(session)
     imm = uint_field(frame.body, "imm", U32)
     count = uint_field(frame.body, "count", U32)
+    cfg = engine.config
+    timeout = timeout_of(frame.body, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
+                         "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
     seq = frame.seq
+    ops = ops_of(session)
 
     def reached() -> None:
         session.send_frame(Command.EXPECT_IMM_COUNT, Flag.EVENT, seq,
                            {"imm": imm, "count": count})
+        ops.finished(op, None)
 
-    engine.expect_imm_count(session, imm, count, reached)
+    def stop(err: TransferdError) -> bool:
+        # Dropped before it fired: nothing of the count is consumed.
+        if not engine.cancel_expectation(session, handle):
+            return False
+        session.send_frame(Command.EXPECT_IMM_COUNT, Flag.EVENT | Flag.ERROR, seq,
+                           err.to_body())
+        ops.finished(op, err)
+        return True
+
+    # Fires at the earliest on the loop's next turn, after op exists.
+    handle = engine.expect_imm_count(session, imm, count, reached)
+    op = ops.add(Op(seq, f"EXPECT_IMM_COUNT of {count} on {imm}", stop, with_connection=True),
+                 timeout)
     return None if frame.no_reply else Reply({})
 
 
@@ -252,3 +292,28 @@ def expect_imm_count(session: Session, frame: Frame) -> Reply | None:
 def imm_count(session: Session, frame: Frame) -> Reply:
     imm = uint_field(frame.body, "imm", U32)
     return Reply({"imm": imm, "value": _engine(session).imm_value(imm)})
+
+
+@handler(Command.CANCEL)
+def cancel(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
+    """End one of this connection's pending operations; reply once its final EVENT went."""
+    seq = uint_field(frame.body, "seq", U32)
+    op = ops_of(session).get(seq)
+    if op is None:
+        raise NotFound(f"no pending operation with seq {seq} on this connection (never "
+                       "sent here, already ended, or one CANCEL does not end)")
+    op.halt(Cancelled(f"{op.what} (seq {seq}) cancelled by the client"))
+
+    def reply() -> Reply:
+        ours = isinstance(op.reason, Cancelled) and op.outcome is op.reason
+        return Reply({"seq": seq, "cancelled": ours})
+
+    if op.ended:
+        return reply()
+
+    async def after() -> Reply:
+        # Bounded: a transfer ends as soon as its worker sees the cancel.
+        await op.wait_ended()
+        return reply()
+
+    return after()

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from transferd.memory.leases import Lease
 from transferd.protocol.errors import BadRequest, TransferdError
 
+from . import ops
+
 if TYPE_CHECKING:
     from transferd.engine.regions import Region
 
@@ -130,6 +132,7 @@ def release_in_background(ctx: ServerContext, owner: Hashable, why: str) -> int:
 
 def session_closed(session: Session) -> None:
     """The connection is gone: free what it owned; leases it made stay theirs."""
+    ops.session_closed(session)
     ctx = session.ctx
     release_in_background(ctx, session, f"connection {session.peer} closed")
     if ctx.leases is not None:

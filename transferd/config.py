@@ -100,6 +100,9 @@ class Config:
             out.append("engine.secret: set engine.secret_file or engine.secret "
                        "(TRANSFERD_ENGINE_SECRET), not both")
         out += _rail_problems(e)
+        if e.expect_timeout_s > e.max_expect_timeout_s:
+            out.append(f"engine.expect_timeout_s: {e.expect_timeout_s:g} s is over "
+                       f"engine.max_expect_timeout_s ({e.max_expect_timeout_s:g} s)")
         mem = self.memory
         if mem.max_buffer_mib > mem.host_limit_mib:
             out.append(

@@ -447,8 +447,21 @@ class EngineConfig:
     max_expectations: int = key(
         65536,
         "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "
-        "is refused with TOO_LARGE. They go when they fire or the connection closes.",
+        "is refused with TOO_LARGE. They go when they fire, time out (expect_timeout_s), "
+        "are cancelled, or the connection closes.",
         min=1,
+    )
+    expect_timeout_s: float = key(
+        300.0,
+        "The deadline of an EXPECT_IMM_COUNT that names none (timeout_ms): not reached by "
+        "then, it ends with TIMEOUT (nothing consumed). Nothing waits forever.",
+        min=1e-3, unit="s",
+    )
+    max_expect_timeout_s: float = key(
+        3600.0,
+        "The longest deadline an EXPECT_IMM_COUNT may ask for (timeout_ms); a longer one is "
+        "BAD_REQUEST. At least expect_timeout_s.",
+        min=1e-3, unit="s",
     )
 
     def has_secret(self) -> bool:

@@ -86,6 +86,8 @@ class TransferEngine:
         self._pool_count: Counter[Hashable] = Counter()
         self._pool_lock = threading.Lock()
         self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
+        # Each submit's Transfer, until it finished: what cancel() fails.
+        self._transfers: dict[asyncio.Future[None], Transfer] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: Worker | None = None
         self.group: DomainGroup | None = None
@@ -406,8 +408,11 @@ class TransferEngine:
     # -- receiver completion ---------------------------------------------------------
 
     def expect_imm_count(self, owner: Hashable, imm: int, count: int,
-                         callback: Callable[[], None]) -> None:
-        """``callback`` runs on the daemon's loop once ``imm`` reaches ``count``."""
+                         callback: Callable[[], None]) -> Callable[[], None]:
+        """``callback`` runs on the daemon's loop once ``imm`` reaches ``count``.
+
+        Returns the expectation's handle, for :meth:`cancel_expectation`.
+        """
         imm = _imm(imm) or 0
         mine = self._expectations.setdefault(owner, set())
         if len(mine) >= self.config.max_expectations:
@@ -420,6 +425,35 @@ class TransferEngine:
 
         mine.add(fired)
         self.counter.expect(imm, count, fired)
+        return fired
+
+    def cancel_expectation(self, owner: Hashable, handle: Callable[[], None]) -> bool:
+        """Drop a waiting expectation (nothing consumed); False if it had fired."""
+        mine = self._expectations.get(owner)
+        if mine is None or handle not in mine:
+            return False
+        if not self.counter.cancel(handle):
+            return False  # reached meanwhile: its callback is on its way
+        mine.discard(handle)
+        return True
+
+    def cancel(self, fut: asyncio.Future[None], error: TransferdError) -> bool:
+        """End a submit now with ``error`` (CANCELLED; TIMEOUT at its own deadline).
+
+        Its parts not yet sent are never sent; parts already sent may still
+        land and count at their destination (the outcome is unknown).  False
+        when it had already finished.
+        """
+        if fut.done():
+            return False
+        transfer = self._transfers.get(fut)
+        if transfer is not None:
+            assert self.worker is not None
+            self.worker.call(transfer.fail, error)
+            return True
+        if isinstance(fut, asyncio.Task):  # a write from device memory, still staging
+            return fut.cancel()
+        return False
 
     def imm_value(self, imm: int) -> int:
         return self.counter.value(_imm(imm) or 0)
@@ -457,6 +491,7 @@ class TransferEngine:
             loop.call_soon_threadsafe(self._finished, fut, err, nbytes)
 
         transfer = Transfer(op, len(parts), nbytes, finish)
+        self._transfers[fut] = transfer
         worker.call(self.group.execute, transfer, parts)
         fut.add_done_callback(lambda _: worker.release())
         if held is not None:
@@ -465,6 +500,7 @@ class TransferEngine:
 
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,
                   nbytes: int) -> None:
+        self._transfers.pop(fut, None)
         if self.metrics is not None:
             self.metrics.transfers.labels("error" if err else "ok").inc()
             if err is None:

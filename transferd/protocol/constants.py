@@ -63,6 +63,7 @@ class Command(enum.IntEnum):
     # Owners and deadlines (docs/protocol.md): served with or without the engine.
     LEASE = 0x2D
     END_LEASE = 0x2E
+    CANCEL = 0x2F
     EVENT = 0x3F
 
 

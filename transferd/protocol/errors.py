@@ -92,10 +92,17 @@ class PeerUnreachable(TransferdError):
 
 
 class Timeout(TransferdError):
+    """A deadline passed.  For an engine write the outcome is unknown: the daemon stopped
+    waiting, but parts already sent may still land and count at the destination later.
+    Check the destination before retrying a write that counts an immediate."""
+
     code = ErrorCode.TIMEOUT
 
 
 class Cancelled(TransferdError):
+    """Ended by the client's own CANCEL (``await completion.cancel()``).  For a write the
+    outcome is unknown, as after a Timeout: parts already sent may still land."""
+
     code = ErrorCode.CANCELLED
 
 

@@ -1,4 +1,4 @@
-"""The owner and lease examples: LEASE, ALLOC_BUFFER owned by it, END_LEASE (one daemon)."""
+"""The owner, lease and cancel examples: LEASE, a buffer it owns, END_LEASE; CANCEL."""
 
 from __future__ import annotations
 
@@ -20,5 +20,22 @@ def ex_lease(ds: Daemons) -> Capture:
         "`created` is true: no lease of that name existed (a second LEASE renews it and "
         "says false). The ALLOC_BUFFER reply names its owner because the request did. "
         "END_LEASE freed the one buffer the lease owned."
+    )
+    return cap
+
+
+@example("ENGINE_CANCEL")
+def ex_cancel(ds: Daemons) -> Capture:
+    with session(ds["main"], "EXPECT_IMM_COUNT on immediate 5 with a 60 s deadline, then "
+                 "CANCEL of its seq") as (c, cap):
+        c.send(Command.EXPECT_IMM_COUNT, 2, {"imm": 5, "count": 1, "timeout_ms": 60000})
+        c.recv()
+        c.send(Command.CANCEL, 3, {"seq": 2})
+        c.recv()
+        c.recv()
+    cap.note = (
+        "The expectation's own EVENT|ERROR CANCELLED (its cmd and seq) comes first, then "
+        "CANCEL's reply: `cancelled` is true because the CANCEL ended it. Nothing of "
+        "immediate 5 was consumed."
     )
     return cap
