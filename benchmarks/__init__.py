@@ -23,6 +23,8 @@ BENCHMARKS = [
     # Connections (issue 6)
     "transports",
     # How cost grows (issue 12)
+    "scale_clients",
+    "scale_pages",
     "copies",
 ]
 
@@ -30,5 +32,5 @@ BENCHMARKS = [
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
     "memory": ["shm_read"],
-    "scale": ["copies"],
+    "scale": ["scale_clients", "scale_pages", "copies"],
 }
