@@ -25,6 +25,8 @@ BENCHMARKS = [
     # How cost grows (issue 12)
     "scale_clients",
     "scale_pages",
+    "scale_peers",
+    "scale_handoff",
     "copies",
 ]
 
@@ -32,5 +34,5 @@ BENCHMARKS = [
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
     "memory": ["shm_read"],
-    "scale": ["scale_clients", "scale_pages", "copies"],
+    "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
 }

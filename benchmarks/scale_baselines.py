@@ -3,10 +3,12 @@
 ``python -m benchmarks.scale_baselines ack`` is the floor of a request that
 carries a payload (a 1 MiB set, a 4 KiB write): an asyncio ``BufferedProtocol``
 on uvloop that reads PROTOCOL.md's 24-byte header, receives the payload it
-announces (into a reused 256 KiB buffer: received by the kernel, looked at by
-nobody), and answers a 24-byte header.  Any number of connections; it prints
-the same ``transferd: listening on ...`` / ``transferd: ready`` lines as the
-daemon.  The floor of a 4 KiB read is :mod:`benchmarks.baselines`' ``pingpong``.
+announces (into a reused ``--read`` buffer, 1 MiB by default, so a large payload
+is received in calls as large as the daemon's, which reads one straight into its
+tensor; the bytes are looked at by nobody), and answers a 24-byte header.  Any
+number of connections; it prints the same ``transferd: listening on ...`` /
+``transferd: ready`` lines as the daemon.  The floor of a 4 KiB read is
+:mod:`benchmarks.baselines`' ``pingpong``.
 
 :class:`AckClient` and :class:`PingClient` are the lean clients of those two
 servers: one request outstanding per connection (closed loop), like the daemon's
@@ -22,13 +24,13 @@ import sys
 
 from .baselines import FRAME, PING_SIZE, nodelay
 
-READ = 256 * 1024
+READ = 1 << 20
 ACK = FRAME.pack(b"TD", 0x05, 0x01, 0, 0, 0, 0)
 
 
 class _AckServer(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
-        self.buf = bytearray(READ)
+    def __init__(self, read: int = READ) -> None:
+        self.buf = bytearray(read)
         self.view = memoryview(self.buf)
         self.n = 0  # header bytes kept at the buffer's start
         self.skip = 0  # payload bytes still to come
@@ -73,6 +75,7 @@ class AckClient(asyncio.Protocol):
         self.head = FRAME.pack(b"TD", 0x05, 0, 1, 0, 0, len(payload))
         self.payload = payload
         self.got = 0
+        self.want = FRAME.size
         self.waiter: asyncio.Future[None] | None = None
         self.transport: asyncio.Transport | None = None
 
@@ -81,19 +84,24 @@ class AckClient(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got += len(data)
-        if self.got >= FRAME.size and self.waiter is not None:
-            self.got -= FRAME.size
+        if self.got >= self.want and self.waiter is not None:
+            self.got -= self.want
             w, self.waiter = self.waiter, None
             w.set_result(None)
 
     def request(self) -> asyncio.Future[None]:
+        return self.burst(1)
+
+    def burst(self, n: int) -> asyncio.Future[None]:
+        """``n`` requests sent at once (pipelined); resolves when all ``n`` are answered."""
         assert self.transport is not None
         w = asyncio.get_running_loop().create_future()
         self.waiter = w
-        if len(self.payload) <= 16 * 1024:
+        self.want = n * FRAME.size
+        if n == 1 and len(self.payload) <= 16 * 1024:
             self.transport.write(self.head + self.payload)
         else:
-            self.transport.writelines((self.head, self.payload))
+            self.transport.writelines([self.head, self.payload] * n)
         return w
 
 
@@ -125,9 +133,9 @@ class PingClient(asyncio.Protocol):
         return w
 
 
-async def _serve_ack(host: str, port: int) -> None:
+async def _serve_ack(host: str, port: int, read: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_AckServer, host, port, backlog=1024)
+    server = await loop.create_server(lambda: _AckServer(read), host, port, backlog=1024)
     bound = server.sockets[0].getsockname()
     print(f"transferd: listening on tcp://{bound[0]}:{bound[1]}", flush=True)
     print("transferd: ready", flush=True)
@@ -139,10 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("kind", choices=["ack"])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--read", type=int, default=READ, help="receive buffer per connection")
     a = ap.parse_args(argv)
     import uvloop
 
-    uvloop.run(_serve_ack(a.host, a.port))
+    uvloop.run(_serve_ack(a.host, a.port, max(4096, a.read)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ during the measurement (a column at 100% is the side that caps the figure).
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import zlib
 from collections.abc import Awaitable, Callable
@@ -92,8 +93,8 @@ class Arms:
             src = await c.alloc_buffer(WRITE)
             await c.set_tensor(src.tensor(), get_data)
             mr, _ = await c.reg_mr(src)
-            get_ops.append(lambda c=c, t=gt: c.get_tensor(t))
-            set_ops.append(lambda c=c, t=st: c.set_tensor(t, set_data))
+            get_ops.append(functools.partial(c.get_tensor, gt))
+            set_ops.append(functools.partial(c.set_tensor, st, set_data))
             write_ops.append(_writer(c, mr, desc, i * WRITE))
         self.ops[("get_tensor 4 KiB", "daemon")] = get_ops
         self.ops[("set_tensor 1 MiB", "daemon")] = set_ops
@@ -102,14 +103,14 @@ class Arms:
         floors: dict[str, list[Op]] = {w: [] for w in WORKLOADS}
         for _ in range(n):
             t1, p = await loop.create_connection(lambda: PingClient(GET), *self.ping)
-            t2, s = await loop.create_connection(lambda: AckClient(set_data), *self.ack)
-            t3, w = await loop.create_connection(lambda: AckClient(get_data), *self.ack)
+            t2, big = await loop.create_connection(lambda: AckClient(set_data), *self.ack)
+            t3, small = await loop.create_connection(lambda: AckClient(get_data), *self.ack)
             self.transports += [t1, t2, t3]
             floors["get_tensor 4 KiB"].append(p.request)
-            floors["set_tensor 1 MiB"].append(s.request)
-            floors["engine write 4 KiB"].append(w.request)
-        for w, ops in floors.items():
-            self.ops[(w, "floor")] = ops
+            floors["set_tensor 1 MiB"].append(big.request)
+            floors["engine write 4 KiB"].append(small.request)
+        for name, ops in floors.items():
+            self.ops[(name, "floor")] = ops
 
     async def check(self) -> None:
         """The bytes moved: every client's 4 KiB landed in B, every get returns the data."""
@@ -136,9 +137,9 @@ def _writer(c: Any, mr: Any, desc: Any, off: int) -> Op:
     return write
 
 
-async def _measure(opts: Options, arms: Arms, pids: dict[str, list[int]], clients: tuple[int, ...]
-                   ) -> dict[str, Any]:
-    duration = opts.pick(1.0, 0.25)
+async def _measure(opts: Options, arms: Arms, pids: dict[str, list[int]], clients: tuple[int, ...],
+                   duration: float | None) -> dict[str, Any]:
+    duration = duration or opts.pick(1.0, 0.25)
     rounds = opts.pick(3, 1)
     await arms.open()
     try:
@@ -164,7 +165,9 @@ async def _measure(opts: Options, arms: Arms, pids: dict[str, list[int]], client
     return {"duration": duration, "rounds": rounds, "per": per}
 
 
-def run(opts: Options, clients: tuple[int, ...] = CLIENTS) -> BenchResult:
+def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
+        duration: float | None = None) -> BenchResult:
+    """The figure; ``clients`` and ``duration`` (seconds per measurement) for a smaller one."""
     import uvloop
 
     res = BenchResult(NAME, TITLE, SECTION)
@@ -173,11 +176,12 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS) -> BenchResult:
           ServerProcess(daemon_command(), p, name="daemon B") as b,
           ServerProcess(baseline_command("pingpong", "--size", str(GET)), p,
                         name="pingpong") as ping,
-          ServerProcess([sys.executable, "-m", "benchmarks.scale_baselines", "ack"], p, name="ack") as ack):
+          ServerProcess([sys.executable, "-m", "benchmarks.scale_baselines", "ack"], p,
+                        name="ack") as ack):
         pids = {"daemon": [a.pid, b.pid], "get_tensor 4 KiB": [ping.pid],
                 "set_tensor 1 MiB": [ack.pid], "engine write 4 KiB": [ack.pid]}
         arms = Arms(max(clients), a.url, b.url, ping.host_port, ack.host_port)
-        m = uvloop.run(_measure(opts, arms, pids, clients))
+        m = uvloop.run(_measure(opts, arms, pids, clients, duration))
     summary: dict[str, Any] = {}
     for w in WORKLOADS:
         t = Table(f"{w}: {m['rounds']} round(s) x {m['duration']:g} s per arm and client count "

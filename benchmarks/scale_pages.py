@@ -52,7 +52,8 @@ def _indices(rng: random.Random, pages: int, region_pages: int) -> list[int]:
 
 
 async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
-                   pages: tuple[int, ...], page_sizes: tuple[int, ...]) -> dict[str, Any]:
+                   pages: tuple[int, ...], page_sizes: tuple[int, ...], region: int
+                   ) -> dict[str, Any]:
     from client import Client, Pages
 
     rounds = opts.pick(3, 2)
@@ -61,8 +62,8 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
     cb = await Client.connect(b_url)
     per: dict[str, dict[str, list[float]]] = {}  # "page/P" -> arm -> per-page seconds
     try:
-        src = await ca.alloc_buffer(REGION)
-        dst = await cb.alloc_buffer(REGION)
+        src = await ca.alloc_buffer(region)
+        dst = await cb.alloc_buffer(region)
         await ca.buffer_clear(src, 0x3C)
         await cb.buffer_clear(dst, 0)
         mr, _ = await ca.reg_mr(src)
@@ -70,7 +71,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
 
         async def paged(page: int, n: int, si: list[int] | None = None,
                         di: list[int] | None = None) -> float:
-            held = REGION // page
+            held = region // page
             sp = Pages(si or _indices(rng, n, held), page)
             dp = Pages(di or _indices(rng, n, held), page)
             t0 = time.perf_counter()
@@ -82,7 +83,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
 
         def sock_paged(page: int, n: int) -> float:
             assert sock is not None
-            held = REGION // page
+            held = region // page
             total = 0.0
             left = n
             while left > 0:  # whole passes over the region, then the rest
@@ -93,15 +94,15 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
             return total
 
         for page in page_sizes:  # warm both arms: links open, every page touched
-            await paged(page, REGION // page)
+            await paged(page, region // page)
             if sock is not None:
-                sock_paged(page, REGION // page)
+                sock_paged(page, region // page)
         for r in range(rounds):
             for page in page_sizes:
                 for n in pages:
                     key = f"{page}/{n}"
                     slot = per.setdefault(key, {"transferd": [], "plain socket": []})
-                    reps = max(1, (32 << 20) // (n * page))
+                    reps = max(1, opts.pick(32 << 20, 8 << 20) // (n * page))
                     order = ["transferd", "plain socket"]
                     if (r + n) % 2:
                         order.reverse()
@@ -118,7 +119,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
                                  f"{median(xs) / n * 1e6:.2f} us/page")
         # One write checked page by page: the bytes landed where the lists said.
         page = page_sizes[0]
-        n = min(pages[-1], 4096)
+        n = min(pages[-1], 4096, region // page)
         await ca.set_tensor(src.tensor(0, n * page), bytes(range(256)) * (n * page // 256))
         si, di = _indices(rng, n, n), _indices(rng, n, n)
         await paged(page, n, si, di)
@@ -135,7 +136,8 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
 
 
 def run(opts: Options, pages: tuple[int, ...] | None = None,
-        page_sizes: tuple[int, ...] = PAGE_SIZES) -> BenchResult:
+        page_sizes: tuple[int, ...] = PAGE_SIZES, region: int = REGION) -> BenchResult:
+    """The figure; fewer ``pages``, ``page_sizes`` or a smaller ``region`` for a smaller one."""
     import uvloop
 
     pages = pages or opts.pick(PAGES, (256, 1024, 4096))
@@ -145,11 +147,11 @@ def run(opts: Options, pages: tuple[int, ...] | None = None,
     sock: PeerPair | None = None
     try:
         try:
-            sock = PeerPair("socket", REGION, s)
+            sock = PeerPair("socket", region, s)
         except PeerUnavailable as exc:
             res.notes.append(f"plain socket floor not available: {exc}")
         with client_on(s.initiator):
-            m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes))
+            m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes, region))
     finally:
         if sock is not None:
             sock.stop()
@@ -170,7 +172,7 @@ def run(opts: Options, pages: tuple[int, ...] | None = None,
             flat["transferd"].append(td)
             if v["plain socket"]:
                 flat["plain socket"].append(so)
-            cyc = " (cyclic)" if n * page > REGION else ""
+            cyc = " (cyclic)" if n * page > region else ""
             t.add(n, f"{n * page / 2**20:,.0f} MiB{cyc}", f"{td * 1e6:.2f}", f"{so * 1e6:.2f}",
                   fmt_ratio(td / so), f"{page / td / 2**30:.2f}")
             summary[f"{page}/{n}"] = {"transferd_s_per_page": td, "socket_s_per_page": so}
@@ -188,9 +190,9 @@ def run(opts: Options, pages: tuple[int, ...] | None = None,
                                      f"smallest per-page time {ratio:.2f}x")
     res.notes.append(f"placement: {s.describe()}")
     res.notes.append(
-        f"regions of {REGION >> 20} MiB a side: a write of more pages than that holds goes "
+        f"regions of {region >> 20} MiB a side: a write of more pages than that holds goes "
         "over the region cyclically (fresh random permutations of its pages, one after "
         "another); every page is still its own entry, iovec and receive")
-    res.data = {"pages": list(pages), "page_sizes": list(page_sizes), "region": REGION,
+    res.data = {"pages": list(pages), "page_sizes": list(page_sizes), "region": region,
                 "summary": summary, **m}
     return res
