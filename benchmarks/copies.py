@@ -115,7 +115,7 @@ def _get_p50(opts: Options, url: str, n: int) -> float:
 
 def on_off_cost(opts: Options) -> dict[str, Any]:
     """4 KiB get_tensor p50 against a daemon counting and one not, alternating."""
-    rounds, n = opts.pick(5, 2), opts.pick(2000, 300)
+    rounds, n = opts.pick(3, 2), opts.pick(1500, 300)
     with (ServerProcess(daemon_command(), opts.pinning, name="rpc-server (off)") as off,
           ServerProcess(daemon_command(), opts.pinning, name="rpc-server (counting)",
                         env={"TRANSFERD_COUNT_COPIES": "1"}) as on):

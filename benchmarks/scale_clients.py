@@ -139,12 +139,12 @@ def _writer(c: Any, mr: Any, desc: Any, off: int) -> Op:
 
 async def _measure(opts: Options, arms: Arms, pids: dict[str, list[int]], clients: tuple[int, ...],
                    duration: float | None) -> dict[str, Any]:
-    duration = duration or opts.pick(1.0, 0.25)
-    rounds = opts.pick(3, 1)
+    duration = duration or opts.pick(0.3, 0.15)
+    rounds = opts.pick(2, 1)
     await arms.open()
     try:
         for key, ops in arms.ops.items():  # warm every arm at the largest count
-            await closed_loop(ops, min(0.2, duration))
+            await closed_loop(ops, min(0.1, duration))
             opts.log(f"warm {key}")
         per: dict[str, dict[int, dict[str, list[Load]]]] = {
             w: {c: {"floor": [], "daemon": []} for c in clients} for w in WORKLOADS}

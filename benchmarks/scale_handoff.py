@@ -229,9 +229,9 @@ async def _rate(arm: Any, descs: list[bytes], batches: int) -> float:
 
 
 async def _measure(opts: Options, n: int | None) -> dict[str, Any]:
-    n = n or opts.pick(5000, 1000)
-    rounds = opts.pick(5, 2)
-    batches = opts.pick(200, 50)
+    n = n or opts.pick(3000, 1000)
+    rounds = opts.pick(3, 2)
+    batches = opts.pick(100, 50)
     memfd = os.memfd_create("transferd-handoff")
     os.ftruncate(memfd, REGION)
     region = mmap.mmap(memfd, REGION)

@@ -56,7 +56,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
                    ) -> dict[str, Any]:
     from client import Client, Pages
 
-    rounds = opts.pick(3, 2)
+    rounds = 2
     rng = random.Random(20261201)
     ca = await Client.connect(a_url)
     cb = await Client.connect(b_url)
@@ -102,7 +102,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
                 for n in pages:
                     key = f"{page}/{n}"
                     slot = per.setdefault(key, {"transferd": [], "plain socket": []})
-                    reps = max(1, opts.pick(32 << 20, 8 << 20) // (n * page))
+                    reps = max(1, opts.pick(16 << 20, 8 << 20) // (n * page))
                     order = ["transferd", "plain socket"]
                     if (r + n) % 2:
                         order.reverse()

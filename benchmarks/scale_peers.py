@@ -68,8 +68,8 @@ async def _measure(opts: Options, a: ServerProcess, peers: list[ServerProcess],
                    ) -> dict[str, Any]:
     from client import Client
 
-    total = total or opts.pick(256 << 20, 64 << 20)
-    rounds = opts.pick(3, 1)
+    total = total or opts.pick(128 << 20, 64 << 20)
+    rounds = opts.pick(2, 1)
     ca = await Client.connect(a.url)
     cbs = [await Client.connect(p.url) for p in peers]
     conns: list[Any] = []
