@@ -72,6 +72,10 @@ class SyncClient:
         """
         return self._run(completion.wait(timeout))
 
+    def cancel(self, completion: Completion) -> bool:
+        """CANCEL a submit or expectation; True if that is how it ended (see Completion.cancel)."""
+        return self._run(completion.cancel())
+
     def close(self) -> None:
         try:
             self._run(self._client.close())

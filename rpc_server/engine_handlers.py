@@ -76,13 +76,15 @@ def _submit(
     """
     engine = _engine(session)
     peer_timeout = engine.config.peer_timeout_s
-    name = Command(frame.cmd).name
-    timeout = timeout_of(frame.body, None, peer_timeout, f"a {name}", "engine.peer_timeout_s")
+    timeout = None
+    if "timeout_ms" in frame.body:
+        timeout = timeout_of(frame.body, None, peer_timeout, f"a {Command(frame.cmd).name}",
+                             "engine.peer_timeout_s")
 
     def go() -> Reply | None:
         fut = start()
         session.pending.add(fut)
-        op = Op(frame.seq, name, lambda err: engine.cancel(fut, err))
+        op = Op(frame.seq, frame.cmd, lambda err: engine.cancel(fut, err))
         staged = timeout is None and isinstance(fut, asyncio.Task)
         ops_of(session).add(op, 2 * peer_timeout if staged else timeout)
         fut.add_done_callback(lambda f: _completed(session, frame, f, op))

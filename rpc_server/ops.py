@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transferd.protocol.constants import command_name
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 
 if TYPE_CHECKING:
@@ -29,10 +30,11 @@ if TYPE_CHECKING:
 MAX_TIMEOUT_MS = 0xFFFFFFFF
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Op:
     seq: int
-    what: str
+    # What it is, for messages: a label, or the request's cmd (named only when needed).
+    label: str | int
     # Ends the operation now with the error given; False if it had already ended.
     stop: Callable[[TransferdError], bool]
     # Ends with its connection (an expectation); a submit runs on to its end.
@@ -44,7 +46,12 @@ class Op:
     outcome: TransferdError | None = None
     ended: bool = False
     # Awaited by a CANCEL: resolved once the final EVENT was sent.
-    _waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    _waiters: list[asyncio.Future[None]] | None = None
+
+    @property
+    def what(self) -> str:
+        label = self.label
+        return label if isinstance(label, str) else command_name(label)
 
     def end(self, outcome: TransferdError | None) -> None:
         """The final EVENT was sent (with ``outcome``)."""
@@ -55,10 +62,10 @@ class Op:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        for w in self._waiters:
+        waiters, self._waiters = self._waiters, None
+        for w in waiters or ():
             if not w.done():
                 w.set_result(None)
-        self._waiters.clear()
 
     def halt(self, error: TransferdError) -> bool:
         if self.ended or self.reason is not None:
@@ -73,6 +80,8 @@ class Op:
         if self.ended:
             return
         w = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
         self._waiters.append(w)
         await w
 

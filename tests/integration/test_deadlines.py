@@ -182,3 +182,14 @@ async def test_a_closed_connections_pending_ops_end_and_leave_nothing(
     r = ctl.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4096})
     assert not r.is_error
     assert not ctl.request(Command.FREE_BUFFER, {"buffer": r.body["buffer"]}).is_error
+
+
+def test_the_blocking_client_cancels_too(engine_daemon: DaemonProcess) -> None:
+    from client import SyncClient
+
+    with SyncClient.connect(engine_daemon.url) as sc:
+        e = sc.expect_imm_count(0x7E5A, 1, wait=False, timeout=30)
+        assert sc.cancel(e) is True
+        with pytest.raises(Cancelled):
+            sc.wait(e, 5)
+        assert sc.cancel(e) is False

@@ -22,7 +22,7 @@ import pytest
 from client import Client, Pages
 from tests.helpers import DaemonProcess, async_test, digest
 from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
-from transferd.protocol.errors import BadRequest, OutOfBounds
+from transferd.protocol.errors import BadRequest, Cancelled, OutOfBounds, Timeout
 
 KiB = 1024
 WAIT = 20.0
@@ -169,3 +169,37 @@ async def test_counted_only_after_the_device_copy_completed(
         await w.wait(WAIT)
         assert await b.imm_count(imm) == 1
         assert digest(bytes(await b.get_tensor(dbuf.tensor()))) == digest(data)
+
+
+@async_test(timeout=90)
+async def test_a_write_from_device_memory_held_in_staging_is_cancelled_or_times_out(
+        pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
+    """b's stream is held, so its D2H copy never completes: the write waits in staging,
+    nothing sent.  CANCEL ends it at once, and so does its own deadline; the destination
+    stays untouched, and once the stream goes on the next write from there lands whole."""
+    async with _clients(pair) as (a, b):
+        data = os.urandom(64 * KiB)
+        dbuf, dmr, _ = await _device_region(b, len(data), data)
+        hbuf = await a.alloc_buffer(len(data))
+        _, hdesc = await a.reg_mr(hbuf)
+        with open(hold_file, "w"):
+            pass
+        try:
+            w = await b.submit_single_write(len(data), None, (dmr, 0), (hdesc, 0))
+            late = await b.submit_single_write(len(data), None, (dmr, 0), (hdesc, 0),
+                                               timeout=0.3)
+            await asyncio.sleep(0.2)
+            assert not w.done()
+            assert await asyncio.wait_for(w.cancel(), 5) is True
+            with pytest.raises(Cancelled):
+                await w
+            with pytest.raises(Timeout):
+                await late.wait(5)
+        finally:
+            os.unlink(hold_file)
+        assert bytes(await a.get_tensor(hbuf.tensor())) == bytes(len(data))  # nothing sent
+        w = await b.submit_single_write(len(data), None, (dmr, 0), (hdesc, 0))
+        await w.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(hbuf.tensor()))) == digest(data)
+        await a.free_buffer(hbuf)
+        await b.free_buffer(dbuf)

@@ -262,7 +262,17 @@ class TransferEngine:
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
                 await io.waiter.wait(io.stream.record())
-                await self._submit(op, plan(views))
+                sending = self._submit(op, plan(views))
+                # From now on cancel() of this task fails the transfer itself (a
+                # cancelled task would let go of its worker slot before the transfer ended).
+                me = asyncio.current_task()
+                if me is not None:
+                    self._transfers[me] = self._transfers[sending]
+                try:
+                    await sending
+                finally:
+                    if me is not None:
+                        self._transfers.pop(me, None)
             finally:
                 held.release()
                 for chunk in chunks:
