@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -9,6 +11,8 @@ import pytest
 
 from benchmarks import copies
 from benchmarks.harness import Options, Pinning
+from tests.conftest import DaemonFactory
+from tests.helpers import async_test
 
 
 def _opts() -> Options:
@@ -91,3 +95,63 @@ def test_handoff_figure_measures_every_design() -> None:
         assert 0 < s[arm]["p50_s"] < 0.1, arm
         assert s[arm]["rate_per_s"] > 0
     assert s["direct_call_s"] < s["same loop"]["p50_s"]
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    for _ in range(1000):
+        if len(out) >= n:
+            break
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_ack_floor_answers_split_pipelined_and_abandoned_requests() -> None:
+    """The floor must count requests exactly, or every ratio against it is wrong."""
+    from benchmarks.baselines import FRAME
+    from benchmarks.harness import ServerProcess
+    from benchmarks.scale_baselines import ACK
+
+    argv = [sys.executable, "-m", "benchmarks.scale_baselines", "ack", "--read", "65536"]
+    with ServerProcess(argv, Pinning.detect(enabled=False), name="ack") as ack:
+        host, port = ack.host_port
+        # A sender that announces 1 GiB and vanishes after 1 MiB: the server keeps serving.
+        with socket.create_connection((host, port), timeout=10) as liar:
+            liar.sendall(FRAME.pack(b"TD", 5, 0, 1, 0, 0, 1 << 30) + bytes(1 << 20))
+        with socket.create_connection((host, port), timeout=10) as s:
+            payload = bytes(range(256)) * 400  # 100 KiB, more than one read
+            one = FRAME.pack(b"TD", 5, 0, 1, 0, 0, len(payload)) + payload
+            for piece in (one[:5], one[5:23], one[23:5000], one[5000:]):  # header split too
+                s.sendall(piece)
+            assert _recv_exactly(s, FRAME.size) == ACK
+            # Five at once: payloads, an empty one, one with a body.
+            many = b"".join([one, FRAME.pack(b"TD", 5, 0, 2, 0, 0, 0),
+                             FRAME.pack(b"TD", 5, 0, 3, 10, 0, 7) + bytes(17), one, one])
+            s.sendall(many)
+            assert _recv_exactly(s, 5 * FRAME.size) == ACK * 5
+            s.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                s.recv(1)  # not one answer more than requests
+
+
+@async_test()
+async def test_stats_reports_copies_only_while_counting(daemon_factory: DaemonFactory) -> None:
+    from client import Client
+
+    plain = daemon_factory()
+    counting = daemon_factory(env={"TRANSFERD_COUNT_COPIES": "1"})
+    data = bytes(range(256)) * 16
+    for d, counts in ((plain, False), (counting, True)):
+        async with await Client.connect(d.url) as c:
+            buf = await c.alloc_buffer(4096)
+            await c.set_tensor(buf.tensor(), data)
+            assert bytes(await c.get_tensor(buf.tensor())) == data
+            stats = await c.server_stats()
+            assert ("copies" in stats) is counts
+            if counts:
+                # 4 KiB in (copied out of the read buffer) and 4 KiB out (joined with its header).
+                assert stats["copies"]["decoder.payload"]["bytes"] >= 4096
+                assert stats["copies"]["session.reply_join"] == {"calls": 1, "bytes": 4096}
