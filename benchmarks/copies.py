@@ -135,11 +135,13 @@ def run_paths(opts: Options, lib: str | None, where: str,
     sock = os.path.join(where, "b.sock")
     with (ServerProcess(daemon_command(), opts.pinning, name="daemon A",
                         env=counting_env(lib, files["daemon A"])) as a,
-          ServerProcess(daemon_command("--unix", sock), opts.pinning, name="daemon B",
+          ServerProcess(daemon_command("--unix", sock, "--listen", f"seqpacket://{sock}.s"),
+                        opts.pinning, name="daemon B",
                         env=counting_env(lib, files["daemon B"])) as b):
         b_unix = next(u for u in b.urls if u.startswith("unix://"))
+        b_seq = next(u for u in b.urls if u.startswith("seqpacket://"))
         argv = [sys.executable, "-m", "benchmarks.copies_client", "--a", a.url, "--b", b.url,
-                "--b-unix", b_unix, "--sizes",
+                "--b-unix", b_unix, "--b-seqpacket", b_seq, "--sizes",
                 sizes or ("4096,4194304" if opts.quick else "4096,65536,4194304")]
         if lib is not None:
             argv += ["--memcount-client", files["client"], "--memcount-a", files["daemon A"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import struct
@@ -68,7 +69,7 @@ def pattern(size: int, seed: int) -> bytes:
     return bytes((i * 131 + seed) & 0xFF for i in range(256)) * (size // 256) + bytes(size % 256)
 
 
-async def paths_at(size: int, ca: Any, cb: Any, cu: Any, probe: Probe, quick: bool
+async def paths_at(size: int, ca: Any, cb: Any, cu: Any, cs: Any, probe: Probe, quick: bool
                    ) -> list[dict[str, Any]]:
     """Every path at one size: ``reps`` operations each, the counts' differences."""
     from client import Pages
@@ -128,6 +129,12 @@ async def paths_at(size: int, ca: Any, cb: Any, cu: Any, probe: Probe, quick: bo
     async def shared_get() -> None:
         await cu.get_tensor(shm.tensor(0, size), out=out)
 
+    async def set_on(c: Any) -> None:
+        await c.set_tensor(dst.tensor(size, size), data)
+
+    async def get_on(c: Any) -> None:
+        await c.get_tensor(dst.tensor(size, size), out=out)
+
     async def write_into_shared() -> None:
         done = await ca.submit_single_write(size, None, (mr, 0), (shm_desc, size))
         await done.wait(30)
@@ -141,6 +148,10 @@ async def paths_at(size: int, ca: Any, cb: Any, cu: Any, probe: Probe, quick: bo
         ("shared buffer set_tensor", shared_set),
         ("shared buffer get_tensor out=", shared_get),
         ("single write A->B shared buffer", write_into_shared),
+        ("set_tensor over unix:// (to B)", functools.partial(set_on, cu)),
+        ("get_tensor out= over unix:// (from B)", functools.partial(get_on, cu)),
+        ("set_tensor over seqpacket:// (to B)", functools.partial(set_on, cs)),
+        ("get_tensor out= over seqpacket:// (from B)", functools.partial(get_on, cs)),
     ]
     # What reading the counts costs by itself (STATS replies are copied too):
     # taken off every path's memcpy figures.
@@ -176,12 +187,13 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     ca = await Client.connect(a.a)
     cb = await Client.connect(a.b)
     cu = await Client.connect(a.b_unix)  # B over unix: shared buffers
+    cs = await Client.connect(a.b_seqpacket)
     results: list[dict[str, Any]] = []
     try:
         for size in a.sizes:
-            results += await paths_at(size, ca, cb, cu, Probe(ca, cb, files), a.quick)
+            results += await paths_at(size, ca, cb, cu, cs, Probe(ca, cb, files), a.quick)
     finally:
-        for c in (ca, cb, cu):
+        for c in (ca, cb, cu, cs):
             await c.close()
     return {"counting": copies.COUNTING, "results": results}
 
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a", required=True, help="daemon A's tcp URL")
     ap.add_argument("--b", required=True, help="daemon B's tcp URL")
     ap.add_argument("--b-unix", required=True, help="daemon B's unix URL")
+    ap.add_argument("--b-seqpacket", required=True, help="daemon B's seqpacket URL")
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4096, 4 << 20])
     ap.add_argument("--memcount-client")

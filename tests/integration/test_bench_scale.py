@@ -27,7 +27,7 @@ def test_copies_counted_match_the_memcpy_count_on_every_path() -> None:
         doc = copies.run_paths(_opts(), lib, where, sizes="4096")
         assert not list(Path(where).glob("*.sock"))  # daemons gone, socket removed
     rows = {r["path"]: r for r in doc["results"]}
-    assert len(rows) == 10
+    assert len(rows) == 14
     for path, r in rows.items():
         for proc in copies.PROCS:
             counted = copies_total(r["counted"][proc])
