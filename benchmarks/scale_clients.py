@@ -18,8 +18,10 @@ Placement: every server (the daemons A and B alike, the baselines) on the first 
 this process and all its clients on the second.  Rounds alternate the arms (floor,
 daemon / daemon, floor) at each client count; each measurement runs ``duration``
 seconds.  Reported per client count: aggregate ops/s and p99 of each arm, the ratios
-daemon / floor (median over rounds), and the CPU the servers and the clients used
-during the measurement (a column at 100% is the side that caps the figure).
+daemon / floor (median over rounds), the CPU the servers and the clients used during
+the measurement (a column at 100% is the side that caps the figure), and the servers'
+CPU time per operation (the cost that holds on a loaded machine, where the rates
+measure the scheduler as much as the server).
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
                   "(median over rounds)",
                   ["clients", "floor ops/s", "floor p99 us", "daemon ops/s", "daemon p99 us",
                    "daemon/floor ops", "daemon/floor p99", "x1 scaling floor / daemon",
-                   "server CPU floor / daemon", "client CPU floor / daemon"])
+                   "server CPU floor / daemon", "client CPU floor / daemon",
+                   "server CPU us/op floor / daemon"])
         summary[w] = {}
         base: dict[str, float] = {}
         for c in clients:
@@ -203,13 +206,20 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
             def frac(xs: list[Load], attr: str) -> float:
                 return median([getattr(x, attr) / x.wall for x in xs])
 
+            def per_op(xs: list[Load]) -> float:
+                # CPU seconds per operation: what the server spends, whatever else runs.
+                return median([x.server_cpu / x.ops for x in xs if x.ops])
+
             t.add(c, fmt_rate(fr), fmt_us(fp), fmt_rate(dr), fmt_us(dp), fmt_ratio(ratio),
                   fmt_ratio(p99r),
                   f"{fr / base['floor']:.1f} / {dr / base['daemon']:.1f}",
                   f"{fmt_pct(frac(f, 'server_cpu'))} / {fmt_pct(frac(d, 'server_cpu'))}",
-                  f"{fmt_pct(frac(f, 'client_cpu'))} / {fmt_pct(frac(d, 'client_cpu'))}")
+                  f"{fmt_pct(frac(f, 'client_cpu'))} / {fmt_pct(frac(d, 'client_cpu'))}",
+                  f"{fmt_us(per_op(f))} / {fmt_us(per_op(d))}")
             summary[w][c] = {"floor_ops_per_s": fr, "daemon_ops_per_s": dr, "floor_p99_s": fp,
-                             "daemon_p99_s": dp, "ops_ratio": ratio, "p99_ratio": p99r}
+                             "daemon_p99_s": dp, "ops_ratio": ratio, "p99_ratio": p99r,
+                             "floor_server_cpu_s_per_op": per_op(f),
+                             "daemon_server_cpu_s_per_op": per_op(d)}
         res.tables.append(t)
     res.notes.append(
         "placement: every server (daemons A and B, pingpong, ack) on CPU "
