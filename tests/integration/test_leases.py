@@ -284,3 +284,34 @@ async def test_by_default_a_host_buffer_outlives_its_connection(daemon: DaemonPr
     async with await Client.connect(daemon.url) as c:
         assert bytes(await c.get_tensor(buf.tensor())) == b"\x09" * 4096
         await c.free_buffer(buf)
+
+
+def test_lease_frames_that_lie_get_typed_errors_and_the_connection_stays(
+    daemon: DaemonProcess,
+) -> None:
+    """A raw socket sends LEASE / END_LEASE / ALLOC_BUFFER bodies of the wrong shape: each is
+    BAD_REQUEST (or NOT_FOUND), nothing is made, and the connection is served after."""
+    c = RawConn.to(daemon)
+    c.hello()
+    bad = [
+        (0x2D, {"lease": "x"}),                          # no ttl_ms
+        (0x2D, {"lease": "x", "ttl_ms": -5}),
+        (0x2D, {"lease": "x", "ttl_ms": 1.5}),
+        (0x2D, {"lease": "x", "ttl_ms": True}),
+        (0x2D, {"lease": "x", "ttl_ms": 1 << 40}),       # over a u32
+        (0x2D, {"lease": b"x", "ttl_ms": 10}),           # bin, not str
+        (0x2D, {"lease": ["x"], "ttl_ms": 10}),
+        (0x2E, {}),
+        (0x2E, {"lease": 7}),
+        (0x02, {"device": "cpu", "size": 64, "lease": 7}),
+        (0x02, {"device": "cpu", "size": 64, "owner": 1}),
+        (0x02, {"device": "cpu", "size": 64, "owner": "lease"}),  # which lease?
+    ]
+    for cmd, body in bad:
+        r = c.request(cmd, body)
+        assert r.is_error and r.body["code"] == "BAD_REQUEST", (cmd, body, r.body)
+    r = c.request(0x2E, {"lease": "never-made"})
+    assert r.is_error and r.body["code"] == "NOT_FOUND", r.body
+    r = c.request(0x2D, {"lease": "x", "ttl_ms": 1000})  # the connection is fine
+    assert not r.is_error and r.body["created"] is True, r.body
+    assert c.request(0x2E, {"lease": "x"}).body == {"buffers": 0}
