@@ -193,3 +193,39 @@ def test_the_blocking_client_cancels_too(engine_daemon: DaemonProcess) -> None:
         with pytest.raises(Cancelled):
             sc.wait(e, 5)
         assert sc.cancel(e) is False
+
+
+@async_test(timeout=60)
+async def test_every_kind_of_submit_has_a_deadline_and_can_be_cancelled(
+    engine_daemon: DaemonProcess, silent: socket.socket
+) -> None:
+    from client import Pages, ScatterDst
+
+    async with await Client.connect(engine_daemon.url) as c:
+        buf = await c.alloc_buffer(MiB)
+        mr, _ = await c.reg_mr(buf)
+        dst = _nowhere(silent, MiB)
+        addr = dst.rkeys[0][0]
+        kinds = {
+            "single": lambda t: c.submit_single_write(64, 1, (mr, 0), (dst, 0), timeout=t),
+            "paged": lambda t: c.submit_paged_writes(64, 1, (mr, Pages([0, 2], 64)),
+                                                     (dst, Pages([1, 3], 64)), timeout=t),
+            "scatter": lambda t: c.submit_scatter(None, 1, mr, [ScatterDst(64, 0, (dst, 0))],
+                                                  timeout=t),
+            "barrier": lambda t: c.submit_barrier(None, 1, [dst], timeout=t),
+            "send": lambda t: c.submit_send(addr, b"hello", timeout=t),
+        }
+        timed = {k: await f(0.3) for k, f in kinds.items()}
+        held = {k: await f(None) for k, f in kinds.items()}
+        await asyncio.sleep(0.1)
+        for k, w in held.items():
+            assert not w.done(), k
+            assert await w.cancel() is True, k
+            with pytest.raises(Cancelled):
+                await w
+        for k, w in timed.items():
+            with pytest.raises(Timeout, match="deadline"):
+                await asyncio.wait_for(w, 10)
+            assert w.done(), k
+        await asyncio.wait_for(c.synchronize(), 5)  # nothing of them is left pending
+        await c.free_buffer(buf)
