@@ -92,11 +92,14 @@ def client_on(pinning: Pinning) -> Iterator[None]:
 # -- transferd ---------------------------------------------------------------------------
 
 
-def start_pair(s: Sides, *args: str) -> tuple[ServerProcess, ServerProcess]:
-    """Daemon A (initiator side) and daemon B (target side) on loopback, one rail each."""
-    a = ServerProcess(daemon_command(*args), s.initiator, name="daemon A").start()
+def start_pair(s: Sides, *args: str, env: dict[str, str] | None = None,
+               a_args: Sequence[str] = ()) -> tuple[ServerProcess, ServerProcess]:
+    """Daemon A (initiator side) and daemon B (target side) on loopback, one rail each;
+    ``env`` for both (TRANSFERD_ENGINE_WORKER=thread, say), ``a_args`` for A only."""
+    a = ServerProcess(daemon_command(*args, *a_args), s.initiator, name="daemon A",
+                      env=env).start()
     try:
-        b = ServerProcess(daemon_command(*args), s.target, name="daemon B").start()
+        b = ServerProcess(daemon_command(*args), s.target, name="daemon B", env=env).start()
     except BaseException:
         a.stop()
         raise

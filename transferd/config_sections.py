@@ -361,6 +361,27 @@ class EngineConfig:
         "Pin each engine worker thread to a core of its device's NUMA node, within the "
         "CPUs the process may use; a failure to pin is logged, never fatal.",
     )
+    worker: str = key(
+        "auto",
+        'Where the host domain groups run: "loop" on the daemon\'s own event loop (a '
+        "submit's parts go to the socket from the handler, its completion comes back "
+        'without a thread hand-off), "thread" on a worker thread of their own pinned '
+        '(engine.pin_workers) to a core, or "auto", which is "loop": on the measurements '
+        "in docs/benchmarks.md (issue 12) the two hand-offs per transfer of a thread cost "
+        "more than it buys a host group. GPU groups always have a pinned thread of their "
+        "own for their copies.",
+        choices=("auto", "loop", "thread"),
+    )
+    host_groups: int = key(
+        1,
+        "How many host domain groups the engine runs, each with its own worker and its "
+        "own rails (every rail of engine.host_rails, one port each); registered regions "
+        "are dealt to the groups in turn and a write runs on its source region's group. "
+        'More than one only helps with engine.worker = "thread", where each group has a '
+        "thread (docs/benchmarks.md, issue 12, says by how much the interpreter lock "
+        "lets them).",
+        min=1, max=8,
+    )
     peer_timeout_s: float = key(
         30.0,
         "Seconds the engine waits for a peer to acknowledge a transfer before it fails the "

@@ -228,9 +228,8 @@ class Daemon:
             log.warning("%d connections did not read their last replies: aborted", aborted)
 
     def workers(self) -> list[Any]:
-        """The worker threads the watchdog watches (the engine's)."""
-        w = getattr(self.engine, "worker", None)
-        return [w] if w is not None else []
+        """The workers the watchdog watches (the engine's: every host group's)."""
+        return list(getattr(self.engine, "workers", None) or [])
 
     def reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change, log the rest."""

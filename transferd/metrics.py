@@ -250,52 +250,66 @@ class _EngineCollector:
         group = getattr(e, "group", None)
         if group is None:
             return
+        # Every host group's tallies together (engine.host_groups).
+        groups = list(getattr(e, "groups", None) or [group])
+
+        def total(name: str) -> int:
+            return sum(getattr(gr, name, 0) for gr in groups)
+
         c = CounterMetricFamily
         g = GaugeMetricFamily
         yield c("transferd_engine_landed_writes", "Peer WRITE parts whose bytes landed here.",
-                value=getattr(group, "writes_in", 0))
+                value=total("writes_in"))
         yield c("transferd_engine_landed_bytes", "Bytes peers wrote into this daemon's regions.",
-                value=getattr(group, "bytes_in", 0))
+                value=total("bytes_in"))
         refused = c("transferd_engine_refused_writes",
                     "Peer WRITE parts this daemon refused, by reason (the wire code).",
                     labels=["reason"])
         counts = dict.fromkeys(REFUSE_REASONS, 0)
-        for code, n in _snapshot(lambda: list(getattr(group, "refused_by", {}).items()), []):
-            counts[code if code in counts else "other"] += n
+        for gr in groups:
+            for code, n in _snapshot(lambda gr=gr: list(getattr(gr, "refused_by", {}).items()),
+                                     []):
+                counts[code if code in counts else "other"] += n
         for reason, n in counts.items():
             refused.add_metric([reason], n)
         yield refused
         yield c("transferd_engine_immediates", "Immediates counted here (the sum of counts).",
-                value=getattr(group, "imms_in", 0))
+                value=total("imms_in"))
         yield c("transferd_engine_messages_delivered",
                 "Peer messages (two-sided SEND) handed to a posted receive here.",
-                value=getattr(group, "messages_in", 0))
+                value=total("messages_in"))
         exp = _snapshot(lambda: sum(len(v) for v in list(e._expectations.values())), 0)
         yield g("transferd_engine_expectations_pending",
                 "Immediate-count expectations clients wait on here.", value=exp)
-        worker = getattr(e, "worker", None)
-        in_flight = worker.in_flight if worker is not None else 0
+        slots = getattr(e, "slots", None)
+        in_flight = slots.in_flight if slots is not None else 0
         yield g("transferd_engine_transfers_in_flight",
                 "Transfers this daemon initiated that have not finished.", value=in_flight)
         yield g("transferd_engine_partial_writes",
                 "Multi-part writes to this daemon some of whose parts landed.",
-                value=len(getattr(group, "coverage", ())))
+                value=sum(len(getattr(gr, "coverage", ())) for gr in groups))
         links = g("transferd_engine_links", "Links to peers, by rail and state.",
                   labels=["rail", "state"])
         waiting = 0
-        for rail, domain in enumerate(getattr(group, "domains", [])):
-            states = dict.fromkeys(LINK_STATES, 0)
-            for link in _snapshot(lambda d=domain: list(d._links.values()), []):
-                state = getattr(getattr(link, "state", None), "value", "closed")
-                states[state if state in states else "closed"] += 1
-                waiting += len(getattr(link, "_waiting", ()))
+        by_rail: dict[int, dict[str, int]] = {}
+        inbound_by_rail: dict[int, int] = {}
+        for gr in groups:
+            for rail, domain in enumerate(getattr(gr, "domains", [])):
+                states = by_rail.setdefault(rail, dict.fromkeys(LINK_STATES, 0))
+                for link in _snapshot(lambda d=domain: list(d._links.values()), []):
+                    state = getattr(getattr(link, "state", None), "value", "closed")
+                    states[state if state in states else "closed"] += 1
+                    waiting += len(getattr(link, "_waiting", ()))
+                inbound_by_rail[rail] = inbound_by_rail.get(rail, 0) + len(
+                    getattr(domain, "_inbound", ()))
+        for rail, states in by_rail.items():
             for state, n in states.items():
                 links.add_metric([str(rail), state], n)
         yield links
         inbound = g("transferd_engine_inbound_links", "Peers' links to this daemon, by rail.",
                     labels=["rail"])
-        for rail, domain in enumerate(getattr(group, "domains", [])):
-            inbound.add_metric([str(rail)], len(getattr(domain, "_inbound", ())))
+        for rail, n in inbound_by_rail.items():
+            inbound.add_metric([str(rail)], n)
         yield inbound
         depth = g("transferd_engine_queue_depth",
                   "Items waiting in the engine's bounded queues, by queue.", labels=["queue"])

@@ -7,6 +7,11 @@ loop: tcp over loopback sockets, chaos around tcp and around the in-process Doma
 else), and verbs, skipped with the reason (pyverbs missing, no device, no soft-RoCE) where
 there is no RDMA device with an ACTIVE port.  Data is checked
 by checksum, counters by the counting rules.
+
+Each group runs on a worker of :mod:`transferd.workers`: the test's own loop (a
+``LoopWorker``, as the engine's host groups by default) for every Domain, and for tcp
+also a ``ThreadWorker`` of its own (``tcp@thread``), the calls and completions crossing
+threads as they do in a daemon with ``engine.worker = "thread"``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from transferd.protocol.errors import (
     TransferdError,
 )
 from transferd.protocol.values import MrDesc, NetAddr, Pages
+from transferd.workers import LoopWorker, ThreadWorker, Worker
 
 inproc.register()
 RDMA_DEVICES, RDMA_WHY = rdma_devices()
@@ -59,6 +65,8 @@ def _specs() -> list[Any]:
             out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"verbs: {RDMA_WHY}")))
         else:
             out.append(name)
+    # The same Domain on a worker thread of its own (the thread-pinned worker).
+    out.append("tcp@thread")
     return out
 
 
@@ -80,14 +88,26 @@ class Node:
         self.messages: list[tuple[tuple[int, int], bytes]] = []
         self.buffers: list[Buffer] = []
         self.node = random.Random(seed).randrange(1, 1 << 63)
-        self.group = DomainGroup(
-            0, self.node, loop, self.regions, self.counter, self._deliver, timeout_s=WAIT,
-            domain=spec, options=DomainOptions(seed=seed, max_delay_s=0.002,
-                                                settings=_settings()),
-            secret=SECRET, handshake_timeout_s=2.0)
+        self.loop = loop
+        domain, _, kind = spec.partition("@")
+        self.worker: Worker = (ThreadWorker(f"conformance-{seed}") if kind == "thread"
+                               else LoopWorker(f"conformance-{seed}", loop))
+        self.worker.start()
         base = next(_hosts)
-        self.group.bind([f"127.0.{base}.{r + 1}" for r in range(RAILS)])
+
+        def make() -> DomainGroup:
+            assert self.worker.loop is not None
+            g = DomainGroup(
+                0, self.node, self.worker.loop, self.regions, self.counter, self._deliver,
+                timeout_s=WAIT, domain=domain,
+                options=DomainOptions(seed=seed, max_delay_s=0.002, settings=_settings()),
+                secret=SECRET, handshake_timeout_s=2.0)
+            g.bind([f"127.0.{base}.{r + 1}" for r in range(RAILS)])
+            return g
+
+        self.group = self.worker.run_sync(make)
         self._ops = itertools.count(1)
+        self.closed = False
 
     def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any) -> None:
         self.messages.append((peer, msg))
@@ -114,19 +134,30 @@ class Node:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TransferdError | None] = loop.create_future()
 
-        def done(err: TransferdError | None) -> None:
+        def settle(err: TransferdError | None) -> None:
             if not fut.done():
                 fut.set_result(err)
 
+        def done(err: TransferdError | None) -> None:  # on the worker's loop
+            loop.call_soon_threadsafe(settle, err)
+
         op = parts[0].op if parts else next(self._ops)
-        self.group.execute(Transfer(op, len(parts), 0, done), parts)
+        self.worker.call(self.group.execute, Transfer(op, len(parts), 0, done), parts)
         return await asyncio.wait_for(fut, WAIT)
 
     def op(self) -> int:
         return next(self._ops)
 
+    def close_group(self) -> None:
+        """Close the group's Domains, on its worker's loop."""
+        self.worker.run_sync(self.group.close)
+
     def close(self) -> None:
-        self.group.close()
+        if self.closed:
+            return
+        self.closed = True
+        self.close_group()
+        self.worker.stop()
         for b in self.buffers:
             b.release()
 
@@ -299,7 +330,7 @@ async def test_close_fails_what_is_outstanding_and_later_posts(a: Node, b: Node)
     pending = asyncio.ensure_future(a.run(list(plan_single(op, 1 << 20, None, src_view, desc,
                                                            0, RAILS))))
     await asyncio.sleep(0)
-    a.group.close()
+    a.close_group()
     err = await pending
     assert err is None or isinstance(err, PeerUnreachable), err
     op = a.op()

@@ -3,11 +3,12 @@
 Daemon A's rails are 127.0.0.2 and 127.0.0.3, B's 127.0.0.4 and .5, C's .6 and .7 (all
 of 127.0.0.0/8 is loopback on Linux).  ``clusters`` (session scope) keeps one trio per
 domain ("tcp" or "chaos") for every test that leaves its daemons as it found them;
-``cluster`` hands one to a test, parametrized over both domains and the three client
-transports (paired, not crossed: tcp over tcp, chaos over unix, tcp over seqpacket -- the
-domain works between daemons and the client transport between a client and its daemon, so
-each of them once covers both at a third of the cross product's cost), and checks that
-all three daemons survived.  :func:`nodes` connects over the client transport of the
+``cluster`` hands one to a test, parametrized over both domains, both kinds of worker and
+the three client transports (paired, not crossed: tcp on the daemon's loop over tcp, chaos
+on two thread-worker groups over unix, tcp on a thread worker over seqpacket -- the domain
+and the worker work between daemons and the client transport between a client and its
+daemon, so each of them once covers all at a third of the cross product's cost), and
+checks that all three daemons survived.  :func:`nodes` connects over the client transport of the
 ``cluster`` in use (tcp outside it).  Tests that kill or stop a daemon start their own with
 :func:`start_many`.
 
@@ -41,8 +42,16 @@ from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
 from transferd.domains.tcp import parse_rail
 
 DOMAINS = ("tcp", "chaos")
-# (domain, client transport) of each ``cluster`` parameter.
-CLUSTER_PARAMS = (("tcp", "tcp"), ("chaos", "unix"), ("tcp", "seqpacket"))
+# The session's trios by name: (domain, engine settings).  "tcp" is the default
+# engine (one host group on the daemon's loop); the others run their groups on
+# worker threads (engine.worker = "thread"), chaos's in two groups.
+TRIOS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tcp": ("tcp", {}),
+    "chaos": ("chaos", {"worker": "thread", "host_groups": 2}),
+    "tcp-thread": ("tcp", {"worker": "thread"}),
+}
+# (trio, client transport) of each ``cluster`` parameter.
+CLUSTER_PARAMS = (("tcp", "tcp"), ("chaos", "unix"), ("tcp-thread", "seqpacket"))
 RAILS = {
     "a": ("127.0.0.2", "127.0.0.3"),
     "b": ("127.0.0.4", "127.0.0.5"),
@@ -153,12 +162,13 @@ _CLUSTERS: dict[str, Cluster] = {}
 
 @pytest.fixture(scope="session")
 def clusters() -> Iterator[Callable[[str], Cluster]]:
-    """``clusters(domain)``: the session's trio for that domain, started on first use."""
+    """``clusters(name)``: the session's trio of that name (TRIOS), started on first use."""
 
-    def get(domain: str) -> Cluster:
-        if domain not in _CLUSTERS:
-            _CLUSTERS[domain] = start_cluster(domain)
-        return _CLUSTERS[domain]
+    def get(name: str) -> Cluster:
+        if name not in _CLUSTERS:
+            domain, engine = TRIOS[name]
+            _CLUSTERS[name] = start_cluster(domain, **engine)
+        return _CLUSTERS[name]
 
     yield get
     # Session teardown (every module's copy runs it; the first one stops them all).
@@ -199,10 +209,10 @@ def cluster(
     """A running trio of two-rail daemons, its clients over one transport (CLUSTER_PARAMS);
     all must survive the test."""
     global _client_transport
-    domain, transport = request.param
+    trio, transport = request.param
     _client_transport = transport
     try:
-        yield from _watch(clusters(domain), request)
+        yield from _watch(clusters(trio), request)
     finally:
         _client_transport = "tcp"
 

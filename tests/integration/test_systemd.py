@@ -21,7 +21,7 @@ from tests.helpers import REPO, DaemonProcess, run, wait_until
 from tests.integration.test_cli import SERVE
 from transferd.lifecycle import Watchdog, watchdog_interval
 from transferd.protocol.errors import Unauthorized
-from transferd.workers.worker import Worker
+from transferd.workers.worker import ThreadWorker
 
 
 class NotifySocket:
@@ -86,7 +86,7 @@ def test_watchdog_interval_from_the_environment() -> None:
 
 
 def test_a_hung_worker_stops_the_pings() -> None:
-    w = Worker("test-worker")
+    w = ThreadWorker("test-worker")
     w.start()
     pings: list[float] = []
 

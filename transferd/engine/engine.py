@@ -1,17 +1,26 @@
-"""TransferEngine: the article's API, on the daemon's loop, over pinned workers.
+"""TransferEngine: the article's API, on the daemon's loop, over domain groups.
 
 Every submit checks and plans on the daemon's loop (bad input fails at once,
-with nothing sent), takes a slot of the worker's bounded queue, and hands the
-parts to the worker, which owns the sockets.  Completion comes back to the
+with nothing sent), takes a slot of the engine's bounded queue, and hands the
+parts to the worker of its source region's domain group, which owns that
+group's sockets.  A worker is the daemon's own loop (``engine.worker =
+"loop"``: the hand-off is a plain call) or a pinned thread of its own
+(``"thread"``); see :mod:`transferd.workers`.  Completion comes back to the
 daemon's loop as the resolution of an asyncio future.  Receiver-side events
 (an immediate count reached, a message arrived) are delivered through
 callbacks on the daemon's loop.
+
+``engine.host_groups`` host groups each bind every rail (a port each);
+registered regions are dealt to them in turn (:meth:`TransferEngine.group_of`),
+and a region's MrDesc names its group's rails, so both the writes from it
+and the writes into it run on that group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import itertools
 import logging
@@ -30,7 +39,7 @@ from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
-from transferd.workers import Worker
+from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
@@ -86,11 +95,18 @@ class TransferEngine:
         self._pool_count: Counter[Hashable] = Counter()
         self._pool_lock = threading.Lock()
         self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
-        # Each submit's Transfer, until it finished: what cancel() fails.
-        self._transfers: dict[asyncio.Future[None], Transfer] = {}
+        # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
+        self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        # One worker and one DomainGroup per host group (engine.host_groups);
+        # ``worker`` and ``group`` are the first (the main address's).
+        self.workers: list[Worker] = []
+        self.groups: list[DomainGroup] = []
         self.worker: Worker | None = None
         self.group: DomainGroup | None = None
+        # Transfers in flight, for every group together (the daemon's bound).
+        self.slots = Slots()
         # Every Domain of the group reads what it needs of these (chaos: the schedule).
         # Each Domain's own settings go under its name, passed through unread.
         self.domain_options = DomainOptions(
@@ -101,44 +117,77 @@ class TransferEngine:
 
     # -- lifecycle ----------------------------------------------------------------
 
+    @property
+    def worker_kind(self) -> str:
+        """engine.worker resolved: "auto" is "loop" (docs/benchmarks.md, issue 12)."""
+        kind = self.config.worker
+        return "loop" if kind == "auto" else kind
+
     async def start(self) -> NetAddr:
         self.loop = asyncio.get_running_loop()
-        cpu = choose_cpu((), allowed_cpus(), Counter()) if self.config.pin_workers else None
-        self.worker = Worker("transferd-host", cpu)
-        self.worker.start()
-        worker_loop = self.worker.loop
-        assert worker_loop is not None
-
-        def make() -> DomainGroup:
-            g = DomainGroup(0, self.node, worker_loop, self.regions, self.counter,
-                            self._deliver, timeout_s=self.config.peer_timeout_s,
-                            domain=self.config.domain, options=self.domain_options,
-                            secret=self.secret,
-                            handshake_timeout_s=self.config.handshake_timeout_s)
-            g.bind(self.hosts, self.config.peer_port)
-            return g
-
+        self._loop_thread = threading.get_ident()
         if self.secret is None:
             log.warning(
                 "engine: no cluster secret (engine.secret_file): peer links are not "
                 "authenticated; rails %s%s", ", ".join(self.hosts),
                 " (engine.insecure: reachable beyond this host)" if self.config.insecure
                 else " bound to loopback only")
-        self.group = await asyncio.wrap_future(self.worker.run(_call(make)))
-        log.info("engine %s: %d rail(s), worker on cpu %s", self.main_address(),
-                 len(self.hosts), cpu)
+        kind = self.worker_kind
+        taken: Counter[int] = Counter()
+        try:
+            for index in range(self.config.host_groups):
+                cpu = None
+                if kind == "thread" and self.config.pin_workers:
+                    cpu = choose_cpu((), allowed_cpus(), taken)
+                    if cpu is not None:
+                        taken[cpu] += 1
+                worker = make_worker(kind, f"transferd-host{index}", cpu)
+                worker.start()
+                self.workers.append(worker)
+                self.groups.append(await asyncio.wrap_future(
+                    worker.run(_call(functools.partial(self._make_group, index, worker)))))
+                log.info("engine group %d %s: %d rail(s), %s worker%s", index,
+                         self.groups[-1].address, len(self.hosts), kind,
+                         f" on cpu {cpu}" if cpu is not None else "")
+        except BaseException:
+            await self.close()
+            raise
+        self.worker, self.group = self.workers[0], self.groups[0]
         return self.main_address()
 
+    def _make_group(self, index: int, worker: Worker) -> DomainGroup:
+        """Group ``index`` on ``worker``'s loop, its rails bound (runs on that loop)."""
+        assert worker.loop is not None
+        g = DomainGroup(index, self.node, worker.loop, self.regions, self.counter,
+                        self._deliver, timeout_s=self.config.peer_timeout_s,
+                        domain=self.config.domain, options=self.domain_options,
+                        secret=self.secret,
+                        handshake_timeout_s=self.config.handshake_timeout_s)
+        # A fixed engine.peer_port is the first group's; the others' are the system's pick.
+        g.bind(self.hosts, self.config.peer_port if index == 0 else 0)
+        return g
+
     async def close(self) -> None:
-        if self.worker is not None and self.group is not None:
-            group = self.group
+        for worker, group in zip(self.workers, self.groups, strict=False):
             with contextlib.suppress(TimeoutError, RuntimeError):
-                await asyncio.wait_for(asyncio.wrap_future(self.worker.run(_call(group.close))), 5)
-            self.worker.stop()
+                await asyncio.wait_for(asyncio.wrap_future(worker.run(_call(group.close))), 5)
+        for worker in self.workers:
+            worker.stop()
 
     def _notify(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the daemon's loop, soon (from any thread, a worker's too)."""
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn)
+        if threading.get_ident() == self._loop_thread:
+            self.loop.call_soon(fn)  # a loop worker: no wake-up to write
+        else:
+            self.loop.call_soon_threadsafe(fn)
+
+    def group_of(self, region: Region) -> DomainGroup:
+        """The host group ``region`` is dealt to (by its id, in turn)."""
+        return self.groups[region.id % len(self.groups)]
+
+    def _worker_of(self, group: DomainGroup) -> Worker:
+        return self.workers[group.index]
 
     @property
     def rails(self) -> int:
@@ -152,8 +201,7 @@ class TransferEngine:
 
     def reg_mr(self, buffer: Buffer) -> tuple[Region, MrDesc]:
         region = self.regions.register(buffer, self.rails)
-        assert self.group is not None and self.worker is not None
-        group = self.group
+        group = self.group_of(region)
         try:
             # Each rail's rkey comes from the Domain that registered the memory.
             rkeys = group.register(region)
@@ -161,13 +209,13 @@ class TransferEngine:
             self.regions.deregister(region.id)
             raise
         desc = MrDesc(region.ptr,
-                      [(self.group.rail_address(i), k) for i, k in enumerate(rkeys)],
+                      [(group.rail_address(i), k) for i, k in enumerate(rkeys)],
                       region.size)
         return region, desc
 
     def _deregistered(self, region: Region) -> None:
-        if self.group is not None:
-            self.group.deregister(region)
+        if self.groups:
+            self.group_of(region).deregister(region)
 
     def dereg_mr(self, region_id: int) -> None:
         self._deregistered(self.regions.deregister(region_id))
@@ -188,7 +236,7 @@ class TransferEngine:
                 plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails)))
         view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
-        return self._submit(op, list(parts), region.buffer.ref())
+        return self._submit(op, list(parts), region.buffer.ref(), self.group_of(region))
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                                   src: tuple[int, Pages], dst: tuple[MrDesc, Pages]
@@ -207,7 +255,7 @@ class TransferEngine:
                 plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails)))
         views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
-        return self._submit(op, list(parts), region.buffer.ref())
+        return self._submit(op, list(parts), region.buffer.ref(), self.group_of(region))
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
@@ -262,7 +310,7 @@ class TransferEngine:
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
                 await io.waiter.wait(io.stream.record())
-                sending = self._submit(op, plan(views))
+                sending = self._submit(op, plan(views), None, self.group_of(region))
                 # From now on cancel() of this task fails the transfer itself (a
                 # cancelled task would let go of its worker slot before the transfer ended).
                 me = asyncio.current_task()
@@ -282,23 +330,23 @@ class TransferEngine:
 
     def _check_descs(self, descs: Sequence[MrDesc]) -> None:
         """Every destination rail an IP and port, and a known peer where it is bound."""
-        assert self.group is not None
-        for d in descs:
-            for rail, (addr, _) in enumerate(d.rkeys):
-                self.group.check_address(addr, rail)
+        for group in self.groups:  # each group's links authenticated their own peers
+            for d in descs:
+                for rail, (addr, _) in enumerate(d.rkeys):
+                    group.check_address(addr, rail)
 
     def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
-        assert self.group is not None
         for a in addrs:
-            self.group.check_address(a)
+            for group in self.groups:
+                group.check_address(a)
             if len(a.rails) != self.rails:
                 raise BadRequest(f"rail count mismatch: peer {a} has {len(a.rails)} rail(s), "
                                  f"this daemon {self.rails}")
         gid = next(self._group_ids)
         self._peer_groups[gid] = tuple(addrs)
-        assert self.worker is not None and self.group is not None
-        for a in addrs:
-            self.worker.call(self.group.connect, a)
+        for worker, group in zip(self.workers, self.groups, strict=True):
+            for a in addrs:
+                worker.call(group.connect, a)
         return gid
 
     def _check_group(self, gid: int | None, descs: Sequence[MrDesc]) -> None:
@@ -307,9 +355,10 @@ class TransferEngine:
         peers = self._peer_groups.get(gid)
         if peers is None:
             raise NotFound(f"no peer group {gid}")
-        keys = {p.key for p in peers}
+        # A peer daemon's regions may be in any of its host groups: membership is by node.
+        nodes = {p.node for p in peers}
         for d in descs:
-            if d.node not in keys:
+            if d.node[0] not in nodes:
                 raise BadRequest(f"destination 0x{d.ptr:x} is not on a peer of group {gid}")
 
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
@@ -327,7 +376,8 @@ class TransferEngine:
             first = first or op
             view = region.view(region.ptr + d.src, d.len)
             parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails)
-        return self._submit(first or next(self._ops), parts, region.buffer.ref())
+        return self._submit(first or next(self._ops), parts, region.buffer.ref(),
+                            self.group_of(region))
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
@@ -344,8 +394,8 @@ class TransferEngine:
         if len(addr.rails) != self.rails:
             raise BadRequest(f"rail count mismatch: peer {addr} has {len(addr.rails)} rail(s), "
                              f"this daemon {self.rails}")
-        assert self.group is not None
-        self.group.check_address(addr)
+        for group in self.groups:
+            group.check_address(addr)
         op = next(self._ops)
         if COUNTING:
             count("engine.send_message", len(msg))
@@ -456,10 +506,11 @@ class TransferEngine:
         """
         if fut.done():
             return False
-        transfer = self._transfers.get(fut)
-        if transfer is not None:
-            assert self.worker is not None
-            self.worker.call(transfer.fail, error)
+        entry = self._transfers.get(fut)
+        if entry is not None:
+            transfer, worker = entry
+            # On the worker of the transfer's group, where its parts are sent from.
+            worker.call(transfer.fail, error)
             return True
         if isinstance(fut, asyncio.Task):  # a write from device memory, still staging
             return fut.cancel()
@@ -479,33 +530,47 @@ class TransferEngine:
 
     def has_slot(self) -> bool:
         """Whether a submit would be taken now (else ``await wait_slot()`` first)."""
-        assert self.worker is not None
-        return self.worker.has_slot()
+        return self.slots.has_slot()
 
     async def wait_slot(self) -> None:
-        assert self.worker is not None
-        await self.worker.wait_slot()
+        await self.slots.wait_slot()
 
     def _submit(self, op: int, parts: list[WritePart | SendPart],
-                held: Ref | None = None) -> asyncio.Future[None]:
-        """Hand parts to the worker; ``held`` (the source's memory) goes when it finishes."""
-        assert self.worker is not None and self.group is not None and self.loop is not None
+                held: Ref | None = None, group: DomainGroup | None = None
+                ) -> asyncio.Future[None]:
+        """Hand parts to ``group``'s worker (default: the first group's); ``held`` (the
+        source's memory) goes when the transfer finishes."""
+        assert self.groups and self.loop is not None
+        group = group or self.groups[0]
+        worker = self.workers[group.index]
         # Callers check has_slot() first; going over by one is harmless.
-        self.worker.take()
+        slots = self.slots
+        slots.take()
         loop = self.loop
         fut: asyncio.Future[None] = loop.create_future()
         nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
-        worker = self.worker
+        finished = self._finished
 
-        def finish(err: TransferdError | None) -> None:
-            loop.call_soon_threadsafe(self._finished, fut, err, nbytes)
+        if worker.on_daemon_loop:
+            def finish(err: TransferdError | None) -> None:
+                finished(fut, err, nbytes)  # on the daemon's loop already: no hand-off
+        else:
+            def finish(err: TransferdError | None) -> None:
+                loop.call_soon_threadsafe(finished, fut, err, nbytes)
 
+        def done(_: asyncio.Future[None]) -> None:
+            slots.release()
+            if held is not None:
+                held.release()
+
+        fut.add_done_callback(done)
         transfer = Transfer(op, len(parts), nbytes, finish)
-        self._transfers[fut] = transfer
-        worker.call(self.group.execute, transfer, parts)
-        fut.add_done_callback(lambda _: worker.release())
-        if held is not None:
-            fut.add_done_callback(lambda _: held.release())
+        self._transfers[fut] = (transfer, worker)
+        try:
+            worker.call(group.execute, transfer, parts)
+        except TransferdError as exc:
+            # A loop worker runs execute() here: what it refuses fails this transfer.
+            transfer.fail(exc)
         return fut
 
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,

@@ -387,7 +387,7 @@ _taken: Counter[int] = Counter()
 def start_group(index: int, *, chunk: int = DEFAULT_CHUNK, chunks: int = DEFAULT_CHUNKS,
                 pin: bool = True) -> CudaGroup:
     """Bring up cuda:``index``: pinned worker, context current, stream, staging."""
-    from transferd.workers import Worker
+    from transferd.workers import ThreadWorker
 
     with _groups_lock:
         if index in GROUPS:
@@ -399,7 +399,7 @@ def start_group(index: int, *, chunk: int = DEFAULT_CHUNK, chunks: int = DEFAULT
             cpu = choose_cpu(node_cpus, allowed_cpus(), _taken)
             if cpu is not None:
                 _taken[cpu] += 1
-        worker = Worker(f"transferd-cuda{index}", cpu)
+        worker = ThreadWorker(f"transferd-cuda{index}", cpu)
         worker.start()
         cupy = _cupy()
 

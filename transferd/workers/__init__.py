@@ -1,5 +1,6 @@
-"""Workers: a pinned thread with its own event loop per domain group."""
+"""Workers: the loop each domain group runs on (the daemon's, or a pinned thread's)."""
 
-from .worker import Worker
+from .slots import Slots
+from .worker import KINDS, LoopWorker, ThreadWorker, Worker, make_worker
 
-__all__ = ["Worker"]
+__all__ = ["KINDS", "LoopWorker", "Slots", "ThreadWorker", "Worker", "make_worker"]

@@ -1,15 +1,28 @@
-"""A worker: one thread with its own uvloop loop, pinned, for one domain group.
+"""Workers: where a domain group's sockets and timers run.
 
-The daemon's loop hands work over with :meth:`Worker.call`, a thread-safe
-call on the worker's loop.  The queue is bounded: a transfer takes one of
-``capacity`` slots (:meth:`take`) and its end gives it back (:meth:`release`);
-when none is free the submitter awaits :meth:`wait_slot`, so a client that
-submits faster than the wire drains is slowed down, not buffered without end.
-Slots are counted on the daemon's loop only.
+A :class:`Worker` is the event loop one :class:`~transferd.domains.group.DomainGroup`
+lives on.  The engine hands it work with :meth:`Worker.call` (from the
+daemon's loop) and runs set-up on it with :meth:`Worker.run`; the group's
+Domains register their sockets with :attr:`Worker.loop`.  Two kinds:
+
+- :class:`LoopWorker` is the daemon's own loop.  A call is a plain call, a
+  completion a plain call back: no thread hand-off and no wake-up between
+  the client's frame and the peer's socket.  The host group's default
+  (``engine.worker = "auto"``): on this project's measurements the two
+  hand-offs of a thread worker cost more than the thread buys (docs/benchmarks.md,
+  "Issue 12").
+- :class:`ThreadWorker` is a thread of its own with its own uvloop loop,
+  pinned to a core (of the device's NUMA node, for a GPU group), so its
+  memory and its interrupts stay on that node.  Every call and every
+  completion crosses threads (``call_soon_threadsafe``: a write to the
+  loop's wake-up fd).
+
+Both keep :attr:`Worker.last_beat`, which the systemd watchdog reads.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import logging
@@ -23,23 +36,67 @@ from .affinity import pin_current_thread
 log = logging.getLogger("transferd.workers")
 T = TypeVar("T")
 
-DEFAULT_CAPACITY = 4096
+KINDS = ("auto", "loop", "thread")
 
 
-class Worker:
-    def __init__(self, name: str, cpu: int | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+class Worker(abc.ABC):
+    """The loop a domain group runs on (see the module's doc)."""
+
+    # Whether :attr:`loop` is the daemon's own loop (calls are plain calls).
+    on_daemon_loop = False
+
+    def __init__(self, name: str, cpu: int | None = None) -> None:
         self.name = name
         self.cpu = cpu
         self.pinned = False
-        self.capacity = capacity
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._in_flight = 0
-        self._waiters: list[asyncio.Future[None]] = []
         # When the worker's loop last ran a heartbeat (the watchdog's: a hung
         # worker stops systemd's pings).
         self.last_beat = time.monotonic()
+
+    @property
+    def kind(self) -> str:
+        return "loop" if self.on_daemon_loop else "thread"
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Make :attr:`loop` usable (a thread worker starts its thread)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the worker's loop if it owns one (idempotent)."""
+
+    @abc.abstractmethod
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker's loop (called from the daemon's loop)."""
+
+    def beat(self) -> None:
+        """Ask the worker's loop to note that it still runs (from any thread)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._beat)
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the worker's loop; its result as a thread-safe future."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run_sync(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """Run ``fn`` on the worker's loop and wait for its result (set-up only)."""
+        async def call() -> T:
+            return fn()
+        return self.run(call()).result(timeout)
+
+
+class ThreadWorker(Worker):
+    """A thread of its own with its own uvloop loop, pinned to ``cpu`` when given."""
+
+    def __init__(self, name: str, cpu: int | None = None) -> None:
+        super().__init__(name, cpu)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -63,53 +120,58 @@ class Worker:
         finally:
             loop.close()
 
-    def beat(self) -> None:
-        """Ask the worker's loop to note that it still runs (from any thread)."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._beat)
-
-    def _beat(self) -> None:
-        self.last_beat = time.monotonic()
-
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run_sync(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
-        """Run ``fn`` on the worker's loop and wait for its result (set-up only)."""
-        async def call() -> T:
-            return fn()
-        return self.run(call()).result(timeout)
-
-    def has_slot(self) -> bool:
-        return self._in_flight < self.capacity
-
-    def take(self) -> None:
-        self._in_flight += 1
-
-    def release(self) -> None:
-        self._in_flight -= 1
-        while self._waiters and self.has_slot():
-            w = self._waiters.pop(0)
-            if not w.done():
-                w.set_result(None)
-                return
-
-    async def wait_slot(self) -> None:
-        while not self.has_slot():
-            w = asyncio.get_running_loop().create_future()
-            self._waiters.append(w)
-            await w
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def stop(self) -> None:
         if self.loop is not None and self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+
+class LoopWorker(Worker):
+    """The daemon's own loop as a group's worker: no thread, no hand-off.
+
+    :meth:`call` from the loop's thread runs ``fn`` at once, on the caller's
+    stack (a submit's parts are on the socket before the handler returns);
+    from any other thread it is scheduled with ``call_soon_threadsafe``.
+    """
+
+    on_daemon_loop = True
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(name, None)
+        self.loop = loop
+        self._thread_id: int | None = None
+
+    def start(self) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        # start() runs on the loop (the engine starts from it): this is its thread.
+        self._thread_id = threading.get_ident()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self.loop is not None
+        if threading.get_ident() == self._thread_id:
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def run_sync(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        if threading.get_ident() == self._thread_id:
+            return fn()  # waiting on our own loop would never end
+        return super().run_sync(fn, timeout)
+
+    def stop(self) -> None:
+        pass  # the loop is the daemon's: it stops with the daemon
+
+
+def make_worker(kind: str, name: str, cpu: int | None) -> Worker:
+    """A worker of ``kind`` ("loop" or "thread"; "auto" is resolved by the caller)."""
+    if kind == "loop":
+        return LoopWorker(name)
+    if kind == "thread":
+        return ThreadWorker(name, cpu)
+    raise ValueError(f"unknown worker kind {kind!r} (have {', '.join(KINDS[1:])})")
