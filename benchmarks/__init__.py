@@ -18,6 +18,9 @@ BENCHMARKS = [
     "engine_paged",
     "engine_rails",
     "engine_latency",
+    # The 4 KiB write's steps and domain groups (issue 12)
+    "engine_steps",
+    "engine_groups",
     # Memory (issue 7)
     "shm_read",
     # Connections (issue 6)
@@ -32,7 +35,8 @@ BENCHMARKS = [
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
-    "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency"],
+    "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency", "engine_steps",
+               "engine_groups"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
 }
