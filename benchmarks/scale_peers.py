@@ -39,7 +39,7 @@ from .harness import (
     quiet_gc,
 )
 from .scale_baselines import AckClient
-from .scale_common import SECTION, fd_count, rss_bytes
+from .scale_common import SECTION, cpu_seconds, fd_count, rss_bytes
 
 NAME = "scale_peers"
 TITLE = "(3) one daemon writing to 1, 4 and 16 peer daemons: throughput, memory and fds per link"
@@ -102,11 +102,17 @@ async def _measure(opts: Options, a: ServerProcess, peers: list[ServerProcess],
             _, proto = await loop.create_connection(lambda: AckClient(data), *s.host_port)
             conns.append(proto)
 
+        cpu_per_gib: dict[int, list[float]] = {k: [] for k in counts}
+
         async def transferd(k: int) -> float:
             per = max(1, total // WRITE // k)
+            c0 = cpu_seconds(a.pid)
             t0 = time.perf_counter()
             await asyncio.gather(*(write(i) for i in range(k) for _ in range(per)))
-            return k * per * WRITE / (time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            # Daemon A's CPU time (all its threads) per GiB sent.
+            cpu_per_gib[k].append((cpu_seconds(a.pid) - c0) / (k * per * WRITE / 2**30))
+            return k * per * WRITE / wall
 
         async def floor(k: int) -> float:
             per = max(1, total // WRITE // k)
@@ -117,6 +123,8 @@ async def _measure(opts: Options, a: ServerProcess, peers: list[ServerProcess],
 
         await transferd(max(counts))
         await floor(max(counts))
+        for xs in cpu_per_gib.values():
+            xs.clear()  # the warm-up is not a measurement
         per_round: dict[int, dict[str, list[float]]] = {
             k: {"transferd": [], "plain socket": []} for k in counts}
         for r in range(rounds):
@@ -138,7 +146,8 @@ async def _measure(opts: Options, a: ServerProcess, peers: list[ServerProcess],
                 c.transport.close()
         for c in (ca, *cbs):
             await c.close()
-    return {"total": total, "rounds": rounds, "per_round": per_round, "memory": memory}
+    return {"total": total, "rounds": rounds, "per_round": per_round, "memory": memory,
+            "cpu_per_gib": cpu_per_gib}
 
 
 def run(opts: Options, counts: tuple[int, ...] = PEERS, total: int | None = None) -> BenchResult:
@@ -166,16 +175,18 @@ def run(opts: Options, counts: tuple[int, ...] = PEERS, total: int | None = None
     t = Table(f"4 MiB single writes, {m['total'] >> 20} MiB per measurement spread over the "
               f"peers, {m['rounds']} alternating round(s) (median)",
               ["peers", "transferd GiB/s", "plain socket GiB/s", "transferd / socket",
-               "transferd vs 1 peer"])
+               "transferd vs 1 peer", "daemon A CPU s per GiB"])
     summary: dict[str, Any] = {}
     one = median(m["per_round"][counts[0]]["transferd"])
     for k in counts:
         v = m["per_round"][k]
         td, so = median(v["transferd"]), median(v["plain socket"])
         ratio = median([x / y for x, y in zip(v["transferd"], v["plain socket"], strict=True)])
-        t.add(k, f"{td / 2**30:.2f}", f"{so / 2**30:.2f}", fmt_ratio(ratio), fmt_ratio(td / one))
+        cpu = median(m["cpu_per_gib"][k])
+        t.add(k, f"{td / 2**30:.2f}", f"{so / 2**30:.2f}", fmt_ratio(ratio), fmt_ratio(td / one),
+              f"{cpu:.2f}")
         summary[str(k)] = {"transferd_bytes_per_s": td, "socket_bytes_per_s": so,
-                           "ratio": ratio}
+                           "ratio": ratio, "daemon_a_cpu_s_per_gib": cpu}
     res.tables.append(t)
     mem = m["memory"]
     mt = Table("daemon A (the initiator) as links are added: VmRSS and open descriptors",
@@ -202,5 +213,6 @@ def run(opts: Options, counts: tuple[int, ...] = PEERS, total: int | None = None
     res.notes.append(f"placement: {s.describe()}; the floor's writer is this process, on "
                      "the initiator's CPU, its ack servers on the target's")
     res.data = {"counts": list(counts), "summary": summary, **m,
-                "per_round": {str(k): v for k, v in m["per_round"].items()}}
+                "per_round": {str(k): v for k, v in m["per_round"].items()},
+                "cpu_per_gib": {str(k): v for k, v in m["cpu_per_gib"].items()}}
     return res
