@@ -303,7 +303,7 @@ async def _rate_work(arm: Any, descs: list[bytes], batches: int, work: int
 async def _measure(opts: Options, n: int | None) -> dict[str, Any]:
     n = n or opts.pick(3000, 1000)
     rounds = opts.pick(3, 2)
-    batches = opts.pick(100, 50)
+    batches = opts.pick(400, 50)
     memfd = os.memfd_create("transferd-handoff")
     os.ftruncate(memfd, REGION)
     region = mmap.mmap(memfd, REGION)
