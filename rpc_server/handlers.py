@@ -202,6 +202,9 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
     table = session.ctx.buffers
     table.pool(device)  # an unknown device is NOT_FOUND before anything else
     if "ipc_handle" in frame.body:  # a client's own GPU memory (CUDA IPC)
+        if owner_for(session, frame.body, "connection") is not session:
+            raise BadRequest("a CUDA IPC registration is the client's own memory: its owner "
+                             "is the connection that registered it (owner 'connection')")
         return device_io.register_ipc(session, frame, device, size)
     shared = memory_class(device).needs_fd_passing
     # Who owns it (docs/engine.md): asked for, else the daemon's default; a
