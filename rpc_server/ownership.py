@@ -140,4 +140,5 @@ def session_closed(session: Session) -> None:
 
 
 def lease_expired(ctx: ServerContext, lease: Lease) -> None:
+    ctx.metrics.leases_expired.inc()
     release_in_background(ctx, lease, f"lease {lease.name!r} expired unrenewed")

@@ -87,6 +87,7 @@ class RpcFrontend:
             asyncio.get_running_loop(), functools.partial(ownership.lease_expired, ctx),
             max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
             max_ttl_s=m.max_lease_ttl_s)
+        daemon.metrics.leases.set_function(ctx.leases.__len__)
         if ctx.secret:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")

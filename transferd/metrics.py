@@ -145,6 +145,14 @@ class Metrics:
             ["device"],
             registry=r,
         )
+        self.leases = Gauge(
+            "transferd_leases", "Named leases (LEASE) held now: owners of buffers that outlive "
+            "their connection while renewed.", registry=r
+        )
+        self.leases_expired = Counter(
+            "transferd_leases_expired", "Leases that expired unrenewed (their buffers were "
+            "freed).", registry=r
+        )
         self.request_seconds = _RequestSeconds()
         r.register(self.request_seconds)
         self.transfer_bytes = Counter(

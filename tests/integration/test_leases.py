@@ -16,7 +16,7 @@ import pytest
 
 from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, async_test, pattern, wait_until
+from tests.helpers import DaemonProcess, RawConn, async_test, metric, pattern, scrape, wait_until
 from tests.integration import engine_cluster
 from tests.integration.engine_cluster import WAIT, Cluster, Node
 from tests.integration.test_accounting import device
@@ -183,6 +183,10 @@ async def test_a_lease_outlives_its_connection_renewed_from_another_then_expires
         else:
             raise AssertionError("the unrenewed lease did not expire")
         assert loop.time() - renewed >= ttl * 0.9
+        assert d.metrics_url is not None
+        m = scrape(d.metrics_url)
+        assert metric(m, "transferd_leases_expired_total") == 1
+        assert metric(m, "transferd_leases") == 0
         assert wait_until(lambda: device(ctl)["free"] == base, 5)
         peer = await asyncio.to_thread(HandPeer, desc.rkeys[0][0])
         peer.write_header(1, desc, 0, 4096)
@@ -192,6 +196,7 @@ async def test_a_lease_outlives_its_connection_renewed_from_another_then_expires
         peer.sock.close()
         # The name is free again: a new lease, owning nothing.
         assert await c2.renew_lease("kv/req-1", ttl) is True
+        assert metric(scrape(d.metrics_url), "transferd_leases") == 1
         assert await c2.end_lease("kv/req-1") == 0
 
 
