@@ -33,6 +33,7 @@ from typing import Any
 from . import auth
 from .constants import PROTO_MAJOR, PROTO_PATCH, Command, Flag
 from .errors import (
+    BadFrame,
     BadRequest,
     Internal,
     NoHello,
@@ -434,6 +435,10 @@ class ServerConnection(_Machine):
         return [Ready(self.client_name, self.client_minor, method)]
 
 
+# The HELLO reply's limits (uints where present).
+_HELLO_LIMITS = ("max_body", "max_payload", "max_tensors", "max_reply", "max_message")
+
+
 # -- client -----------------------------------------------------------------------------------
 
 
@@ -495,6 +500,17 @@ class ClientConnection(_Machine):
         if major != PROTO_MAJOR:
             self._go(Input.REFUSED)
             raise VersionMismatch(f"server speaks major {major}, this client {PROTO_MAJOR}")
+        try:
+            # What the client reads off the reply: a lying server is refused here,
+            # not met by a KeyError or ValueError in the caller.
+            uint_field(body, "minor")
+            uint_field(body, "patch")
+            for name in _HELLO_LIMITS:
+                if name in body:
+                    uint_field(body, name)
+        except BadRequest as exc:
+            self._go(Input.REFUSED)
+            raise BadFrame(f"the server's HELLO reply: {exc.message}") from None
         challenge = body.get("challenge")
         if challenge is None:
             if body.get("auth") and not self.secret:

@@ -187,6 +187,9 @@ def _identity(body: dict[str, Any], rails: int) -> tuple[PeerIdentity, int]:
     if len(addrs) != rails:
         raise BadRequest(f"rail count mismatch: peer has {len(addrs)} rail(s), this daemon "
                          f"{rails}; every peer must have the same number of NICs")
+    if rail >= len(addrs):
+        raise BadFrame(f"peer handshake: 'rail' {rail} is not one of the {len(addrs)} "
+                       "rail(s) it lists")
     if node == 0:
         raise BadFrame("peer handshake: node id 0 is not a daemon")
     return PeerIdentity(node, group, tuple(addrs)), rail
