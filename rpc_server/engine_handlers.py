@@ -187,7 +187,10 @@ def add_peer_group(session: Session, frame: Frame) -> Reply:
     addrs = field(frame.body, "addrs")
     if not isinstance(addrs, list) or not addrs:
         raise BadRequest("field 'addrs' must be a non-empty list of NetAddr bytes")
-    peers = [NetAddr.from_bytes(bytes(a)) for a in addrs]
+    if not all(isinstance(a, bytes) for a in addrs):
+        # Never bytes(a) of what the client sent: bytes(1 << 40) allocates a TiB.
+        raise BadRequest("field 'addrs' must be a non-empty list of NetAddr bytes")
+    peers = [NetAddr.from_bytes(a) for a in addrs]
     return Reply({"group": _engine(session).add_peer_group(peers)})
 
 

@@ -32,7 +32,7 @@ from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.frames import FrameDecoder, encode_frame
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SECRET = b"correct horse battery staple"
 CODES = {c.value for c in ErrorCode}
 # Reached from HELLO by some path of the table (the only states a connection may be in).

@@ -34,7 +34,7 @@ from transferd.protocol.peer_handshake import (
     parse_probe,
 )
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CODES = {c.value for c in ErrorCode}
 SECRET = b"the cluster secret"
 A = PeerIdentity(0xA, 0, (b"127.0.0.2:1000", b"127.0.0.3:1001"))

@@ -79,7 +79,7 @@ class NetAddr:
                     type(r) is bytes and 0 < len(r) <= MAX_RAIL_ADDR for r in rails):
                 raise ValueError
             return cls(node, group, rails)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
             raise BadRequest("NetAddr: malformed") from None
 
     def rail(self, i: int) -> NetAddr:
@@ -118,7 +118,7 @@ class MrDesc:
         try:
             ptr, size, rkeys = v
             return cls(int(ptr), [(NetAddr.from_bytes(a), int(k)) for a, k in rkeys], int(size))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
             raise BadRequest("MrDesc: malformed") from None
 
     def to_bytes(self) -> bytes:
@@ -174,7 +174,7 @@ class Pages:
             if stride < 0 or offset < 0:
                 raise ValueError
             return cls(indices, stride, offset)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
             raise BadRequest("Pages: expected [indices (u32), stride, offset]") from None
 
 
