@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 ARGS   ?=
 
-.PHONY: run test lint fmt bench bench-engine bench-venv gpu-check rdma-deps rdma-check soak clean venv
+.PHONY: run test lint fmt fuzz bench bench-engine bench-venv gpu-check rdma-deps rdma-check soak clean venv
 
 venv: $(STAMP)
 
@@ -26,11 +26,20 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check transferd rpc_server client tests benchmarks
+	$(VENV)/bin/ruff check transferd rpc_server client tests benchmarks fuzzing
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff check --fix transferd rpc_server client tests benchmarks
+	$(VENV)/bin/ruff check --fix transferd rpc_server client tests benchmarks fuzzing
+
+## fuzz: atheris fuzz targets (fuzzing/: decoder, connections, peer handshake and headers,
+## command dispatch) for FUZZ_SECONDS in all (default 240), seeded from docs/protocol.md's
+## frames; installs atheris into the venv (docs/security.md, "Fuzzing"). Not in `make test`.
+FUZZ_SECONDS ?= 240
+fuzz: $(STAMP)
+	@$(PY) -c 'import atheris' 2>/dev/null || $(PY) -m pip install -q atheris || \
+		echo "fuzz: atheris could not be installed: the fallback driver runs the targets"
+	$(PY) -m fuzzing.run --seconds $(FUZZ_SECONDS) $(ARGS)
 
 ## bench: every figure, side by side with its baseline (see docs/benchmarks.md)
 bench: $(STAMP)

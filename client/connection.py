@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from transferd import transports
 from transferd.copies import COUNTING, count
+from transferd.parts import MAX_MESSAGE
 from transferd.protocol import frames
 from transferd.protocol.constants import (
     HEADER_SIZE,
@@ -36,6 +37,22 @@ from transferd.protocol.errors import (
     error_from_body,
 )
 from transferd.protocol.frames import Frame, FrameDecoder, Sink
+
+# Replies whose payload the client asked for (the size it asked); any other payload (an
+# event's message, a reply to anything else) is collected only up to a message's size.
+_GETS = (int(Command.GET_TENSOR), int(Command.GET_TENSORS))
+
+
+def _collected(frame: Frame) -> Sink:
+    """A payload nobody set memory up for: the decoder collects it into a bytearray of
+    the size the server announced, so a size over a message's is refused, not allocated
+    (a lying server's EVENT announcing 16 GiB would have had 16 GiB zeroed)."""
+    if frame.payload_len > MAX_MESSAGE:
+        raise BadFrame(f"a payload of {frame.payload_len} bytes on a "
+                       f"{command_name(frame.cmd)} frame nothing asked for (at most "
+                       f"{MAX_MESSAGE})", seq=frame.seq)
+    return None
+
 
 # Joining a small payload with its header saves a syscall; big ones go as is.
 SMALL_WRITE = 16 * 1024
@@ -206,10 +223,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def _sink_for(self, frame: Frame) -> Sink:
         if (int(frame.flags) & _REPLY_ERROR) != _REPLY:  # not a plain reply
-            return None
+            return _collected(frame)
         p = self.pending.get(frame.seq)
-        if p is None:
-            return None
+        if p is None or (p.sink is None and p.cmd not in _GETS):
+            return _collected(frame)
         # A callable sink picks the memory now that the reply is known good.
         return p.sink(frame) if callable(p.sink) else p.sink
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from transferd.protocol.constants import PROTO_MAJOR, Command, ErrorCode, Flag
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
+from transferd.protocol.frames import DISCARD, Frame, FrameDecoder, Phase, encode_frame
 
 T = TypeVar("T")
 
@@ -77,6 +77,14 @@ class Exchange:
     frames: list[Frame] = field(default_factory=list)
     probed: bool = False  # the STATS after the hostile frames was answered
     closed: bool = False  # the daemon closed the connection
+    # The bytes sent ended at a frame boundary (else the client half-closed after them,
+    # with no probe: the daemon was owed the rest of a frame and closes at the EOF).
+    whole: bool = True
+    # The bytes sent break the framing (a decoder with the daemon's limits refused them):
+    # the daemon answers with a fatal error and closes.  Its close with our later bytes
+    # unread is a reset, which may discard that error before we read it.
+    refused: bool = False
+    reset: bool = False
     seconds: float = 0.0
 
     def errors(self) -> list[dict[str, Any]]:
@@ -95,7 +103,8 @@ class Exchange:
         if not self.probed:
             assert self.closed, "the daemon neither answered the probe nor closed: a hang"
             fatal = [e for e in self.errors() if e.get("code") in FATAL_CODES]
-            assert fatal, f"closed without a fatal error: {self.errors()}"
+            assert fatal or not self.whole or (self.refused and self.reset), \
+                f"closed without a fatal error: {self.errors()}"
 
 
 class InProcessDaemon:
@@ -227,19 +236,36 @@ class InProcessDaemon:
         ex = self.exchange(encode_frame(Command.GET_DEVICES, 0, 2, None))
         return ex.probed and any(f.seq == 2 and f.flags == int(Flag.REPLY) for f in ex.frames)
 
+    def _judge(self, data: bytes) -> tuple[bool, bool]:
+        """(whole, refused): whether ``data`` ends at a frame boundary under this daemon's
+        limits, and whether its framing is refused (the daemon closes there)."""
+        srv = self.config.server
+        dec = FrameDecoder(max_body=srv.max_body, max_payload=srv.max_payload,
+                           payload_sink=lambda f: DISCARD)
+        try:
+            dec.feed(data)
+        except TransferdError:
+            return True, True
+        return dec.phase is Phase.HEADER and dec._end == dec._start, False
+
     def exchange(self, data: bytes, timeout: float = 10.0) -> Exchange:
         """A client connection: HELLO, ``data`` (raw bytes: frames or anything), a STATS
-        probe; every frame the daemon sent until the probe's reply, a close, or
-        ``timeout`` (then neither ``probed`` nor ``closed``: a hang)."""
+        probe (or, when ``data`` stops inside a frame, a half-close); every frame the
+        daemon sent until the probe's reply, a close, or ``timeout`` (then neither
+        ``probed`` nor ``closed``: a hang)."""
         started = time.monotonic()
-        out = Exchange()
+        whole, refused = self._judge(data)
+        out = Exchange(whole=whole, refused=refused)
         hello = encode_frame(Command.HELLO, 0, 1, {"major": PROTO_MAJOR, "minor": 2,
                                                    "client": "fuzz"})
         probe = encode_frame(Command.STATS, 0, PROBE_SEQ, None)
-        dec = FrameDecoder(max_body=64 << 20, max_payload=1 << 34)
+        # Reply payloads are not looked at: discarded as they arrive, never collected.
+        dec = FrameDecoder(max_body=64 << 20, max_payload=1 << 34, payload_sink=lambda f: DISCARD)
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
             s.setblocking(False)
-            todo = memoryview(hello + data + probe)
+            todo = memoryview(hello + data + (probe if out.whole else b""))
+            half_closed = False
+            greeted = False
             deadline = started + timeout
             while not out.probed and not out.closed:
                 left = deadline - time.monotonic()
@@ -251,17 +277,25 @@ class InProcessDaemon:
                         todo = todo[s.send(todo):]
                     except (BrokenPipeError, ConnectionResetError):
                         todo = memoryview(b"")
+                        out.reset = True
+                if not todo and not out.whole and not half_closed:
+                    half_closed = True
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_WR)
                 if r:
                     try:
                         chunk = s.recv(1 << 20)
                     except ConnectionResetError:
                         chunk = b""
+                        out.reset = True
                     if not chunk:
                         out.closed = True
                         break
                     for f in dec.feed(chunk):
-                        if f.cmd == Command.HELLO and f.seq == 1 and not out.frames:
-                            continue  # the handshake's own reply
+                        if not greeted:
+                            greeted = True  # the handshake's own reply
+                            assert f.cmd == Command.HELLO and f.flags == int(Flag.REPLY), f
+                            continue
                         out.frames.append(f)
                         if f.seq == PROBE_SEQ and f.cmd == Command.STATS and \
                                 f.flags & int(Flag.REPLY):

@@ -9,6 +9,7 @@ machine never goes where its transition table does not lead.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -114,7 +115,7 @@ def test_server_takes_any_bytes(settings_: ServerSettings, data: bytes, cuts: li
     check_events(conn, conn.handle_timeout(100.0), seen)
     check_output(conn, out)
     # The pre-auth buffer never grew for a stranger's announced sizes.
-    if conn.state is not ConnState.READY:
+    if conn.state in (ConnState.HELLO, ConnState.AUTH):
         assert len(conn.decoder._buf) <= 8192
 
 
@@ -299,3 +300,57 @@ def test_a_hello_reply_with_ill_typed_fields_is_bad_frame(body: dict[str, Any]) 
     assert isinstance(ev, Refused) and ev.error.code is ErrorCode.BAD_FRAME
     assert "HELLO reply" in ev.error.message
     assert conn.state is ConnState.CLOSING
+
+
+@pytest.mark.parametrize("flags, cmd", [(int(Flag.EVENT), int(Command.SUBMIT_RECVS)),
+                                        (int(Flag.REPLY), int(Command.GET_DEVICES))])
+def test_a_lying_server_cannot_make_the_client_allocate_what_it_announces(flags: int,
+                                                                           cmd: int) -> None:
+    """Found by these properties' fuzz target: a payload nobody set memory up for was
+    collected into bytearray(payload_len): a server's EVENT (or GET_DEVICES reply) announcing
+    8 GiB had the client zero 8 GiB. Now BAD_FRAME and the connection is lost."""
+    import asyncio
+
+    from client import Client
+    from tests.helpers import run
+    from transferd.protocol.frames import FrameDecoder as Dec
+    from transferd.protocol.frames import encode_header
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = Dec()
+        while data := await reader.read(4096):
+            for f in dec.feed(data):
+                if f.cmd == int(Command.HELLO):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
+                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
+                        "max_body": 1 << 22, "max_payload": 1 << 34}))
+                    if flags & int(Flag.EVENT):
+                        writer.write(encode_header(cmd, flags, 0, 0, 8 << 30))
+                else:  # the reply to a request that takes no payload back
+                    writer.write(encode_header(f.cmd, flags, f.seq, 0, 8 << 30))
+                await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        c = await Client.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            if flags & int(Flag.REPLY):
+                with pytest.raises(TransferdError) as info:
+                    await c.get_devices()
+                err: Any = info.value
+            else:
+                for _ in range(200):
+                    if c._conn is not None and c._conn.lost is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                err = c._conn.lost if c._conn is not None else None
+            assert err is not None and err.code is ErrorCode.BAD_FRAME, err
+            assert "nothing asked for" in err.message
+        finally:
+            srv.close()
+            with contextlib.suppress(Exception):
+                await c.close()
+
+    run(main(), timeout=20)

@@ -1,0 +1,55 @@
+"""Fuzz target: command dispatch, every handler, over a real socket to a real Session.
+
+A daemon's BufferTable, engine and RPC front end run in this process
+(:class:`fuzzing.harness.InProcessDaemon`, started once); each input is what a client
+sends after its HELLO (the harness says HELLO, then sends the input, then a STATS
+probe).  Every frame back is a reply or an event, no error is INTERNAL, the probe is
+answered unless a fatal error closed the connection, and nothing is logged at ERROR.
+Seeds: the requests of docs/protocol.md's captures."""
+
+from __future__ import annotations
+
+import atexit
+
+from fuzzing.driver import instrumented, run
+
+with instrumented():
+    from fuzzing.harness import InProcessDaemon
+
+_daemon: InProcessDaemon | None = None
+
+
+def daemon() -> InProcessDaemon:
+    global _daemon
+    if _daemon is None:
+        _daemon = InProcessDaemon().__enter__()
+        atexit.register(close)
+    return _daemon
+
+
+def close() -> None:
+    """Stop the in-process daemon (a caller that runs inputs itself, like the suite)."""
+    global _daemon
+    if _daemon is not None:
+        d, _daemon = _daemon, None
+        d.__exit__()
+
+
+def test_one_input(raw: bytes) -> None:
+    d = daemon()
+    ex = d.exchange(raw, timeout=10.0)
+    try:
+        ex.check()
+        errors = d.take_errors()
+        assert not errors, errors
+    finally:
+        d.reset()
+    assert d.alive(), "the daemon no longer serves a fresh client"
+
+
+def main() -> None:
+    run(test_one_input)
+
+
+if __name__ == "__main__":
+    main()
