@@ -59,6 +59,7 @@ from transferd.protocol.frames import DISCARD, Frame, Sink
 
 from .context import ServerContext
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
+from .tls_output import ChunkedOutput
 
 log = logging.getLogger("transferd.session")
 
@@ -131,6 +132,10 @@ class Session(asyncio.BufferedProtocol):
         # A message transport takes whole frames (None: a stream, write bytes).
         self._write_frame: Any = None
         self._write_blocked = False
+        # TLS: replies go to the SSL layer a chunk at a time (tls_output.py); reads
+        # stay paused while any of them waits.
+        self._tls_out: ChunkedOutput | None = None
+        self._tls_blocked = False
 
     # -- asyncio callbacks --------------------------------------------------
 
@@ -139,10 +144,12 @@ class Session(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
         if transport.get_extra_info("sslcontext") is None:
             self.transport.set_write_buffer_limits(high=0, low=0)
-        # else TLS: the SSL layer encrypts what it is given at write time (a
-        # copy), so no reply memory is referenced after write; and with a zero
-        # high-water mark uvloop's SSL transport never reports the buffer
-        # drained while reading is paused.  Its default limits stay.
+        else:
+            # TLS: the SSL layer encrypts what it is given at write time (a copy), so
+            # replies go to it a chunk at a time (tls_output.py sets the limits; with a
+            # zero high-water mark uvloop's SSL transport never reports the buffer
+            # drained while reading is paused).
+            self._tls_out = ChunkedOutput(self.transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -172,6 +179,8 @@ class Session(asyncio.BufferedProtocol):
         self.ctx.metrics.connections.dec()
         self.ctx.sessions.discard(self)
         self._release_held()
+        if self._tls_out is not None:
+            self._tls_out.close()
         session_closed(self)  # buffers this connection owned (shared memory)
         if self.ctx.engine is not None:
             self.ctx.engine.session_closed(self)
@@ -209,6 +218,10 @@ class Session(asyncio.BufferedProtocol):
         self._release_held()
         if self._write_blocked:
             self._write_blocked = False
+            self._unblock()
+        # TLS: the next chunks (a write here may pause writing again, nested).
+        if self._tls_blocked and self._tls_out is not None and not self._tls_out.pump():
+            self._tls_blocked = False
             self._unblock()
 
     def transport_error(self, exc: ProtocolError) -> None:
@@ -523,7 +536,13 @@ class Session(asyncio.BufferedProtocol):
                 release_all(hold)
                 raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
             send_fds(fds)
-        if self._write_frame is not None:
+        if self._tls_out is not None:
+            # TLS: the SSL layer copies what it is given, so a chunk at a time as the
+            # connection drains; a reader that does not read costs about two chunks.
+            if self._tls_out.send((head, *payload), hold) and not self._tls_blocked:
+                self._tls_blocked = True
+                self._block()
+        elif self._write_frame is not None:
             # A message transport: header and body one message, the payload
             # cut into max_message messages, sent from where it lies.
             self._write_frame(head, payload, plen)

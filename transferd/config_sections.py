@@ -330,6 +330,20 @@ class MetricsConfig:
         "given that is taken is an error naming metrics.port.",
         min=0, max=65535, flag="--metrics-port",
     )
+    timeout_s: float = key(
+        10.0,
+        "Seconds a metrics connection may stay open in all, sending its request and "
+        "reading the answer; then it is closed (a silent or slow client holds nothing "
+        "longer).",
+        min=0.1, max=600,
+    )
+    max_connections: int = key(
+        64,
+        "Metrics connections open at once. At the cap, a new one closes the oldest that "
+        "has not sent a whole request yet (silent connections cannot lock a scrape out), "
+        "or is closed itself.",
+        min=1, max=65536,
+    )
 
 
 @dataclass

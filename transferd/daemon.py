@@ -135,7 +135,7 @@ class Daemon:
             if m.enabled:
                 with _starting(f"metrics.port: the metrics endpoint cannot listen on "
                                f"{hostport((m.host, m.port))}"):
-                    port = self.metrics.serve(m.host, m.port)
+                    port = self.metrics.serve(m.host, m.port, m.timeout_s, m.max_connections)
                 self.metrics_url = f"http://{m.host}:{port}/metrics"
             for url in urls:
                 print(f"transferd: listening on {url}", flush=True)
@@ -166,6 +166,7 @@ class Daemon:
                     await fe.close()
             if self.engine is not None and not self._engine_closed:
                 await self.engine.close()
+            self.metrics.close()
             self.buffers.close()
             if self.config.gpu.devices:
                 from transferd.memory import cuda

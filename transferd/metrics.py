@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -105,6 +105,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.http: Any = None  # the endpoint's server (serve())
         r = self.registry
         r.register(_Sync(self))
         self.commands = Counter(
@@ -216,10 +217,17 @@ class Metrics:
         """Export the engine's state when scraped (both the initiator and the receiver)."""
         self.registry.register(_EngineCollector(engine))
 
-    def serve(self, host: str, port: int) -> int:
-        """Expose /metrics over HTTP; returns the bound port (0 picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_address[1])
+    def serve(self, host: str, port: int, timeout_s: float = 10.0,
+              max_connections: int = 64) -> int:
+        """Expose /metrics over HTTP (transferd/metrics_http.py); the bound port (0 picks)."""
+        from transferd.metrics_http import MetricsServer
+
+        self.http = MetricsServer(self.registry, host, port, timeout_s, max_connections)
+        return self.http.port
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
 
 
 # Refusal reasons are wire codes; anything else is "other", so the label set stays fixed.
