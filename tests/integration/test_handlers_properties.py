@@ -99,6 +99,20 @@ FIELDS: dict[int, dict[str, st.SearchStrategy[Any]]] = {
     Command.ALLOC_UVM_WATCHER: {"buffer": st.one_of(st.none(), buffer_ids), "offset": offsets},
     Command.IMM_COUNT: {"imm": u32s},
 }
+deadline = {"timeout_ms": st.one_of(st.sampled_from([1, 50, 1000]), u32s)}
+for _c in (Command.SINGLE_WRITE, Command.PAGED_WRITES, Command.SCATTER, Command.BARRIER,
+           Command.SEND, Command.EXPECT_IMM_COUNT):
+    FIELDS[_c].update(deadline)
+FIELDS[Command.ALLOC_BUFFER].update(
+    owner=st.sampled_from(["daemon", "connection", "lease", "x"]),
+    lease=st.sampled_from(["a", "b" * 129, ""]))
+# Commands newer than this file get their fields where they exist (leases, CANCEL).
+for _name, _fields in (("LEASE", {"lease": st.sampled_from(["a", "b", "c" * 129, ""]),
+                                  "ttl_ms": small}),
+                       ("END_LEASE", {"lease": st.sampled_from(["a", "b", ""])}),
+                       ("CANCEL", {"seq": st.one_of(st.integers(0, 12), u32s)})):
+    if hasattr(Command, _name):
+        FIELDS[int(getattr(Command, _name))] = _fields
 # Every command (new ones get bodies of hostile values), codes nobody serves, and the peer
 # plane's codes on a client connection.
 CODES = sorted({int(c) for c in Command} | {0x0B, 0x12, 0x2D, 0x3E, 0x40, 0x41, 0x45, 0xFF})
@@ -110,7 +124,8 @@ TAKES_PAYLOAD = {int(Command.SET_TENSOR), int(Command.SET_TENSORS), int(Command.
 def hostile_frame(draw: st.DrawFn, codes: st.SearchStrategy[int] | None = None) -> bytes:
     cmd = draw(codes if codes is not None else st.sampled_from(CODES))
     body = draw(bodies(FIELDS.get(cmd, {"x": values}),
-                       optional=frozenset({"imm", "group", "ipc_handle", "ipc_offset"})))
+                       optional=frozenset({"imm", "group", "ipc_handle", "ipc_offset",
+                                           "timeout_ms", "owner", "lease"})))
     flags = draw(st.sampled_from([0, 0, 0, int(Flag.NO_REPLY), int(Flag.NO_REPLY),
                                   int(Flag.REPLY), int(Flag.EVENT), 0x10]))
     if cmd in TAKES_PAYLOAD:
