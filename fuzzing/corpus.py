@@ -10,7 +10,8 @@ project's decoder, and writes what each target takes:
                        (a few requests are hostile on purpose: they show a refusal)
 ``server_connection``  what a client sent on one connection (HELLO first)
 ``client_connection``  what a server sent on one connection
-``dispatch``           what a client sent after its HELLO (the harness says HELLO)
+``dispatch``           what a client sent after its HELLO (the harness says HELLO), and
+                       the whole connection, HELLO and AUTH included
 ``peer_handshake``     a role byte (0 initiator, 1 responder) and the peer-plane frames
                        the other end sent
 ``peer_headers``       a kind byte (0 WRITE, 1 ACK, 2 SEND) and a peer frame's body
@@ -87,11 +88,10 @@ def seeds(doc: Path = DOC) -> dict[str, dict[str, bytes]]:
             out["server_connection"][tag] = sent
             out["client_connection"][tag] = got
             first = HEADER.unpack_from(sent)[1] if sent else None
+            out["dispatch"][f"{tag}-whole"] = sent  # the handshake included
             if first == Command.HELLO:
                 hello_len = HEADER.size + HEADER.unpack_from(sent)[4]
                 out["dispatch"][tag] = sent[hello_len:]
-            else:
-                out["dispatch"][tag] = sent
     return {t: dict(out[t]) for t in TARGETS}
 
 

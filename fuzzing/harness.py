@@ -85,6 +85,7 @@ class Exchange:
     # unread is a reset, which may discard that error before we read it.
     refused: bool = False
     reset: bool = False
+    greeted: bool = True  # the harness said HELLO (else the bytes sent had their own)
     seconds: float = 0.0
 
     def errors(self) -> list[dict[str, Any]]:
@@ -103,8 +104,11 @@ class Exchange:
         if not self.probed:
             assert self.closed, "the daemon neither answered the probe nor closed: a hang"
             fatal = [e for e in self.errors() if e.get("code") in FATAL_CODES]
-            assert fatal or not self.whole or (self.refused and self.reset), \
-                f"closed without a fatal error: {self.errors()}"
+            # Before the handshake is done any error closes (a malformed HELLO too).
+            shook = self.greeted or any(
+                f.cmd == Command.HELLO and f.flags == int(Flag.REPLY) for f in self.frames)
+            assert fatal or not self.whole or (self.refused and self.reset) or (
+                not shook and self.errors()), f"closed without a fatal error: {self.errors()}"
 
 
 class InProcessDaemon:
@@ -248,14 +252,15 @@ class InProcessDaemon:
             return True, True
         return dec.phase is Phase.HEADER and dec._end == dec._start, False
 
-    def exchange(self, data: bytes, timeout: float = 10.0) -> Exchange:
+    def exchange(self, data: bytes, timeout: float = 10.0, greet: bool = True) -> Exchange:
         """A client connection: HELLO, ``data`` (raw bytes: frames or anything), a STATS
         probe (or, when ``data`` stops inside a frame, a half-close); every frame the
         daemon sent until the probe's reply, a close, or ``timeout`` (then neither
-        ``probed`` nor ``closed``: a hang)."""
+        ``probed`` nor ``closed``: a hang).  ``greet=False``: no HELLO of ours, ``data``
+        is the connection from its first byte (its own handshake, or none)."""
         started = time.monotonic()
         whole, refused = self._judge(data)
-        out = Exchange(whole=whole, refused=refused)
+        out = Exchange(whole=whole, refused=refused, greeted=greet)
         hello = encode_frame(Command.HELLO, 0, 1, {"major": PROTO_MAJOR, "minor": 2,
                                                    "client": "fuzz"})
         probe = encode_frame(Command.STATS, 0, PROBE_SEQ, None)
@@ -263,9 +268,9 @@ class InProcessDaemon:
         dec = FrameDecoder(max_body=64 << 20, max_payload=1 << 34, payload_sink=lambda f: DISCARD)
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
             s.setblocking(False)
-            todo = memoryview(hello + data + (probe if out.whole else b""))
+            todo = memoryview((hello if greet else b"") + data + (probe if out.whole else b""))
             half_closed = False
-            greeted = False
+            greeted = not greet
             deadline = started + timeout
             while not out.probed and not out.closed:
                 left = deadline - time.monotonic()
