@@ -41,7 +41,7 @@ def test_one_input(raw: bytes) -> None:
     d = daemon()
     # An input that starts with a HELLO header is a whole connection, handshake and all
     # (the session's pre-auth path); any other is what follows the harness's HELLO.
-    ex = d.exchange(raw, timeout=10.0, greet=not raw.startswith(b"TD\x00"))
+    ex = d.exchange(raw, timeout=30.0, greet=not raw.startswith(b"TD\x00"))
     try:
         ex.check()
         errors = d.take_errors()

@@ -241,10 +241,14 @@ class InProcessDaemon:
         return ex.probed and any(f.seq == 2 and f.flags == int(Flag.REPLY) for f in ex.frames)
 
     def _judge(self, data: bytes) -> tuple[bool, bool]:
-        """(whole, refused): whether ``data`` ends at a frame boundary under this daemon's
-        limits, and whether its framing is refused (the daemon closes there)."""
         srv = self.config.server
-        dec = FrameDecoder(max_body=srv.max_body, max_payload=srv.max_payload,
+        return self._judge_with(srv.max_body, srv.max_payload, data)
+
+    @staticmethod
+    def _judge_with(max_body: int, max_payload: int, data: bytes) -> tuple[bool, bool]:
+        """(whole, refused): whether ``data`` ends at a frame boundary under a daemon's
+        limits, and whether its framing is refused (the daemon closes there)."""
+        dec = FrameDecoder(max_body=max_body, max_payload=max_payload,
                            payload_sink=lambda f: DISCARD)
         try:
             dec.feed(data)
@@ -252,7 +256,7 @@ class InProcessDaemon:
             return True, True
         return dec.phase is Phase.HEADER and dec._end == dec._start, False
 
-    def exchange(self, data: bytes, timeout: float = 10.0, greet: bool = True) -> Exchange:
+    def exchange(self, data: bytes, timeout: float = 30.0, greet: bool = True) -> Exchange:
         """A client connection: HELLO, ``data`` (raw bytes: frames or anything), a STATS
         probe (or, when ``data`` stops inside a frame, a half-close); every frame the
         daemon sent until the probe's reply, a close, or ``timeout`` (then neither

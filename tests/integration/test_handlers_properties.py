@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from fuzzing.harness import Exchange, InProcessDaemon
 from tests.helpers import RawConn, start_daemon
 from tests.hostile import EDGE_INTS, U32, bodies, floats, ints, values
-from transferd.protocol.constants import Command, Flag
+from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, Command, Flag
 from transferd.protocol.frames import encode_frame
 
 # What the strategies name: filled in (and kept current) by the harness.
@@ -180,7 +180,7 @@ def test_every_command_code_with_any_announced_size(inproc: InProcessDaemon, cmd
 
     head = encode_header(cmd, flags, 9, body_len, payload_len)
     sent = min(body_len + payload_len, 64)
-    ex = inproc.exchange(head + bytes(sent), timeout=5.0)
+    ex = inproc.exchange(head + bytes(sent), timeout=30.0)
     ex.check()
     if body_len > inproc.config.server.max_body or payload_len > inproc.config.server.max_payload:
         assert ex.closed and [e["code"] for e in ex.errors()] == ["TOO_LARGE"], ex
@@ -202,22 +202,26 @@ def live() -> Iterator[Any]:
         d.stop()
 
 
-def live_exchange(d: Any, data: bytes) -> tuple[list[Any], bool]:
-    """HELLO, ``data``, a STATS probe over a fresh socket: (frames, probe answered)."""
-    c = RawConn.to(d, timeout=5.0)
+def live_exchange(d: Any, data: bytes) -> Exchange:
+    """HELLO, ``data``, a STATS probe over a fresh socket, as the harness's exchange."""
+    c = RawConn.to(d, timeout=30.0)
+    out = Exchange()
     try:
         c.hello()
         c.send_raw(data)
         c.send(Command.STATS, seq=0xFFFFFFF0)
-        got = []
         while True:
             try:
                 f = c.recv()
-            except (ConnectionError, TimeoutError):
-                return got, False
-            got.append(f)
+            except ConnectionError:
+                out.closed = True
+                return out
+            except TimeoutError:
+                return out  # neither answered nor closed: check() calls it a hang
+            out.frames.append(f)
             if f.seq == 0xFFFFFFF0 and f.cmd == Command.STATS:
-                return got, True
+                out.probed = True
+                return out
     finally:
         c.close()
 
@@ -233,8 +237,9 @@ def test_a_live_daemon_answers_hostile_frames_and_serves_the_next_client(
     KNOWN.setdefault("mr", 1)
     KNOWN.setdefault("desc", [0, 0, []])
     KNOWN.setdefault("addr", b"")
-    got, probed = live_exchange(live, b"".join(frames))
-    ex = Exchange(frames=got, probed=probed, closed=not probed)
+    ex = live_exchange(live, b"".join(frames))
+    ex.whole, ex.refused = InProcessDaemon._judge_with(DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD,
+                                                       b"".join(frames))
     ex.check()
     assert live.alive(), live.output()
     with RawConn.to(live) as fresh:
