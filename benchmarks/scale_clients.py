@@ -56,6 +56,11 @@ GET = 4096
 SET = 1 << 20
 WRITE = 4096
 WORKLOADS = ("get_tensor 4 KiB", "set_tensor 1 MiB", "engine write 4 KiB")
+# The engine write also runs through daemons with engine.worker = "thread".
+THREAD = "daemon (thread worker)"
+THREAD_ENV = {"TRANSFERD_ENGINE_WORKER": "thread"}
+ARMS = {w: ("floor", "daemon") for w in WORKLOADS} | {
+    "engine write 4 KiB": ("floor", "daemon", THREAD)}
 
 Op = Callable[[], Awaitable[Any]]
 
@@ -64,8 +69,9 @@ class Arms:
     """Every connection of every arm, opened once for the largest client count."""
 
     def __init__(self, n: int, a_url: str, b_url: str, ping: tuple[str, int],
-                 ack: tuple[str, int]) -> None:
+                 ack: tuple[str, int], thread_urls: tuple[str, str]) -> None:
         self.n, self.a_url, self.b_url, self.ping, self.ack = n, a_url, b_url, ping, ack
+        self.thread_urls = thread_urls
         self.ops: dict[tuple[str, str], list[Op]] = {}
         self.clients: list[Any] = []
         self.transports: list[asyncio.BaseTransport] = []
@@ -113,6 +119,19 @@ class Arms:
             floors["engine write 4 KiB"].append(small.request)
         for name, ops in floors.items():
             self.ops[(name, "floor")] = ops
+        # The same writes through daemons whose engine worker is a thread of its own.
+        ta = [await Client.connect(self.thread_urls[0]) for _ in range(n)]
+        tb = await Client.connect(self.thread_urls[1])
+        self.clients += [*ta, tb]
+        tdst = await tb.alloc_buffer(n * WRITE)
+        _, tdesc = await tb.reg_mr(tdst)
+        thread_ops: list[Op] = []
+        for i, c in enumerate(ta):
+            src = await c.alloc_buffer(WRITE)
+            await c.set_tensor(src.tensor(), get_data)
+            mr, _ = await c.reg_mr(src)
+            thread_ops.append(_writer(c, mr, tdesc, i * WRITE))
+        self.ops[("engine write 4 KiB", THREAD)] = thread_ops
 
     async def check(self) -> None:
         """The bytes moved: every client's 4 KiB landed in B, every get returns the data."""
@@ -129,6 +148,16 @@ class Arms:
             await c.close()
         for t in self.transports:
             t.close()
+
+
+def frac(xs: list[Load], attr: str) -> float:
+    """The median share of the wall time ``attr`` (server_cpu, client_cpu) took."""
+    return median([getattr(x, attr) / x.wall for x in xs])
+
+
+def per_op(xs: list[Load]) -> float:
+    """CPU seconds the servers spent per operation (whatever else ran on the machine)."""
+    return median([x.server_cpu / x.ops for x in xs if x.ops])
 
 
 def _writer(c: Any, mr: Any, desc: Any, off: int) -> Op:
@@ -149,14 +178,14 @@ async def _measure(opts: Options, arms: Arms, pids: dict[str, list[int]], client
             await closed_loop(ops, min(0.1, duration))
             opts.log(f"warm {key}")
         per: dict[str, dict[int, dict[str, list[Load]]]] = {
-            w: {c: {"floor": [], "daemon": []} for c in clients} for w in WORKLOADS}
+            w: {c: {arm: [] for arm in ARMS[w]} for c in clients} for w in WORKLOADS}
         for r in range(rounds):
             for w in WORKLOADS:
                 for c in clients:
-                    order = ("floor", "daemon") if (r + c) % 2 == 0 else ("daemon", "floor")
+                    order = ARMS[w] if (r + c) % 2 == 0 else tuple(reversed(ARMS[w]))
                     for arm in order:
                         ops = arms.ops[(w, arm)][:c]
-                        srv = pids["daemon" if arm == "daemon" else w]
+                        srv = pids[arm if arm != "floor" else w]
                         load = await closed_loop(ops, duration, srv)
                         per[w][c][arm].append(load)
                         opts.log(f"round {r} {w} x{c} {arm}: {fmt_rate(load.rate)} ops/s "
@@ -179,10 +208,16 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
           ServerProcess(baseline_command("pingpong", "--size", str(GET)), p,
                         name="pingpong") as ping,
           ServerProcess([sys.executable, "-m", "benchmarks.scale_baselines", "ack"], p,
-                        name="ack") as ack):
+                        name="ack") as ack,
+          ServerProcess(daemon_command(), p, name="daemon A (thread worker)",
+                        env=THREAD_ENV) as ta,
+          ServerProcess(daemon_command(), p, name="daemon B (thread worker)",
+                        env=THREAD_ENV) as tb):
         pids = {"daemon": [a.pid, b.pid], "get_tensor 4 KiB": [ping.pid],
-                "set_tensor 1 MiB": [ack.pid], "engine write 4 KiB": [ack.pid]}
-        arms = Arms(max(clients), a.url, b.url, ping.host_port, ack.host_port)
+                "set_tensor 1 MiB": [ack.pid], "engine write 4 KiB": [ack.pid],
+                THREAD: [ta.pid, tb.pid]}
+        arms = Arms(max(clients), a.url, b.url, ping.host_port, ack.host_port,
+                    (ta.url, tb.url))
         m = uvloop.run(_measure(opts, arms, pids, clients, duration))
     summary: dict[str, Any] = {}
     for w in WORKLOADS:
@@ -203,13 +238,6 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
             base.setdefault("floor", fr)
             base.setdefault("daemon", dr)
 
-            def frac(xs: list[Load], attr: str) -> float:
-                return median([getattr(x, attr) / x.wall for x in xs])
-
-            def per_op(xs: list[Load]) -> float:
-                # CPU seconds per operation: what the server spends, whatever else runs.
-                return median([x.server_cpu / x.ops for x in xs if x.ops])
-
             t.add(c, fmt_rate(fr), fmt_us(fp), fmt_rate(dr), fmt_us(dp), fmt_ratio(ratio),
                   fmt_ratio(p99r),
                   f"{fr / base['floor']:.1f} / {dr / base['daemon']:.1f}",
@@ -221,6 +249,21 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
                              "floor_server_cpu_s_per_op": per_op(f),
                              "daemon_server_cpu_s_per_op": per_op(d)}
         res.tables.append(t)
+    w = "engine write 4 KiB"
+    tt = Table(f"{w} through daemons with engine.worker = \"thread\" (the default is \"loop\")",
+               ["clients", "thread worker ops/s", "p99 us", "vs loop worker ops",
+                "vs loop worker p99", "server CPU us/op thread / loop"])
+    for c in clients:
+        d, th = m["per"][w][c]["daemon"], m["per"][w][c][THREAD]
+        rate = median([x.rate for x in th])
+        vs = median([y.rate / x.rate for x, y in zip(d, th, strict=True)])
+        vs99 = median([y.p99 / x.p99 for x, y in zip(d, th, strict=True)])
+        tt.add(c, fmt_rate(rate), fmt_us(median([x.p99 for x in th])), fmt_ratio(vs),
+               fmt_ratio(vs99), f"{fmt_us(per_op(th))} / {fmt_us(per_op(d))}")
+        summary[w][c].update({"thread_ops_per_s": rate, "thread_vs_loop_ops": vs,
+                              "thread_vs_loop_p99": vs99,
+                              "thread_server_cpu_s_per_op": per_op(th)})
+    res.tables.append(tt)
     res.notes.append(
         "placement: every server (daemons A and B, pingpong, ack) on CPU "
         f"{sorted(p.server) if p.server else 'any'}, this process and all its clients on CPU "
