@@ -58,8 +58,11 @@ def test_clients_figure_runs_every_workload_and_count() -> None:
             assert v["floor_ops_per_s"] > 0 and v["daemon_ops_per_s"] > 0, (w, c)
             assert v["daemon_p99_s"] > 0 and v["ops_ratio"] > 0
     # Every client of every arm ran: 3 clients made at least 3 operations.
-    loads = res.data["loads"]["engine write 4 KiB"]["3"]["daemon"]
-    assert loads[0]["ops"] >= 3
+    loads = res.data["loads"]["engine write 4 KiB"]["3"]
+    assert loads["daemon"][0]["ops"] >= 3
+    # The thread-worker daemons ran the same writes.
+    assert loads[scale_clients.THREAD][0]["ops"] >= 3
+    assert summary["engine write 4 KiB"][3]["thread_ops_per_s"] > 0
 
 
 def test_pages_figure_goes_past_the_region_cyclically_and_checks_pages() -> None:
