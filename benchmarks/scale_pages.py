@@ -17,11 +17,13 @@ a page of its own in the request, its own iovec and its own receive; only its me
 is reused, and a 256 MiB region is far past any cache).  The floor does the same
 passes over the same region size.
 
-Reported: microseconds per page for each ``P`` and page size, both arms (the median
-of the rounds, and the best round: other work on the machine only ever adds time), and
-the flatness ratio (the largest per-page time over the smallest, per arm and page size,
-of the medians and of the best rounds; the target is on the best rounds): 1.0 is
-perfectly flat.
+Reported: microseconds per page for each ``P`` and page size, both arms, wall time
+(submit to completion) and CPU time (both sides' processes, all threads, from
+``schedstat``: the work per page, which other processes on a shared machine do not
+inflate), the flatness ratio (the largest per-page time over the smallest, per arm and
+page size) and the worst growth (the largest ratio of a per-page time to the smallest at
+fewer pages: a write's fixed cost spread over 256 pages is not growth).  The target is
+on the growth of the CPU time per page: at most ``FLAT``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 from .engine_common import PeerPair, PeerUnavailable, client_on, sides, start_pair
 from .harness import BenchResult, Check, Options, Table, fmt_ratio, median, quiet_gc
-from .scale_common import SECTION
+from .scale_common import SECTION, cpu_seconds
 
 NAME = "scale_pages"
 TITLE = "(2) paged write time per page, 256..65,536 pages of 4 KiB and 64 KiB vs plain sockets"
@@ -46,6 +48,16 @@ TIMEOUT = 120.0
 FLAT = 1.5
 
 
+def worst_growth(xs: list[float]) -> float:
+    """The largest ``xs[j] / min(xs[:j])``: how much a per-page cost grew from any smaller
+    page count to a larger one (1.0 when it never grew)."""
+    worst, low = 1.0, xs[0] if xs else 1.0
+    for x in xs[1:]:
+        worst = max(worst, x / low)
+        low = min(low, x)
+    return worst
+
+
 def _indices(rng: random.Random, pages: int, region_pages: int) -> list[int]:
     out: list[int] = []
     while len(out) < pages:
@@ -54,8 +66,8 @@ def _indices(rng: random.Random, pages: int, region_pages: int) -> list[int]:
 
 
 async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
-                   pages: tuple[int, ...], page_sizes: tuple[int, ...], region: int
-                   ) -> dict[str, Any]:
+                   pages: tuple[int, ...], page_sizes: tuple[int, ...], region: int,
+                   pids: dict[str, list[int]]) -> dict[str, Any]:
     from client import Client, Pages
 
     rounds = opts.pick(3, 2)
@@ -63,6 +75,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
     ca = await Client.connect(a_url)
     cb = await Client.connect(b_url)
     per: dict[str, dict[str, list[float]]] = {}  # "page/P" -> arm -> per-page seconds
+    cpu: dict[str, dict[str, list[float]]] = {}  # the same, CPU seconds of both sides
     try:
         src = await ca.alloc_buffer(region)
         dst = await cb.alloc_buffer(region)
@@ -104,6 +117,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
                 for n in pages:
                     key = f"{page}/{n}"
                     slot = per.setdefault(key, {"transferd": [], "plain socket": []})
+                    cslot = cpu.setdefault(key, {"transferd": [], "plain socket": []})
                     reps = max(1, opts.pick(16 << 20, 8 << 20) // (n * page))
                     order = ["transferd", "plain socket"]
                     if (r + n) % 2:
@@ -111,12 +125,14 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
                     for arm in order:
                         if arm == "plain socket" and sock is None:
                             continue
+                        c0 = sum(map(cpu_seconds, pids[arm]))
                         with quiet_gc():
                             if arm == "transferd":
                                 xs = [await paged(page, n) for _ in range(reps)]
                             else:
                                 xs = [sock_paged(page, n) for _ in range(reps)]
                         slot[arm].append(median(xs) / n)
+                        cslot[arm].append((sum(map(cpu_seconds, pids[arm])) - c0) / (reps * n))
                         opts.log(f"round {r} {arm} {n} x {page // 1024} KiB: "
                                  f"{median(xs) / n * 1e6:.2f} us/page")
         # One write checked page by page: the bytes landed where the lists said.
@@ -134,7 +150,7 @@ async def _measure(opts: Options, a_url: str, b_url: str, sock: PeerPair | None,
     finally:
         await ca.close()
         await cb.close()
-    return {"rounds": rounds, "per": per}
+    return {"rounds": rounds, "per": per, "cpu": cpu}
 
 
 def run(opts: Options, pages: tuple[int, ...] | None = None,
@@ -153,56 +169,64 @@ def run(opts: Options, pages: tuple[int, ...] | None = None,
         except PeerUnavailable as exc:
             res.notes.append(f"plain socket floor not available: {exc}")
         with client_on(s.initiator):
-            m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes, region))
+            pids = {"transferd": [a.pid, b.pid],
+                    "plain socket": [sock.initiator.pid, sock.target.pid] if sock else []}
+            m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes, region, pids))
     finally:
         if sock is not None:
             sock.stop()
         a.stop()
         b.stop()
-    per = m["per"]
+    per, cpu = m["per"], m["cpu"]
     summary: dict[str, Any] = {}
+    arms = ("transferd", "plain socket")
     for page in page_sizes:
-        t = Table(f"{page // 1024} KiB pages: microseconds per page, submit to completion "
-                  f"({m['rounds']} alternating rounds: median, and best of the rounds)",
-                  ["pages", "bytes", "transferd us/page", "best", "plain socket us/page",
-                   "best", "transferd / socket", "transferd GiB/s"])
-        flat: dict[str, list[float]] = {"transferd": [], "plain socket": []}
-        best: dict[str, list[float]] = {"transferd": [], "plain socket": []}
+        t = Table(f"{page // 1024} KiB pages: microseconds per page, submit to completion, and "
+                  f"CPU microseconds per page of both sides' processes ({m['rounds']} "
+                  "alternating rounds, median)",
+                  ["pages", "bytes", "transferd us/page", "plain socket us/page",
+                   "transferd / socket", "transferd CPU us/page", "plain socket CPU us/page",
+                   "transferd GiB/s"])
+        wall: dict[str, list[float]] = {x: [] for x in arms}
+        work: dict[str, list[float]] = {x: [] for x in arms}
         for n in pages:
-            v = per[f"{page}/{n}"]
-            td = median(v["transferd"])
-            so = median(v["plain socket"]) if v["plain socket"] else float("nan")
-            flat["transferd"].append(td)
-            best["transferd"].append(min(v["transferd"]))
-            sb = float("nan")
-            if v["plain socket"]:
-                flat["plain socket"].append(so)
-                sb = min(v["plain socket"])
-                best["plain socket"].append(sb)
+            key = f"{page}/{n}"
+            row: dict[str, float] = {}
+            for arm in arms:
+                if per[key][arm]:
+                    wall[arm].append(median(per[key][arm]))
+                    work[arm].append(median(cpu[key][arm]))
+                    row[arm], row[arm + " cpu"] = wall[arm][-1], work[arm][-1]
+                else:
+                    row[arm] = row[arm + " cpu"] = float("nan")
+            td, so = row["transferd"], row["plain socket"]
             cyc = " (cyclic)" if n * page > region else ""
-            t.add(n, f"{n * page / 2**20:,.0f} MiB{cyc}", f"{td * 1e6:.2f}",
-                  f"{best['transferd'][-1] * 1e6:.2f}", f"{so * 1e6:.2f}", f"{sb * 1e6:.2f}",
-                  fmt_ratio(td / so), f"{page / td / 2**30:.2f}")
-            summary[f"{page}/{n}"] = {"transferd_s_per_page": td, "socket_s_per_page": so,
-                                      "transferd_best_s_per_page": best["transferd"][-1],
-                                      "socket_best_s_per_page": sb}
+            t.add(n, f"{n * page / 2**20:,.0f} MiB{cyc}", f"{td * 1e6:.2f}", f"{so * 1e6:.2f}",
+                  fmt_ratio(td / so), f"{row['transferd cpu'] * 1e6:.2f}",
+                  f"{row['plain socket cpu'] * 1e6:.2f}", f"{page / td / 2**30:.2f}")
+            summary[key] = {"transferd_s_per_page": td, "socket_s_per_page": so,
+                            "transferd_cpu_s_per_page": row["transferd cpu"],
+                            "socket_cpu_s_per_page": row["plain socket cpu"]}
         res.tables.append(t)
-        for arm, xs in flat.items():
-            if xs:
-                ratio = max(xs) / min(xs)
-                bs = best[arm]
-                best_ratio = max(bs) / min(bs)
-                summary[f"{page} flatness {arm}"] = ratio
-                summary[f"{page} flatness {arm} best"] = best_ratio
-                if arm == "transferd":
-                    # Interference only adds time: the best round is the cost itself.
-                    res.checks.append(Check(
-                        f"(2) {page // 1024} KiB pages {pages[0]}..{pages[-1]}: largest / "
-                        "smallest per-page time (best of the rounds)", best_ratio, "<=", FLAT,
-                        "x"))
-                res.notes.append(f"{page // 1024} KiB pages, {arm}: largest / smallest "
-                                 f"per-page time {ratio:.2f}x of the medians, "
-                                 f"{best_ratio:.2f}x of the best rounds")
+        for arm in arms:
+            if not wall[arm]:
+                continue
+            w_ratio = max(wall[arm]) / min(wall[arm])
+            c_ratio = max(work[arm]) / min(work[arm])
+            growth = worst_growth(work[arm])
+            summary[f"{page} flatness {arm}"] = w_ratio
+            summary[f"{page} cpu flatness {arm}"] = c_ratio
+            summary[f"{page} cpu growth {arm}"] = growth
+            if arm == "transferd":
+                # CPU time per page is the work per page (the wall time adds whatever the
+                # machine's other processes made this one wait); growth, not the fixed
+                # cost of a write spread over few pages, is what would not be flat.
+                res.checks.append(Check(
+                    f"(2) {page // 1024} KiB pages {pages[0]}..{pages[-1]}: worst growth of "
+                    "the CPU time per page from fewer pages to more", growth, "<=", FLAT, "x"))
+            res.notes.append(f"{page // 1024} KiB pages, {arm}: largest / smallest per-page "
+                             f"time {w_ratio:.2f}x (wall), {c_ratio:.2f}x (CPU); worst growth "
+                             f"to more pages {growth:.2f}x (CPU)")
     res.notes.append(f"placement: {s.describe()}")
     res.notes.append(
         f"regions of {region >> 20} MiB a side: a write of more pages than that holds goes "

@@ -73,7 +73,8 @@ def test_pages_figure_goes_past_the_region_cyclically_and_checks_pages() -> None
     s = res.data["summary"]
     assert s["4096/256"]["transferd_s_per_page"] > 0
     assert s["4096/8192"]["transferd_s_per_page"] > 0
-    assert s["4096 flatness transferd"] >= 1.0
+    assert s["4096 flatness transferd"] >= 1.0 and s["4096 cpu flatness transferd"] >= 1.0
+    assert s["4096/8192"]["transferd_cpu_s_per_page"] > 0
     assert "(cyclic)" in res.tables[0].render()
 
 
@@ -158,3 +159,11 @@ async def test_stats_reports_copies_only_while_counting(daemon_factory: DaemonFa
                 # 4 KiB in (copied out of the read buffer) and 4 KiB out (joined with its header).
                 assert stats["copies"]["decoder.payload"]["bytes"] >= 4096
                 assert stats["copies"]["session.reply_join"] == {"calls": 1, "bytes": 4096}
+
+
+def test_worst_growth_ignores_fixed_costs_and_catches_growth() -> None:
+    from benchmarks.scale_pages import worst_growth
+
+    assert worst_growth([7.0, 5.0, 4.0, 4.0]) == 1.0  # a fixed cost amortized: flat
+    assert worst_growth([4.0, 5.0, 4.0, 8.0]) == 2.0  # 8 at more pages against 4 at fewer
+    assert worst_growth([5.0, 3.0, 6.0]) == 2.0
