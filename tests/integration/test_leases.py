@@ -320,3 +320,15 @@ def test_lease_frames_that_lie_get_typed_errors_and_the_connection_stays(
     r = c.request(0x2D, {"lease": "x", "ttl_ms": 1000})  # the connection is fine
     assert not r.is_error and r.body["created"] is True, r.body
     assert c.request(0x2E, {"lease": "x"}).body == {"buffers": 0}
+
+
+def test_the_blocking_client_makes_renews_and_ends_a_lease(daemon: DaemonProcess) -> None:
+    from client import SyncClient
+
+    with SyncClient.connect(daemon.url) as sc:
+        assert sc.renew_lease("sync-lease", 5.0) is True
+        buf = sc.alloc_buffer(4096, lease="sync-lease")
+        assert sc.renew_lease("sync-lease", 5.0) is False
+        assert sc.end_lease("sync-lease") == 1
+        with pytest.raises(NotFound):
+            sc.get_tensor(buf.tensor(0, 1))
