@@ -190,6 +190,39 @@ async def test_drain_time_runs_out_typed_failures_exit_zero() -> None:
         b.stop()
 
 
+@async_test(timeout=60)
+async def test_a_second_signal_ends_the_drain_early() -> None:
+    drain_s = 60.0
+    a, b = _pair(drain_s)
+    try:
+        c = await Client.connect(a.url, timeout=WAIT)
+        owner = await Client.connect(b.url, timeout=WAIT)
+        src = await c.alloc_buffer(SLOT)
+        smr, _ = await c.reg_mr(src)
+        dst = await owner.alloc_buffer(SLOT)
+        _, desc = await owner.reg_mr(dst)
+        imm = fresh_imm()
+        assert await _outcome(await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))) is None
+        with stopped(b):
+            stuck = await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))
+            await asyncio.sleep(0.2)
+            assert a.proc is not None
+            t0 = time.monotonic()
+            a.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert a.alive(), "the first signal must drain, not stop at once"
+            a.proc.send_signal(signal.SIGTERM)
+            outcome = await _outcome(stuck)
+            _exit_within(a, t0, SLACK)  # far below the 60 s drain time
+        assert isinstance(outcome, Timeout), repr(outcome)
+        assert "second stop signal" in a.stderr, a.stderr
+        with contextlib.suppress(Exception):
+            await owner.close()
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_systemd_stop_timeout_covers_the_drain() -> None:
     """deploy/transferd.service gives the drain its time: TimeoutStopSec >= drain_s + 10."""
     unit = configparser.ConfigParser(strict=False, interpolation=None)
