@@ -16,12 +16,13 @@ This module imports no handler: handlers.py and lease_handlers.py use it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transferd.memory.leases import Lease
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 
 from . import ops
 
@@ -77,7 +78,10 @@ def wait_drained(regions: Sequence[Region], patience: float = 30.0) -> Awaitable
     are acknowledged to their initiators); later ones were refused.  One that
     has not finished after ``patience`` seconds (a peer stalled mid-payload)
     is cut short: its link is closed, its initiator sees the link fail, and
-    nothing more of it lands.
+    nothing more of it lands.  One that cannot be cut short (its Domain gave
+    no way) and is still landing ``patience`` seconds later fails the wait
+    with TIMEOUT: the rkeys stay revoked and the memory held until it ends,
+    but nothing waits forever.
     """
     pending = [r for r in regions if not r.drained().done()]
     if not pending:
@@ -87,10 +91,19 @@ def wait_drained(regions: Sequence[Region], patience: float = 30.0) -> Awaitable
         done = asyncio.gather(*(asyncio.wrap_future(r.drained()) for r in pending))
         try:
             await asyncio.wait_for(asyncio.shield(done), patience)
+            return
         except TimeoutError:
             for r in pending:
                 r.abort_admitted()
-            await done
+        try:
+            await asyncio.wait_for(asyncio.shield(done), patience)
+        except TimeoutError:
+            left = sum(r.admitted for r in pending)
+            ids = ", ".join(str(r.id) for r in pending if r.admitted)
+            raise Timeout(f"{left} write(s) admitted into region(s) {ids} before they were "
+                          f"revoked still land {2 * patience:g} s later and cannot be cut "
+                          "short: no new write is admitted; the memory stays held until "
+                          "they end") from None
 
     return wait()
 
@@ -126,8 +139,15 @@ def release_in_background(ctx: ServerContext, owner: Hashable, why: str) -> int:
     if drained is not None:
         task = asyncio.ensure_future(drained)
         _draining.add(task)
-        task.add_done_callback(_draining.discard)
+        task.add_done_callback(functools.partial(_drained, why))
     return n
+
+
+def _drained(why: str, task: asyncio.Future[None]) -> None:
+    _draining.discard(task)
+    exc = task.exception() if not task.cancelled() else None
+    if exc is not None:
+        log.warning("%s: %s", why, exc)
 
 
 def session_closed(session: Session) -> None:

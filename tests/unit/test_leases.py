@@ -94,3 +94,48 @@ def test_buffers_are_indexed_by_owner() -> None:
     for b in (mine[0], mine[2], other, daemons):
         table.free_buffer(b.id)
     assert table.owned_by(lease) == [] and table.used == 0
+
+
+def test_waiting_for_admitted_writes_is_bounded_even_when_one_cannot_be_cut_short() -> None:
+    """DEREG_MR / FREE_BUFFER / an owner's release wait for admitted writes, abort them
+    after ``patience``, and fail with TIMEOUT ``patience`` later if one still holds on
+    (a Domain that gave no abort): nothing waits forever, and nothing is admitted meanwhile."""
+    from rpc_server.ownership import wait_drained
+    from transferd.engine.regions import RegionTable
+    from transferd.protocol.errors import Timeout
+
+    table = BufferTable(1 << 24)
+    regions = RegionTable()
+    buf = table.alloc("cpu", 4096)
+    aborted: list[int] = []
+    stuck = regions.register(buf, 1)
+    cut = regions.register(buf, 1)
+    held = stuck.admit()  # no abort: it can only end by itself
+    cut_ref: list[object] = []
+
+    def abort() -> None:
+        aborted.append(1)
+        cut_ref[0].release()  # type: ignore[attr-defined]
+
+    cut_ref.append(cut.admit(abort))
+    regions.deregister(stuck.id)
+    regions.deregister(cut.id)
+    with pytest.raises(NotFound):
+        stuck.admit()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        wait = wait_drained([stuck, cut], patience=0.1)
+        assert wait is not None
+        with pytest.raises(Timeout, match="cannot be cut short"):
+            await wait
+        return loop.time() - t0
+
+    took = asyncio.run(main())
+    assert 0.18 <= took < 2, took
+    assert aborted == [1] and cut.drained().done() and not stuck.drained().done()
+    held.release()
+    assert stuck.drained().done()
+    assert wait_drained([stuck, cut]) is None  # nothing in flight: no wait at all
+    table.free_buffer(buf.id)
