@@ -23,20 +23,25 @@ client's own mapping over unix://, and a single write from A into it), at 4 KiB
 and 4 MiB.  Reported: bytes copied per byte moved, per process.
 
 Also measured: what a site costs while counting is off (the ``if COUNTING:`` test
-of a module constant, timed with ``timeit``), next to a 4 KiB get_tensor's
-round trip against a daemon with counting off and one with it on.
+of a module constant, timed with ``timeit``), and a 4 KiB get_tensor's round trip in
+alternating rounds against three daemons (each with its own client): one whose code has
+no counts at all (a copy of the packages with every guarded count taken out, which,
+asked to count, reports nothing: the proof it runs that code), one with counting off
+(the default) and one with it on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import timeit
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .harness import (
@@ -92,9 +97,45 @@ def guard_cost() -> dict[str, float]:
     return {"guard_s": max(0.0, (with_guard - empty) / n), "loop_s": empty / n}
 
 
-def _get_p50(opts: Options, url: str, n: int) -> float:
+# A guarded count, as every site writes it (two lines).
+GUARD = re.compile(r"^(?P<i>[ \t]*)if COUNTING(?: and [^:\n]+)?:\n(?P=i)    count\([^\n]*\)\n",
+                   re.M)
+
+
+def strip_counting(dst: str) -> int:
+    """transferd, rpc_server and client copied into ``dst`` with every guarded count
+    taken out (the code as it was before the counts); returns how many were."""
+    removed = 0
+    for pkg in ("transferd", "rpc_server", "client"):
+        shutil.copytree(REPO / pkg, os.path.join(dst, pkg),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for path in sorted(Path(dst).rglob("*.py")):
+        text = path.read_text()
+        new, n = GUARD.subn("", text)
+        if n:
+            compile(new, str(path), "exec")  # still Python
+            path.write_text(new)
+            removed += n
+    return removed
+
+
+def _tree_prelude(tree: str | None) -> str:
+    return f"import sys; sys.path.insert(0, {tree!r})\n" if tree else ""
+
+
+def stripped_daemon(tree: str) -> list[str]:
+    """The daemon of a :func:`strip_counting` tree (its packages first on sys.path)."""
+    code = (f"import runpy, sys; sys.path.insert(0, {tree!r}); "
+            "runpy.run_module('rpc_server.cli', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code, "-H", "127.0.0.1", "-p", "0", "--metrics-port", "-1"]
+
+
+def _get_p50(opts: Options, url: str, n: int, tree: str | None = None) -> float:
     code = (
-        "import sys, time, uvloop\n"
+        _tree_prelude(tree) +
+        "import time, uvloop\n"
+        "import client.connection\n"
+        f"assert {tree!r} is None or client.connection.__file__.startswith({tree!r})\n"
         "from client import Client\n"
         "async def m():\n"
         f"    c = await Client.connect({url!r})\n"
@@ -113,19 +154,49 @@ def _get_p50(opts: Options, url: str, n: int) -> float:
     return float(out.stdout.split()[-1])
 
 
-def on_off_cost(opts: Options) -> dict[str, Any]:
-    """4 KiB get_tensor p50 against a daemon counting and one not, alternating."""
+def on_off_cost(opts: Options, where: str) -> dict[str, Any]:
+    """4 KiB get_tensor p50, alternating: daemon and client with no counts in the code at
+    all (``none``), with them and counting off (``off``, the default), counting on."""
     rounds, n = opts.pick(3, 2), opts.pick(1500, 300)
+    tree = os.path.join(where, "uncounted")
+    removed = strip_counting(tree)
+    on_env = {"TRANSFERD_COUNT_COPIES": "1"}
     with (ServerProcess(daemon_command(), opts.pinning, name="rpc-server (off)") as off,
           ServerProcess(daemon_command(), opts.pinning, name="rpc-server (counting)",
-                        env={"TRANSFERD_COUNT_COPIES": "1"}) as on):
-        per: dict[str, list[float]] = {"off": [], "on": []}
+                        env=on_env) as on,
+          # Asked to count, it counts nothing: the proof that its code has no counts.
+          ServerProcess(stripped_daemon(tree), opts.pinning, name="rpc-server (no counts)",
+                        env=on_env) as none):
+        arms = {"none": (none, tree), "off": (off, None), "on": (on, None)}
+        per: dict[str, list[float]] = {k: [] for k in arms}
         for r in range(rounds):
-            order = [("off", off), ("on", on)] if r % 2 == 0 else [("on", on), ("off", off)]
-            for name, d in order:
-                per[name].append(_get_p50(opts, d.url, n))
+            for name in list(arms) if r % 2 == 0 else list(reversed(arms)):
+                d, t = arms[name]
+                per[name].append(_get_p50(opts, d.url, n, t))
+        uncounted = _copies_of(none.url, tree)
+    if uncounted:
+        raise AssertionError(f"the daemon without counts counted: {uncounted}")
     ratio = median([b / a for a, b in zip(per["off"], per["on"], strict=True)])
-    return {"rounds": rounds, "n": n, "p50": per, "on_vs_off": ratio}
+    off_vs_none = median([b / a for a, b in zip(per["none"], per["off"], strict=True)])
+    return {"rounds": rounds, "n": n, "p50": per, "on_vs_off": ratio,
+            "off_vs_none": off_vs_none, "sites_removed": removed}
+
+
+def _copies_of(url: str, tree: str) -> dict[str, Any]:
+    """STATS ``copies`` of a daemon, asked by a client of the uncounted tree."""
+    code = (_tree_prelude(tree) +
+            "import json, uvloop\nfrom client import Client\n"
+            "async def m():\n"
+            f"    c = await Client.connect({url!r})\n"
+            "    print(json.dumps((await c.server_stats()).get('copies')))\n"
+            "    await c.close()\n"
+            "uvloop.run(m())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, env=clean_env())
+    if out.returncode != 0:
+        raise RuntimeError(f"STATS probe failed: {out.stderr[-400:]}")
+    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
 
 
 def run_paths(opts: Options, lib: str | None, where: str,
@@ -176,6 +247,7 @@ def run(opts: Options) -> BenchResult:
     try:
         lib, why = build_memcount(where)
         doc = run_paths(opts, lib, where)
+        oo = on_off_cost(opts, where)
     finally:
         shutil.rmtree(where, ignore_errors=True)
     table = Table(
@@ -213,12 +285,15 @@ def run(opts: Options) -> BenchResult:
         res.checks.append(Check("largest |memcpy - counted| per byte moved, any path/process",
                                 worst_gap, "<=", 0.05))
     g = guard_cost()
-    oo = on_off_cost(opts)
     t = Table("what counting costs (4 KiB get_tensor p50, alternating rounds)",
               ["", "value"])
     t.add("one `if COUNTING:` with counting off", f"{g['guard_s'] * 1e9:.1f} ns")
-    t.add("get_tensor p50, counting off", f"{fmt_us(median(oo['p50']['off']))} us")
+    t.add(f"get_tensor p50, no counts in the code ({oo['sites_removed']} sites taken out)",
+          f"{fmt_us(median(oo['p50']['none']))} us")
+    t.add("get_tensor p50, counting off (the default)",
+          f"{fmt_us(median(oo['p50']['off']))} us")
     t.add("get_tensor p50, counting on", f"{fmt_us(median(oo['p50']['on']))} us")
+    t.add("off / no counts (median of per-round ratios)", f"{oo['off_vs_none']:.3f}x")
     t.add("on / off (median of per-round ratios)", f"{oo['on_vs_off']:.3f}x")
     res.tables.append(t)
     res.notes.append(

@@ -167,3 +167,13 @@ def test_worst_growth_ignores_fixed_costs_and_catches_growth() -> None:
     assert worst_growth([7.0, 5.0, 4.0, 4.0]) == 1.0  # a fixed cost amortized: flat
     assert worst_growth([4.0, 5.0, 4.0, 8.0]) == 2.0  # 8 at more pages against 4 at fewer
     assert worst_growth([5.0, 3.0, 6.0]) == 2.0
+
+
+def test_strip_counting_takes_out_every_guarded_count(tmp_path: Path) -> None:
+    """The 'no counts in the code' arm of the cost figure runs code with none left."""
+    removed = copies.strip_counting(str(tmp_path))
+    assert removed >= 25
+    left = [f"{p}:{i}" for p in tmp_path.rglob("*.py") if p.name != "copies.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if line.strip().startswith("count(")]
+    assert left == []
