@@ -157,7 +157,7 @@ def _get_p50(opts: Options, url: str, n: int, tree: str | None = None) -> float:
 def on_off_cost(opts: Options, where: str) -> dict[str, Any]:
     """4 KiB get_tensor p50, alternating: daemon and client with no counts in the code at
     all (``none``), with them and counting off (``off``, the default), counting on."""
-    rounds, n = opts.pick(3, 2), opts.pick(1500, 300)
+    rounds, n = opts.pick(7, 2), opts.pick(1500, 300)
     tree = os.path.join(where, "uncounted")
     removed = strip_counting(tree)
     on_env = {"TRANSFERD_COUNT_COPIES": "1"}
