@@ -98,7 +98,9 @@ def test_handoff_figure_measures_every_design() -> None:
     for arm in ("same loop", "thread, same CPU", "process, same CPU"):
         assert 0 < s[arm]["p50_s"] < 0.1, arm
         assert s[arm]["rate_per_s"] > 0
-    assert s["direct_call_s"] < s["same loop"]["p50_s"]
+    assert 0 < s["direct_call_s"] < 0.1
+    # The lock figure ran its three designs (the other CPU's only where there is one).
+    assert s["same loop with work"]["rate_per_s"] > 0
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
