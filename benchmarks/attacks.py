@@ -569,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma-separated: {', '.join(ATTACKS)}")
     ap.add_argument("--quick", action="store_true", help="smaller attacks (a smoke run)")
     ap.add_argument("--json", default="", help="also write the outcomes here")
+    ap.add_argument("--markdown", action="store_true", help="also print them as table rows")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(ATTACKS)
     unknown = sorted(set(names) - set(ATTACKS))
@@ -593,6 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(o) for o in results], f, indent=1, default=str)
+    if args.markdown:  # the rows of docs/security.md's table
+        for o in results:
+            extra = [f"RSS {o.rss_growth_mib:+} MiB"] if o.rss_growth_mib is not None else []
+            if o.bystander_max_ms is not None:
+                extra.append(f"another client p50 {o.bystander_p50_ms} ms, max "
+                             f"{o.bystander_max_ms} ms")
+            print(f"| {o.attack} (`{o.name}`) | {o.before} | {o.now}"
+                  f"{'; ' + '; '.join(extra) if extra else ''} |")
     return 0
 
 

@@ -16,6 +16,11 @@ import atexit
 from fuzzing.driver import instrumented, run
 
 with instrumented():
+    # Imported here, not when the harness starts its daemon: atheris adds coverage to
+    # the modules imported inside this block (the session, every handler, the engine).
+    import rpc_server.server  # noqa: F401
+    import transferd.daemon
+    import transferd.engine  # noqa: F401
     from fuzzing.harness import InProcessDaemon
 
 _daemon: InProcessDaemon | None = None
