@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.soak --seconds 180`` (``make soak``) starts three real
 daemons (``rpc-server`` subprocesses, two loopback rails each, a cluster
-secret, listening on tcp, unix and seqpacket) and drives them with 16 clients
-of the real client library in this process, over the three transports.  Every
+secret, listening on tcp, unix, seqpacket and tls) and drives them with 16
+clients of the real client library in this process, over the four transports
+(tls only where the openssl CLI is, to make a certificate).  Every
 client runs one operation at a time, picked at random from:
 
 - tensor ops on a buffer of its own: ``set``, ``get`` (checked against what
@@ -63,7 +64,7 @@ RECV_LEN = 16 * 1024  # receives each client posts (RECV_COUNT of them)
 RECV_COUNT = 16
 # Any one operation (and each wait of the checks) that takes longer is a hang.
 OP_TIMEOUT = 30.0
-TRANSPORTS = ("tcp", "unix", "seqpacket")
+TRANSPORTS = ("tcp", "unix", "seqpacket", "tls")  # tls where the openssl CLI is
 # Loopback aliases of the soak's daemons (the test clusters use 127.0.0.2-7).
 RAILS = [("127.0.0.40", "127.0.0.41"), ("127.0.0.42", "127.0.0.43"),
          ("127.0.0.44", "127.0.0.45")]
@@ -126,8 +127,9 @@ class Member:
 
 
 class Soak:
-    def __init__(self, opts: Options) -> None:
+    def __init__(self, opts: Options, tls_ca: str | None = None) -> None:
         self.opts = opts
+        self.tls_ca = tls_ca
         self.rng = random.Random(opts.seed)
         self.members: list[Member] = []
         self.errors: list[str] = []
@@ -146,11 +148,14 @@ class Soak:
 
     async def connect(self, daemons: list[ServerProcess]) -> None:
         base = self.rng.randrange(1 << 20, 1 << 30)
+        transports = TRANSPORTS if self.tls_ca else TRANSPORTS[:3]
         for i in range(self.opts.clients):
+            # 3 daemons, 4 transports: every pairing within 12 clients.
             d = i % len(daemons)
-            transport = TRANSPORTS[(i // len(daemons)) % len(TRANSPORTS)]
+            transport = transports[i % len(transports)]
             url = _url_for(daemons[d], transport)
-            c = await Client.connect(url, timeout=OP_TIMEOUT)
+            kw = {"tls_ca": self.tls_ca} if transport == "tls" else {}
+            c = await Client.connect(url, timeout=OP_TIMEOUT, **kw)
             self.members.append(Member(i, d, transport, c, random.Random(self.opts.seed * 1000 + i),
                                        imm=base + i))
         n = len(self.members)
@@ -389,7 +394,21 @@ def _url_for(d: ServerProcess, scheme: str) -> str:
     raise RuntimeError(f"{d.name} does not listen on {scheme}: {d.urls}")
 
 
-def start_daemons(where: str, secret: str) -> list[ServerProcess]:
+def make_cert(where: str) -> tuple[str, str] | None:
+    """A self-signed certificate for 127.0.0.1 (cert, key), or None without openssl."""
+    if shutil.which("openssl") is None:
+        return None
+    cert, key = os.path.join(where, "cert.pem"), os.path.join(where, "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
+def start_daemons(where: str, secret: str,
+                  tls: tuple[str, str] | None = None) -> list[ServerProcess]:
     none = Pinning.detect(enabled=False)
     daemons = []
     try:
@@ -397,8 +416,12 @@ def start_daemons(where: str, secret: str) -> list[ServerProcess]:
             env = {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rails),
                    "TRANSFERD_ENGINE_SECRET_FILE": secret,
                    "TRANSFERD_LOG_LEVEL": "warning"}
-            argv = daemon_command("--listen", f"unix://{where}/{i}.sock",
-                                  "--listen", f"seqpacket://{where}/{i}.seq")
+            listen = ["--listen", f"unix://{where}/{i}.sock",
+                      "--listen", f"seqpacket://{where}/{i}.seq"]
+            if tls is not None:
+                env["TRANSFERD_SERVER_TLS_CERT"], env["TRANSFERD_SERVER_TLS_KEY"] = tls
+                listen += ["--listen", "tls://127.0.0.1:0"]
+            argv = daemon_command(*listen)
             daemons.append(ServerProcess(argv, none, name=f"daemon {'abc'[i]}", env=env).start())
     except BaseException:
         for d in daemons:
@@ -429,10 +452,11 @@ async def run(opts: Options) -> dict[str, Any]:
     with os.fdopen(fd, "wb") as f:
         f.write(os.urandom(32).hex().encode())
     daemons: list[ServerProcess] = []
-    soak = Soak(opts)
+    tls = make_cert(where)
+    soak = Soak(opts, tls_ca=tls[0] if tls else None)
     sampler: RssSampler | None = None
     try:
-        daemons = start_daemons(where, secret)
+        daemons = start_daemons(where, secret, tls)
         sampler = RssSampler({d.name: d.pid for d in daemons}, opts.rss_interval)
         sampler.start()
         await soak.connect(daemons)

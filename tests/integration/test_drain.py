@@ -15,13 +15,15 @@ import configparser
 import contextlib
 import hashlib
 import signal
+import socket
 import time
 from pathlib import Path
 
 from client import Client, Completion, TransferdError
-from tests.helpers import REPO, DaemonProcess, async_test
+from tests.helpers import REPO, DaemonProcess, RawConn, async_test
 from tests.integration.engine_cluster import WAIT, fresh_imm, start_many, stopped
 from transferd.config_sections import ServerConfig
+from transferd.protocol.constants import Command
 from transferd.protocol.errors import Cancelled, ConnectionLost, Timeout
 
 MiB = 1 << 20
@@ -155,6 +157,13 @@ async def test_drain_time_runs_out_typed_failures_exit_zero() -> None:
         imm = fresh_imm()
         # The links are up before B stops.
         assert await _outcome(await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))) is None
+        # A client that asked for 20 MiB and reads nothing: the close cannot flush its
+        # replies, and must not wait for it past its 1 s.
+        slow = RawConn.to(a)
+        slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.hello()
+        for _ in range(20):
+            slow.send(Command.GET_TENSOR, {"tensor": [src.id, 0, SLOT]})
         with stopped(b):
             stuck = [await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))
                      for _ in range(4)]
@@ -183,6 +192,8 @@ async def test_drain_time_runs_out_typed_failures_exit_zero() -> None:
         assert any(isinstance(o, Timeout) and "outcome unknown" in o.message
                    for o in outcomes), outcomes
         assert "drain time ran out" in a.stderr, a.stderr
+        assert "1 connections did not read their last replies: aborted" in a.stderr, a.stderr
+        slow.close()
         with contextlib.suppress(Exception):
             await owner.close()
     finally:

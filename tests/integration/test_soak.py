@@ -1,7 +1,7 @@
 """A short soak in the suite (``make soak`` runs the long one): 6 clients, 3 daemons, ~8 s.
 
 Real daemons (subprocesses, two loopback rails each, a cluster secret), the real
-client library over tcp, unix and seqpacket, every operation kind of
+client library over tcp, unix, seqpacket and tls, every operation kind of
 :mod:`benchmarks.soak`.  The checks run twice: once as the soak left things
 (everything must match: no byte, message or immediate lost or duplicated), then
 after a tamper behind the soak's back (one byte changed in a region, one message
@@ -11,6 +11,7 @@ sent twice, one barrier not accounted for), which the same checks must catch.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import struct
 import zlib
 from typing import Any
@@ -59,7 +60,9 @@ def test_soak_loses_and_duplicates_nothing(tmp_path: Any) -> None:
     assert m["received"] == m["sent"]
     i = clean["imm"]
     assert i["expected"] > 0 and i["counted"] == i["expected"]
-    # Every kind ran, and the daemons' memory stayed flat after warm-up.
+    # Every transport and every kind ran, and the daemons' memory stayed flat after warm-up.
+    want = {"tcp", "unix", "seqpacket"} | ({"tls"} if shutil.which("openssl") else set())
+    assert set(record["transports"]) == want, record["transports"]
     assert set(record["ops"]) == set(soak_mod.MIX), record["ops"]
     assert all(r["count"] > 0 and r["p99_us"] > 0 for r in record["ops"].values())
     for name, r in record["memory"].items():
