@@ -253,9 +253,13 @@ def submit_recvs(session: Session, frame: Frame) -> Reply | None:
     count = uint_field(frame.body, "count")
     seq = frame.seq
 
-    def arrived(peer: tuple[int, int], msg: bytes) -> None:
-        session.send_frame(Command.SUBMIT_RECVS, Flag.EVENT, seq,
-                           {"from": [peer[0], peer[1]], "len": len(msg)}, [memoryview(msg)])
+    def arrived(peer: tuple[int, int], msg: bytes) -> bool:
+        # True: the transport took it all (the sender's ACK goes now); else the
+        # engine waits for this connection's write buffer to drain.
+        sent = session.send_frame(Command.SUBMIT_RECVS, Flag.EVENT, seq,
+                                  {"from": [peer[0], peer[1]], "len": len(msg)},
+                                  [memoryview(msg)])
+        return bool(sent) and not session.write_blocked
 
     engine.submit_recvs(session, length, count, arrived)
     return None if frame.no_reply else Reply({})

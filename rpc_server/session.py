@@ -223,6 +223,15 @@ class Session(asyncio.BufferedProtocol):
         if self._tls_blocked and self._tls_out is not None and not self._tls_out.pump():
             self._tls_blocked = False
             self._unblock()
+        if self.ctx.engine is not None and not self.write_blocked:
+            # Peer messages handed to this connection are out: their senders' ACKs.
+            self.ctx.engine.session_drained(self)
+
+    @property
+    def write_blocked(self) -> bool:
+        """Unsent bytes wait in the transport or the TLS chunks (resume_writing will
+        say when they are out)."""
+        return self._write_blocked or self._tls_blocked
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""

@@ -475,9 +475,31 @@ class EngineConfig:
         64,
         "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "
         "receives of one length; post fewer, larger ones); one more is refused with "
-        "TOO_LARGE. Every arriving message looks through the posted pools, so they are "
-        "bounded.",
+        "TOO_LARGE. Pools are found by length (no scan), and bounded so that one "
+        "connection cannot take every pool of engine.max_recv_pools_total.",
         min=1, max=65536,
+    )
+    max_recv_pools_total: int = key(
+        4096,
+        "Most SUBMIT_RECVS posted on this daemon, all connections together; one more is "
+        "refused with TOO_LARGE.",
+        min=1, max=1 << 20,
+    )
+    recv_waiting_max: int = key(
+        1024,
+        "Most peer messages that may wait here at once for a busy receive (or for the "
+        "receiving connection's write buffer to drain); one more is refused, its sender's "
+        "SEND failing with TOO_LARGE. Their bytes are charged to memory.host_limit_mib "
+        "too, like a buffer.",
+        min=1, max=1 << 20,
+    )
+    recv_wait_s: float = key(
+        5.0,
+        "Seconds a peer message may wait for one of the busy receives it was queued on; "
+        "then it is dropped and its sender's SEND fails with CANCELLED. At most half of "
+        "engine.peer_timeout_s is used (a sender with the same timeout is told rather "
+        "than timing out).",
+        min=1e-3, unit="s",
     )
     max_expectations: int = key(
         65536,

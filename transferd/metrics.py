@@ -292,7 +292,8 @@ class _EngineCollector:
         yield c("transferd_engine_immediates", "Immediates counted here (the sum of counts).",
                 value=total("imms_in"))
         yield c("transferd_engine_messages_delivered",
-                "Peer messages (two-sided SEND) handed to a posted receive here.",
+                "Peer messages (two-sided SEND) handed to a posted receive here (and out "
+                "of this daemon: acknowledged).",
                 value=total("messages_in"))
         exp = _snapshot(lambda: sum(len(v) for v in list(e._expectations.values())), 0)
         yield g("transferd_engine_expectations_pending",
@@ -330,8 +331,17 @@ class _EngineCollector:
         depth = g("transferd_engine_queue_depth",
                   "Items waiting in the engine's bounded queues, by queue.", labels=["queue"])
         depth.add_metric(["link_waiting"], waiting)
-        depth.add_metric(["recv_backlog"], len(getattr(e, "_backlog", ())))
-        depth.add_metric(["recv_posted"], _snapshot(
-            lambda: sum(p.count for p in list(e._pools)), 0))
+        recv = getattr(e, "receives", None)
+        depth.add_metric(["recv_backlog"], getattr(recv, "waiting", 0))
+        depth.add_metric(["recv_posted"], _snapshot(lambda: recv.free_receives(), 0)
+                         if recv is not None else 0)
         depth.add_metric(["worker_slots"], in_flight)
         yield depth
+        yield g("transferd_engine_messages_waiting_bytes",
+                "Bytes of peer messages here waiting for a busy receive, or in a receiving "
+                "connection's write buffer (charged to the host memory limit).",
+                value=getattr(recv, "waiting_bytes", 0))
+        yield c("transferd_engine_messages_expired",
+                "Peer messages dropped after engine.recv_wait_s without a free receive "
+                "(their senders' SEND failed with CANCELLED).",
+                value=getattr(recv, "expired", 0))

@@ -45,7 +45,7 @@ def exported() -> tuple[set[str], set[str]]:
     # The engine's series are read from a running engine: a stand-in with one rail.
     rail = SimpleNamespace(_links={}, _inbound=set())
     m.watch_engine(SimpleNamespace(group=SimpleNamespace(domains=[rail]), _expectations={},
-                                   worker=None, _backlog=(), _pools=()))
+                                   worker=None, receives=None))
     for metric in m.registry.collect():
         families.add(metric.name)
         names.add(metric.name)

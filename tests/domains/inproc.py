@@ -75,7 +75,7 @@ class InProcDomain(Domain):
             def ack(err: TransferdError | None) -> None:
                 r.loop.call_soon_threadsafe(transfer.part_done, err)
 
-            r.deliver(sender, bytes(part.msg), ack)
+            r.deliver(sender, bytes(part.msg), ack, self)
             return
         w = WriteHeader(part.op, part.index, part.rkey, list(part.addrs), list(part.lens),
                         part.imm, tuple(part.span) if part.span else None)

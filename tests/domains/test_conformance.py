@@ -109,7 +109,7 @@ class Node:
         self._ops = itertools.count(1)
         self.closed = False
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any) -> None:
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any, source: Any) -> None:
         self.messages.append((peer, msg))
         ack(None)
 

@@ -83,6 +83,7 @@ async def test_peer_killed_mid_transfer(own_daemons: list[DaemonProcess]) -> Non
             await w.wait(WAIT)
         got: list[bytes] = []
         c.client.submit_recvs(64, 1, got.append)
+        await c.client.imm_count(0)  # the receive is posted before the send
         w = await a.client.submit_send(await c.client.main_address(), b"still here")
         await w.wait(WAIT)  # acknowledged once C's daemon handed it to its client
         assert await asyncio.to_thread(wait_until, lambda: got == [b"still here"], WAIT), got

@@ -122,6 +122,7 @@ async def test_send_and_recv(cluster: Cluster) -> None:
             arrived.set()
 
         b.client.submit_recvs(256, 4, on_msg)
+        await b.client.imm_count(0)  # a round trip: the receives are posted
         buf = bytearray(b"hello from a, message one")
         original = bytes(buf)
         w = await a.client.submit_send(addr_b, buf)
@@ -189,19 +190,23 @@ async def test_receive_buffers_return_to_the_pool(cluster: Cluster) -> None:
 
 @async_test(timeout=60)
 async def test_messages_sent_before_receives_are_posted(cluster: Cluster) -> None:
+    """No receive posted anywhere: refused at once (NOT_FOUND), never kept for a client
+    that posts later."""
     async with nodes(cluster.c, cluster.b) as (c, b):
         addr_b = await b.client.main_address()
         tag = b"%d:" % fresh_imm()
         early = [tag + b"early %d" % i for i in range(3)]
         ws = [await c.client.submit_send(addr_b, m) for m in early]
-        await asyncio.sleep(0.3)
-        # Held in the receiver's backlog: not delivered, so not yet acknowledged.
-        assert not any(w.done() for w in ws)
+        for w in ws:
+            with pytest.raises(NotFound, match="no receive is posted"):
+                await w.wait(WAIT)
         got: list[bytes] = []
         b.client.submit_recvs(64, 8, got.append)
-        assert await settle(ws) == [None] * 3  # acknowledged once delivered
-        assert await asyncio.to_thread(wait_until, lambda: len(got) == 3, WAIT), got
-        assert sorted(got) == sorted(early)
+        await b.client.imm_count(0)  # a round trip: the receives are posted
+        late = tag + b"late"
+        await (await c.client.submit_send(addr_b, late)).wait(WAIT)
+        assert await asyncio.to_thread(wait_until, lambda: len(got) == 1, WAIT), got
+        assert got == [late]  # none of the early ones
 
 
 @async_test(timeout=60)
@@ -215,11 +220,14 @@ async def test_receives_go_away_with_their_client(cluster: Cluster) -> None:
         await wait_connections(cluster.b, 1)  # the daemon saw the close
         msg = b"%d: for whoever posts next" % fresh_imm()
         sent = await a.client.submit_send(addr_b, msg)
+        # Its receives went with it: the message is refused, not kept for b2.
+        with pytest.raises(NotFound):
+            await sent.wait(WAIT)
         got: list[bytes] = []
         b2.client.submit_recvs(64, 4, got.append)
-        await sent.wait(WAIT)  # delivered to b2, not to the client that left
-        assert await asyncio.to_thread(wait_until, lambda: len(got) == 1, WAIT), got
-        assert got == [msg] and gone == []
+        await b2.client.imm_count(0)
+        await asyncio.sleep(0.2)
+        assert got == [] and gone == []
 
 
 def test_sync_client_drives_the_engine(tcp_cluster: Cluster) -> None:

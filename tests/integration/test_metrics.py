@@ -322,6 +322,7 @@ async def test_the_receiving_engine_is_visible() -> None:
             # A two-sided message, delivered to a posted receive.
             got: list[bytes] = []
             b.client.submit_recvs(64, 1, got.append)
+            await b.client.imm_count(0)  # the receive is posted before the send
             w = await a.client.submit_send(await b.client.main_address(), b"hello b")
             await w.wait(WAIT)
             assert await poll(lambda: got == [b"hello b"])

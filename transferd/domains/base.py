@@ -23,8 +23,10 @@ What a Domain does, and when (every call on its group's worker loop):
 - inbound: check a write's rkey against what this Domain registered, then
   ``receiver.check_write(...)`` before any byte lands, land the bytes, then
   ``receiver.landed(...)`` (or ``landed_imm`` where the NIC carries the
-  immediate); hand a message to ``receiver.deliver(peer, msg, ack)``.  The
-  ``peer`` is the (node, group) the link authenticated, never a claim.
+  immediate); hand a message to ``receiver.deliver(peer, msg, ack, link)``
+  and call ``receiver.sender_gone(link)`` when that inbound link closes (the
+  messages from it still waiting for a receive are dropped).  The ``peer`` is
+  the (node, group) the link authenticated, never a claim.
 - ``connect(dst)``: open the link to a peer's rail ahead of use (optional).
 - ``drop_stalled(dst, error)``: a transfer to ``dst`` timed out; close a link
   that still holds unsent bytes (optional).
@@ -117,8 +119,11 @@ class Receiver(Protocol):
     def landed_imm(self, peer: Peer, imm: int, nbytes: int) -> None:
         """One unit with its immediate landed (a NIC-carried immediate): one count."""
 
-    def deliver(self, peer: Peer, msg: bytes, ack: Ack) -> None:
-        """A two-sided message for a posted receive."""
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Any) -> None:
+        """A two-sided message for a posted receive, from inbound link ``source``."""
+
+    def sender_gone(self, source: Any) -> None:
+        """Inbound link ``source`` closed: its messages still waiting are dropped."""
 
     def refused(self, error: TransferdError) -> None:
         """A write was refused (for the metrics)."""

@@ -13,7 +13,7 @@ daemon's loop, and all three are thread safe.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from transferd.logs import peer_warning
@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from transferd.engine.regions import Region, RegionTable
     from transferd.memory import Ref
 
-# deliver(peer, message, ack): ``ack(None)`` once a client has the message,
-# ``ack(error)`` if it cannot have it; ``ack`` may be called from any thread.
-Deliver = Callable[[tuple[int, int], bytes, Ack], None]
+# deliver(peer, message, ack, source): ``ack(None)`` once a client has the
+# message, ``ack(error)`` if it cannot have it; ``ack`` may be called from any
+# thread.  ``source`` is the inbound link it came in on: sender_gone(source)
+# says that link closed (its messages still waiting for a receive are dropped).
+Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable], None]
 
 __all__ = ["Ack", "Deliver", "DomainGroup", "DomainOptions"]
 
@@ -51,6 +53,7 @@ class DomainGroup:
         counter: ImmCounter,
         deliver: Deliver,
         *,
+        sender_gone: Callable[[Hashable], None] | None = None,
         timeout_s: float = 30.0,
         domain: str = "tcp",
         options: DomainOptions | None = None,
@@ -63,6 +66,7 @@ class DomainGroup:
         self.regions = regions
         self.counter = counter
         self.deliver = deliver
+        self.sender_gone: Callable[[Hashable], None] = sender_gone or (lambda _source: None)
         self.timeout_s = timeout_s
         # The registry name of this group's Domains (all of one kind) and their settings.
         self.domain = domain

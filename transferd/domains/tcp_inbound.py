@@ -281,7 +281,7 @@ class InboundLink:
 
             if COUNTING:
                 count("peer.deliver", frame.payload_len)
-            g.deliver(self.peer, bytes(frame.payload or b""), ack)
+            g.deliver(self.peer, bytes(frame.payload or b""), ack, self)
         else:
             self.close()
 
@@ -341,4 +341,6 @@ class InboundLink:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.peer is not None:
+            self.domain.group.sender_gone(self)  # its messages still waiting go
         self.domain.inbound_closed(self)

@@ -26,9 +26,8 @@ import itertools
 import logging
 import secrets
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from transferd.config import ConfigError, EngineConfig
@@ -43,7 +42,7 @@ from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
-from .limits import BACKLOG, BACKLOG_BYTES, MAX_MESSAGE
+from .limits import MAX_MESSAGE
 from .plan import (
     SendPart,
     WritePart,
@@ -51,20 +50,11 @@ from .plan import (
     plan_paged,
     plan_single,
 )
+from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .transfer import Transfer
 
 log = logging.getLogger("transferd.engine")
-
-MessageCallback = Callable[[tuple[int, int], bytes], None]
-
-
-@dataclass(eq=False)
-class RecvPool:
-    owner: Hashable
-    length: int
-    count: int
-    callback: MessageCallback
 
 
 class TransferEngine:
@@ -88,12 +78,12 @@ class TransferEngine:
         self._staging_lock: asyncio.Lock | None = None
         self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
         self._group_ids = itertools.count(1)
-        self._pools: deque[RecvPool] = deque()
-        self._backlog: deque[tuple[tuple[int, int], bytes, Ack]] = deque()
-        self._backlog_bytes = 0
-        # Receive pools per connection (engine.max_recv_pools bounds them).
-        self._pool_count: Counter[Hashable] = Counter()
-        self._pool_lock = threading.Lock()
+        # Posted receives and the messages waiting for them (on the daemon's loop).
+        self.receives = Receives(
+            lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
+            max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
+            max_waiting=config.recv_waiting_max,
+            wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
         self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
@@ -159,7 +149,8 @@ class TransferEngine:
         """Group ``index`` on ``worker``'s loop, its rails bound (runs on that loop)."""
         assert worker.loop is not None
         g = DomainGroup(index, self.node, worker.loop, self.regions, self.counter,
-                        self._deliver, timeout_s=self.config.peer_timeout_s,
+                        self._deliver, sender_gone=self._sender_gone,
+                        timeout_s=self.config.peer_timeout_s,
                         domain=self.config.domain, options=self.domain_options,
                         secret=self.secret,
                         handshake_timeout_s=self.config.handshake_timeout_s)
@@ -403,67 +394,21 @@ class TransferEngine:
         return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
-                     callback: MessageCallback) -> None:
-        if length <= 0 or count <= 0:
-            raise BadRequest("submit_recvs needs a positive length and count")
-        with self._pool_lock:
-            if self._pool_count[owner] >= self.config.max_recv_pools:
-                raise OverLimit(f"{self._pool_count[owner]} receive pools already posted on "
-                                f"this connection (engine.max_recv_pools = "
-                                f"{self.config.max_recv_pools}): post fewer, larger ones")
-            self._pool_count[owner] += 1
-            self._pools.append(RecvPool(owner, length, count, callback))
-            backlog, self._backlog = self._backlog, deque()
-            self._backlog_bytes = 0
-        for queued in backlog:
-            self._deliver(*queued)
+                     deliver: Deliver) -> None:
+        """Post receives for ``owner`` (a connection); see :mod:`.receives`."""
+        self.receives.post(owner, length, count, deliver)
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack) -> None:
-        """Hand a message to the first posted receive that fits (called on a worker).
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack,
+                 source: Hashable = None) -> None:
+        # From a Domain's worker: the receive side lives on the daemon's loop.
+        self._notify(functools.partial(self.receives.arrive, peer, msg, ack, source))
 
-        The sender's completion waits for ``ack``: a message that waits in the
-        backlog is acknowledged once delivered, and one that can never be is
-        refused, so no message is acknowledged and then dropped.
-        """
-        with self._pool_lock:
-            for pool in self._pools:
-                if pool.count > 0 and pool.length >= len(msg):
-                    pool.count -= 1
-                    break
-            else:
-                error: TransferdError | None = None
-                if self._pools and all(p.length < len(msg) for p in self._pools):
-                    # No posted receive could ever hold it (busy ones included).
-                    longest = max(p.length for p in self._pools)
-                    error = BadRequest(f"message of {len(msg)} bytes is larger than every "
-                                       f"posted receive buffer (at most {longest})")
-                elif len(self._backlog) >= BACKLOG or \
-                        self._backlog_bytes + len(msg) > BACKLOG_BYTES:
-                    error = BadRequest("no receive free and the backlog is full "
-                                       f"({BACKLOG} messages or {BACKLOG_BYTES >> 20} MiB)")
-                else:
-                    self._backlog.append((peer, msg, ack))
-                    self._backlog_bytes += len(msg)
-                if error is not None:
-                    ack(error)
-                return
+    def _sender_gone(self, source: Hashable) -> None:
+        self._notify(functools.partial(self.receives.sender_gone, source))
 
-        def run() -> None:
-            try:
-                pool.callback(peer, msg)
-            finally:
-                ack(None)
-                # The buffer goes back to the pool once the callback is done, and
-                # takes a message that waited while every buffer was busy.
-                with self._pool_lock:
-                    pool.count += 1
-                    queued = self._backlog.popleft() if self._backlog else None
-                    if queued is not None:
-                        self._backlog_bytes -= len(queued[1])
-                if queued is not None:
-                    self._deliver(*queued)
-
-        self._notify(run)
+    def session_drained(self, owner: Hashable) -> None:
+        """``owner``'s write buffer is empty (the messages it was handed are out)."""
+        self.receives.drained(owner)
 
     # -- receiver completion ---------------------------------------------------------
 
@@ -522,9 +467,7 @@ class TransferEngine:
     def session_closed(self, owner: Hashable) -> None:
         for cb in self._expectations.pop(owner, []):
             self.counter.cancel(cb)
-        with self._pool_lock:
-            if self._pool_count.pop(owner, 0):
-                self._pools = deque(p for p in self._pools if p.owner is not owner)
+        self.receives.closed(owner)
 
     # -- internals ---------------------------------------------------------------------
 

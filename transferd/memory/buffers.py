@@ -318,6 +318,26 @@ class BufferTable:
                 self._owned.setdefault(owner, {})[buffer_id] = buf
         return buf
 
+    def charge(self, device: str, nbytes: int, what: str) -> Callable[[], None]:
+        """Charge ``nbytes`` held outside any buffer (``what``: for the message) to
+        ``device``'s limit, as a buffer's memory is: OutOfMemory when it does not fit.
+        The returned release gives it back (idempotent; on the daemon's loop)."""
+        pool = self.pool(device)
+        with self._lock:
+            if nbytes > pool.free:
+                raise OutOfMemory(f"{what}: {nbytes} bytes, {pool.free} of {pool.limit} "
+                                  f"free on {device}")
+            pool.used += nbytes
+        left = [nbytes]
+
+        def release() -> None:
+            n, left[0] = left[0], 0
+            if n:
+                with self._lock:
+                    pool.used -= n
+
+        return release
+
     def get(self, buffer_id: int) -> Buffer:
         try:
             return self._buffers[buffer_id]

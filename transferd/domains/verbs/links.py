@@ -367,7 +367,7 @@ class InLink(_SetupLink):
         def ack(err: TransferdError | None) -> None:
             loop.call_soon_threadsafe(self._ack, ref, err)
 
-        self.domain.group.deliver(self.peer, bytes(frame.payload or b""), ack)
+        self.domain.group.deliver(self.peer, bytes(frame.payload or b""), ack, self)
 
     def _ack(self, ref: dict[str, Any], error: TransferdError | None) -> None:
         if self.send is None or self.state is LinkState.CLOSED:
@@ -386,5 +386,6 @@ class InLink(_SetupLink):
         if self.state is LinkState.CLOSED:
             return
         self.state = LinkState.CLOSED
+        self.domain.group.sender_gone(self)  # its messages still waiting for a receive go
         self.domain.inbound_closed(self)
         self._close_qps()
