@@ -236,6 +236,11 @@ def ex_send_recv(ds: Daemons) -> Capture:
         addr = _address(b)
         a.capture = b.capture = cap
         b.send(Command.SUBMIT_RECVS, 2, {"len": 64, "count": 4}, flags=Flag.NO_REPLY)
+        # A round trip (not shown): the receives are posted before A sends.
+        b.capture = None
+        b.send(Command.IMM_COUNT, 3, {"imm": 0})
+        b.recv()
+        b.capture = cap
         a.send(Command.SEND, 2, {"addr": addr}, b"hello, B", flags=Flag.NO_REPLY)
         b.recv()
         a.recv()
@@ -372,7 +377,7 @@ def ex_peer_plane(ds: Daemons) -> Capture:
         "proves B knows the secret (`proof` over the peer's `nonce` and B's `challenge`); the "
         "peer's AUTH `mac` proves it knows it too, and B's empty AUTH reply opens the link. "
         "The forged WRITE's 4 bytes are read and dropped; the SEND is acknowledged once B has "
-        "handed it to the receive its client posted (without one it would wait in B's "
-        "backlog, unacknowledged)."
+        "handed it to the receive its client posted and it is out of B (without one "
+        "posted it would be refused, NOT_FOUND)."
     )
     return cap
