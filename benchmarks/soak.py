@@ -182,6 +182,7 @@ class Soak:
         mr, desc = await c.reg_mr(dst)
         m.dst = Region(dst, mr, desc)
         c.submit_recvs(RECV_LEN, RECV_COUNT, lambda msg: self._on_message(msg))
+        await c.imm_count(0)  # a round trip: posted before any sender sends
 
     def _on_message(self, msg: bytes) -> None:
         if len(msg) < _MSG_HEAD.size:
