@@ -308,3 +308,80 @@ def test_receive_pools_are_bounded_per_connection_and_in_all(
 def _frame(cmd: int, seq: int, body: dict) -> bytes:
     from transferd.protocol.frames import encode_frame
     return encode_frame(cmd, 0, seq, body, 0)
+
+
+def test_an_inbound_link_whose_acks_go_unread_stops_reading(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """A peer (the real handshake, the cluster secret) that sends 4-byte WRITEs and reads
+    no ACK: before, B kept reading and queueing ACKs (45 MiB sent, +265 MiB in 6 s).
+    Now B stops reading that link once 256 KiB of ACKs wait, so the sender stalls and
+    B stays small; once the sender reads, every write lands and is acknowledged once."""
+    _a, b = pair
+    ctl = RawConn.to(b, timeout=WAIT)
+    ctl.hello()
+    buf = ctl.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4096}).body["buffer"]
+    mr = ctl.request(Command.REG_MR, {"buffer": buf})
+    assert not mr.is_error, mr.body
+    ptr, rkeys = mr.body["desc"][0], mr.body["desc"][2]
+    addr_b = NetAddr.from_bytes(ctl.request(Command.MAIN_ADDRESS).body["addr"])
+    imm = 0x5A5A0000 + (rss(b) & 0xFFFF)
+    from transferd.protocol.frames import encode_frame
+    frame = encode_frame(PeerCommand.WRITE, 0, 0, {"op": 1, "part": 0, "rkey": rkeys[0][1],
+                                                   "addrs": [ptr], "lens": [4], "imm": imm},
+                         4) + b"abcd"
+    chunk = frame * 4096
+    base = rss(b)
+    with FakePeer(addr_b, 0, SECRET) as p:
+        p.handshake()
+        sock = p.conn.sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.settimeout(1.0)
+        sent, limit = 0, 45 * MiB
+        stalled = False
+        while sent < limit:
+            try:
+                n = sock.send(memoryview(chunk)[sent % len(chunk):])
+            except TimeoutError:
+                stalled = True  # B reads nothing more: its ACKs wait for us
+                break
+            sent += n
+        grew = rss(b) - base
+        assert stalled, f"B read all {sent / MiB:.0f} MiB without its ACKs being read"
+        assert grew < 24 * MiB, grew / MiB
+        # Finish the frame cut in the middle, then read: everything lands, once each.
+        sock.settimeout(WAIT)
+        if sent % len(frame):
+            tail = len(frame) - sent % len(frame)
+            reader = threading.Thread(target=_read_acks, args=(p, sent // len(frame) + 1))
+            reader.start()
+            sock.sendall(frame[-tail:])
+            sent += tail
+        else:
+            reader = threading.Thread(target=_read_acks, args=(p, sent // len(frame)))
+            reader.start()
+        reader.join(WAIT * 3)
+        assert not reader.is_alive()
+        frames = sent // len(frame)
+        assert _acks_seen[-1] == frames
+    r = ctl.request(Command.IMM_COUNT, {"imm": imm})
+    assert r.body["value"] == frames, (r.body, frames)
+    ctl.close()
+
+
+_acks_seen: list[int] = []
+
+
+def _read_acks(p: FakePeer, want: int) -> None:
+    n, bad = 0, 0
+    d = FrameDecoder()
+    sock = p.conn.sock
+    deadline = time.monotonic() + WAIT * 3
+    while n < want and time.monotonic() < deadline:
+        data = sock.recv(1 << 20)
+        if not data:
+            break
+        for f in d.feed(data):
+            n += 1
+            bad += f.cmd != PeerCommand.ACK or f.body.get("ok") is not True
+    _acks_seen.append(n if not bad else -bad)

@@ -69,6 +69,9 @@ class FramedStream:
         self.bytes_out = 0
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        # The outgoing queue's watermarks (an inbound link sets small ones for its ACKs).
+        self.high_water = HIGH_WATER
+        self.low_water = LOW_WATER
         self._paused = False
         self._reading = True
         loop.add_reader(sock.fileno(), self._readable)
@@ -128,7 +131,7 @@ class FramedStream:
         self._out_bytes += len(head) + plen
         if not self._writing:
             self._flush()
-        if not self._paused and self._out_bytes > HIGH_WATER:
+        if not self._paused and self._out_bytes > self.high_water:
             self._paused = True
             if self.on_pause is not None:
                 self.on_pause()
@@ -173,7 +176,7 @@ class FramedStream:
         elif not want and self._writing:
             self.loop.remove_writer(self.sock.fileno())
             self._writing = False
-        if self._paused and self._out_bytes <= LOW_WATER:
+        if self._paused and self._out_bytes <= self.low_water:
             self._paused = False
             if self.on_resume is not None:
                 self.on_resume()

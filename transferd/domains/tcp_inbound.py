@@ -9,6 +9,7 @@ and acknowledged, and every SEND handed to the receiver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,14 @@ log = logging.getLogger("transferd.domain")
 PRE_AUTH_BUFFER = 8192
 MAX_BODY = 1 << 20
 MAX_PAYLOAD = 1 << 40
+# ACKs not yet taken by the peer's socket: past the high watermark this link reads
+# nothing more (a peer that writes without reading its ACKs holds itself back,
+# not our memory), and resumes once they are down to the low one.
+ACK_HIGH_WATER = 256 * 1024
+ACK_LOW_WATER = 64 * 1024
+# What goes back on an inbound link is ACKs (and the handshake): a small kernel
+# send buffer bounds the kernel memory an unread link holds as well.
+ACK_SNDBUF = 128 * 1024
 
 def _peername(sock: socket.socket) -> Any:
     try:
@@ -79,6 +88,8 @@ class InboundLink:
         # A write into device memory being received: (DeviceIO, staging chunks, pages).
         self._staged: tuple[Any, list[Any], list[tuple[int, int]]] | None = None
         g = domain.group
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ACK_SNDBUF)
         self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
                                 domain.loop.time(), timeout=g.handshake_timeout_s,
                                 admit=g.bind_peer)
@@ -88,8 +99,21 @@ class InboundLink:
             sink=self._sink, max_body=MAX_HANDSHAKE_BODY, max_payload=0,
             buffer_size=PRE_AUTH_BUFFER,
         )
+        self.stream.high_water, self.stream.low_water = ACK_HIGH_WATER, ACK_LOW_WATER
+        self.stream.on_pause, self.stream.on_resume = self._hold, self._unhold
+        # Reasons to read nothing now: ACKs unread (above), a device write's copies.
+        self._holds = 0
         self._timer: asyncio.TimerHandle | None = domain.loop.call_at(
             self.hs.deadline, self._tick)
+
+    def _hold(self) -> None:
+        self._holds += 1
+        self.stream.pause_reading()
+
+    def _unhold(self) -> None:
+        self._holds -= 1
+        if not self._holds:
+            self.stream.resume_reading()
 
     def _tick(self) -> None:
         self._timer = None
@@ -213,15 +237,15 @@ class InboundLink:
                 g.landed(peer, write, nbytes)
             except TransferdError as exc:
                 error = exc
-            self.stream.resume_reading()
+            self._unhold()
             self._ack(body, error)
 
-        self.stream.pause_reading()
+        self._hold()
         try:
             for chunk, pieces in zip(chunks, per_chunk, strict=True):
                 gate.land(chunk, pieces, copied)
         except BaseException:
-            self.stream.resume_reading()
+            self._unhold()
             raise
 
     def _ack(self, body: dict[str, Any], error: TransferdError | None) -> None:
