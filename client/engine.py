@@ -187,19 +187,27 @@ class EngineMixin:
 
     async def submit_single_write(  # type: ignore[misc]
         self: Client, length: int, imm: int | None, src: tuple[MrHandle, int],
-        dst: tuple[MrDesc, int], *, timeout: float | None = None,
+        dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
     ) -> Completion:
-        return await self._submit(Command.SINGLE_WRITE, {
-            "len": length, "imm": imm, "src": [src[0].id, src[1]],
-            "dst": [dst[0].to_wire(), dst[1]]}, timeout=timeout)
+        """``wid``: a write id of your choosing (u64); a retry with the same one after a
+        TIMEOUT is applied and counted at most once (docs/engine.md, write ids)."""
+        body: dict[str, Any] = {"len": length, "imm": imm, "src": [src[0].id, src[1]],
+                                "dst": [dst[0].to_wire(), dst[1]]}
+        if wid is not None:
+            body["wid"] = wid
+        return await self._submit(Command.SINGLE_WRITE, body, timeout=timeout)
 
     async def submit_paged_writes(  # type: ignore[misc]
         self: Client, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
-        dst: tuple[MrDesc, Pages], *, timeout: float | None = None,
+        dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
     ) -> Completion:
-        return await self._submit(Command.PAGED_WRITES, {
-            "page_len": page_len, "imm": imm, "src": [src[0].id, src[1].to_wire()],
-            "dst": [dst[0].to_wire(), dst[1].to_wire()]}, timeout=timeout)
+        """``wid``: as for :meth:`submit_single_write`."""
+        body: dict[str, Any] = {"page_len": page_len, "imm": imm,
+                                "src": [src[0].id, src[1].to_wire()],
+                                "dst": [dst[0].to_wire(), dst[1].to_wire()]}
+        if wid is not None:
+            body["wid"] = wid
+        return await self._submit(Command.PAGED_WRITES, body, timeout=timeout)
 
     async def add_peer_group(self: Client, addrs: Sequence[NetAddr]) -> PeerGroup:  # type: ignore[misc]
         r = await self._call(Command.ADD_PEER_GROUP, {"addrs": [a.to_bytes() for a in addrs]})

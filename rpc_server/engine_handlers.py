@@ -51,6 +51,13 @@ def _opt_imm(body: dict[str, Any]) -> int | None:
     return uint_field(body, "imm", U32)
 
 
+def _opt_wid(body: dict[str, Any]) -> int | None:
+    """A write id (u64, the client's choice): a retry with the same one lands once."""
+    if body.get("wid") is None:
+        return None
+    return uint_field(body, "wid", (1 << 64) - 1)
+
+
 def _pair(body: dict[str, Any], name: str) -> tuple[Any, Any]:
     v = field(body, name)
     if not isinstance(v, list | tuple) or len(v) != 2:
@@ -165,8 +172,10 @@ def single_write(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     desc, dst_off = _pair(b, "dst")
     src = (_uint(mr, "src mr"), _uint(src_off, "src offset"))
     dst = (MrDesc.from_wire(desc), _uint(dst_off, "dst offset"))
+    wid = _opt_wid(b)
     # Checked now, so a bad request is answered before anything is queued.
-    return _submit(session, frame, lambda: engine.submit_single_write(length, imm, src, dst))
+    return _submit(session, frame,
+                   lambda: engine.submit_single_write(length, imm, src, dst, wid))
 
 
 @handler(Command.PAGED_WRITES)
@@ -179,7 +188,9 @@ def paged_writes(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     desc, dst_pages = _pair(b, "dst")
     src = (_uint(mr, "src mr"), Pages.from_wire(src_pages))
     dst = (MrDesc.from_wire(desc), Pages.from_wire(dst_pages))
-    return _submit(session, frame, lambda: engine.submit_paged_writes(page_len, imm, src, dst))
+    wid = _opt_wid(b)
+    return _submit(session, frame,
+                   lambda: engine.submit_paged_writes(page_len, imm, src, dst, wid))
 
 
 @handler(Command.ADD_PEER_GROUP)

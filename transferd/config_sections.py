@@ -501,6 +501,19 @@ class EngineConfig:
         "than timing out).",
         min=1e-3, unit="s",
     )
+    write_id_window: int = key(
+        65536,
+        "Write ids (SINGLE_WRITE / PAGED_WRITES `wid`) a receiver remembers as applied, "
+        "one per WRITE frame, oldest forgotten first: a retry whose frames are still "
+        "remembered is acknowledged without being placed or counted again.",
+        min=1, max=1 << 24,
+    )
+    write_id_ttl_s: float = key(
+        600.0,
+        "Seconds a receiver remembers an applied write id: retry a write that timed out "
+        "within this (and within engine.write_id_window writes) for it to count once.",
+        min=1e-3, unit="s",
+    )
     max_expectations: int = key(
         65536,
         "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "

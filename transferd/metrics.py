@@ -337,6 +337,10 @@ class _EngineCollector:
                          if recv is not None else 0)
         depth.add_metric(["worker_slots"], in_flight)
         yield depth
+        yield c("transferd_engine_write_id_duplicates",
+                "Peer WRITE frames whose write id was applied here already (a retry): "
+                "acknowledged, neither placed nor counted again.",
+                value=getattr(getattr(group, "write_ids", None), "duplicates", 0))
         yield g("transferd_engine_messages_waiting_bytes",
                 "Bytes of peer messages here waiting for a busy receive, or in a receiving "
                 "connection's write buffer (charged to the host memory limit).",

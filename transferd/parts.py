@@ -38,6 +38,9 @@ class WritePart:
     # initiator's own bookkeeping, for a Domain whose receiver cannot see offsets
     # (verbs counts a split write by its last part's carrier); tcp never sends it.
     parts: int = 1
+    # The client's write id (SINGLE_WRITE / PAGED_WRITES ``wid``): a retry carries the
+    # same, and the receiver applies each of its frames at most once.
+    wid: int | None = None
 
     @property
     def nbytes(self) -> int:

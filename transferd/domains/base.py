@@ -23,9 +23,11 @@ What a Domain does, and when (every call on its group's worker loop):
 - inbound: check a write's rkey against what this Domain registered, then
   ``receiver.check_write(...)`` before any byte lands, land the bytes, then
   ``receiver.landed(...)`` (or ``landed_imm`` where the NIC carries the
-  immediate); hand a message to ``receiver.deliver(peer, msg, ack, link)``
-  and call ``receiver.sender_gone(link)`` when that inbound link closes (the
-  messages from it still waiting for a receive are dropped).  The ``peer`` is
+  immediate; for a WRITE that may carry a write id, ``claim_write`` first and
+  ``landed_once`` / ``write_failed`` after); hand a message to
+  ``receiver.deliver(peer, msg, ack, link)`` and call
+  ``receiver.sender_gone(link)`` when that inbound link closes (the messages
+  from it still waiting for a receive are dropped).  The ``peer`` is
   the (node, group) the link authenticated, never a claim.
 - ``connect(dst)``: open the link to a peer's rail ahead of use (optional).
 - ``drop_stalled(dst, error)``: a transfer to ``dst`` timed out; close a link
@@ -115,6 +117,18 @@ class Receiver(Protocol):
 
     def landed(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
         """A checked WRITE's bytes are in place: count what landed."""
+
+    def claim_write(self, peer: Peer, w: WriteHeader) -> bool:
+        """Before a WRITE is checked: True if its write id was applied here already
+        (acknowledge ok, place nothing); else one with an id is claimed until
+        :meth:`landed_once` or :meth:`write_failed`."""
+        ...
+
+    def landed_once(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
+        """:meth:`landed`, remembering a write id as applied."""
+
+    def write_failed(self, peer: Peer, w: WriteHeader) -> None:
+        """A claimed WRITE did not land: a retry of it may."""
 
     def landed_imm(self, peer: Peer, imm: int, nbytes: int) -> None:
         """One unit with its immediate landed (a NIC-carried immediate): one count."""

@@ -79,6 +79,13 @@ class Coverage:
                 table.popitem(last=False)
         return p
 
+    def unreserve(self, key: Key, p: Partial, addr: int, length: int) -> None:
+        """A reserved part did not land (refused, or its link closed mid-payload): its
+        range is free again, for a retry of the same write (write ids)."""
+        r = (addr, addr + length)
+        if r in p.ranges:
+            p.ranges.remove(r)
+
     def landed(self, key: Key, p: Partial, nbytes: int) -> bool:
         """``nbytes`` of a reserved part are in place; True once the span is covered."""
         p.landed += nbytes

@@ -28,6 +28,7 @@ from . import registry
 from .base import Ack, Domain, DomainOptions
 from .coverage import Coverage
 from .peers import PeerBook
+from .writeids import Seen, WriteIds
 
 if TYPE_CHECKING:
     from transferd.engine.immcounter import ImmCounter
@@ -77,6 +78,8 @@ class DomainGroup:
         self.handshake_timeout_s = handshake_timeout_s
         self.domains: list[Domain] = []
         self.coverage = Coverage()
+        # Writes with a client's write id applied here (a retry lands at most once).
+        self.write_ids = WriteIds()
         self._book: PeerBook | None = None
         self.bytes_in = 0
         # Receiver-side tallies, read by the metrics when scraped (transferd.metrics).
@@ -246,7 +249,7 @@ class DomainGroup:
         admitted = region.admit(abort)
         if w.span is not None:
             try:
-                w.partial = self.coverage.reserve((peer[0], peer[1], w.op), w.span,
+                w.partial = self.coverage.reserve(_cover_key(peer, w), w.span,
                                                   addrs[0], lens[0], w.imm)
             except BaseException:
                 admitted.release()
@@ -280,7 +283,7 @@ class DomainGroup:
         admitted = region.admit(abort)
         if w.span is not None:
             try:
-                w.partial = self.coverage.reserve((peer[0], peer[1], w.op), w.span,
+                w.partial = self.coverage.reserve(_cover_key(peer, w), w.span,
                                                   w.addrs[0], w.lens[0], w.imm)
             except BaseException:
                 admitted.release()
@@ -297,7 +300,7 @@ class DomainGroup:
         self.writes_in += 1
         if w.span is not None:
             assert w.partial is not None
-            if not self.coverage.landed((peer[0], peer[1], w.op), w.partial, nbytes):
+            if not self.coverage.landed(_cover_key(peer, w), w.partial, nbytes):
                 return
             n = 1
         else:
@@ -305,6 +308,30 @@ class DomainGroup:
         if w.imm is not None:
             self.counter.add(w.imm, n)
             self.imms_in += n
+
+    def landed_once(self, peer: tuple[int, int], w: WriteHeader, nbytes: int) -> None:
+        """:meth:`landed`, and a frame with a write id remembered as applied."""
+        try:
+            self.landed(peer, w, nbytes)
+        except BaseException:
+            self.write_failed(peer, w)
+            raise
+        if w.wid is not None:
+            self.write_ids.applied(peer, w)
+
+    def claim_write(self, peer: tuple[int, int], w: WriteHeader) -> bool:
+        """Before a WRITE is checked: True if it carries a write id already applied
+        here (acknowledge it ok, place and count nothing).  Else a frame with an id
+        is claimed: :meth:`landed_once` or :meth:`write_failed` must follow."""
+        return w.wid is not None and self.write_ids.claim(peer, w) is Seen.APPLIED
+
+    def write_failed(self, peer: tuple[int, int], w: WriteHeader) -> None:
+        """A claimed WRITE did not land: a retry of it may (its span range freed)."""
+        if w.wid is None:
+            return
+        self.write_ids.failed(peer, w)
+        if w.partial is not None and w.span is not None:
+            self.coverage.unreserve(_cover_key(peer, w), w.partial, w.addrs[0], w.lens[0])
 
     def landed_imm(self, peer: tuple[int, int], imm: int, nbytes: int) -> None:
         """One unit landed with its immediate (a verbs WRITE_WITH_IMM completion): one count."""
@@ -316,3 +343,9 @@ class DomainGroup:
     def close(self) -> None:
         for d in self.domains:
             d.close()
+
+
+def _cover_key(peer: tuple[int, int], w: WriteHeader) -> tuple[int, int, int]:
+    """A split write's coverage key: by op, or by write id (negative, so never an op)
+    when it has one, so a first attempt's parts and a retry's cover one span."""
+    return (peer[0], peer[1], w.op if w.wid is None else -1 - w.wid)

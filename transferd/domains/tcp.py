@@ -404,6 +404,8 @@ class PeerLink:
                 body["imm"] = part.imm
             if part.span is not None:
                 body["span"] = part.span
+            if part.wid is not None:
+                body["wid"] = part.wid
             self.stream.send(PeerCommand.WRITE, 0, 0, body, part.src)
         else:
             self.stream.send(PeerCommand.SEND, 0, 0, {"op": part.op, "part": part.index},

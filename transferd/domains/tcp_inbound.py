@@ -82,6 +82,10 @@ class InboundLink:
         self.peer: tuple[int, int] | None = None
         self._error: TransferdError | None = None
         self._write: WriteHeader | None = None
+        # The write being received carries a write id this link claimed (it must
+        # land or be let go), or one already applied (acknowledged, not placed).
+        self._claimed = False
+        self._dup = False
         # The write landing now (admitted by its region): let go once its
         # bytes are in place, or the link dies under it.
         self._landing: Ref | None = None
@@ -133,6 +137,7 @@ class InboundLink:
     def _sink(self, frame: Frame) -> Sink:
         self._error = None
         self._write = None
+        self._claimed = self._dup = False
         if self.peer is None:  # (the decoder takes no payload before the handshake)
             self._error = NoHello("peer handshake first")
             return DISCARD
@@ -140,6 +145,10 @@ class InboundLink:
         try:
             if frame.cmd == PeerCommand.WRITE:
                 self._write = WriteHeader.parse(frame.body)
+                if g.claim_write(self.peer, self._write):
+                    self._dup = True  # applied before (a retry): read and dropped
+                    return DISCARD
+                self._claimed = self._write.wid is not None
                 region = g.region(self._write.rkey, self.domain.rail)
                 io = g.device_io(region)
                 if io is not None and frame.payload_len:
@@ -157,6 +166,9 @@ class InboundLink:
                 return None
         except TransferdError as exc:
             self._error = exc
+            if self._claimed and self._write is not None:
+                g.write_failed(self.peer, self._write)
+            self._claimed = False
             return DISCARD
         self._error = BadRequest(f"unexpected peer frame 0x{frame.cmd:02x}")
         return DISCARD
@@ -234,7 +246,7 @@ class InboundLink:
                 landing.release()
             error: TransferdError | None = None
             try:
-                g.landed(peer, write, nbytes)
+                g.landed_once(peer, write, nbytes)
             except TransferdError as exc:
                 error = exc
             self._unhold()
@@ -261,6 +273,7 @@ class InboundLink:
         error = self._error if frame.payload_len else None
         write, self._error, self._write = self._write, None, None
         landing, self._landing = self._landing, None
+        claimed, dup, self._claimed, self._dup = self._claimed, self._dup, False, False
         if self._staged is not None and write is not None:
             try:
                 self._land_device(frame, write, landing)
@@ -272,15 +285,25 @@ class InboundLink:
             landing.release()
         g = self.domain.group
         if frame.cmd == PeerCommand.WRITE:
+            if dup:
+                self._ack(frame.body, None)  # applied before: acknowledged, not again
+                return
             if error is None:
                 try:
                     if write is None:  # no payload: the sink was not asked
                         write = WriteHeader.parse(frame.body)
+                        if g.claim_write(self.peer, write):
+                            self._ack(frame.body, None)
+                            return
+                        claimed = write.wid is not None
                         region = g.region(write.rkey, self.domain.rail)
                         g.check_write(region, self.peer, write, 0)[1].release()
-                    g.landed(self.peer, write, frame.payload_len)
+                    claimed = False  # landed_once lets go of the claim itself
+                    g.landed_once(self.peer, write, frame.payload_len)
                 except TransferdError as exc:
                     error = exc
+            if claimed and write is not None:
+                g.write_failed(self.peer, write)
             if error is not None:
                 g.refused(error)
                 peer_warning("peer write refused", self.peer[0], self.domain.rail,
@@ -362,6 +385,9 @@ class InboundLink:
         landing, self._landing = self._landing, None
         if landing is not None:
             landing.release()  # the socket is closed: no more of it lands
+        if self._claimed and self._write is not None and self.peer is not None:
+            self._claimed = False
+            self.domain.group.write_failed(self.peer, self._write)  # a retry may land
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -154,6 +154,8 @@ class TransferEngine:
                         domain=self.config.domain, options=self.domain_options,
                         secret=self.secret,
                         handshake_timeout_s=self.config.handshake_timeout_s)
+        g.write_ids.configure(self.config.write_id_window, self.config.write_id_ttl_s,
+                              worker.loop.time)
         # A fixed engine.peer_port is the first group's; the others' are the system's pick.
         g.bind(self.hosts, self.config.peer_port if index == 0 else 0)
         return g
@@ -218,21 +220,24 @@ class TransferEngine:
     # -- one-sided writes ------------------------------------------------------------
 
     def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
-                                  dst: tuple[MrDesc, int]) -> asyncio.Future[None]:
+                                  dst: tuple[MrDesc, int], wid: int | None = None
+                                  ) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
+        self._check_wid(wid)
         region = self.regions.get(src[0])
         op = next(self._ops)
         if DomainGroup.device_io(region) is not None:
-            return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: list(
-                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails)))
+            return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
+                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid))
         view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
-        return self._submit(op, list(parts), region.buffer.ref(), self.group_of(region))
+        return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
-                                  src: tuple[int, Pages], dst: tuple[MrDesc, Pages]
-                                  ) -> asyncio.Future[None]:
+                                  src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
+                                  wid: int | None = None) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
+        self._check_wid(wid)
         region = self.regions.get(src[0])
         sp = src[1]
         if len(sp.indices) != len(dst[1].indices):
@@ -242,11 +247,21 @@ class TransferEngine:
         op = next(self._ops)
         if DomainGroup.device_io(region) is not None:
             pages = [(base + i * stride, page_len) for i in sp.indices]
-            return self._from_device(op, region, pages, lambda v: list(
-                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails)))
+            return self._from_device(op, region, pages, lambda v: _wid(
+                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid))
         views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
-        return self._submit(op, list(parts), region.buffer.ref(), self.group_of(region))
+        return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
+
+    def _check_wid(self, wid: int | None) -> None:
+        if wid is None:
+            return
+        if not 0 <= wid <= 0xFFFFFFFFFFFFFFFF:
+            raise BadRequest(f"write id {wid} is not a 64-bit unsigned value")
+        if self.config.domain == "verbs":
+            # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
+            raise BadRequest("write ids need a Domain whose receiver sees each write "
+                             "(tcp, chaos), not verbs")
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
@@ -553,6 +568,16 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _wid(parts: Any, wid: int | None) -> list[WritePart | SendPart]:
+    """The planned parts, each carrying the write id (a retry plans the same parts)."""
+    out: list[WritePart | SendPart] = list(parts)
+    if wid is not None:
+        for p in out:
+            if isinstance(p, WritePart):
+                p.wid = wid
+    return out
 
 
 def _imm(imm: int | None) -> int | None:

@@ -6,13 +6,15 @@ handshake of :mod:`transferd.protocol.peer_handshake` (HELLO, AUTH, PROBE);
 only then are WRITE and SEND taken.
 
 WRITE   body {op, part, rkey, addrs: [addr, ...], lens: [len, ...], imm (absent = none),
-              span: [addr, len] (a split single write only)}
+              span: [addr, len] (a split single write only), wid (absent = none)}
         payload: the bytes, concatenated.  The receiver counts what landed, never a
         number the sender wrote: a frame without ``span`` adds one per page it
         placed (one for a frame of no pages: a barrier); the parts of a single
         write split over rails each name the whole write in ``span`` and their
         own range in ``addrs``/``lens``, and the receiver adds one when its
-        parts have covered the span, each byte once.
+        parts have covered the span, each byte once.  ``wid`` (u64) is the
+        client's write id: the receiver applies each (initiator, wid, part) at
+        most once (transferd/domains/writeids.py).
 ACK     body {op, part, ok: true} or {op, part, code, message}
 SEND    body {op, part}  payload: the message (two-sided); its sender is the link's
         authenticated peer, not anything in the frame.
@@ -78,6 +80,8 @@ class WriteHeader:
     span: tuple[int, int] | None
     # The receiver's reservation of this part's range in its span (a split write).
     partial: Any = None
+    # The client's write id (a retry carries the same): applied at most once.
+    wid: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +108,8 @@ class WriteHeader:
             if a < span[0] or a + n > span[0] + span[1]:
                 raise BadRequest(f"peer WRITE: range [0x{a:x}, +{n}) is outside its span "
                                  f"[0x{span[0]:x}, +{span[1]})")
-        return cls(op, part, rkey, addrs, lens, imm, span)
+        wid = None if body.get("wid") is None else _uint(body, "wid")
+        return cls(op, part, rkey, addrs, lens, imm, span, wid=wid)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.op, "part": self.part, "rkey": self.rkey,
@@ -113,6 +118,8 @@ class WriteHeader:
             body["imm"] = self.imm
         if self.span is not None:
             body["span"] = list(self.span)
+        if self.wid is not None:
+            body["wid"] = self.wid
         return body
 
 

@@ -1,0 +1,141 @@
+"""Write ids against real daemons: a write that timed out (its receiver SIGSTOPped) and
+is retried with the same id after SIGCONT lands and counts exactly once, whatever the
+first attempt did meanwhile; the same id with other contents is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from client import Pages
+from tests.helpers import DaemonProcess, async_test, digest, metric, scrape
+from tests.integration.engine_cluster import (
+    RAILS,
+    WAIT,
+    MiB,
+    engine_env,
+    fresh_imm,
+    nodes,
+    settle,
+    start_many,
+    stopped,
+)
+from transferd.protocol.errors import BadRequest, Timeout
+
+PAGE = 4096
+
+
+@pytest.fixture
+def own() -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    for d in started:
+        d.stop()
+    for d in started:
+        assert "Traceback" not in d.stderr, d.output()
+
+
+async def _retry(submit, attempts: int = 8) -> None:  # type: ignore[no-untyped-def]
+    """Submit until it completes ok; TIMEOUT (outcome unknown) is retried, bounded."""
+    for attempt in range(attempts):
+        try:
+            await (await submit()).wait(WAIT)
+            return
+        except Timeout:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _steady(fn, settle_s: float = 0.5, timeout: float = WAIT):  # type: ignore[no-untyped-def]
+    """``await fn()`` once it has stopped changing for ``settle_s`` (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last, since = await fn(), loop.time()
+    while loop.time() < deadline:
+        await asyncio.sleep(0.1)
+        now = await fn()
+        if now != last:
+            last, since = now, loop.time()
+        elif loop.time() - since >= settle_s:
+            break
+    return last
+
+
+@async_test(timeout=120)
+async def test_a_retry_after_timeout_counts_once(own: list[DaemonProcess]) -> None:
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"], peer_timeout_s=1)},
+                           {"env": engine_env(RAILS["b"])}])
+    own += [a_d, b_d]
+    wid0 = random.Random().randrange(1 << 40, 1 << 62)
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(8 * MiB, seed=71)
+        dst = await b.region(8 * MiB)
+        singles, paged, split, control = fresh_imm(), fresh_imm(), fresh_imm(), fresh_imm()
+        await (await a.client.submit_single_write(100, None, (src.mr, 0), (dst.desc, 0))).wait(WAIT)
+
+        def single(i: int):  # type: ignore[no-untyped-def]
+            off = i * 64 * 1024  # small: the whole frame waits in the stopped peer's socket
+            return a.client.submit_single_write(64 * 1024, singles, (src.mr, off),
+                                                (dst.desc, off), wid=wid0 + i)
+
+        def pages():  # type: ignore[no-untyped-def]
+            idx = list(range(16))
+            return a.client.submit_paged_writes(
+                PAGE, paged, (src.mr, Pages(idx, PAGE, MiB)), (dst.desc, Pages(idx, PAGE, MiB)),
+                wid=wid0 + 100)
+
+        def big():  # type: ignore[no-untyped-def]
+            # Split over both rails; most of it cannot wait in socket buffers.
+            return a.client.submit_single_write(4 * MiB, split, (src.mr, 2 * MiB),
+                                                (dst.desc, 2 * MiB), wid=wid0 + 200)
+
+        def plain():  # type: ignore[no-untyped-def]
+            off = 7 * MiB  # no id: the control, which may count twice
+            return a.client.submit_single_write(64 * 1024, control, (src.mr, off),
+                                                (dst.desc, off))
+
+        with stopped(b_d):
+            ws = [await single(i) for i in range(4)] + [await pages(), await big(), await plain()]
+            errors = await settle(ws)
+        assert all(isinstance(e, Timeout) for e in errors), errors
+        # After SIGCONT: retried with the same ids until each completes (the first
+        # attempts may land meanwhile, or be still landing: TIMEOUT again, retried).
+        for i in range(4):
+            await _retry(lambda i=i: single(i))
+        await _retry(pages)
+        await _retry(big)
+        await _retry(plain)
+        # Whatever the first attempts still had in flight has landed by now.
+        assert await _steady(lambda: b.client.imm_count(singles)) == 4
+        assert await b.client.imm_count(paged) == 16
+        assert await b.client.imm_count(split) == 1
+        # The control (no id) counted at least once: twice if its first attempt landed.
+        ctl_count = await b.client.imm_count(control)
+        assert ctl_count >= 1
+        want = bytearray(dst.data)
+        want[0:100] = src.data[0:100]
+        want[0:4 * 64 * 1024] = src.data[0:4 * 64 * 1024]
+        want[MiB:MiB + 16 * PAGE] = src.data[MiB:MiB + 16 * PAGE]  # the 16 pages, in a row
+        want[2 * MiB:6 * MiB] = src.data[2 * MiB:6 * MiB]
+        want[7 * MiB:7 * MiB + 64 * 1024] = src.data[7 * MiB:7 * MiB + 64 * 1024]
+        assert digest(await b.read(dst)) == digest(want)
+        m = scrape(b_d.metrics_url or "")
+        dups = metric(m, "transferd_engine_write_id_duplicates_total")
+        # The small first attempts waited whole in the stopped peer's socket and landed
+        # after SIGCONT, so their retries were acknowledged without counting again.
+        assert dups >= 1 or ctl_count == 1, (dups, ctl_count)
+        print(f"write-id retries applied before: {dups:.0f}; the control counted {ctl_count}")
+
+        # Applied ids are remembered: the same write again is acknowledged, not counted.
+        await (await single(0)).wait(WAIT)
+        assert await b.client.imm_count(singles) == 4
+        # The same id and part with other contents is refused (an id names one write).
+        w = await a.client.submit_single_write(64 * 1024, singles, (src.mr, 0),
+                                               (dst.desc, 3 * MiB), wid=wid0)
+        with pytest.raises(BadRequest, match="other contents"):
+            await w.wait(WAIT)
+        assert await b.client.imm_count(singles) == 4

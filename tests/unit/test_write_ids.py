@@ -1,0 +1,91 @@
+"""The receiver's write-id window (transferd/domains/writeids.py) and how a split
+write's parts from two attempts cover one span (transferd/domains/coverage.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from transferd.domains.coverage import Coverage
+from transferd.domains.writeids import Seen, WriteIds
+from transferd.protocol.errors import BadRequest, Timeout
+from transferd.protocol.peer import WriteHeader
+
+PEER = (5, 0)
+
+
+def hdr(wid: int, part: int = 0, addr: int = 0x1000, n: int = 4096, op: int = 1,
+        span: tuple[int, int] | None = None) -> WriteHeader:
+    return WriteHeader(op, part, 77, [addr], [n], 9, span, wid=wid)
+
+
+def test_applied_once_then_acknowledged() -> None:
+    ids = WriteIds()
+    w = hdr(42)
+    assert ids.claim(PEER, w) is Seen.NEW
+    # A retry while the first attempt is still landing: outcome unknown, not applied.
+    with pytest.raises(Timeout, match="still landing"):
+        ids.claim(PEER, hdr(42, op=2))
+    ids.applied(PEER, w)
+    assert ids.claim(PEER, hdr(42, op=3)) is Seen.APPLIED
+    assert ids.duplicates == 1
+    # Another initiator's id 42 is another write; so is another part.
+    assert ids.claim((6, 0), hdr(42)) is Seen.NEW
+    assert ids.claim(PEER, hdr(42, part=1, addr=0x2000)) is Seen.NEW
+    with pytest.raises(BadRequest, match="other contents"):
+        ids.claim(PEER, hdr(42, addr=0x9000))
+
+
+def test_a_failed_attempt_leaves_nothing() -> None:
+    ids = WriteIds()
+    w = hdr(7)
+    assert ids.claim(PEER, w) is Seen.NEW
+    ids.failed(PEER, w)
+    assert ids.claim(PEER, hdr(7, op=2)) is Seen.NEW
+
+
+def test_the_window_is_bounded_in_count_and_time() -> None:
+    now = [0.0]
+    ids = WriteIds(window=3, ttl_s=10.0, clock=lambda: now[0])
+    for wid in range(5):
+        w = hdr(wid)
+        ids.claim(PEER, w)
+        ids.applied(PEER, w)
+    assert len(ids) == 3  # the oldest two forgotten
+    assert ids.claim(PEER, hdr(0)) is Seen.NEW
+    ids.failed(PEER, hdr(0))
+    assert ids.claim(PEER, hdr(4)) is Seen.APPLIED
+    now[0] = 11.0
+    assert ids.claim(PEER, hdr(4)) is Seen.NEW  # past engine.write_id_ttl_s
+    assert len(ids) == 0
+
+
+def test_a_split_write_covered_by_two_attempts_counts_once() -> None:
+    """Part 0 lands from the first attempt, part 1 from the retry: one count, when
+    the span is covered; part 1 of the first attempt, arriving last, is applied."""
+    ids, cov = WriteIds(), Coverage()
+    span = (0x10000, 8192)
+    key = (PEER[0], PEER[1], -1 - 99)  # the coverage key of wid 99 (group._cover_key)
+    first0 = hdr(99, 0, 0x10000, 4096, op=1, span=span)
+    assert ids.claim(PEER, first0) is Seen.NEW
+    p = cov.reserve(key, span, 0x10000, 4096, 9)
+    assert not cov.landed(key, p, 4096)
+    ids.applied(PEER, first0)
+    # The retry (op 2): part 0 was applied, part 1 lands and covers the span.
+    assert ids.claim(PEER, hdr(99, 0, 0x10000, 4096, op=2, span=span)) is Seen.APPLIED
+    retry1 = hdr(99, 1, 0x11000, 4096, op=2, span=span)
+    assert ids.claim(PEER, retry1) is Seen.NEW
+    p = cov.reserve(key, span, 0x11000, 4096, 9)
+    assert cov.landed(key, p, 4096)  # counted now, once
+    ids.applied(PEER, retry1)
+    assert ids.claim(PEER, hdr(99, 1, 0x11000, 4096, op=1, span=span)) is Seen.APPLIED
+
+
+def test_a_part_that_failed_mid_payload_frees_its_range() -> None:
+    cov = Coverage()
+    span = (0, 8192)
+    key = (1, 0, -1)
+    p = cov.reserve(key, span, 0, 4096, None)
+    with pytest.raises(BadRequest, match="overlaps"):
+        cov.reserve(key, span, 0, 4096, None)
+    cov.unreserve(key, p, 0, 4096)
+    cov.reserve(key, span, 0, 4096, None)
