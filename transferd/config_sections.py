@@ -502,9 +502,10 @@ class EngineConfig:
         min=1e-3, unit="s",
     )
     write_id_window: int = key(
-        65536,
+        16384,
         "Write ids (SINGLE_WRITE / PAGED_WRITES `wid`) a receiver remembers as applied, "
-        "one per WRITE frame, oldest forgotten first: a retry whose frames are still "
+        "per initiating peer, one per WRITE frame, oldest forgotten first (all peers "
+        "together: 4 windows; about 200 bytes each): a retry whose frames are still "
         "remembered is acknowledged without being placed or counted again.",
         min=1, max=1 << 24,
     )

@@ -89,3 +89,24 @@ def test_a_part_that_failed_mid_payload_frees_its_range() -> None:
         cov.reserve(key, span, 0, 4096, None)
     cov.unreserve(key, p, 0, 4096)
     cov.reserve(key, span, 0, 4096, None)
+
+
+def test_one_peer_cannot_push_another_peers_ids_out() -> None:
+    ids = WriteIds(window=100)
+    honest, flood = (1, 0), (2, 0)
+    for wid in range(50):
+        w = hdr(wid)
+        ids.claim(honest, w)
+        ids.applied(honest, w)
+    for peer in range(3, 8):  # five more peers, each filling its window
+        for wid in range(150):
+            w = hdr(wid)
+            ids.claim((peer, 0), w)
+            ids.applied((peer, 0), w)
+    for wid in range(10_000):
+        w = hdr(wid)
+        ids.claim(flood, w)
+        ids.applied(flood, w)
+    assert len(ids) <= 4 * 100
+    # The largest windows gave way, never the small honest one.
+    assert all(ids.claim(honest, hdr(wid)) is Seen.APPLIED for wid in range(50))

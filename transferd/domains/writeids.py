@@ -28,29 +28,34 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from transferd.protocol.errors import BadRequest, Timeout
 from transferd.protocol.peer import WriteHeader
 
-# Defaults of engine.write_id_window and engine.write_id_ttl_s.
-WINDOW = 65536
+# Defaults of engine.write_id_window (per initiating peer) and engine.write_id_ttl_s.
+WINDOW = 16384
 TTL_S = 600.0
+# All peers together remember at most this many windows' worth (the largest peer's
+# oldest go first past it), so one peer can neither push another's out nor grow this
+# without bound.  An entry costs about 200 bytes.
+PEERS_WINDOWS = 4
 # Frames landing at once with an id (one per inbound link at a time; a bound anyway).
 MAX_LANDING = 65536
 
-Key = tuple[int, int, int, int]  # (peer node, peer group, wid, part)
+Peer = tuple[int, int]
+Key = tuple[int, int]  # (wid, part), per peer
 
 
 class Seen(enum.Enum):
-    NEW = "new"  # land it (claimed now: landed() or failed() must follow)
+    NEW = "new"  # land it (claimed now: applied() or failed() must follow)
     APPLIED = "applied"  # acknowledge ok, place nothing, count nothing
 
 
-def _what(w: WriteHeader) -> tuple[Any, ...]:
+def _what(w: WriteHeader) -> int:
     # Not the rkey: a retry may go over another rail (the plan rotates rails by op),
-    # and each rail has its own.  The absolute ranges name the destination.
-    return (tuple(w.addrs), tuple(w.lens), w.imm, w.span)
+    # and each rail has its own.  The absolute ranges name the destination.  A hash
+    # (of ints: the same in every process) keeps an entry small.
+    return hash((tuple(w.addrs), tuple(w.lens), w.imm, w.span))
 
 
 class WriteIds:
@@ -59,65 +64,70 @@ class WriteIds:
         self.window = window
         self.ttl_s = ttl_s
         self._clock = clock
-        self._applied: OrderedDict[Key, tuple[float, tuple[Any, ...]]] = OrderedDict()
-        self._landing: dict[Key, tuple[Any, ...]] = {}
+        self._applied: dict[Peer, OrderedDict[Key, tuple[float, int]]] = {}
+        self._total = 0
+        self._landing: dict[tuple[Peer, Key], int] = {}
         self.duplicates = 0
 
     def configure(self, window: int, ttl_s: float, clock: Callable[[], float]) -> None:
         self.window, self.ttl_s, self._clock = window, ttl_s, clock
 
     def __len__(self) -> int:
-        return len(self._applied)
+        return self._total
 
-    def _now(self) -> float:
-        return self._clock()
-
-    @staticmethod
-    def key(peer: tuple[int, int], w: WriteHeader) -> Key:
-        assert w.wid is not None
-        return (peer[0], peer[1], w.wid, w.part)
-
-    def claim(self, peer: tuple[int, int], w: WriteHeader) -> Seen:
+    def claim(self, peer: Peer, w: WriteHeader) -> Seen:
         """Before a frame with a wid is placed: APPLIED (acknowledge it ok, do nothing)
         or NEW (claimed: call :meth:`applied` or :meth:`failed` after)."""
-        k = self.key(peer, w)
+        assert w.wid is not None
+        k = (w.wid, w.part)
         what = _what(w)
-        self._expire()
-        seen = self._applied.get(k)
-        if seen is not None:
-            if seen[1] != what:
-                raise BadRequest(f"write id {w.wid} part {w.part} was applied with other "
-                                 "contents (a write id names one write)")
-            self.duplicates += 1
-            return Seen.APPLIED
-        landing = self._landing.get(k)
-        if landing is not None:
+        table = self._applied.get(peer)
+        if table is not None:
+            self._expire(peer, table)
+            seen = table.get(k)
+            if seen is not None:
+                if seen[1] != what:
+                    raise BadRequest(f"write id {w.wid} part {w.part} was applied with other "
+                                     "contents (a write id names one write)")
+                self.duplicates += 1
+                return Seen.APPLIED
+        if (peer, k) in self._landing:
             raise Timeout(f"write id {w.wid} part {w.part} is still landing from an earlier "
                           "attempt: outcome unknown, retry with the same id")
         if len(self._landing) >= MAX_LANDING:
             raise BadRequest(f"{MAX_LANDING} writes with ids are landing here at once")
-        self._landing[k] = what
+        self._landing[(peer, k)] = what
         return Seen.NEW
 
-    def applied(self, peer: tuple[int, int], w: WriteHeader) -> None:
+    def applied(self, peer: Peer, w: WriteHeader) -> None:
         """The claimed frame's bytes are in place (and counted, by the counting rules)."""
-        k = self.key(peer, w)
-        what = self._landing.pop(k, None)
-        self._applied[k] = (self._now(), what if what is not None else _what(w))
-        self._applied.move_to_end(k)
-        while len(self._applied) > self.window:
-            self._applied.popitem(last=False)
+        assert w.wid is not None
+        k = (w.wid, w.part)
+        what = self._landing.pop((peer, k), None)
+        table = self._applied.setdefault(peer, OrderedDict())
+        if k not in table:
+            self._total += 1
+        table[k] = (self._clock(), what if what is not None else _what(w))
+        table.move_to_end(k)
+        while len(table) > self.window:
+            table.popitem(last=False)
+            self._total -= 1
+        while self._total > self.window * PEERS_WINDOWS:
+            largest = max(self._applied.values(), key=len)
+            largest.popitem(last=False)
+            self._total -= 1
 
-    def failed(self, peer: tuple[int, int], w: WriteHeader) -> None:
+    def failed(self, peer: Peer, w: WriteHeader) -> None:
         """The claimed frame did not land (refused, or its link closed): a retry may."""
-        self._landing.pop(self.key(peer, w), None)
+        assert w.wid is not None
+        self._landing.pop((peer, (w.wid, w.part)), None)
 
-    def _expire(self) -> None:
-        if not self._applied:
-            return
-        cut = self._now() - self.ttl_s
-        for _ in range(len(self._applied)):
-            k, (t, _) = next(iter(self._applied.items()))
+    def _expire(self, peer: Peer, table: OrderedDict[Key, tuple[float, int]]) -> None:
+        cut = self._clock() - self.ttl_s
+        while table:
+            k, (t, _) = next(iter(table.items()))
             if t >= cut:
                 return
-            del self._applied[k]
+            del table[k]
+            self._total -= 1
+        del self._applied[peer]
