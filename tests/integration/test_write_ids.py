@@ -6,24 +6,34 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from client import Pages
 from tests.helpers import DaemonProcess, async_test, digest, metric, scrape
+from tests.integration import engine_cluster
 from tests.integration.engine_cluster import (
     RAILS,
+    SECRET,
     WAIT,
+    Cluster,
     MiB,
     engine_env,
     fresh_imm,
     nodes,
+    poll,
     settle,
     start_many,
     stopped,
 )
+from tests.integration.fake_peer import FakePeer
 from transferd.protocol.errors import BadRequest, Timeout
+from transferd.protocol.peer import PeerCommand
+
+clusters = engine_cluster.clusters
+tcp_cluster = engine_cluster.tcp_cluster
 
 PAGE = 4096
 
@@ -139,3 +149,55 @@ async def test_a_retry_after_timeout_counts_once(own: list[DaemonProcess]) -> No
         with pytest.raises(BadRequest, match="other contents"):
             await w.wait(WAIT)
         assert await b.client.imm_count(singles) == 4
+
+
+@async_test(timeout=60)
+async def test_a_peer_that_lies_about_write_ids(tcp_cluster: Cluster) -> None:
+    """A peer (real handshake, the cluster secret) replays, reuses and cuts writes with
+    ids: each id counts once, a reused id with other ranges is refused, a bad id is
+    refused, and a part cut off mid-payload leaves nothing, so its retry lands."""
+    async with nodes(tcp_cluster.b) as (b,):
+        addr = await b.client.main_address()
+        dst = await b.region(64 * 1024)
+        imm = fresh_imm()
+        k0, p = dst.desc.rkeys[0][1], dst.desc.ptr
+        wid = random.Random().randrange(1 << 62)
+
+        def attack() -> None:
+            with FakePeer(addr, 0, SECRET) as peer:
+                peer.handshake()
+                for op in (1, 2, 3):  # the same write three times (three "retries")
+                    ack = peer.write(k0, [p], [4], b"abcd", op=op, imm=imm, wid=wid)
+                    assert ack.body.get("ok") is True, ack.body
+                ack = peer.write(k0, [p + 8], [4], b"efgh", op=4, imm=imm, wid=wid)
+                assert ack.body.get("code") == "BAD_REQUEST", ack.body
+                assert "other contents" in ack.body["message"]
+                for bad in (-1, "x", 1.5, True):
+                    ack = peer.write(k0, [p], [4], b"abcd", op=5, imm=imm, wid=bad)
+                    assert ack.body.get("code") == "BAD_REQUEST", ack.body
+                # Half a payload, then the link goes: that part did not land.
+                peer.send(PeerCommand.WRITE, {"op": 6, "part": 0, "rkey": k0,
+                                              "addrs": [p + 4096], "lens": [4096],
+                                              "imm": imm, "wid": wid + 1}, b"h" * 2048)
+                claim = peer.me.addrs
+                node = peer.me.node
+            with FakePeer(addr, 0, SECRET, node=node, claim=claim) as again:
+                again.handshake()
+                for op in range(7, 47):  # TIMEOUT while B has not yet seen the cut: retry
+                    ack = again.write(k0, [p + 4096], [4096], b"r" * 4096, op=op, imm=imm,
+                                      wid=wid + 1)
+                    if ack.body.get("code") != "TIMEOUT":
+                        break
+                    time.sleep(0.05)
+                assert ack.body.get("ok") is True, ack.body
+                ack = again.write(k0, [p + 4096], [4096], b"r" * 4096, op=50, imm=imm,
+                                  wid=wid + 1)
+                assert ack.body.get("ok") is True, ack.body
+
+        await asyncio.to_thread(attack)
+        assert await poll(lambda: b.client.imm_count(imm), 2) == 2
+        await asyncio.sleep(0.1)
+        assert await b.client.imm_count(imm) == 2
+        got = await b.read(dst, 0, 8192)
+        assert got[:4] == b"abcd" and got[4:8192 - 4096] == bytes(4092)
+        assert got[4096:] == b"r" * 4096
