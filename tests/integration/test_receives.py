@@ -150,6 +150,10 @@ async def test_a_reader_that_stops_reading_holds_its_senders_not_memory(
         assert all(isinstance(e, OutOfMemory | Cancelled | OverLimit) for e in failed), failed
         assert any(isinstance(e, Cancelled) and "recv_wait_s" in e.message for e in failed)
         # Acknowledged: only what the reader's socket buffers took (a few MiB), not 200.
+        print(f"200 x 1 MiB at a stalled reader: {len(ok)} acknowledged, "
+              f"{sum(isinstance(e, OutOfMemory) for e in failed)} OUT_OF_MEMORY, "
+              f"{sum(isinstance(e, Cancelled) for e in failed)} CANCELLED; "
+              f"B's peak RSS growth {peak.peak / MiB:.1f} MiB")
         assert len(ok) <= 16, len(ok)
         m = scrape(b_d.metrics_url or "")
         assert metric(m, "transferd_engine_messages_expired_total") >= 1
