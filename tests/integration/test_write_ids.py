@@ -75,10 +75,13 @@ async def _steady(fn, settle_s: float = 0.5, timeout: float = WAIT):  # type: ig
     return last
 
 
+@pytest.mark.parametrize("domain", ["tcp", "chaos"])
 @async_test(timeout=120)
-async def test_a_retry_after_timeout_counts_once(own: list[DaemonProcess]) -> None:
-    a_d, b_d = start_many([{"env": engine_env(RAILS["a"], peer_timeout_s=1)},
-                           {"env": engine_env(RAILS["b"])}])
+async def test_a_retry_after_timeout_counts_once(own: list[DaemonProcess], domain: str) -> None:
+    """Over tcp, and over chaos (every frame in pieces, out of order: a retry's pieces
+    meet the first attempt's)."""
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"], domain, peer_timeout_s=1)},
+                           {"env": engine_env(RAILS["b"], domain)}])
     own += [a_d, b_d]
     wid0 = random.Random().randrange(1 << 40, 1 << 62)
     async with nodes(a_d, b_d) as (a, b):

@@ -110,3 +110,20 @@ def test_one_peer_cannot_push_another_peers_ids_out() -> None:
     assert len(ids) <= 4 * 100
     # The largest windows gave way, never the small honest one.
     assert all(ids.claim(honest, hdr(wid)) is Seen.APPLIED for wid in range(50))
+
+
+def test_write_ids_are_refused_where_the_nic_places_writes() -> None:
+    """On the verbs Domain no receiver code sees a retry, so a wid is BAD_REQUEST at
+    submit (before any region lookup); a wid that is not a u64 likewise."""
+    from transferd.config import EngineConfig
+    from transferd.engine import TransferEngine
+    from transferd.memory import BufferTable
+
+    verbs = TransferEngine(EngineConfig(domain="verbs"), BufferTable(1 << 20), None)
+    with pytest.raises(BadRequest, match="not verbs"):
+        verbs._check_wid(1)
+    verbs._check_wid(None)
+    tcp = TransferEngine(EngineConfig(), BufferTable(1 << 20), None)
+    tcp._check_wid((1 << 64) - 1)
+    with pytest.raises(BadRequest, match="64-bit"):
+        tcp._check_wid(1 << 64)
