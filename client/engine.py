@@ -10,7 +10,8 @@ cancelled.  ``timeout=`` (seconds) is its deadline on the daemon;
 ``await completion.cancel()`` ends one early.  A ``Timeout`` or a
 ``Cancelled`` of a write says the daemon stopped waiting, not that nothing
 landed: parts already sent may still land and count at the destination (the
-outcome is unknown; docs/engine.md, "Deadlines and cancelling").
+outcome is unknown; docs/engine.md, "Deadlines and cancelling").  A write
+retried with the same ``wid=`` (write id) is applied and counted at most once.
 """
 
 from __future__ import annotations

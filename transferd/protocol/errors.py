@@ -94,7 +94,8 @@ class PeerUnreachable(TransferdError):
 class Timeout(TransferdError):
     """A deadline passed.  For an engine write the outcome is unknown: the daemon stopped
     waiting, but parts already sent may still land and count at the destination later.
-    Check the destination before retrying a write that counts an immediate."""
+    Retry a write with the same write id (``wid=``) to have it applied and counted at
+    most once, or check the destination before retrying one that counts an immediate."""
 
     code = ErrorCode.TIMEOUT
 
