@@ -195,8 +195,12 @@ def run(opts: Options) -> BenchResult:
         res.checks.append(Check(f"(h) {kind} worker: 4 KiB rate, 4 groups / 1 group",
                                 ratio(f"{kind} x4", f"{kind} x1", "rate"), ">=", 0.9, "x"))
     res.notes.append(f"placement: {s.describe()}")
-    res.notes.append("each daemon is pinned to one CPU: groups can share that core, never "
-                     "run beside each other")
+    if s.initiator.server is not None:
+        res.notes.append("each daemon is pinned to one CPU: groups can share that core, never "
+                         "run beside each other")
+    else:
+        res.notes.append("nothing pinned: the daemons, the client and their groups' threads "
+                         "share every allowed CPU")
     res.data = {"rounds": rounds, "bulk": bulk, "parts": PARTS, "seconds": seconds,
                 "window": WINDOW, "summary": summary, "per_round": per_round,
                 "placement": s.describe()}
