@@ -10,10 +10,12 @@ daemon at start with the key named.
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Any
 
 import pytest
 
-from client import Pages
+from client import Client, MrDesc, NetAddr, Pages
 from tests.helpers import async_test, digest, metric, scrape
 from tests.integration.engine_cluster import (
     WAIT,
@@ -27,6 +29,7 @@ from tests.integration.engine_cluster import (
 )
 from tests.integration.test_cli import RPC_SERVER, run_cli
 from transferd.exits import Exit
+from transferd.protocol.errors import Cancelled
 
 GROUPS = 3
 RAILS_A = ("127.0.0.8", "127.0.0.9")
@@ -86,8 +89,8 @@ async def test_writes_between_every_pair_of_groups_land_and_count(worker: str) -
             assert links >= GROUPS * 2  # every group of a wrote to every group of b, each rail
             assert metric(m, "transferd_engine_transfers_in_flight") == 0
     finally:
-        for d in (da, db):
-            d.stop()
+        for daemon in (da, db):
+            daemon.stop()
 
 
 @pytest.mark.parametrize(("env", "says"), [
@@ -100,3 +103,38 @@ def test_out_of_range_settings_stop_the_daemon_naming_the_key(env: dict[str, str
     r = run_cli([*RPC_SERVER, "-p", "0", "--metrics-port", "-1"], **env)
     assert r.returncode == Exit.CONFIG, r.stderr
     assert says in r.stderr
+
+
+@pytest.mark.parametrize("worker", ["loop", "thread"])
+@async_test(timeout=60)
+async def test_cancel_reaches_the_group_a_write_runs_on(worker: str, daemon_factory: Any) -> None:
+    """A write to a peer that never answers, from a region of each group: CANCEL ends each
+    on its own group's worker, exactly once, and the slots come back."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_HOST_GROUPS": "2",
+                            "TRANSFERD_ENGINE_WORKER": worker})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # never accepted, never read
+    try:
+        async with await Client.connect(d.url) as c:
+            mine = []
+            for _ in range(2):
+                buf = await c.alloc_buffer(1 << 20)
+                mine.append((buf, (await c.reg_mr(buf))[0]))
+            dst = MrDesc(1 << 20, [(NetAddr(0x5157, 0, (silent.getsockname(),)), 0x1234)],
+                         1 << 20)
+            ws = [await c.submit_single_write(4096, None, (mr, 0), (dst, 0)) for _, mr in mine]
+            await asyncio.sleep(0.1)
+            assert not any(w.done() for w in ws)
+            for w in ws:
+                assert await w.cancel() is True
+                with pytest.raises(Cancelled):
+                    await w
+                assert await w.cancel() is False
+            await asyncio.wait_for(c.synchronize(), 5)
+            assert d.metrics_url is not None
+            assert metric(scrape(d.metrics_url), "transferd_engine_transfers_in_flight") == 0
+            for buf, _ in mine:
+                await c.free_buffer(buf)
+    finally:
+        silent.close()

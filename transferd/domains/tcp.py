@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import ipaddress
 import logging
 import socket
@@ -65,6 +66,11 @@ def rail_bytes(host: str, port: int) -> bytes:
 
 def parse_rail(raw: bytes) -> tuple[str, int]:
     """The (host, port) of :func:`rail_bytes`; BadRequest unless an IP and a port 1-65535."""
+    # Every submit checks its destinations' rails: the same few addresses, parsed once.
+    return _parse_rail_cached(raw) if type(raw) is bytes else _parse_rail(raw)
+
+
+def _parse_rail(raw: bytes) -> tuple[str, int]:
     try:
         text = raw.decode("ascii")
         host, _, port = text.rpartition(":")
@@ -72,6 +78,10 @@ def parse_rail(raw: bytes) -> tuple[str, int]:
         return check_rail(host, int(port))
     except (UnicodeDecodeError, ValueError):
         raise BadRequest(f"not a TCP rail address: {raw!r}") from None
+
+
+# Bounded (the addresses a daemon meets); a refused address is not cached (it raises).
+_parse_rail_cached = functools.lru_cache(maxsize=1024)(_parse_rail)
 
 
 def check_rail(host: str, port: int) -> tuple[str, int]:

@@ -7,6 +7,7 @@ scheduler, a trainer's rendezvous) and the other side can use it as is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,14 @@ class NetAddr:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> NetAddr:
+        # Every submit names its destinations' NetAddrs: the same few, decoded once
+        # (a NetAddr is immutable; a malformed one raises and is not cached).
+        if type(raw) is bytes and cls is NetAddr:
+            return _netaddr_cached(raw)
+        return cls._decode(raw)
+
+    @classmethod
+    def _decode(cls, raw: bytes) -> NetAddr:
         v = _unpack(raw, "NetAddr")
         try:
             fmt, node, group, rails = v
@@ -93,6 +102,10 @@ class NetAddr:
     def __str__(self) -> str:
         rails = ",".join(r.decode(errors="backslashreplace") for r in self.rails)
         return f"{self.node:016x}/{self.group}@{rails}"
+
+
+# Bounded: the peers' addresses a daemon meets.
+_netaddr_cached = functools.lru_cache(maxsize=1024)(NetAddr._decode)
 
 
 @dataclass(frozen=True, slots=True, unsafe_hash=False, eq=True)
