@@ -471,6 +471,16 @@ class EngineConfig:
         "own finishes, so one client's writes to a silent peer cannot take every slot.",
         min=1, max=4096,
     )
+    max_inflight_per_peer: int = key(
+        1024,
+        "Most engine operations in flight at once to one destination peer (a domain group), "
+        "from all clients together. One more waits in that peer's queue, holding no worker "
+        "slot and holding back nothing else: the submitting connection's later frames, "
+        "writes to other peers included, go on at once. A transfer that waited "
+        "engine.peer_timeout_s without starting fails with TIMEOUT (not sent). So one dead "
+        "or stopped peer holds at most this many of the worker's 4,096 slots.",
+        min=1, max=4096,
+    )
     max_recv_pools: int = key(
         64,
         "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "

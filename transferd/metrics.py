@@ -302,6 +302,10 @@ class _EngineCollector:
         in_flight = slots.in_flight if slots is not None else 0
         yield g("transferd_engine_transfers_in_flight",
                 "Transfers this daemon initiated that have not finished.", value=in_flight)
+        slots = getattr(e, "peer_slots", None)
+        yield g("transferd_engine_transfers_waiting",
+                "Transfers waiting for a slot of a busy peer (engine.max_inflight_per_peer).",
+                value=slots.waiting if slots is not None else 0)
         yield g("transferd_engine_partial_writes",
                 "Multi-part writes to this daemon some of whose parts landed.",
                 value=sum(len(getattr(gr, "coverage", ())) for gr in groups))

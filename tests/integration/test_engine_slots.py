@@ -11,16 +11,18 @@ from collections.abc import Iterator
 import pytest
 
 from client import Client
-from tests.helpers import DaemonProcess, async_test, metric, scrape
+from tests.helpers import DaemonProcess, async_test, digest, metric, scrape
 from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
     engine_env,
+    fresh_imm,
     nodes,
     settle,
     start_many,
     stopped,
 )
+from transferd.protocol.errors import Timeout
 
 
 @pytest.fixture
@@ -78,3 +80,93 @@ async def test_one_client_cannot_take_every_engine_slot(
             await settle(await asyncio.wait_for(task, WAIT), WAIT)  # each ends
         finally:
             await victim.close()
+
+
+@async_test(timeout=120)
+async def test_one_silent_peer_cannot_starve_the_others(
+    own_daemons: list[DaemonProcess],
+) -> None:
+    """Two clients flood a stopped peer; their own writes (and a third client's) to a
+    live peer complete at once, the flood waits in the peer's queue without a worker slot,
+    and once the peer resumes every write of the flood lands, each counted once."""
+    per_peer, flood = 64, 400
+    a_d, b_d, c_d = start_many([
+        {"env": engine_env(RAILS["a"], peer_timeout_s=30, max_inflight_per_peer=per_peer)},
+        {"env": engine_env(RAILS["b"])}, {"env": engine_env(RAILS["c"])}])
+    own_daemons += [a_d, b_d, c_d]
+    async with nodes(a_d, a_d, a_d, b_d, c_d) as (a, x, victim, b, c):
+        src = await a.region(flood * 64, seed=7)
+        src_x = await x.region(flood * 64, seed=8)
+        src_v = await victim.region(4096, seed=9)
+        to_b, to_c = await b.region(2 * flood * 64), await c.region(3 * 4096)
+        for n, s in ((a, src), (x, src_x), (victim, src_v)):  # every link up first
+            for dst in (to_b, to_c):
+                await (await n.client.submit_single_write(64, None, (s.mr, 0),
+                                                          (dst.desc, 0))).wait(WAIT)
+        imm = fresh_imm()
+        with stopped(b_d):
+            t0 = time.monotonic()
+            sent = [await n.client.submit_single_write(64, imm, (s.mr, k * 64),
+                                                       (to_b.desc, base + k * 64))
+                    for k in range(flood)
+                    for n, s, base in ((a, src, 0), (x, src_x, flood * 64))]
+            submitted = time.monotonic() - t0
+            # At most the peer's share reaches the worker; the rest waits.
+            held = metric(scrape(a_d.metrics_url or ""), "transferd_engine_transfers_in_flight")
+            assert held <= per_peer, held
+            t0 = time.monotonic()
+            ws = [await n.client.submit_single_write(4096, None, (s.mr, 0),
+                                                     (to_c.desc, i * 4096))
+                  for i, (n, s) in enumerate(((a, src), (x, src_x), (victim, src_v)))]
+            assert await settle(ws, WAIT) == [None] * 3
+            took = time.monotonic() - t0
+            print(f"flood of {2 * flood} submitted in {submitted:.2f} s, in flight {held}; "
+                  f"three writes to the live peer took {took:.3f} s")
+            assert took < 3.0, took  # the peer timeout is 30 s
+            assert not any(w.done() for w in sent[per_peer:])
+        # B answers again: the flood drains in order, every write lands once.
+        assert await settle(sent, WAIT) == [None] * len(sent)
+        assert await b.client.imm_count(imm) == 2 * flood
+        want = bytes(src.data) + bytes(src_x.data)
+        assert digest(await b.read(to_b)) == digest(want)
+        got_c = await c.read(to_c)
+        for i, s in enumerate((src, src_x, src_v)):
+            assert digest(got_c[i * 4096:(i + 1) * 4096]) == digest(bytes(s.data[:4096]))
+
+
+@async_test(timeout=90)
+async def test_a_transfer_that_waits_too_long_is_never_sent(
+    own_daemons: list[DaemonProcess],
+) -> None:
+    """Waiting for a stopped peer's slot ends in TIMEOUT after the peer timeout, and what
+    waited was never sent: after the peer resumes, only the writes that were in flight
+    can have counted."""
+    per_peer, n = 4, 12
+    a_d, b_d = start_many([
+        {"env": engine_env(RAILS["a"], peer_timeout_s=1.5, max_inflight_per_peer=per_peer)},
+        {"env": engine_env(RAILS["b"])}])
+    own_daemons += [a_d, b_d]
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(n * 64, seed=10)
+        dst = await b.region(n * 64)
+        await (await a.client.submit_single_write(64, None, (src.mr, 0),
+                                                  (dst.desc, 0))).wait(WAIT)
+        imm = fresh_imm()
+        with stopped(b_d):
+            ws = [await a.client.submit_single_write(64, imm, (src.mr, k * 64),
+                                                     (dst.desc, k * 64)) for k in range(n)]
+            errors = await settle(ws, WAIT)
+        assert all(isinstance(e, Timeout) for e in errors), errors
+        never = [e for e in errors if "not sent" in str(e)]
+        assert len(never) == n - per_peer, errors
+        # B resumed: what was in flight may land late (TIMEOUT is "outcome unknown"),
+        # what waited never does.
+        for _ in range(10):
+            await asyncio.sleep(0.1)
+            assert await b.client.imm_count(imm) <= per_peer
+        got = await b.read(dst)
+        assert got[per_peer * 64:] == bytes((n - per_peer) * 64)
+        # And the peer is usable again.
+        w = await a.client.submit_single_write(n * 64, None, (src.mr, 0), (dst.desc, 0))
+        await w.wait(WAIT)
+        assert digest(await b.read(dst)) == digest(bytes(src.data))

@@ -43,6 +43,7 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .immcounter import ImmCounter
 from .limits import MAX_MESSAGE
+from .peer_slots import PeerSlots
 from .plan import (
     SendPart,
     WritePart,
@@ -102,6 +103,8 @@ class TransferEngine:
         self.group: DomainGroup | None = None
         # Transfers in flight, for every group together (the daemon's bound).
         self.slots = Slots()
+        # In flight or waiting, per destination peer (engine.max_inflight_per_peer).
+        self.peer_slots: PeerSlots | None = None
         # Every Domain of the group reads what it needs of these (chaos: the schedule).
         # Each Domain's own settings go under its name, passed through unread.
         self.domain_options = DomainOptions(
@@ -121,6 +124,8 @@ class TransferEngine:
     async def start(self) -> NetAddr:
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self.peer_slots = PeerSlots(self.loop, self.config.max_inflight_per_peer,
+                                    self.config.peer_timeout_s)
         if self.secret is None:
             log.warning(
                 "engine: no cluster secret (engine.secret_file): peer links are not "
@@ -501,8 +506,25 @@ class TransferEngine:
     def _submit(self, op: int, parts: list[WritePart | SendPart],
                 held: Ref | None = None, group: DomainGroup | None = None
                 ) -> asyncio.Future[None]:
-        """Hand parts to ``group``'s worker (default: the first group's); ``held`` (the
-        source's memory) goes when the transfer finishes."""
+        """Start a transfer on ``group``'s worker (default: the first group's) once its
+        peers have a slot; ``held`` (the source's memory) goes when it finishes.  A peer
+        at engine.max_inflight_per_peer makes it wait (peer_slots.py) without holding
+        back anything else."""
+        assert self.peer_slots is not None
+        try:
+            fut = self.peer_slots.run({p.dst.key for p in parts},
+                                      lambda: self._start_transfer(op, parts, group))
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        if held is not None:
+            fut.add_done_callback(lambda _: held.release())
+        return fut
+
+    def _start_transfer(self, op: int, parts: list[WritePart | SendPart],
+                        group: DomainGroup | None = None) -> asyncio.Future[None]:
+        """Hand parts to ``group``'s worker, taking a slot until the transfer ends."""
         assert self.groups and self.loop is not None
         group = group or self.groups[0]
         worker = self.workers[group.index]
@@ -521,12 +543,7 @@ class TransferEngine:
             def finish(err: TransferdError | None) -> None:
                 loop.call_soon_threadsafe(finished, fut, err, nbytes)
 
-        def done(_: asyncio.Future[None]) -> None:
-            slots.release()
-            if held is not None:
-                held.release()
-
-        fut.add_done_callback(done)
+        fut.add_done_callback(lambda _: slots.release())
         transfer = Transfer(op, len(parts), nbytes, finish)
         self._transfers[fut] = (transfer, worker)
         try:

@@ -1,0 +1,112 @@
+"""PeerSlots (engine/peer_slots.py) on a real loop: per-peer bounds, FIFO waiting that
+holds nothing else back, transfers to several peers, expiry of a wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.helpers import async_test
+from transferd.engine.peer_slots import PeerSlots
+from transferd.protocol.errors import OverLimit, Timeout
+
+P, Q, R = (1, 0), (2, 0), (3, 0)
+
+
+class Starts:
+    """start() callbacks whose futures the test finishes by hand, in the order started."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, asyncio.Future[None]]] = []
+
+    def __call__(self, name: str):  # type: ignore[no-untyped-def]
+        def start() -> asyncio.Future[None]:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.started.append((name, fut))
+            return fut
+        return start
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.started]
+
+    def finish(self, name: str) -> None:
+        for n, f in self.started:
+            if n == name and not f.done():
+                f.set_result(None)
+                return
+        raise AssertionError(name)
+
+
+@async_test()
+async def test_a_full_peer_makes_its_own_wait_and_nobody_else() -> None:
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=2, timeout_s=30)
+    s = Starts()
+    futs = {n: slots.run([P], s(n)) for n in ("p1", "p2", "p3", "p4")}
+    q1 = slots.run([Q], s("q1"))  # another peer: at once, past P's queue
+    assert s.names() == ["p1", "p2", "q1"] and slots.waiting == 2
+    assert slots.in_flight(P) == 2 and slots.in_flight(Q) == 1
+    s.finish("p2")
+    await asyncio.sleep(0)
+    assert s.names() == ["p1", "p2", "q1", "p3"]  # FIFO: p3 before p4
+    s.finish("q1")
+    await q1
+    s.finish("p1")
+    s.finish("p3")
+    await asyncio.sleep(0)
+    s.finish("p4")
+    for f in futs.values():
+        await asyncio.wait_for(f, 1)
+    assert slots.waiting == 0 and slots.in_flight(P) == 0 and slots.waited == 2
+
+
+@async_test()
+async def test_a_transfer_to_several_peers_takes_a_slot_of_each() -> None:
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=1, timeout_s=30)
+    s = Starts()
+    slots.run([P], s("p"))
+    slots.run([Q], s("q"))
+    both = slots.run([P, Q, R], s("pqr"))
+    assert s.names() == ["p", "q"]
+    s.finish("p")
+    await asyncio.sleep(0)
+    assert s.names() == ["p", "q"]  # P is free, Q is not: it waits on Q now
+    r_only = slots.run([R], s("r"))  # R is free and nobody waits for it
+    assert s.names() == ["p", "q", "r"]
+    s.finish("r")
+    await r_only
+    s.finish("q")
+    await asyncio.sleep(0)
+    assert s.names()[-1] == "pqr" and all(slots.in_flight(k) == 1 for k in (P, Q, R))
+    s.finish("pqr")
+    await asyncio.wait_for(both, 1)
+
+
+@async_test()
+async def test_a_wait_expires_unsent_and_a_typed_start_error_is_the_transfers() -> None:
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=1, timeout_s=0.05)
+    s = Starts()
+    slots.run([P], s("p1"))
+    late = slots.run([P], s("p2"))
+    with pytest.raises(Timeout, match="not sent"):
+        await asyncio.wait_for(late, 1)
+    assert slots.waiting == 0 and slots.expired == 1
+
+    def bad() -> asyncio.Future[None]:
+        raise OverLimit("refused at start")
+    refused = slots.run([P], bad)
+    s.finish("p1")  # p2 expired: skipped; bad() starts and fails its own future
+    with pytest.raises(OverLimit, match="refused at start"):
+        await asyncio.wait_for(refused, 1)
+    assert s.names() == ["p1"] and slots.in_flight(P) == 0
+
+
+@async_test()
+async def test_waiting_is_bounded() -> None:
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=1, timeout_s=30, max_waiting=3)
+    s = Starts()
+    for i in range(4):
+        slots.run([P], s(f"p{i}"))
+    with pytest.raises(OverLimit, match="wait for a slot"):
+        slots.run([P], s("one too many"))
+    assert slots.run([Q], s("q")) is not None  # a free peer is never refused

@@ -1,0 +1,161 @@
+"""Engine slots per destination peer: one silent peer cannot starve the others.
+
+The worker's slots (4,096) are shared by every client and every peer, and a
+client's own share (engine.max_inflight_per_client) bounds what one client
+takes.  Neither stops writes to one dead or stopped peer from holding slots
+until the peer timeout while writes to healthy peers wait behind them.  So
+each destination peer (a domain group: ``NetAddr.key``) may have at most
+``engine.max_inflight_per_peer`` transfers in flight; a transfer to a peer at
+its bound *waits here*, off the worker and without a worker slot, in that
+peer's FIFO queue, and starts when one of the peer's own finishes.  The
+submitting connection is not held back: its next frames (writes to other
+peers included) go on at once.  A waiting transfer keeps its source memory
+and counts against its client's max_inflight_per_client, so waiting is
+bounded per client, and in all by :data:`MAX_WAITING`.
+
+A transfer that waited ``timeout_s`` (the peer timeout) without starting
+fails with TIMEOUT; it was never sent, so nothing of it landed.  A transfer
+to several peers (a scatter, a barrier) takes a slot of each, and waits in
+the queue of the first of them that is full.
+
+Runs on the daemon's loop only (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from transferd.protocol.errors import OverLimit, Timeout
+
+PeerKey = tuple[int, int]
+Start = Callable[[], "asyncio.Future[None]"]
+
+# Transfers waiting for a peer's slot, over every peer: past it a submit is
+# refused (TOO_LARGE) rather than queued.
+MAX_WAITING = 65536
+
+
+class _Waiter:
+    __slots__ = ("keys", "outer", "start", "timer")
+
+    def __init__(self, keys: frozenset[PeerKey], start: Start,
+                 outer: asyncio.Future[None]) -> None:
+        self.keys = keys
+        self.start = start
+        self.outer = outer
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class PeerSlots:
+    def __init__(self, loop: asyncio.AbstractEventLoop, per_peer: int, timeout_s: float,
+                 max_waiting: int = MAX_WAITING) -> None:
+        self.loop = loop
+        self.per_peer = per_peer
+        self.timeout_s = timeout_s
+        self.max_waiting = max_waiting
+        self._busy: dict[PeerKey, int] = {}
+        self._queues: dict[PeerKey, deque[_Waiter]] = {}
+        self.waiting = 0
+        # Transfers that waited for a slot, and those that gave up waiting (metrics).
+        self.waited = 0
+        self.expired = 0
+
+    def in_flight(self, key: PeerKey) -> int:
+        return self._busy.get(key, 0)
+
+    def run(self, peers: Iterable[PeerKey], start: Start) -> asyncio.Future[None]:
+        """``start()`` now if every peer has a slot (and nobody waits for it), else later.
+
+        Returns the transfer's future (``start()``'s own, or one that follows it).
+        """
+        keys = frozenset(peers)
+        blocked = self._blocked(keys, queued=True)
+        if blocked is None:
+            return self._start(keys, start)
+        if self.waiting >= self.max_waiting:
+            raise OverLimit(f"{self.waiting} transfers already wait for a slot of a busy peer "
+                            f"(each peer takes engine.max_inflight_per_peer = "
+                            f"{self.per_peer} at a time)")
+        w = _Waiter(keys, start, self.loop.create_future())
+        w.timer = self.loop.call_later(self.timeout_s, self._expire, w, blocked)
+        self._queues.setdefault(blocked, deque()).append(w)
+        self.waiting += 1
+        self.waited += 1
+        return w.outer
+
+    def _blocked(self, keys: frozenset[PeerKey], queued: bool) -> PeerKey | None:
+        """The first peer of ``keys`` with no slot free (or, ``queued``, with a queue)."""
+        for k in keys:
+            if self._busy.get(k, 0) >= self.per_peer or (queued and self._queues.get(k)):
+                return k
+        return None
+
+    def _start(self, keys: frozenset[PeerKey], start: Start) -> asyncio.Future[None]:
+        for k in keys:
+            self._busy[k] = self._busy.get(k, 0) + 1
+        try:
+            fut = start()
+        except BaseException:
+            self._release(keys)
+            raise
+        fut.add_done_callback(lambda _: self._release(keys))
+        return fut
+
+    def _release(self, keys: frozenset[PeerKey]) -> None:
+        for k in keys:
+            n = self._busy.get(k, 0) - 1
+            if n > 0:
+                self._busy[k] = n
+            else:
+                self._busy.pop(k, None)
+        for k in keys:
+            self._pump(k)
+
+    def _pump(self, key: PeerKey) -> None:
+        """Start what waits for ``key`` while it has slots free (bounded by its queue)."""
+        q = self._queues.get(key)
+        while q and self._busy.get(key, 0) < self.per_peer:
+            w = q.popleft()
+            if w.outer.done():  # expired, or its client went away
+                continue
+            other = self._blocked(w.keys - {key}, queued=False)
+            if other is not None:  # a scatter whose other peer is full: wait there
+                self._queues.setdefault(other, deque()).append(w)
+                continue
+            self.waiting -= 1
+            if w.timer is not None:
+                w.timer.cancel()
+            try:
+                inner = self._start(w.keys, w.start)
+            except Exception as exc:  # a typed error from the submit: the transfer's
+                w.outer.set_exception(exc)
+                continue
+            inner.add_done_callback(functools.partial(_follow, outer=w.outer))
+        if q is not None and not q:
+            del self._queues[key]
+
+    def _expire(self, w: _Waiter, key: PeerKey) -> None:
+        if w.outer.done():
+            return
+        self.waiting -= 1
+        self.expired += 1
+        w.outer.set_exception(Timeout(
+            f"not sent: waited {self.timeout_s:g} s for one of the {self.per_peer} slots of a "
+            f"peer (node {key[0]:016x}/{key[1]}) that finishes nothing "
+            "(engine.max_inflight_per_peer)"))
+        # The queue forgets it when it reaches the head (O(1) here).
+
+
+def _follow(inner: asyncio.Future[Any], outer: asyncio.Future[None]) -> None:
+    if outer.done():
+        return
+    if inner.cancelled():
+        outer.cancel()
+    elif inner.exception() is not None:
+        outer.set_exception(inner.exception())  # type: ignore[arg-type]
+    else:
+        outer.set_result(None)
