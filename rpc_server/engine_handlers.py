@@ -202,7 +202,7 @@ def add_peer_group(session: Session, frame: Frame) -> Reply:
         # Never bytes(a) of what the client sent: bytes(1 << 40) allocates a TiB.
         raise BadRequest("field 'addrs' must be a non-empty list of NetAddr bytes")
     peers = [NetAddr.from_bytes(a) for a in addrs]
-    return Reply({"group": _engine(session).add_peer_group(peers)})
+    return Reply({"group": _engine(session).add_peer_group(peers, session)})
 
 
 def _group(body: dict[str, Any]) -> int | None:

@@ -481,6 +481,40 @@ class EngineConfig:
         "or stopped peer holds at most this many of the worker's 4,096 slots.",
         min=1, max=4096,
     )
+    max_links: int = key(
+        4096,
+        "Most peer links (one file descriptor each, outbound and inbound, every rail "
+        "together) the engine holds. Never more than RLIMIT_NOFILE less engine.fd_reserve. "
+        "At the cap an idle link (nothing in flight) is closed to make room; if none is "
+        "idle a transfer that needs a new link fails with TOO_LARGE and an inbound link "
+        "is closed at once.",
+        min=1, max=1 << 20,
+    )
+    fd_reserve: int = key(
+        256,
+        "File descriptors below RLIMIT_NOFILE that peer links never take: they stay for "
+        "client connections, listeners and files, so a flood of peer addresses cannot stop "
+        "the daemon from accepting its clients.",
+        min=0, max=1 << 20,
+    )
+    link_idle_s: float = key(
+        300.0,
+        "Seconds an outbound peer link may go unused (nothing sent, nothing in flight) "
+        "before it is closed and its descriptor freed; it is dialled again on next use. "
+        "0: never.",
+        min=0.0, unit="s",
+    )
+    max_group_peers: int = key(
+        1024,
+        "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",
+        min=1, max=65536,
+    )
+    max_peer_groups: int = key(
+        64,
+        "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "
+        "is refused with TOO_LARGE. A connection's groups go when it closes.",
+        min=1, max=65536,
+    )
     max_recv_pools: int = key(
         64,
         "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "

@@ -74,6 +74,12 @@ class DomainOptions:
     seed: int = 0
     max_delay_s: float = 0.005
     max_parts: int = 8
+    # Peer links (descriptors) a group holds, all rails together, and how many
+    # descriptors below RLIMIT_NOFILE they leave alone (transferd.fds).
+    max_links: int = 4096
+    fd_reserve: int = 256
+    # An outbound link unused this long is closed (0: never).
+    link_idle_s: float = 300.0
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:

@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import BadRequest, OutOfBounds, Timeout, TransferdError
@@ -77,6 +78,9 @@ class DomainGroup:
         self.secret = secret or None
         self.handshake_timeout_s = handshake_timeout_s
         self.domains: list[Domain] = []
+        # One descriptor per peer link, every rail's together (transferd.fds).
+        self.link_budget = LinkBudget(link_budget(self.options.max_links,
+                                                  self.options.fd_reserve))
         self.coverage = Coverage()
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()

@@ -19,14 +19,16 @@ import functools
 import ipaddress
 import logging
 import socket
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
+    OverLimit,
     PeerUnreachable,
     TransferdError,
     error_from_body,
@@ -57,6 +59,12 @@ MAX_HANDSHAKING = 64
 # After the handshake: an ACK carries an error message at most; a WRITE names
 # up to 4096 pages (plan.PAGES_PER_FRAME is 256).
 MAX_ACK_BODY = 64 * 1024
+# A dial that failed (refused, timed out, or its handshake did) is not retried
+# for a while: 0.25 s, doubling per failure to 10 s, forgotten once one works.
+DIAL_BACKOFF_MIN_S = 0.25
+DIAL_BACKOFF_MAX_S = 10.0
+# Addresses whose dials are remembered as failed, per rail (oldest forgotten first).
+MAX_DIAL_FAILURES = 4096
 
 
 def rail_bytes(host: str, port: int) -> bytes:
@@ -159,7 +167,17 @@ class TcpDomain(Domain):
         self._handshaking: set[InboundLink] = set()
         self._probes: dict[bytes, PeerLink] = {}
         self._probing: set[asyncio.Task[None]] = set()
-        self.loop.add_reader(self._listener.fileno(), self._accept)
+        # Links of every rail of the group share one budget of descriptors (fds.py).
+        budget = getattr(group, "link_budget", None)
+        self.budget: LinkBudget = budget if budget is not None else LinkBudget(1 << 30)
+        opts = options or DomainOptions()
+        self.link_idle_s = opts.link_idle_s
+        # Address dialled -> (failures in a row, no dial before, the last error).
+        self._dial_failures: OrderedDict[bytes, tuple[int, float, str]] = OrderedDict()
+        self._log = LogEvery(log)
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._guard = AcceptGuard(self.loop, self._listener, self._accept,
+                                  f"rail {rail} ({host}:{self.port})", log)
 
     @property
     def address(self) -> bytes:
@@ -178,24 +196,81 @@ class TcpDomain(Domain):
         pass
 
     def connect(self, dst: NetAddr) -> None:
-        if not self.closing:
+        if self.closing:
+            return
+        try:
             self.link_to(dst)
+        except (OverLimit, PeerUnreachable) as exc:  # ahead of use only: said once in a while
+            self._log(logging.INFO, "rail %d: no link to %s now: %s", self.rail,
+                      dst.rails[0].decode(errors="replace"), exc.message)
 
     # -- outbound -----------------------------------------------------------------
 
     def link_to(self, dst: NetAddr) -> PeerLink:
+        """The link to ``dst``, dialled if there is none (OverLimit past the link budget,
+        PeerUnreachable while the address is in its dial back-off)."""
         key = (dst.node, dst.group, dst.rails[0])
         link = self._links.get(key)
-        if link is None or link.state is LinkState.CLOSED:
-            link = PeerLink(self, dst)
-            self._links[key] = link
+        if link is not None and link.state is not LinkState.CLOSED:
+            return link
+        failed = self._dial_failures.get(dst.rails[0])
+        now = self.loop.time()
+        if failed is not None and now < failed[1]:
+            raise PeerUnreachable(
+                f"rail {self.rail}: not dialling {dst.rails[0].decode(errors='replace')} "
+                f"again for {failed[1] - now:.2f} s after {failed[0]} failed attempt(s): "
+                f"{failed[2]}")
+        if not self.budget.take() and not (self._reclaim_idle() and self.budget.take()):
+            raise OverLimit(f"rail {self.rail}: {self.budget.used} peer links open, the "
+                            f"most this daemon holds (engine.max_links, and "
+                            f"RLIMIT_NOFILE less engine.fd_reserve), none of them idle")
+        link = PeerLink(self, dst)
+        self._links[key] = link
+        self._sweep_later()
         return link
 
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
         if self.closing:
             transfer.part_done(PeerUnreachable(f"rail {self.rail} is closed"))
             return
-        self.link_to(part.dst).submit(part, transfer)
+        try:
+            link = self.link_to(part.dst)
+        except (OverLimit, PeerUnreachable) as exc:
+            transfer.part_done(exc)
+            return
+        link.submit(part, transfer)
+
+    def dial_failed(self, addr: bytes, error: TransferdError) -> None:
+        """A dial of ``addr`` (or its handshake) failed: no new dial for a while."""
+        n = self._dial_failures.pop(addr, (0, 0.0, ""))[0] + 1
+        delay = min(DIAL_BACKOFF_MIN_S * 2 ** (n - 1), DIAL_BACKOFF_MAX_S)
+        self._dial_failures[addr] = (n, self.loop.time() + delay, error.message)
+        while len(self._dial_failures) > MAX_DIAL_FAILURES:
+            self._dial_failures.popitem(last=False)
+
+    def dial_worked(self, addr: bytes) -> None:
+        self._dial_failures.pop(addr, None)
+
+    def _reclaim_idle(self) -> bool:
+        """Close the least recently used link with nothing in flight; False if none."""
+        idle = [lk for lk in self._links.values() if lk.idle]
+        if not idle:
+            return False
+        min(idle, key=lambda lk: lk.last_used).close(None)
+        return True
+
+    def _sweep_later(self) -> None:
+        if self._sweeper is None and self.link_idle_s > 0 and not self.closing:
+            self._sweeper = self.loop.call_later(max(0.1, self.link_idle_s / 4), self._sweep)
+
+    def _sweep(self) -> None:
+        """Close links unused for engine.link_idle_s (their descriptors go back)."""
+        self._sweeper = None
+        horizon = self.loop.time() - self.link_idle_s
+        for link in [lk for lk in self._links.values() if lk.idle and lk.last_used < horizon]:
+            link.close(None)
+        if self._links:
+            self._sweep_later()
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
         """A transfer to ``dst`` timed out: close its link if bytes still wait to go."""
@@ -248,29 +323,40 @@ class TcpDomain(Domain):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("rail %d: accept failed: %s", self.rail, exc)
-                return
-            if len(self._handshaking) >= MAX_HANDSHAKING:
+                if self._guard.failed(exc):  # out of descriptors: back off
+                    return
+                continue
+            self._guard.accepted()
+            if len(self._handshaking) >= MAX_HANDSHAKING or not self.budget.take():
+                self._log(logging.WARNING, "rail %d: inbound link refused: %d handshaking, "
+                          "%d of %d peer links open", self.rail, len(self._handshaking),
+                          self.budget.used, self.budget.limit)
                 sock.close()
                 continue
             link = InboundLink(self, sock)
             if not link.stream.closed:
                 self._inbound.add(link)
                 self._handshaking.add(link)
+            else:
+                self.budget.release()
 
     def handshake_done(self, link: InboundLink) -> None:
         self._handshaking.discard(link)
 
     def inbound_closed(self, link: InboundLink) -> None:
-        self._inbound.discard(link)
+        if link in self._inbound:
+            self._inbound.discard(link)
+            self.budget.release()
         self._handshaking.discard(link)
 
     def close(self) -> None:
         if self.closing:
             return
         self.closing = True
-        self.loop.remove_reader(self._listener.fileno())
+        self._guard.close()
         self._listener.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for link in list(self._links.values()):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
@@ -291,7 +377,14 @@ class PeerLink:
         self._timer: asyncio.TimerHandle | None = None
         self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
         self._pending: dict[tuple[int, int], Transfer] = {}
+        self.last_used = domain.loop.time()
         self._task = domain.loop.create_task(self._connect())
+
+    @property
+    def idle(self) -> bool:
+        """Through its handshake, with nothing waiting, in flight or unsent."""
+        return (self.state is LinkState.READY and not self._pending and not self._waiting
+                and self.stream is not None and self.stream.queued == 0)
 
     async def _connect(self) -> None:
         try:
@@ -310,9 +403,10 @@ class PeerLink:
             )
         except (TimeoutError, OSError) as exc:
             sock.close()
-            self.close(PeerUnreachable(
-                f"rail {self.domain.rail}: cannot connect to {host}:{port}: {exc or 'timed out'}"
-            ))
+            err = PeerUnreachable(
+                f"rail {self.domain.rail}: cannot connect to {host}:{port}: {exc or 'timed out'}")
+            self.domain.dial_failed(self.dst.rails[0], err)
+            self.close(err)
             return
         if self.state is LinkState.CLOSED:
             sock.close()
@@ -360,7 +454,9 @@ class PeerLink:
             # A configuration mismatch stays a BAD_REQUEST; the rest is a link
             # that could not be made.
             kind = BadRequest if type(exc) is BadRequest else PeerUnreachable
-            self.close(kind(f"link to {self.dst} rail {self.domain.rail}: {exc.message}"))
+            err = kind(f"link to {self.dst} rail {self.domain.rail}: {exc.message}")
+            self.domain.dial_failed(self.dst.rails[0], err)
+            self.close(err)
             return
         assert self.stream is not None
         self.stream.send_raw(hs.data_to_send())
@@ -375,9 +471,11 @@ class PeerLink:
         self.stream.decoder.max_body = MAX_ACK_BODY
         self.stream.decoder.grow_buffer(2 * MAX_ACK_BODY)
         self.state = LinkState.READY
+        self.domain.dial_worked(self.dst.rails[0])
         self._send_waiting()
 
     def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+        self.last_used = self.domain.loop.time()
         if self.state is LinkState.READY:
             self._send(part, transfer)
         elif self.state is LinkState.CLOSED:
@@ -434,6 +532,7 @@ class PeerLink:
             self.close(PeerUnreachable(f"link to {self.dst}: a malformed ACK: {exc.message}"))
             return
         transfer = self._pending.pop(key, None)
+        self.last_used = self.domain.loop.time()
         if transfer is not None:
             err = None if frame.body.get("ok") is True else error_from_body(frame.body)
             transfer.part_done(err)
@@ -442,11 +541,16 @@ class PeerLink:
         reason = f": {exc}" if exc else ""
         self.close(PeerUnreachable(f"link to {self.dst} rail {self.domain.rail} closed{reason}"))
 
-    def close(self, error: TransferdError) -> None:
+    def close(self, error: TransferdError | None) -> None:
+        """Close the link, failing what it holds with ``error`` (None: idle, reclaimed)."""
         if self.state is LinkState.CLOSED:
             return
         self.state = LinkState.CLOSED
-        if not getattr(self.domain, "closing", False):  # no warning at shutdown
+        self.domain.budget.release()
+        if error is None:
+            error = PeerUnreachable(f"link to {self.dst} rail {self.domain.rail} was idle "
+                                    "and closed")
+        elif not getattr(self.domain, "closing", False):  # no warning at shutdown
             peer_warning("peer link broken", self.dst.node, self.domain.rail,
                          self.dst.rails[0].decode(errors="replace") if self.dst.rails
                          else None, error)

@@ -83,6 +83,7 @@ class TransferEngine:
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
         self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
+        self._groups_of: dict[Hashable, set[int]] = {}  # by the connection that made them
         self._group_ids = itertools.count(1)
         # Posted receives and the messages waiting for them (on the daemon's loop).
         self.receives = Receives(
@@ -109,6 +110,8 @@ class TransferEngine:
         # Each Domain's own settings go under its name, passed through unread.
         self.domain_options = DomainOptions(
             config.chaos_seed, config.chaos_max_delay_ms / 1000.0,
+            max_links=config.max_links, fd_reserve=config.fd_reserve,
+            link_idle_s=config.link_idle_s,
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
                                 "gid_index": config.rdma_gid_index}})
@@ -351,7 +354,15 @@ class TransferEngine:
                 for rail, (addr, _) in enumerate(d.rkeys):
                     group.check_address(addr, rail)
 
-    def add_peer_group(self, addrs: Sequence[NetAddr]) -> int:
+    def add_peer_group(self, addrs: Sequence[NetAddr], owner: Hashable = None) -> int:
+        """A peer group of ``addrs``, its links opened now; it goes with ``owner``."""
+        if len(addrs) > self.config.max_group_peers:
+            raise OverLimit(f"a peer group of {len(addrs)} addresses is over "
+                            f"engine.max_group_peers = {self.config.max_group_peers}")
+        mine = self._groups_of.setdefault(owner, set())
+        if len(mine) >= self.config.max_peer_groups:
+            raise OverLimit(f"{len(mine)} peer groups already made on this connection "
+                            f"(engine.max_peer_groups = {self.config.max_peer_groups})")
         for a in addrs:
             for group in self.groups:
                 group.check_address(a)
@@ -360,6 +371,7 @@ class TransferEngine:
                                  f"this daemon {self.rails}")
         gid = next(self._group_ids)
         self._peer_groups[gid] = tuple(addrs)
+        mine.add(gid)
         for worker, group in zip(self.workers, self.groups, strict=True):
             for a in addrs:
                 worker.call(group.connect, a)
@@ -490,6 +502,8 @@ class TransferEngine:
         return self.counter.value(_imm(imm) or 0)
 
     def session_closed(self, owner: Hashable) -> None:
+        for gid in self._groups_of.pop(owner, ()):
+            self._peer_groups.pop(gid, None)
         for cb in self._expectations.pop(owner, []):
             self.counter.cancel(cb)
         self.receives.closed(owner)

@@ -10,24 +10,13 @@ import socket
 import ssl
 import stat
 
+from transferd.fds import AcceptGuard
 from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
 from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
 
 log = logging.getLogger("transferd.transports")
-
-
-class _ServerListener(Listener):  # tcp and tls
-    def __init__(self, kind: TransportKind, server: asyncio.AbstractServer, url: str) -> None:
-        self.kind = kind
-        self.server = server
-        self.url = url
-
-    async def close(self) -> None:
-        self.server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.server.wait_closed(), 2)
 
 
 class Tcp(TransportKind):
@@ -40,14 +29,31 @@ class Tcp(TransportKind):
     async def listen(
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
     ) -> Listener:
-        loop = asyncio.get_running_loop()
+        # Accepted by hand (not the loop's create_server) for both: the accept loop
+        # backs off when out of descriptors (uvloop's drops the waiting connections
+        # without a word, asyncio's logs a traceback per try), and a tls:// stranger
+        # is counted from its TCP accept.
         ctx = self._ssl(opts, server=True)
-        server = await loop.create_server(
-            factory, ep.host, ep.port, reuse_address=True, backlog=opts.backlog, ssl=ctx,
-            ssl_handshake_timeout=opts.handshake_timeout if ctx is not None else None,
-        )
-        host, port = server.sockets[0].getsockname()[:2]
-        return _ServerListener(self, server, Endpoint(self.scheme, host, port).url)
+        try:
+            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise BadRequest(f"cannot listen on {ep.url}: {exc}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(opts.backlog)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            if ctx is None:
+                raise  # as the loop's create_server did: the daemon names the errno
+            raise BadRequest(f"cannot listen on {ep.url}: {exc.strerror}") from None
+        host, port = sock.getsockname()[:2]
+        return _TcpListener(self, sock, Endpoint(self.scheme, host, port).url, factory, ctx,
+                            opts)
 
     async def connect(
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
@@ -63,30 +69,6 @@ class Tcp(TransportKind):
 class Tls(Tcp):
     scheme = "tls"
     private = True
-
-    async def listen(
-        self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
-    ) -> Listener:
-        ctx = self._ssl(opts, server=True)
-        assert ctx is not None
-        try:
-            infos = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
-            family, _, _, _, addr = infos[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError as exc:
-            raise BadRequest(f"cannot listen on {ep.url}: {exc}") from None
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(opts.backlog)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            raise BadRequest(f"cannot listen on {ep.url}: {exc.strerror}") from None
-        host, port = sock.getsockname()[:2]
-        return _TlsListener(self, sock, Endpoint(self.scheme, host, port).url, factory, ctx,
-                            opts)
 
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         if opts.ssl_context is not None:
@@ -108,20 +90,23 @@ class Tls(Tcp):
         return ctx
 
 
-class _TlsListener(Listener):
-    """A tls:// listener that counts a connection from its TCP accept.
+class _TcpListener(Listener):
+    """A tcp:// or tls:// listener that accepts by hand.
 
     The loop's own ``create_server(ssl=...)`` hands the protocol its transport
     only once the TLS handshake is done, so a stranger that connects and sends
-    nothing escaped the caps on connections not yet authenticated.  Here the
-    socket is accepted by hand, judged by ``opts.admission`` by its source
-    address (closed at once over a cap, before a byte is read), and its TLS
-    handshake runs with ``opts.handshake_timeout``; the slot is given back when
-    the handshake ends, and the protocol's own handshake counts from there.
+    nothing escaped the caps on connections not yet authenticated.  Here a
+    tls:// socket is judged by ``opts.admission`` by its source address from
+    its TCP accept (closed at once over a cap, before a byte is read), and its
+    TLS handshake runs with ``opts.handshake_timeout``; the slot is given back
+    when the handshake ends, and the protocol's own handshake counts from
+    there.  A tcp:// socket goes to the protocol at once (which counts it).
+    Both accept under an :class:`~transferd.fds.AcceptGuard`.
     """
 
     def __init__(self, kind: TransportKind, sock: socket.socket, url: str,
-                 factory: ProtocolFactory, ctx: ssl.SSLContext, opts: TransportOptions) -> None:
+                 factory: ProtocolFactory, ctx: ssl.SSLContext | None,
+                 opts: TransportOptions) -> None:
         self.kind = kind
         self.url = url
         self._sock = sock
@@ -130,22 +115,27 @@ class _TlsListener(Listener):
         self._opts = opts
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Future[None]] = set()
-        self._loop.add_reader(sock.fileno(), self._accept)
+        self._guard = AcceptGuard(self._loop, sock, self._accept, f"listener {url}", log)
 
     def _accept(self) -> None:
-        admission = self._opts.admission
+        admission = self._opts.admission if self._ctx is not None else None
         for _ in range(64):  # a burst of connections, then let others run
             try:
                 conn, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                return  # EMFILE and the like: the next readiness retries
+            except OSError as exc:
+                if self._guard.failed(exc):
+                    return
+                continue
+            self._guard.accepted()
             source = str(addr[0])
             if admission is not None and admission.admit(source) is not None:
                 conn.close()
                 continue
             conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.ensure_future(
                 self._handshake(conn, source if admission is not None else None))
             self._tasks.add(task)
@@ -154,18 +144,21 @@ class _TlsListener(Listener):
     async def _handshake(self, conn: socket.socket, source: str | None) -> None:
         try:
             # The loop owns the socket from here and closes it if this fails.
-            await self._loop.connect_accepted_socket(
-                self._factory, conn, ssl=self._ctx,
-                ssl_handshake_timeout=self._opts.handshake_timeout)
+            if self._ctx is None:
+                await self._loop.connect_accepted_socket(self._factory, conn)
+            else:
+                await self._loop.connect_accepted_socket(
+                    self._factory, conn, ssl=self._ctx,
+                    ssl_handshake_timeout=self._opts.handshake_timeout)
         except Exception as exc:  # a failed or timed-out TLS handshake
-            log.debug("tls handshake from %s failed: %r", source, exc)
+            log.debug("%s: connection from %s failed: %r", self.url, source, exc)
         finally:
             if source is not None:
                 self._opts.admission.release(source)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+            self._guard.close()
         self._sock.close()
         for t in list(self._tasks):
             t.cancel()
@@ -186,7 +179,7 @@ class _UnixListener(Listener):
         self._opts = opts
         self._loop = asyncio.get_running_loop()
         self._ino = os.stat(ep.path).st_ino
-        self._loop.add_reader(sock.fileno(), self._accept)
+        self._guard = AcceptGuard(self._loop, sock, self._accept, f"listener {ep.url}", log)
 
     def _accept(self) -> None:
         for _ in range(64):  # a burst of connections, then let others run
@@ -194,8 +187,11 @@ class _UnixListener(Listener):
                 conn, _addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                return  # EMFILE and the like: the next readiness retries
+            except OSError as exc:
+                if self._guard.failed(exc):
+                    return
+                continue
+            self._guard.accepted()
             conn.setblocking(False)
             self.kind.tune(conn, self._opts)
             SocketTransport(
@@ -207,7 +203,7 @@ class _UnixListener(Listener):
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+            self._guard.close()
         self._sock.close()
         # Remove the file only if it is still ours (not a successor's).
         with contextlib.suppress(OSError):
