@@ -504,6 +504,15 @@ class EngineConfig:
         "0: never.",
         min=0.0, unit="s",
     )
+    rail_timeout_s: float = key(
+        10.0,
+        "Seconds a peer link's bytes may go unacknowledged (a cut cable, a dead NIC; also a "
+        "peer that reads nothing) before the link is given up (TCP_USER_TIMEOUT, and "
+        "keepalives while idle); also the most a dial may take. With more than one rail "
+        "the parts it carried are re-sent on the others (rail failover) and the rail is "
+        "tried again after a back-off.",
+        min=0.1, unit="s",
+    )
     max_group_peers: int = key(
         1024,
         "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",

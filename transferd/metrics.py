@@ -309,6 +309,19 @@ class _EngineCollector:
         yield g("transferd_engine_partial_writes",
                 "Multi-part writes to this daemon some of whose parts landed.",
                 value=sum(len(getattr(gr, "coverage", ())) for gr in groups))
+        yield c("transferd_engine_failovers",
+                "Write parts re-sent on another rail after theirs failed (rail failover).",
+                value=sum(getattr(getattr(gr, "health", None), "failovers", 0) for gr in groups))
+        yield c("transferd_engine_duplicate_parts",
+                "Peer write parts that had landed already (a re-send): acknowledged, "
+                "not applied or counted again.",
+                value=sum(getattr(getattr(gr, "landed_parts", None), "duplicates", 0)
+                          for gr in groups))
+        budget = getattr(groups[0], "link_budget", None) if groups else None
+        yield g("transferd_engine_link_budget",
+                "Peer links (descriptors) this daemon may hold (engine.max_links, "
+                "RLIMIT_NOFILE less engine.fd_reserve), every group together.",
+                value=getattr(budget, "limit", 0))
         links = g("transferd_engine_links", "Links to peers, by rail and state.",
                   labels=["rail", "state"])
         waiting = 0

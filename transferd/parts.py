@@ -8,7 +8,7 @@ so that neither imports the other at run time.  No I/O here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transferd.protocol.errors import TransferdError
@@ -41,6 +41,9 @@ class WritePart:
     # The client's write id (SINGLE_WRITE / PAGED_WRITES ``wid``): a retry carries the
     # same, and the receiver applies each of its frames at most once.
     wid: int | None = None
+    # The destination region's (rail address, rkey) on every rail (its MrDesc's
+    # rkeys): where the part may be re-sent if its rail fails (rail failover).
+    alts: Sequence[tuple[NetAddr, int]] | None = None
 
     @property
     def nbytes(self) -> int:

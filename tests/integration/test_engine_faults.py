@@ -4,13 +4,22 @@ a peer with another number of rails."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from client import MrDesc, NetAddr, Pages
-from tests.helpers import DaemonProcess, async_test, digest, wait_until
+from client import Client, MrDesc, NetAddr, Pages
+from tests.helpers import (
+    DaemonProcess,
+    async_test,
+    digest,
+    metric,
+    pattern,
+    scrape,
+    wait_until,
+)
 from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
@@ -73,10 +82,14 @@ async def test_peer_killed_mid_transfer(own_daemons: list[DaemonProcess]) -> Non
             assert digest(await c.read(rc)) == digest(src.data[: 8 * MiB])
             assert not w_big.done()  # B is stopped: it cannot have acknowledged
             b_d.kill()  # kill -9, while stopped and mid-transfer
+            killed = time.monotonic()
 
-        # The initiator learns of it: no hang, the typed error.
+        # The initiator learns of it: no hang, the typed error, well within its deadline
+        # (the peer timeout is 30 s: the broken links say so at once).
         errors = await settle([w_big, *w_small])
+        took = time.monotonic() - killed
         assert all(isinstance(e, PeerUnreachable) for e in errors), errors
+        assert took < 5.0, took
         # Writes to the dead peer fail at once (nobody listens on its rails any more).
         w = await a.client.submit_single_write(4096, imm, (src.mr, 0), (rb.desc, 0))
         with pytest.raises(PeerUnreachable):
@@ -171,3 +184,100 @@ async def test_rail_count_mismatch(own_daemons: list[DaemonProcess], tmp_path: P
         assert await d.read(dst2) == bytes(src2.data)
     # A peer that speaks a mismatched HELLO does not take the daemon down.
     assert a_d.alive() and d_d.alive()
+
+
+@async_test(timeout=90)
+async def test_initiator_killed_mid_write_is_never_counted(
+    own_daemons: list[DaemonProcess],
+) -> None:
+    """A's 64 MiB write (two parts) sits half-sent in the sockets of a stopped B when A is
+    killed; B, resumed, lands what reached it and then sees the links close: the write
+    never counts, and B serves the next writer with the same immediate exactly once."""
+    a_d, b_d, c_d = start_many([{"env": engine_env(RAILS[n])} for n in "abc"])
+    own_daemons += [a_d, b_d, c_d]
+    big = 64 * MiB
+    async with nodes(b_d, c_d) as (b, c):
+        dst = await b.region(big)
+        src_c = await c.region(4096, seed=66)
+        imm = fresh_imm()
+        a = await Client.connect(a_d.url, timeout=WAIT)
+        buf = await a.alloc_buffer(big)
+        await a.set_tensor(buf.tensor(0, 4096), pattern(4096, 65))
+        mr, _ = await a.reg_mr(buf)
+        await (await a.submit_single_write(4096, None, (mr, 0), (dst.desc, 0))).wait(WAIT)
+        with stopped(b_d):
+            w = await a.submit_single_write(big, imm, (mr, 0), (dst.desc, 0))
+            await asyncio.sleep(0.5)  # the sockets fill up, the rest waits in A
+            assert not w.done()
+            a_d.kill()
+        await a.close()
+        # B reads the bytes that reached it, then the links close under the parts.
+        for _ in range(20):  # 2 s
+            await asyncio.sleep(0.1)
+            assert await b.client.imm_count(imm) == 0
+        partial = metric(scrape(b_d.metrics_url or ""), "transferd_engine_partial_writes")
+        print(f"B holds {partial:g} partial write(s) of the dead initiator")
+        assert partial <= 1
+        w = await c.client.submit_single_write(4096, imm, (src_c.mr, 0), (dst.desc, 0))
+        await w.wait(WAIT)
+        assert await b.client.imm_count(imm) == 1
+        assert digest(await b.read(dst, 0, 4096)) == digest(bytes(src_c.data))
+        assert b_d.alive() and c_d.alive()
+
+
+@async_test(timeout=90)
+async def test_stopped_peer_resumed_links_recover(own_daemons: list[DaemonProcess]) -> None:
+    """B stopped for 0.8 s (under A's rail and peer timeouts) with a write, pages and a
+    message under way: once resumed, every one completes on the links it had, each
+    counted once, bytes checked.  Stopped for longer than engine.rail_timeout_s with
+    bytes stuck, the links are given up; later writes dial again and succeed."""
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"], peer_timeout_s=20,
+                                              rail_timeout_s=2.0, handshake_timeout_s=1)},
+                           {"env": engine_env(RAILS["b"])}])
+    own_daemons += [a_d, b_d]
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(64 * MiB, seed=67)
+        dst = await b.region(64 * MiB)
+        imm = fresh_imm()
+        # Both rails' links up (a write of 1 MiB and more is split over the rails).
+        await (await a.client.submit_single_write(2 * MiB, None, (src.mr, 0),
+                                                  (dst.desc, 0))).wait(WAIT)
+        got: list[bytes] = []
+        b.client.submit_recvs(64, 1, got.append)
+        addr_b = await b.client.main_address()
+        with stopped(b_d):
+            ws = [await a.client.submit_single_write(2 * MiB, imm, (src.mr, 0), (dst.desc, 0)),
+                  await a.client.submit_paged_writes(
+                      4096, imm, (src.mr, Pages(list(range(512, 544)), 4096)),
+                      (dst.desc, Pages(list(range(512, 544)), 4096))),
+                  await a.client.submit_send(addr_b, b"after the stop")]
+            await asyncio.sleep(0.8)
+            assert not any(w.done() for w in ws)
+        assert await settle(ws) == [None] * 3
+        assert await b.client.imm_count(imm) == 1 + 32
+        assert got == [b"after the stop"]
+        assert digest(await b.read(dst, 0, 2 * MiB)) == digest(bytes(src.data[:2 * MiB]))
+        # Stopped with 64 MiB stuck (more than the sockets hold) for longer than the rail
+        # timeout: both rails are given up (a redial's handshake too), the write fails in
+        # a few seconds, not after the 20 s peer timeout.
+        with stopped(b_d):
+            t0 = time.monotonic()
+            w = await a.client.submit_single_write(64 * MiB, None, (src.mr, 0), (dst.desc, 0))
+            (err,) = await settle([w], 15)
+            took = time.monotonic() - t0
+            print(f"given up after {took:.2f} s: {err}")
+        assert isinstance(err, PeerUnreachable), err
+        assert took < 10, took
+        t0 = time.monotonic()
+        failed = 0
+        for _ in range(10):  # the links come back after their back-off
+            w = await a.client.submit_single_write(64 * MiB, None, (src.mr, 0), (dst.desc, 0))
+            (err,) = await settle([w])
+            if err is None:
+                break
+            assert isinstance(err, PeerUnreachable), err
+            failed += 1
+            await asyncio.sleep(0.3)
+        print(f"recovered after {failed} failed tries, {time.monotonic() - t0:.2f} s")
+        assert err is None, err
+        assert digest(await b.read(dst)) == digest(bytes(src.data))

@@ -25,6 +25,7 @@ from transferd.protocol.errors import (
     PeerUnreachable,
     TransferdError,
 )
+from transferd.protocol.frames import DISCARD
 from transferd.protocol.peer import WriteHeader
 
 SIZE = 16 * 4096
@@ -104,15 +105,16 @@ def test_split_write_counts_once_when_its_parts_covered_it(
     order = [(PEER, 1, 3), (PEER, 2, 0), ((0xC, 0), 1, 4), (PEER, 1, 0), (PEER, 1, 4),
              (PEER, 2, 1), (PEER, 1, 1), ((0xC, 0), 1, 0)]
     for peer, op, part in order:
-        _land(g, r, peer, w(r, 0, [p + 10 * part], [10], op=op, imm=9, span=span))
+        _land(g, r, peer, w(r, 0, [p + 10 * part], [10], op=op, part=part, imm=9, span=span))
         assert c.value(9) == 0
-    _land(g, r, PEER, w(r, 0, [p + 20], [10], op=1, imm=9, span=span))
+    _land(g, r, PEER, w(r, 0, [p + 20], [10], op=1, part=2, imm=9, span=span))
     assert c.value(9) == 1  # all five parts of op 1 from PEER
     for part in (2, 3, 4):
-        _land(g, r, PEER, w(r, 0, [p + 10 * part], [10], op=2, imm=9, span=span))
+        _land(g, r, PEER, w(r, 0, [p + 10 * part], [10], op=2, part=part, imm=9, span=span))
     assert c.value(9) == 2
     for part in (1, 2, 3):
-        _land(g, r, (0xC, 0), w(r, 0, [p + 10 * part], [10], op=1, imm=9, span=span))
+        _land(g, r, (0xC, 0), w(r, 0, [p + 10 * part], [10], op=1, part=part, imm=9,
+                                span=span))
     assert c.value(9) == 3
     assert g.bytes_in == 10 * (len(order) + 1 + 3 + 3)
     assert len(g.coverage) == 0
@@ -125,14 +127,19 @@ def test_split_write_parts_that_lie_are_refused_before_landing(
     p = r.ptr
     span = [p, 100]
     _land(g, r, PEER, w(r, 0, [p], [50], imm=9, span=span))
-    for bad, words in [(w(r, 0, [p + 49], [10], imm=9, span=span), "overlaps"),
-                       (w(r, 0, [p], [50], imm=9, span=span), "overlaps"),  # a replay
-                       (w(r, 0, [p + 50], [50], imm=8, span=span), "immediate"),
-                       (w(r, 0, [p + 50], [50], imm=9, span=[p, 101]), "span")]:
+    for bad, words in [(w(r, 0, [p + 49], [10], part=1, imm=9, span=span), "overlaps"),
+                       (w(r, 0, [p + 10], [40], part=1, imm=9, span=span), "overlaps"),
+                       (w(r, 0, [p + 50], [50], part=1, imm=8, span=span), "immediate"),
+                       (w(r, 0, [p + 50], [50], part=1, imm=9, span=[p, 101]), "span")]:
         with pytest.raises(BadRequest, match=words):
             g.write_views(0, PEER, bad, bad.nbytes)
+    # A replay of a part that landed (a re-send after a rail failed): taken, its payload
+    # discarded, nothing counted.
+    replay = w(r, 0, [p], [50], imm=9, span=span)
+    assert g.write_views(0, PEER, replay, 50) is DISCARD
+    g.landed(PEER, replay, 50)
     assert c.value(9) == 0
-    _land(g, r, PEER, w(r, 0, [p + 50], [50], imm=9, span=span))
+    _land(g, r, PEER, w(r, 0, [p + 50], [50], part=1, imm=9, span=span))
     assert c.value(9) == 1 and c.value(8) == 0
 
 
@@ -232,3 +239,38 @@ def test_domains_never_import_the_engine() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr
+
+
+def test_a_part_re_sent_on_another_rail_counts_once(
+    setup: tuple[DomainGroup, Region, ImmCounter],
+) -> None:
+    """Rail failover re-sends a part: whichever copy lands first is applied and counted,
+    the other is discarded (a split write's part, a frame of pages, a barrier)."""
+    g, r, c = setup
+    p = r.ptr
+    span = [p, 100]
+    # Part 1's first copy was taken (its frame began) on rail 0 and never finished.
+    stalled = w(r, 0, [p + 50], [50], op=7, part=1, imm=11, span=span)
+    g.write_views(0, PEER, stalled, 50)
+    _land(g, r, PEER, w(r, 0, [p], [50], op=7, part=0, imm=11, span=span))
+    # Its copy on rail 1 takes the same range again, lands, and the write counts once.
+    again = w(r, 1, [p + 50], [50], op=7, part=1, imm=11, span=span)
+    assert [len(v) for v in g.write_views(1, PEER, again, 50)] == [50]
+    g.landed(PEER, again, 50)
+    assert c.value(11) == 1
+    # Should the first copy land after all, it is discarded and adds nothing.
+    late = w(r, 0, [p + 50], [50], op=7, part=1, imm=11, span=span)
+    assert g.write_views(0, PEER, late, 50) is DISCARD
+    g.landed(PEER, late, 50)
+    # Pages: the frame landed, its ACK was lost with the rail, the frame comes again.
+    pages = w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12)
+    _land(g, r, PEER, pages)
+    assert c.value(12) == 2
+    copy = w(r, 1, [p, p + 16], [8, 8], op=8, part=3, imm=12)
+    assert g.write_views(1, PEER, copy, 16) is DISCARD
+    g.landed(PEER, copy, 16)
+    assert c.value(12) == 2 and c.value(11) == 1
+    # The same op and part from another peer is another write.
+    _land(g, r, (0xC, 0), w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12))
+    assert c.value(12) == 4
+    assert g.landed_parts.duplicates == 2

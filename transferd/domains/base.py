@@ -80,6 +80,8 @@ class DomainOptions:
     fd_reserve: int = 256
     # An outbound link unused this long is closed (0: never).
     link_idle_s: float = 300.0
+    # A link whose bytes go unacknowledged this long is given up (rail failover).
+    rail_timeout_s: float = 10.0
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:

@@ -5,7 +5,13 @@ write (its span) and their own range.  :class:`Coverage` reserves each
 part's range before its bytes land (a part outside the span, overlapping
 another, or disagreeing with the others about the span or the immediate is
 refused then) and says when the parts have covered the span, each byte once:
-that is when the write counts, once.  Pure bookkeeping, no I/O; bounded.
+that is when the write counts, once.  A part re-sent on another rail (rail
+failover) names exactly the range of one taken before: it is taken again,
+and whichever copy lands first covers the range (the other adds nothing).
+
+:class:`Landed` remembers the parts that landed lately, by (peer, op, part),
+so that a re-sent part whose first copy had in fact landed is acknowledged
+without landing or counting again.  Pure bookkeeping, no I/O; bounded.
 """
 
 from __future__ import annotations
@@ -33,6 +39,35 @@ class Partial:
     imm: int | None
     ranges: list[tuple[int, int]] = field(default_factory=list)
     landed: int = 0
+    # Start addresses of the ranges that landed (a re-sent copy adds nothing).
+    done: set[int] = field(default_factory=set)
+
+
+# WriteHeader.partial of a part that landed already: discarded, acknowledged, not counted.
+DUPLICATE = Partial((0, 0), None)
+# Parts remembered as landed, over every peer (the oldest forgotten first): a re-send
+# comes within engine.rail_timeout_s or so of its first copy.
+MAX_LANDED = 65536
+
+
+class Landed:
+    """The (peer node, peer group, op, part) of the parts that landed lately."""
+
+    def __init__(self, limit: int = MAX_LANDED) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
+        self.duplicates = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def seen(self, key: tuple[int, int, int, int]) -> bool:
+        return key in self._keys
+
+    def add(self, key: tuple[int, int, int, int]) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
 
 
 class Coverage:
@@ -63,6 +98,8 @@ class Coverage:
             raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) is outside its span "
                              f"{_r(span)}")
         for s, e in p.ranges:
+            if s == addr and e == end:  # the same part again (re-sent on another rail)
+                return p
             if addr < e and s < end:
                 raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) overlaps a part "
                                  f"already taken, [0x{s:x}, +{e - s})")
@@ -86,8 +123,13 @@ class Coverage:
         if r in p.ranges:
             p.ranges.remove(r)
 
-    def landed(self, key: Key, p: Partial, nbytes: int) -> bool:
-        """``nbytes`` of a reserved part are in place; True once the span is covered."""
+    def landed(self, key: Key, p: Partial, nbytes: int, addr: int | None = None) -> bool:
+        """``nbytes`` of a reserved part (at ``addr``) are in place; True once the span
+        is covered.  A range that landed before adds nothing."""
+        if addr is not None:
+            if addr in p.done:
+                return False
+            p.done.add(addr)
         p.landed += nbytes
         if p.landed < p.span[1]:
             return False

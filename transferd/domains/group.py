@@ -20,6 +20,7 @@ from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import BadRequest, OutOfBounds, Timeout, TransferdError
+from transferd.protocol.frames import DISCARD
 from transferd.protocol.peer import WriteHeader
 from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from transferd.protocol.peer_handshake import PeerIdentity
@@ -27,7 +28,8 @@ from transferd.protocol.values import NetAddr
 
 from . import registry
 from .base import Ack, Domain, DomainOptions
-from .coverage import Coverage
+from .coverage import DUPLICATE, Coverage, Landed
+from .failover import RailHealth, Resend, move
 from .peers import PeerBook
 from .writeids import Seen, WriteIds
 
@@ -84,6 +86,9 @@ class DomainGroup:
         self.coverage = Coverage()
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()
+        # Parts that landed lately, by (peer, op, part): a re-sent one is not applied twice.
+        self.landed_parts = Landed()
+        self.health = RailHealth(1)
         self._book: PeerBook | None = None
         self.bytes_in = 0
         # Receiver-side tallies, read by the metrics when scraped (transferd.metrics).
@@ -103,6 +108,7 @@ class DomainGroup:
             self.close()
             self.domains.clear()
             raise
+        self.health = RailHealth(len(self.domains))
         return self.address
 
     @property
@@ -156,8 +162,20 @@ class DomainGroup:
         if not parts:
             transfer.part_done()
             return
+        if len(self.domains) == 1:
+            for part in parts:
+                self.domains[part.rail].post(part, transfer)
+            return
+        now = self.loop.time()
         for part in parts:
-            self.domains[part.rail].post(part, transfer)
+            if not isinstance(part, WritePart) or part.alts is None:
+                self.domains[part.rail].post(part, transfer)
+                continue
+            # A rail that failed lately is skipped until its probe is due (failover.py).
+            rail = self.health.pick(part.dst.key, part.rail, now)
+            if rail is not None and rail != part.rail:
+                move(part, rail)
+            self.domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
 
     def _timed_out(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
         err = Timeout(f"transfer {transfer.op} not acknowledged in {self.timeout_s:g} s")
@@ -239,7 +257,12 @@ class DomainGroup:
     def check_write(self, region: Region, peer: tuple[int, int], w: WriteHeader,
                     payload_len: int, abort: Callable[[], None] | None = None
                     ) -> tuple[list[memoryview], Ref]:
-        """Bounds, payload and span checks of a WRITE into ``region``, then admission."""
+        """Bounds, payload and span checks of a WRITE into ``region``, then admission.
+
+        A part that landed already (re-sent on another rail after its first
+        copy got through) is admitted with DISCARD for its payload: nothing
+        lands or counts again, and it is acknowledged.
+        """
         addrs, lens = w.addrs, w.lens
         if lens and min(lens) == max(lens):
             # Pages of one length (a paged write, or one part of a single write).
@@ -251,6 +274,10 @@ class DomainGroup:
         if total != payload_len:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
         admitted = region.admit(abort)
+        if self.landed_parts.seen((peer[0], peer[1], w.op, w.part)):
+            w.partial = DUPLICATE
+            self.landed_parts.duplicates += 1
+            return DISCARD, admitted  # type: ignore[return-value]
         if w.span is not None:
             try:
                 w.partial = self.coverage.reserve(_cover_key(peer, w), w.span,
@@ -300,11 +327,15 @@ class DomainGroup:
         A frame of pages adds one per page placed (a barrier, no pages, one); a
         part of a split single write adds one when the parts covered the span.
         """
+        if w.partial is DUPLICATE:
+            return
+        self.landed_parts.add((peer[0], peer[1], w.op, w.part))
         self.bytes_in += nbytes
         self.writes_in += 1
         if w.span is not None:
             assert w.partial is not None
-            if not self.coverage.landed(_cover_key(peer, w), w.partial, nbytes):
+            if not self.coverage.landed(_cover_key(peer, w), w.partial, nbytes,
+                                        w.addrs[0]):
                 return
             n = 1
         else:

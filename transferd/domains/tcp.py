@@ -14,11 +14,13 @@ link is through, it takes a 4 KiB body and no payload, for a few seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import ipaddress
 import logging
 import socket
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -132,6 +134,31 @@ class LinkState(enum.Enum):
     CLOSED = "closed"
 
 
+def tune_link(sock: socket.socket, timeout_s: float) -> None:
+    """A peer link's socket gives up on a dead path after about ``timeout_s``.
+
+    TCP_USER_TIMEOUT: bytes unacknowledged (or unsent for a zero window) that
+    long abort the connection, so a cut rail fails its parts over (failover.py)
+    instead of waiting for the kernel's minutes of retransmissions.  Keepalives
+    find a dead path while nothing is sent (an inbound link stalled mid-frame).
+    """
+    ms = max(1, int(timeout_s * 1000))
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(timeout_s)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def abort(sock: socket.socket | None) -> None:
+    """Close with a reset: bytes still queued are dropped, never delivered late."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -172,6 +199,7 @@ class TcpDomain(Domain):
         self.budget: LinkBudget = budget if budget is not None else LinkBudget(1 << 30)
         opts = options or DomainOptions()
         self.link_idle_s = opts.link_idle_s
+        self.rail_timeout_s = opts.rail_timeout_s
         # Address dialled -> (failures in a row, no dial before, the last error).
         self._dial_failures: OrderedDict[bytes, tuple[int, float, str]] = OrderedDict()
         self._log = LogEvery(log)
@@ -333,6 +361,7 @@ class TcpDomain(Domain):
                           self.budget.used, self.budget.limit)
                 sock.close()
                 continue
+            tune_link(sock, self.rail_timeout_s)
             link = InboundLink(self, sock)
             if not link.stream.closed:
                 self._inbound.add(link)
@@ -398,9 +427,8 @@ class PeerLink:
             # Bind to our rail's address so the bytes leave by this rail's NIC.
             sock.bind((self.domain.host, 0))
             sock.setblocking(False)
-            await asyncio.wait_for(
-                self.domain.loop.sock_connect(sock, (host, port)), CONNECT_TIMEOUT
-            )
+            await asyncio.wait_for(self.domain.loop.sock_connect(sock, (host, port)),
+                                   min(CONNECT_TIMEOUT, self.domain.rail_timeout_s))
         except (TimeoutError, OSError) as exc:
             sock.close()
             err = PeerUnreachable(
@@ -411,6 +439,7 @@ class PeerLink:
         if self.state is LinkState.CLOSED:
             sock.close()
             return
+        tune_link(sock, self.domain.rail_timeout_s)
         # Until the peer proved itself what comes back is small and never carries
         # a payload (ACKs never do): a frame that claims one breaks the link.
         self.stream = FramedStream(
@@ -551,6 +580,10 @@ class PeerLink:
             error = PeerUnreachable(f"link to {self.dst} rail {self.domain.rail} was idle "
                                     "and closed")
         elif not getattr(self.domain, "closing", False):  # no warning at shutdown
+            if self.stream is not None and type(error) is PeerUnreachable:
+                # Its parts may be re-sent on another rail: none of this link's
+                # bytes may arrive after them.
+                abort(self.stream.sock)
             peer_warning("peer link broken", self.dst.node, self.domain.rail,
                          self.dst.rails[0].decode(errors="replace") if self.dst.rails
                          else None, error)

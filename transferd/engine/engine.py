@@ -111,7 +111,7 @@ class TransferEngine:
         self.domain_options = DomainOptions(
             config.chaos_seed, config.chaos_max_delay_ms / 1000.0,
             max_links=config.max_links, fd_reserve=config.fd_reserve,
-            link_idle_s=config.link_idle_s,
+            link_idle_s=config.link_idle_s, rail_timeout_s=config.rail_timeout_s,
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
                                 "gid_index": config.rdma_gid_index}})

@@ -7,6 +7,10 @@ exactly 1 to its immediate however many parts carried it (a split write's
 parts each name its whole ``span``, and the receiver counts once the parts
 covered it); a paged write adds 1 per page placed; a scatter 1 per
 destination; a barrier (a frame of no pages) 1 per peer.
+
+Each part also carries its destination's address and rkey on every rail
+(``alts``), so that the group can re-send it on another rail if its own fails
+(rail failover, :mod:`transferd.domains.group`).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def plan_single(
         addr, rkey = desc.rkeys[rail]
         parts.append(WritePart(
             rail, addr, rkey, [desc.ptr + dst_off + pos], [size], [src[pos : pos + size]],
-            imm, span, i, op, len(sizes),
+            imm, span, i, op, len(sizes), alts=desc.rkeys,
         ))
         pos += size
     return parts
@@ -101,7 +105,7 @@ def plan_paged(
             end = min(f + pages_per_frame, start + count)
             parts.append(WritePart(
                 rail, addr, rkey, addrs[f:end], [page_len] * (end - f), list(src_views[f:end]),
-                imm, None, len(parts), op,
+                imm, None, len(parts), op, 1, alts=desc.rkeys,
             ))
         start += count
     if not parts:  # zero pages: nothing moves, nothing is counted
@@ -117,7 +121,8 @@ def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[
         addr, rkey = desc.rkeys[rail]
         # Zero bytes, yet a valid descriptor (the region's address and rkey): EFA
         # requires one even for zero-length writes, so every Domain gets one.
-        parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, None, i, op))
+        parts.append(WritePart(rail, addr, rkey, [desc.ptr], [0], [], imm, None, i, op, 1,
+                               alts=desc.rkeys))
     return parts
 
 
