@@ -4,6 +4,7 @@ a peer with another number of rails."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,3 +282,37 @@ async def test_stopped_peer_resumed_links_recover(own_daemons: list[DaemonProces
         print(f"recovered after {failed} failed tries, {time.monotonic() - t0:.2f} s")
         assert err is None, err
         assert digest(await b.read(dst)) == digest(bytes(src.data))
+
+
+@async_test(timeout=60)
+async def test_a_rail_that_cannot_be_dialled_fails_over(own_daemons: list[DaemonProcess]) -> None:
+    """Loopback failover (no namespaces needed): B's region as seen through a descriptor
+    whose rail 1 is a port nobody listens on.  Every part planned on rail 1 is refused
+    there and re-sent on rail 0 with rail 0's rkey: the writes complete, each counted
+    once, bytes checked; later parts skip the rail while it is down."""
+    a_d, b_d = start_many([{"env": engine_env(RAILS["a"])}, {"env": engine_env(RAILS["b"])}])
+    own_daemons += [a_d, b_d]
+    async with nodes(a_d, b_d) as (a, b):
+        size = 4 * MiB
+        src = await a.region(size, seed=68)
+        dst = await b.region(size)
+        dead = socket.socket()
+        dead.bind((RAILS["b"][1], 0))  # bound, never listening: connections are refused
+        try:
+            port = dead.getsockname()[1]
+            (addr0, key0), (addr1, key1) = dst.desc.rkeys
+            cut = NetAddr(addr1.node, addr1.group, (f"{RAILS['b'][1]}:{port}".encode(),))
+            desc = MrDesc(dst.desc.ptr, [(addr0, key0), (cut, key1)], dst.desc.size)
+            imm = fresh_imm()
+            ws = [await a.client.submit_single_write(size, imm, (src.mr, 0), (desc, 0))]
+            ws += [await a.client.submit_paged_writes(
+                4096, imm, (src.mr, Pages([k], 4096)), (desc, Pages([k], 4096)))
+                for k in range(8)]  # ops alternate their first rail: half start on rail 1
+            assert await settle(ws) == [None] * 9
+            assert await b.client.imm_count(imm) == 1 + 8
+            assert digest(await b.read(dst)) == digest(bytes(src.data))
+            failovers = metric(scrape(a_d.metrics_url or ""), "transferd_engine_failovers_total")
+            print(f"{failovers:g} part(s) re-sent on rail 0")
+            assert 1 <= failovers <= 9
+        finally:
+            dead.close()
