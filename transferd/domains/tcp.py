@@ -201,7 +201,8 @@ class TcpDomain(Domain):
         self.link_idle_s = opts.link_idle_s
         self.rail_timeout_s = opts.rail_timeout_s
         # Address dialled -> (failures in a row, no dial before, the last error).
-        self._dial_failures: OrderedDict[bytes, tuple[int, float, str]] = OrderedDict()
+        self._dial_failures: OrderedDict[bytes, tuple[int, float, TransferdError]] = \
+            OrderedDict()
         self._log = LogEvery(log)
         self._sweeper: asyncio.TimerHandle | None = None
         self._guard = AcceptGuard(self.loop, self._listener, self._accept,
@@ -228,7 +229,7 @@ class TcpDomain(Domain):
             return
         try:
             self.link_to(dst)
-        except (OverLimit, PeerUnreachable) as exc:  # ahead of use only: said once in a while
+        except (OverLimit, PeerUnreachable, BadRequest) as exc:  # ahead of use: now and then
             self._log(logging.INFO, "rail %d: no link to %s now: %s", self.rail,
                       dst.rails[0].decode(errors="replace"), exc.message)
 
@@ -244,10 +245,13 @@ class TcpDomain(Domain):
         failed = self._dial_failures.get(dst.rails[0])
         now = self.loop.time()
         if failed is not None and now < failed[1]:
-            raise PeerUnreachable(
+            # The last failure's kind: a peer that is unreachable, or one whose
+            # handshake said no (BAD_REQUEST: another rail count, say).
+            kind = BadRequest if type(failed[2]) is BadRequest else PeerUnreachable
+            raise kind(
                 f"rail {self.rail}: not dialling {dst.rails[0].decode(errors='replace')} "
                 f"again for {failed[1] - now:.2f} s after {failed[0]} failed attempt(s): "
-                f"{failed[2]}")
+                f"{failed[2].message}")
         if not self.budget.take() and not (self._reclaim_idle() and self.budget.take()):
             raise OverLimit(f"rail {self.rail}: {self.budget.used} peer links open, the "
                             f"most this daemon holds (engine.max_links, and "
@@ -263,16 +267,17 @@ class TcpDomain(Domain):
             return
         try:
             link = self.link_to(part.dst)
-        except (OverLimit, PeerUnreachable) as exc:
+        except (OverLimit, PeerUnreachable, BadRequest) as exc:
             transfer.part_done(exc)
             return
         link.submit(part, transfer)
 
     def dial_failed(self, addr: bytes, error: TransferdError) -> None:
         """A dial of ``addr`` (or its handshake) failed: no new dial for a while."""
-        n = self._dial_failures.pop(addr, (0, 0.0, ""))[0] + 1
+        last = self._dial_failures.pop(addr, None)
+        n = (last[0] if last is not None else 0) + 1
         delay = min(DIAL_BACKOFF_MIN_S * 2 ** (n - 1), DIAL_BACKOFF_MAX_S)
-        self._dial_failures[addr] = (n, self.loop.time() + delay, error.message)
+        self._dial_failures[addr] = (n, self.loop.time() + delay, error)
         while len(self._dial_failures) > MAX_DIAL_FAILURES:
             self._dial_failures.popitem(last=False)
 
