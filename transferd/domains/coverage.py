@@ -50,22 +50,32 @@ DUPLICATE = Partial((0, 0), None)
 MAX_LANDED = 65536
 
 
+PartKey = tuple[int, int, int, int]  # (peer node, peer group, op, part)
+
+
+def fingerprint(addrs: list[int], lens: list[int]) -> tuple[int, int, int, int]:
+    """Where a part's pages go, in brief: a re-sent copy has the same (no lie matters:
+    a copy taken for one is discarded, not applied)."""
+    return (addrs[0] if addrs else 0, addrs[-1] if addrs else 0, len(addrs), sum(lens))
+
+
 class Landed:
-    """The (peer node, peer group, op, part) of the parts that landed lately."""
+    """The parts that landed lately: (peer, op, part) and where their pages went."""
 
     def __init__(self, limit: int = MAX_LANDED) -> None:
         self.limit = limit
-        self._keys: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
+        self._keys: OrderedDict[PartKey, tuple[int, int, int, int]] = OrderedDict()
         self.duplicates = 0
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def seen(self, key: tuple[int, int, int, int]) -> bool:
-        return key in self._keys
+    def seen(self, key: PartKey, where: tuple[int, int, int, int]) -> bool:
+        """Whether this very part (same op, part and pages) landed already."""
+        return self._keys.get(key) == where
 
-    def add(self, key: tuple[int, int, int, int]) -> None:
-        self._keys[key] = None
+    def add(self, key: PartKey, where: tuple[int, int, int, int]) -> None:
+        self._keys[key] = where
         if len(self._keys) > self.limit:
             self._keys.popitem(last=False)
 

@@ -17,8 +17,9 @@ after); if not it is re-sent elsewhere and the rail stays down for longer.
 
 The receiver makes a re-send safe (:mod:`.group`): a part of a split write
 whose range was already taken is taken again (the range lands, and counts,
-once), and a part that already landed is recognised by (peer, op, part) in a
-bounded window and acknowledged without landing or counting again.
+once), and a part that already landed is recognised by (peer, op, part) and
+its pages in a bounded window and acknowledged without landing or counting
+again.
 
 Two-sided SENDs are not re-sent (a message could be delivered twice).
 Everything here runs on the group's worker loop.

@@ -28,7 +28,7 @@ from transferd.protocol.values import NetAddr
 
 from . import registry
 from .base import Ack, Domain, DomainOptions
-from .coverage import DUPLICATE, Coverage, Landed
+from .coverage import DUPLICATE, Coverage, Landed, fingerprint
 from .failover import RailHealth, Resend, move
 from .peers import PeerBook
 from .writeids import Seen, WriteIds
@@ -274,7 +274,7 @@ class DomainGroup:
         if total != payload_len:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
         admitted = region.admit(abort)
-        if self.landed_parts.seen((peer[0], peer[1], w.op, w.part)):
+        if self.landed_parts.seen((peer[0], peer[1], w.op, w.part), fingerprint(addrs, lens)):
             w.partial = DUPLICATE
             self.landed_parts.duplicates += 1
             return DISCARD, admitted  # type: ignore[return-value]
@@ -329,7 +329,7 @@ class DomainGroup:
         """
         if w.partial is DUPLICATE:
             return
-        self.landed_parts.add((peer[0], peer[1], w.op, w.part))
+        self.landed_parts.add((peer[0], peer[1], w.op, w.part), fingerprint(w.addrs, w.lens))
         self.bytes_in += nbytes
         self.writes_in += 1
         if w.span is not None:
