@@ -159,6 +159,17 @@ async def test_a_transfer_that_waits_too_long_is_never_sent(
         assert all(isinstance(e, Timeout) for e in errors), errors
         never = [e for e in errors if "not sent" in str(e)]
         assert len(never) == n - per_peer, errors
+        # A submit's own deadline holds while it waits, too.
+        with stopped(b_d):
+            busy = [await a.client.submit_single_write(64, None, (src.mr, 0), (dst.desc, 0))
+                    for _ in range(per_peer)]
+            t0 = time.monotonic()
+            w = await a.client.submit_single_write(64, imm, (src.mr, 0), (dst.desc, 0),
+                                                   timeout=0.3)
+            (err,) = await settle([w])
+            took = time.monotonic() - t0
+            assert isinstance(err, Timeout) and took < 1.2, (err, took)  # not the 1.5 s
+            await settle(busy)
         # B resumed: what was in flight may land late (TIMEOUT is "outcome unknown"),
         # what waited never does.
         for _ in range(10):

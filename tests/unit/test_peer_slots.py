@@ -110,3 +110,26 @@ async def test_waiting_is_bounded() -> None:
     with pytest.raises(OverLimit, match="wait for a slot"):
         slots.run([P], s("one too many"))
     assert slots.run([Q], s("q")) is not None  # a free peer is never refused
+
+
+@async_test()
+async def test_a_waiting_transfer_can_be_cancelled_and_a_started_one_found() -> None:
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=1, timeout_s=30)
+    s = Starts()
+    first = slots.run([P], s("p1"))
+    assert slots.started(first) is first  # it never waited
+    waiting = slots.run([P], s("p2"))
+    later = slots.run([P], s("p3"))
+    assert slots.cancel(waiting, Timeout("its own deadline"))
+    assert not slots.cancel(waiting, Timeout("twice"))
+    with pytest.raises(Timeout, match="its own deadline"):
+        await waiting
+    assert slots.waiting == 1
+    s.finish("p1")
+    await asyncio.sleep(0)
+    assert s.names() == ["p1", "p3"]  # the cancelled one never started
+    assert slots.started(later) is s.started[1][1]
+    assert not slots.cancel(later, Timeout("started: not here"))
+    s.finish("p3")
+    await asyncio.wait_for(later, 1)
+    assert slots.started(later) is later  # forgotten once done

@@ -488,6 +488,10 @@ class TransferEngine:
         """
         if fut.done():
             return False
+        if self.peer_slots is not None:
+            if self.peer_slots.cancel(fut, error):  # waiting for a peer's slot: never sent
+                return True
+            fut = self.peer_slots.started(fut)
         entry = self._transfers.get(fut)
         if entry is not None:
             transfer, worker = entry

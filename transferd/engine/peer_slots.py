@@ -59,6 +59,9 @@ class PeerSlots:
         self.max_waiting = max_waiting
         self._busy: dict[PeerKey, int] = {}
         self._queues: dict[PeerKey, deque[_Waiter]] = {}
+        # A waiting transfer's future -> its waiter; once started -> the transfer's own.
+        self._waiters: dict[asyncio.Future[None], _Waiter] = {}
+        self._started: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.waiting = 0
         # Transfers that waited for a slot, and those that gave up waiting (metrics).
         self.waited = 0
@@ -83,9 +86,33 @@ class PeerSlots:
         w = _Waiter(keys, start, self.loop.create_future())
         w.timer = self.loop.call_later(self.timeout_s, self._expire, w, blocked)
         self._queues.setdefault(blocked, deque()).append(w)
+        self._waiters[w.outer] = w
+        w.outer.add_done_callback(self._forget)
         self.waiting += 1
         self.waited += 1
         return w.outer
+
+    def _forget(self, outer: asyncio.Future[None]) -> None:
+        self._waiters.pop(outer, None)
+        self._started.pop(outer, None)
+
+    def started(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
+        """The transfer's own future for ``fut`` (``fut`` itself unless it waited here)."""
+        return self._started.get(fut, fut)
+
+    def cancel(self, fut: asyncio.Future[None], error: BaseException) -> bool:
+        """End a transfer still waiting for a slot with ``error``; False if it is not.
+
+        Nothing of it was sent.  (The queue forgets it when it reaches the head.)
+        """
+        w = self._waiters.get(fut)
+        if w is None or fut.done():
+            return False
+        self.waiting -= 1
+        if w.timer is not None:
+            w.timer.cancel()
+        fut.set_exception(error)
+        return True
 
     def _blocked(self, keys: frozenset[PeerKey], queued: bool) -> PeerKey | None:
         """The first peer of ``keys`` with no slot free (or, ``queued``, with a queue)."""
@@ -127,6 +154,7 @@ class PeerSlots:
                 self._queues.setdefault(other, deque()).append(w)
                 continue
             self.waiting -= 1
+            self._waiters.pop(w.outer, None)
             if w.timer is not None:
                 w.timer.cancel()
             try:
@@ -134,6 +162,7 @@ class PeerSlots:
             except Exception as exc:  # a typed error from the submit: the transfer's
                 w.outer.set_exception(exc)
                 continue
+            self._started[w.outer] = inner
             inner.add_done_callback(functools.partial(_follow, outer=w.outer))
         if q is not None and not q:
             del self._queues[key]
