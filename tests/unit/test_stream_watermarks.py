@@ -13,6 +13,7 @@ from transferd.domains.stream import FramedStream
 from transferd.domains.tcp import LinkState, PeerLink, rail_bytes
 from transferd.engine.plan import SendPart
 from transferd.engine.transfer import Transfer
+from transferd.fds import LinkBudget
 from transferd.protocol.errors import PeerUnreachable
 from transferd.protocol.frames import FrameDecoder, encode_frame
 from transferd.protocol.peer import PeerCommand
@@ -66,9 +67,18 @@ class _Domain:
         self.host = "127.0.0.1"
         self.forgotten: list[Any] = []
         self.group = _Group()
+        self.budget = LinkBudget(16)
+        self.rail_timeout_s = 10.0
+        self.dials: list[tuple[bytes, Any]] = []
 
     def forget(self, link: Any) -> None:
         self.forgotten.append(link)
+
+    def dial_failed(self, addr: bytes, error: Any) -> None:
+        self.dials.append((addr, error))
+
+    def dial_worked(self, addr: bytes) -> None:
+        self.dials.append((addr, None))
 
     def expect_probe(self, nonce: bytes, link: Any) -> None:
         pass
