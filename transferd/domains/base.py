@@ -82,6 +82,9 @@ class DomainOptions:
     link_idle_s: float = 300.0
     # A link whose bytes go unacknowledged this long is given up (rail failover).
     rail_timeout_s: float = 10.0
+    # The transferd.fds.LinkBudget every group of the engine shares (None: a group
+    # makes its own from max_links and fd_reserve).
+    link_budget: Any = None
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:

@@ -80,9 +80,9 @@ class DomainGroup:
         self.secret = secret or None
         self.handshake_timeout_s = handshake_timeout_s
         self.domains: list[Domain] = []
-        # One descriptor per peer link, every rail's together (transferd.fds).
-        self.link_budget = LinkBudget(link_budget(self.options.max_links,
-                                                  self.options.fd_reserve))
+        # One descriptor per peer link, every rail's and group's together (transferd.fds).
+        self.link_budget: LinkBudget = self.options.link_budget or LinkBudget(
+            link_budget(self.options.max_links, self.options.fd_reserve))
         self.coverage = Coverage()
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()

@@ -34,6 +34,7 @@ from transferd.config import ConfigError, EngineConfig
 from transferd.copies import COUNTING, count
 from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
+from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit, TransferdError
@@ -112,6 +113,7 @@ class TransferEngine:
             config.chaos_seed, config.chaos_max_delay_ms / 1000.0,
             max_links=config.max_links, fd_reserve=config.fd_reserve,
             link_idle_s=config.link_idle_s, rail_timeout_s=config.rail_timeout_s,
+            link_budget=LinkBudget(link_budget(config.max_links, config.fd_reserve)),
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
                                 "gid_index": config.rdma_gid_index}})
