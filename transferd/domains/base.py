@@ -20,6 +20,10 @@ What a Domain does, and when (every call on its group's worker loop):
 - ``post(part, transfer)``: send one WritePart or SendPart to ``part.dst``;
   call ``transfer.part_done()`` once the peer acknowledged it (the bytes are
   in place, or a client has the message) or ``transfer.part_done(error)``.
+  With more than one rail ``transfer`` may stand for one part only (a
+  :class:`~transferd.domains.failover.Resend`, which re-sends the part on
+  another rail on PEER_UNREACHABLE): use only its ``part_done``, ``fail``,
+  ``finished`` and ``op``.
 - inbound: check a write's rkey against what this Domain registered, then
   ``receiver.check_write(...)`` before any byte lands, land the bytes, then
   ``receiver.landed(...)`` (or ``landed_imm`` where the NIC carries the
