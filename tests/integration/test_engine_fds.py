@@ -104,9 +104,10 @@ async def test_forged_peer_group_cannot_take_the_descriptors_of_clients(
             await asyncio.sleep(0.3)
             held = open_fds(a_d)
             print(f"fds: {base} before, {held} with the forged group (limit {nofile})")
-            # The reserve stays free, less what this test's clients and buffers took
-            # after the engine started (the budget counts what was open then).
-            assert nofile - held >= reserve - 8, held
+            # The reserve stays free, less what was opened after the engine made its
+            # budget (it counts what was open then): the listeners, the metrics
+            # endpoint, this test's clients and buffers -- about a dozen.
+            assert nofile - held >= reserve - 16, held
             # A new client is accepted and served meanwhile.
             late = await Client.connect(a_d.url, timeout=WAIT)
             buf = await late.alloc_buffer(4096)
