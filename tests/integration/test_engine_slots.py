@@ -157,8 +157,10 @@ async def test_a_transfer_that_waits_too_long_is_never_sent(
                                                      (dst.desc, k * 64)) for k in range(n)]
             errors = await settle(ws, WAIT)
         assert all(isinstance(e, Timeout) for e in errors), errors
-        never = [e for e in errors if "not sent" in str(e)]
-        assert len(never) == n - per_peer, errors
+        # The first 4 were in flight; of the rest, those still waiting when the 4 timed
+        # out expired unsent (others may have started in their place, and timed out).
+        never = [k for k, e in enumerate(errors) if "not sent" in str(e)]
+        assert len(never) >= n - 2 * per_peer and min(never) >= per_peer, errors
         # A submit's own deadline holds while it waits, too.
         with stopped(b_d):
             busy = [await a.client.submit_single_write(64, None, (src.mr, 0), (dst.desc, 0))
@@ -174,9 +176,10 @@ async def test_a_transfer_that_waits_too_long_is_never_sent(
         # what waited never does.
         for _ in range(10):
             await asyncio.sleep(0.1)
-            assert await b.client.imm_count(imm) <= per_peer
+            assert await b.client.imm_count(imm) <= n - len(never)
         got = await b.read(dst)
-        assert got[per_peer * 64:] == bytes((n - per_peer) * 64)
+        for k in never:
+            assert got[k * 64:(k + 1) * 64] == bytes(64), k
         # And the peer is usable again.
         w = await a.client.submit_single_write(n * 64, None, (src.mr, 0), (dst.desc, 0))
         await w.wait(WAIT)
