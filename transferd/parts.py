@@ -44,6 +44,8 @@ class WritePart:
     # The destination region's (rail address, rkey) on every rail (its MrDesc's
     # rkeys): where the part may be re-sent if its rail fails (rail failover).
     alts: Sequence[tuple[NetAddr, int]] | None = None
+    # Re-sent on another rail: the receiver drops it if its first copy landed.
+    again: bool = False
 
     @property
     def nbytes(self) -> int:

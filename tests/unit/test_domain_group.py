@@ -135,7 +135,7 @@ def test_split_write_parts_that_lie_are_refused_before_landing(
             g.write_views(0, PEER, bad, bad.nbytes)
     # A replay of a part that landed (a re-send after a rail failed): taken, its payload
     # discarded, nothing counted.
-    replay = w(r, 0, [p], [50], imm=9, span=span)
+    replay = w(r, 0, [p], [50], imm=9, span=span, again=True)
     assert g.write_views(0, PEER, replay, 50) is DISCARD
     g.landed(PEER, replay, 50)
     assert c.value(9) == 0
@@ -254,23 +254,30 @@ def test_a_part_re_sent_on_another_rail_counts_once(
     g.write_views(0, PEER, stalled, 50)
     _land(g, r, PEER, w(r, 0, [p], [50], op=7, part=0, imm=11, span=span))
     # Its copy on rail 1 takes the same range again, lands, and the write counts once.
-    again = w(r, 1, [p + 50], [50], op=7, part=1, imm=11, span=span)
+    again = w(r, 1, [p + 50], [50], op=7, part=1, imm=11, span=span, again=True)
     assert [len(v) for v in g.write_views(1, PEER, again, 50)] == [50]
     g.landed(PEER, again, 50)
     assert c.value(11) == 1
-    # Should the first copy land after all, it is discarded and adds nothing.
-    late = w(r, 0, [p + 50], [50], op=7, part=1, imm=11, span=span)
+    # A re-sent copy of a part that landed after all is discarded and adds nothing.
+    late = w(r, 0, [p + 50], [50], op=7, part=1, imm=11, span=span, again=True)
     assert g.write_views(0, PEER, late, 50) is DISCARD
     g.landed(PEER, late, 50)
     # Pages: the frame landed, its ACK was lost with the rail, the frame comes again.
     pages = w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12)
     _land(g, r, PEER, pages)
     assert c.value(12) == 2
-    copy = w(r, 1, [p, p + 16], [8, 8], op=8, part=3, imm=12)
+    copy = w(r, 1, [p, p + 16], [8, 8], op=8, part=3, imm=12, again=True)
     assert g.write_views(1, PEER, copy, 16) is DISCARD
     g.landed(PEER, copy, 16)
     assert c.value(12) == 2 and c.value(11) == 1
-    # The same op and part from another peer is another write.
-    _land(g, r, (0xC, 0), w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12))
+    # A re-send of other pages under the same number is no copy: checked and applied.
+    other = w(r, 0, [p + 32], [8], op=8, part=3, imm=12, again=True)
+    _land(g, r, PEER, other)
+    assert c.value(12) == 3
+    # A frame not marked as re-sent is never taken for a copy (a peer may repeat one).
+    _land(g, r, PEER, w(r, 0, [p + 32], [8], op=8, part=3, imm=12))
     assert c.value(12) == 4
+    # The same op and part from another peer is another write.
+    _land(g, r, (0xC, 0), w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12, again=True))
+    assert c.value(12) == 6
     assert g.landed_parts.duplicates == 2

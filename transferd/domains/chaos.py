@@ -54,7 +54,8 @@ def pieces(part: WritePart, max_parts: int) -> list[WritePart]:
     if n > 1 and n <= MAX_PIECES:
         srcs = _cut(part.src, part.lens)
         return [WritePart(part.rail, part.dst, part.rkey, [a], [ln], src, part.imm, None,
-                          (part.index << 8) | k, part.op, part.parts, part.wid)
+                          (part.index << 8) | k, part.op, part.parts, part.wid,
+                          again=part.again)
                 for k, (a, ln, src) in enumerate(zip(part.addrs, part.lens, srcs, strict=True))]
     if n == 1 and part.lens[0] >= 2 * SPLIT_ALIGN:
         length = part.lens[0]
@@ -65,7 +66,7 @@ def pieces(part: WritePart, max_parts: int) -> list[WritePart]:
             starts = [0, *accumulate(sizes)][:-1]
             return [WritePart(part.rail, part.dst, part.rkey, [part.addrs[0] + s], [size],
                               src, part.imm, span, (part.index << 8) | k, part.op, part.parts,
-                              part.wid)
+                              part.wid, again=part.again)
                     for k, (s, size, src) in enumerate(
                         zip(starts, sizes, _cut(part.src, sizes), strict=True))]
     return [part]

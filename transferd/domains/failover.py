@@ -141,6 +141,7 @@ class Resend:
         self.tried |= {rail}
         was = part.rail
         move(part, rail)
+        part.again = True
         g.health.failovers += 1
         log.info("part %d of op %d: rail %d failed (%s), re-sent on rail %d",
                  part.index, part.op, was, error.message, rail)

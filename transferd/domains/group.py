@@ -259,9 +259,10 @@ class DomainGroup:
                     ) -> tuple[list[memoryview], Ref]:
         """Bounds, payload and span checks of a WRITE into ``region``, then admission.
 
-        A part that landed already (re-sent on another rail after its first
-        copy got through) is admitted with DISCARD for its payload: nothing
-        lands or counts again, and it is acknowledged.
+        A part marked ``again`` (re-sent on another rail after its own failed)
+        whose first copy landed is admitted with DISCARD for its payload:
+        nothing lands or counts again, and it is acknowledged.  (Frames not
+        marked are never taken for copies: a peer may repeat a frame.)
         """
         addrs, lens = w.addrs, w.lens
         if lens and min(lens) == max(lens):
@@ -274,7 +275,8 @@ class DomainGroup:
         if total != payload_len:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
         admitted = region.admit(abort)
-        if self.landed_parts.seen((peer[0], peer[1], w.op, w.part), fingerprint(addrs, lens)):
+        if w.again and self.landed_parts.seen((peer[0], peer[1], w.op, w.part),
+                                              fingerprint(addrs, lens)):
             w.partial = DUPLICATE
             self.landed_parts.duplicates += 1
             return DISCARD, admitted  # type: ignore[return-value]

@@ -548,6 +548,8 @@ class PeerLink:
                 body["span"] = part.span
             if part.wid is not None:
                 body["wid"] = part.wid
+            if part.again:
+                body["again"] = True
             self.stream.send(PeerCommand.WRITE, 0, 0, body, part.src)
         else:
             self.stream.send(PeerCommand.SEND, 0, 0, {"op": part.op, "part": part.index},

@@ -82,6 +82,9 @@ class WriteHeader:
     partial: Any = None
     # The client's write id (a retry carries the same): applied at most once.
     wid: int | None = None
+    # Re-sent on another rail after its own failed (rail failover): if the same
+    # part landed already, it is acknowledged and neither placed nor counted again.
+    again: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +112,8 @@ class WriteHeader:
                 raise BadRequest(f"peer WRITE: range [0x{a:x}, +{n}) is outside its span "
                                  f"[0x{span[0]:x}, +{span[1]})")
         wid = None if body.get("wid") is None else _uint(body, "wid")
-        return cls(op, part, rkey, addrs, lens, imm, span, wid=wid)
+        return cls(op, part, rkey, addrs, lens, imm, span, wid=wid,
+                   again=body.get("again") is True)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.op, "part": self.part, "rkey": self.rkey,
@@ -120,6 +124,8 @@ class WriteHeader:
             body["span"] = list(self.span)
         if self.wid is not None:
             body["wid"] = self.wid
+        if self.again:
+            body["again"] = True
         return body
 
 
