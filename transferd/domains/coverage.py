@@ -92,7 +92,7 @@ class Coverage:
         return sum(len(t) for t in list(self._by_peer.values()))
 
     def reserve(self, key: Key, span: tuple[int, int], addr: int, length: int,
-                imm: int | None) -> Partial:
+                imm: int | None, again: bool = False) -> Partial:
         """Claim ``[addr, addr + length)`` of the write ``key``; BadRequest if it cannot be."""
         peer, op = (key[0], key[1]), key[2]
         table = self._by_peer.get(peer)
@@ -108,7 +108,7 @@ class Coverage:
             raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) is outside its span "
                              f"{_r(span)}")
         for s, e in p.ranges:
-            if s == addr and e == end:  # the same part again (re-sent on another rail)
+            if again and s == addr and e == end:  # re-sent on another rail
                 return p
             if addr < e and s < end:
                 raise BadRequest(f"write {op}: [0x{addr:x}, +{length}) overlaps a part "

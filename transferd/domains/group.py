@@ -283,7 +283,7 @@ class DomainGroup:
         if w.span is not None:
             try:
                 w.partial = self.coverage.reserve(_cover_key(peer, w), w.span,
-                                                  addrs[0], lens[0], w.imm)
+                                                  addrs[0], lens[0], w.imm, w.again)
             except BaseException:
                 admitted.release()
                 raise
@@ -317,7 +317,7 @@ class DomainGroup:
         if w.span is not None:
             try:
                 w.partial = self.coverage.reserve(_cover_key(peer, w), w.span,
-                                                  w.addrs[0], w.lens[0], w.imm)
+                                                  w.addrs[0], w.lens[0], w.imm, w.again)
             except BaseException:
                 admitted.release()
                 raise
