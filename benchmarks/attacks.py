@@ -389,6 +389,7 @@ async def _sends(out: Outcome, a_url: str, to: NetAddr, n: int, size: int,
     deadline, engine.peer_timeout_s); each completion's outcome, waited ``timeout``."""
     a = await Client.connect(a_url, timeout=20)
     results: dict[str, int] = {}
+    _SENDING_FROM[id(out)] = time.perf_counter()  # connected: the sends start
     try:
         msg = bytes(size)
         pending = [await a.submit_send(to, msg) for _ in range(n)]
@@ -404,6 +405,19 @@ async def _sends(out: Outcome, a_url: str, to: NetAddr, n: int, size: int,
         with contextlib.suppress(Exception):
             await asyncio.wait_for(a.close(), 5)
     return results
+
+
+_SENDING_FROM: dict[int, float] = {}
+
+
+def peak(d: DaemonProcess) -> int:
+    """The daemon's peak resident memory so far (VmHWM), bytes."""
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _pair() -> tuple[tuple[list[str], dict[str, str]], ...]:
@@ -433,11 +447,12 @@ def sends_unread(quick: bool) -> Outcome:
         t0 = time.monotonic()
         res = asyncio.run(asyncio.wait_for(_sends(out, a_d.url, to, n, MiB, 8), 30))
         out.rss_growth_mib = mib(rss(b_d) - base)
+        top = mib(peak(b_d) - base)
         out.seconds = round(time.monotonic() - t0, 1)
         r.close()
-        out.numbers.update(sends=res)
-        out.now = (f"SENDs: {res}; the receiving daemon +{out.rss_growth_mib} MiB "
-                   f"({n} MiB sent)")
+        out.numbers.update(sends=res, peak_growth_mib=top)
+        out.now = (f"SENDs: {res}; the receiving daemon +{out.rss_growth_mib} MiB at the end, "
+                   f"+{top} MiB at its peak ({n} MiB sent, its memory limit 256 MiB)")
     return out
 
 
@@ -535,8 +550,8 @@ def recv_pools(quick: bool) -> Outcome:
             try:
                 c.submit_recvs(64, 100, lambda m: arrived.append(time.perf_counter()))
                 await c.flush()
-                t0 = time.perf_counter()
                 res = await _sends(out, a_d.url, to, 100, 64, 8)
+                t0 = _SENDING_FROM.pop(id(out))
                 for _ in range(100):
                     if len(arrived) >= 100:
                         break
