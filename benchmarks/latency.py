@@ -27,7 +27,7 @@ import asyncio
 import time
 from typing import Any
 
-from .baselines import FRAME, PING_SIZE, BareFrames, nodelay
+from .baselines import FRAME, PING_SIZE, BareFrames
 from .harness import (
     BenchResult,
     Check,
@@ -43,6 +43,7 @@ from .harness import (
     quiet_gc,
     start_daemon,
 )
+from .scale_baselines import PingClient as _PingClient
 
 NAME = "latency"
 TITLE = "round-trip latency of a 4 KiB get_tensor vs an asyncio+uvloop ping-pong floor"
@@ -50,26 +51,6 @@ SECTION = "Protocol (issue 2)"
 
 SIZE = 4096
 TARGET_P50 = 1.5
-
-
-class _PingClient(asyncio.Protocol):
-    """The floor's client: counts reply bytes, wakes the waiter at each full reply."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.got = 0
-        self.waiter: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = nodelay(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got += len(data)
-        if self.got >= self.size and self.waiter is not None:
-            self.got -= self.size
-            w, self.waiter = self.waiter, None
-            w.set_result(None)
 
 
 class _BareClient(BareFrames):

@@ -68,14 +68,12 @@ class _AckServer(asyncio.BufferedProtocol):
         self.n = left
 
 
-class AckClient(asyncio.Protocol):
-    """Sends a header and ``payload`` per request; a 24-byte answer wakes the waiter."""
+class CountingClient(asyncio.Protocol):
+    """Counts answer bytes; each ``want`` of them wakes the one waiter (no parsing)."""
 
-    def __init__(self, payload: bytes) -> None:
-        self.head = FRAME.pack(b"TD", 0x05, 0, 1, 0, 0, len(payload))
-        self.payload = payload
+    def __init__(self, want: int) -> None:
         self.got = 0
-        self.want = FRAME.size
+        self.want = want
         self.waiter: asyncio.Future[None] | None = None
         self.transport: asyncio.Transport | None = None
 
@@ -88,6 +86,15 @@ class AckClient(asyncio.Protocol):
             self.got -= self.want
             w, self.waiter = self.waiter, None
             w.set_result(None)
+
+
+class AckClient(CountingClient):
+    """Sends a header and ``payload`` per request; a 24-byte answer wakes the waiter."""
+
+    def __init__(self, payload: bytes) -> None:
+        super().__init__(FRAME.size)
+        self.head = FRAME.pack(b"TD", 0x05, 0, 1, 0, 0, len(payload))
+        self.payload = payload
 
     def request(self) -> asyncio.Future[None]:
         return self.burst(1)
@@ -105,25 +112,13 @@ class AckClient(asyncio.Protocol):
         return w
 
 
-class PingClient(asyncio.Protocol):
+class PingClient(CountingClient):
     """The ``pingpong`` server's client: 24 bytes out, ``size`` bytes back."""
 
     def __init__(self, size: int) -> None:
+        super().__init__(size)
         self.size = size
-        self.got = 0
         self.req = b"\0" * PING_SIZE
-        self.waiter: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = nodelay(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got += len(data)
-        if self.got >= self.size and self.waiter is not None:
-            self.got -= self.size
-            w, self.waiter = self.waiter, None
-            w.set_result(None)
 
     def request(self) -> asyncio.Future[None]:
         assert self.transport is not None

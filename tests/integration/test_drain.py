@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from client import Client, Completion, TransferdError
 from tests.helpers import REPO, DaemonProcess, RawConn, async_test
@@ -143,20 +144,25 @@ async def test_sigterm_under_load_finishes_what_it_reported_done() -> None:
         b.stop()
 
 
+async def _linked(a: DaemonProcess, b: DaemonProcess) -> tuple[Any, ...]:
+    """A client of A with a source region, B's destination, and links up before B stops."""
+    c = await Client.connect(a.url, timeout=WAIT)
+    owner = await Client.connect(b.url, timeout=WAIT)
+    src = await c.alloc_buffer(SLOT)
+    smr, _ = await c.reg_mr(src)
+    dst = await owner.alloc_buffer(SLOT)
+    _, desc = await owner.reg_mr(dst)
+    imm = fresh_imm()
+    assert await _outcome(await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))) is None
+    return c, owner, src, smr, desc, imm
+
+
 @async_test(timeout=60)
 async def test_drain_time_runs_out_typed_failures_exit_zero() -> None:
     drain_s = 2.0
     a, b = _pair(drain_s)
     try:
-        c = await Client.connect(a.url, timeout=WAIT)
-        owner = await Client.connect(b.url, timeout=WAIT)
-        src = await c.alloc_buffer(SLOT)
-        smr, _ = await c.reg_mr(src)
-        dst = await owner.alloc_buffer(SLOT)
-        _, desc = await owner.reg_mr(dst)
-        imm = fresh_imm()
-        # The links are up before B stops.
-        assert await _outcome(await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))) is None
+        c, owner, src, smr, desc, imm = await _linked(a, b)
         # A client that asked for 20 MiB and reads nothing: the close cannot flush its
         # replies, and must not wait for it past its 1 s.
         slow = RawConn.to(a)
@@ -206,14 +212,7 @@ async def test_a_second_signal_ends_the_drain_early() -> None:
     drain_s = 60.0
     a, b = _pair(drain_s)
     try:
-        c = await Client.connect(a.url, timeout=WAIT)
-        owner = await Client.connect(b.url, timeout=WAIT)
-        src = await c.alloc_buffer(SLOT)
-        smr, _ = await c.reg_mr(src)
-        dst = await owner.alloc_buffer(SLOT)
-        _, desc = await owner.reg_mr(dst)
-        imm = fresh_imm()
-        assert await _outcome(await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))) is None
+        c, owner, _src, smr, desc, imm = await _linked(a, b)
         with stopped(b):
             stuck = await c.submit_single_write(SLOT, imm, (smr, 0), (desc, 0))
             await asyncio.sleep(0.2)
