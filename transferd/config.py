@@ -31,20 +31,19 @@ from typing import Any
 
 # The sections and their helpers live in a leaf module; they are part of this
 # module's API too.
+from transferd.config_engine import EngineConfig, _rail_problems
 from transferd.config_sections import (
     ENV_PREFIX,
     LOG_FORMATS,
     LOG_LEVELS,
     TOKEN_REFUSED,
     ConfigError,
-    EngineConfig,
     GpuConfig,
     LogConfig,
     MemoryConfig,
     MetricsConfig,
     ServerConfig,
     _listen_problems,
-    _rail_problems,
     key,
 )
 from transferd.memory.buffers import DeviceSpec

@@ -39,7 +39,7 @@ import pytest
 
 from client import Client, MrDesc, MrHandle, NetAddr, RemoteBuffer
 from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
-from transferd.domains.tcp import parse_rail
+from transferd.domains.rails import parse_rail
 
 DOMAINS = ("tcp", "chaos")
 # The session's trios by name: (domain, engine settings).  "tcp" is the default

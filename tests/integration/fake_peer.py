@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from tests.helpers import RawConn
-from transferd.domains.tcp import parse_rail, rail_bytes
+from transferd.domains.rails import parse_rail, rail_bytes
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand

@@ -32,7 +32,7 @@ from tests.integration.engine_cluster import (
     tcp_rails,
 )
 from tests.integration.fake_peer import STRANGER, FakePeer, handshake_error
-from transferd.domains.tcp import rail_bytes
+from transferd.domains.rails import rail_bytes
 from transferd.protocol.errors import BadRequest, PeerUnreachable, Unauthorized
 from transferd.protocol.frames import FrameDecoder, encode_header
 from transferd.protocol.peer import PeerCommand

@@ -28,7 +28,7 @@ import pytest
 from benchmarks import netns
 from client import Client, MrDesc, MrHandle, Pages, RemoteBuffer
 from tests.helpers import DaemonProcess, digest, pattern, run
-from transferd.domains.tcp import parse_rail
+from transferd.domains.rails import parse_rail
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 

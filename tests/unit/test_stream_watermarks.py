@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from transferd.domains import stream as stream_mod
+from transferd.domains.rails import rail_bytes
 from transferd.domains.stream import FramedStream
-from transferd.domains.tcp import LinkState, PeerLink, rail_bytes
+from transferd.domains.tcp import LinkState, PeerLink
 from transferd.engine.plan import SendPart
 from transferd.engine.transfer import Transfer
 from transferd.fds import LinkBudget

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import functools
-import ipaddress
 import logging
 import socket
 import struct
@@ -43,9 +41,10 @@ from transferd.protocol.peer_handshake import (
     Ready,
     Role,
 )
-from transferd.protocol.values import NetAddr, tcp_rail
+from transferd.protocol.values import NetAddr
 
 from .base import Domain, DomainOptions, Receiver
+from .rails import parse_rail, rail_bytes
 from .stream import FramedStream
 from .tcp_inbound import PRE_AUTH_BUFFER, InboundLink
 
@@ -67,42 +66,6 @@ DIAL_BACKOFF_MIN_S = 0.25
 DIAL_BACKOFF_MAX_S = 10.0
 # Addresses whose dials are remembered as failed, per rail (oldest forgotten first).
 MAX_DIAL_FAILURES = 4096
-
-
-def rail_bytes(host: str, port: int) -> bytes:
-    """A TCP rail's address as the opaque bytes NetAddrs and the handshake carry."""
-    return tcp_rail(host, port)
-
-
-def parse_rail(raw: bytes) -> tuple[str, int]:
-    """The (host, port) of :func:`rail_bytes`; BadRequest unless an IP and a port 1-65535."""
-    # Every submit checks its destinations' rails: the same few addresses, parsed once.
-    return _parse_rail_cached(raw) if type(raw) is bytes else _parse_rail(raw)
-
-
-def _parse_rail(raw: bytes) -> tuple[str, int]:
-    try:
-        text = raw.decode("ascii")
-        host, _, port = text.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        return check_rail(host, int(port))
-    except (UnicodeDecodeError, ValueError):
-        raise BadRequest(f"not a TCP rail address: {raw!r}") from None
-
-
-# Bounded (the addresses a daemon meets); a refused address is not cached (it raises).
-_parse_rail_cached = functools.lru_cache(maxsize=1024)(_parse_rail)
-
-
-def check_rail(host: str, port: int) -> tuple[str, int]:
-    """(host, port) if ``host`` is an IP address and ``port`` in 1-65535, else BadRequest."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise BadRequest(f"rail host {host!r} is not an IP address") from None
-    if type(port) is not int or not 1 <= port <= 65535:
-        raise BadRequest(f"rail port {port!r} is outside 1-65535")
-    return host, port
 
 
 async def dial_probe(loop: asyncio.AbstractEventLoop, bind_host: str, host: str, port: int,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import itertools
 import logging
 import secrets
@@ -30,18 +29,19 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from transferd.config import ConfigError, EngineConfig
+from transferd.config import EngineConfig
 from transferd.copies import COUNTING, count
 from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
-from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
+from .device_source import plan_staging
 from .immcounter import ImmCounter
 from .limits import MAX_MESSAGE
 from .peer_slots import PeerSlots
@@ -54,6 +54,7 @@ from .plan import (
 )
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
+from .secret import load_secret, loopback
 from .transfer import Transfer
 
 log = logging.getLogger("transferd.engine")
@@ -73,7 +74,7 @@ class TransferEngine:
         self.secret = load_secret(config)
         self.hosts = list(config.host_rails) or [default_host]
         if self.secret is None and not config.insecure and not config.host_rails \
-                and not _loopback(default_host):
+                and not loopback(default_host):
             # Without a secret, peers cannot authenticate: a rail only the local
             # host can reach, unless told otherwise.
             self.hosts = ["127.0.0.1"]
@@ -288,32 +289,9 @@ class TransferEngine:
         and the parts are planned on those copies once the copies' event
         completed; the chunks go back when the transfer finished.
         """
-        io = DomainGroup.device_io(region)
-        mem = region.buffer.memory
-        assert io is not None and mem is not None and self.loop is not None
-        # A device Memory's check(offset, size) gives the device address (bounds checked).
-        device_address: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+        assert self.loop is not None
+        io, devs, places, need = plan_staging(region, pages)
         pool = io.pool
-        devs: list[int] = []
-        places: list[tuple[int, int]] = []  # (chunk, offset): pages never straddle chunks
-        ci, used = 0, 0
-        for a, n in pages:
-            off = a - region.ptr
-            if off < 0 or n < 0 or off + n > region.size:
-                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
-                                  f"[0x{region.ptr:x}, +{region.size})")
-            if n > pool.chunk_size:
-                raise BadRequest(f"a write of {n} bytes from {region.buffer.device} memory is "
-                                 f"larger than a staging chunk ({pool.chunk_size} bytes)")
-            devs.append(device_address(off, n))
-            if used + n > pool.chunk_size:
-                ci, used = ci + 1, 0
-            places.append((ci, used))
-            used += n
-        need = ci + 1
-        if need > pool.capacity:
-            raise BadRequest(f"a write from {region.buffer.device} memory needs {need} staging "
-                             f"chunks, the pool has {pool.capacity}")
         held = region.buffer.ref()
         if self._staging_lock is None:
             self._staging_lock = asyncio.Lock()
@@ -589,30 +567,6 @@ class TransferEngine:
             fut.set_result(None)
         else:
             fut.set_exception(err)
-
-
-def load_secret(config: EngineConfig) -> bytes | None:
-    """The cluster secret: the file's contents (or engine.secret), whitespace stripped."""
-    if config.secret_file:
-        try:
-            with open(config.secret_file, "rb") as f:
-                data = f.read(65536).strip()
-        except OSError as exc:
-            raise ConfigError(f"engine.secret_file: cannot read {config.secret_file}: "
-                              f"{exc.strerror}") from None
-        if not data:
-            raise ConfigError(f"engine.secret_file: {config.secret_file} is empty")
-        return data
-    if config.secret.strip():
-        return config.secret.strip().encode()
-    return None
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _wid(parts: Any, wid: int | None) -> list[WritePart | SendPart]:

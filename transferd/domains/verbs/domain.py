@@ -48,7 +48,8 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.values import NetAddr
 
 from ..base import Domain
-from ..tcp import dial_probe, parse_rail, rail_bytes
+from ..rails import parse_rail, rail_bytes
+from ..tcp import dial_probe
 from . import messages
 from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from .cqloop import CqPoller

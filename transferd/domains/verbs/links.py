@@ -47,8 +47,8 @@ from transferd.protocol.peer_handshake import (
 )
 from transferd.protocol.values import NetAddr
 
+from ..rails import parse_rail
 from ..stream import FramedStream
-from ..tcp import parse_rail
 from .exchange import RailSetup, check_pair
 
 if TYPE_CHECKING:

@@ -1,0 +1,277 @@
+"""The configuration schema's ``[engine]`` section: the peer plane between daemons.
+
+Split from :mod:`transferd.config_sections` (the other sections and the
+``key()`` helper) for size; every name here is also importable from
+:mod:`transferd.config`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from transferd.config_sections import key
+
+
+@dataclass
+class EngineConfig:
+    """The transfer engine: the peer plane between daemons."""
+
+    enabled: bool = key(
+        True,
+        "Run the transfer engine (registered regions, one-sided writes, immediate "
+        "counters, the engine commands 0x20-0x3F). Off: those commands get "
+        'UNKNOWN_COMMAND and HELLO\'s features lack "engine".',
+    )
+    host_rails: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        "One local address per rail (NIC) of the host domain group, 1 to 4 of them; empty "
+        "= one rail on server.host. Each must be an address of this machine. Every peer "
+        "must have the same rail count.",
+    )
+    peer_port: int = key(
+        0,
+        "Port of the peer plane (daemon-to-daemon links) on the first rail; 0 lets the "
+        "system pick. The ports in use travel in the daemon's NetAddr (printed at start: "
+        '"transferd: engine NODE rails HOST:PORT ..."), so peers need not be told. Fix it '
+        "when a firewall must be opened for it.",
+        min=0, max=65535,
+    )
+    pin_workers: bool = key(
+        True,
+        "Pin each engine worker thread to a core of its device's NUMA node, within the "
+        "CPUs the process may use; a failure to pin is logged, never fatal.",
+    )
+    worker: str = key(
+        "auto",
+        'Where the host domain groups run: "loop" on the daemon\'s own event loop (a '
+        "submit's parts go to the socket from the handler, its completion comes back "
+        'without a thread hand-off), "thread" on a worker thread of their own pinned '
+        '(engine.pin_workers) to a core, or "auto", which is "loop": on the measurements '
+        "in docs/benchmarks.md (issue 12) the two hand-offs per transfer of a thread cost "
+        "more than it buys a host group. GPU groups always have a pinned thread of their "
+        "own for their copies.",
+        choices=("auto", "loop", "thread"),
+    )
+    host_groups: int = key(
+        1,
+        "How many host domain groups the engine runs, each with its own worker and its "
+        "own rails (every rail of engine.host_rails, one port each); registered regions "
+        "are dealt to the groups in turn and a write runs on its source region's group. "
+        'More than one only helps with engine.worker = "thread", where each group has a '
+        "thread (docs/benchmarks.md, issue 12, says by how much the interpreter lock "
+        "lets them).",
+        min=1, max=8,
+    )
+    peer_timeout_s: float = key(
+        30.0,
+        "Seconds the engine waits for a peer to acknowledge a transfer before it fails the "
+        "transfer with TIMEOUT at the initiator; must be positive.",
+        min=1e-3, unit="s",
+    )
+    domain: str = key(
+        "tcp",
+        'The Domain (transport) of each rail, by its registry name: "tcp"; "verbs" (RDMA '
+        "through pyverbs, one device of engine.rdma_devices per rail; docs/rdma.md); or, "
+        'for tests, "chaos" (a wrapper around tcp; "chaos:NAME" wraps another Domain) that '
+        "delivers every write in pieces, out of order, after random delays, to prove "
+        'nothing depends on delivery order. Never use "chaos" in production. '
+        "docs/domains.md says how to add a Domain.",
+        choices=("tcp", "chaos", "chaos:tcp", "verbs"),
+    )
+    rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
+        [],
+        'With domain = "verbs": the RDMA device of each rail, in the order of '
+        'engine.host_rails (names as `transferd devices` lists them, e.g. "mlx5_0"); one '
+        "per rail. The rail's host address carries the queue-pair set-up over TCP.",
+    )
+    rdma_port: int = key(
+        1, 'With domain = "verbs": the port of each RDMA device to use (1 on most NICs).',
+        min=1, max=255,
+    )
+    rdma_gid_index: int = key(
+        -1,
+        'With domain = "verbs": the GID index of the port; -1 picks one (on RoCE the '
+        "RoCE v2 GID of an IPv4 address first, on InfiniBand index 0).",
+        min=-1, max=255,
+    )
+    chaos_seed: int = key(
+        0, 'Seed of the "chaos" domain\'s random delays and order. Ignored by "tcp".'
+    )
+    chaos_max_delay_ms: float = key(
+        5.0,
+        'Largest random delay the "chaos" domain puts before each piece it sends, in '
+        'milliseconds. Ignored by "tcp".',
+        min=0, unit="ms",
+    )
+    secret_file: str = key(
+        "",
+        "A file holding the cluster secret (its contents, whitespace stripped), the same "
+        "on every daemon, readable by the daemon's user only: every peer link proves it "
+        "in both directions (HMAC-SHA256 over fresh nonces) before any byte or rkey "
+        'crosses. "" (and no engine.secret): links are not authenticated, the rails bind '
+        "to loopback only, and a non-loopback rail is refused unless engine.insecure is "
+        "set. Never a command-line flag.",
+    )
+    secret: str = key(
+        "",
+        "The cluster secret itself, for a service manager that injects secrets into the "
+        "environment (TRANSFERD_ENGINE_SECRET); prefer engine.secret_file. Not both.",
+        secret=True,
+    )
+    insecure: bool = key(
+        False,
+        "Without a cluster secret, allow rails beyond loopback anyway: any host that "
+        "reaches a rail port can then act as a peer. Only on a network you trust.",
+    )
+    handshake_timeout_s: float = key(
+        5.0,
+        "Seconds a peer link may take to finish its handshake before it is closed. Until "
+        "then it takes a 4 KiB body and no payload.",
+        min=1e-3, unit="s",
+    )
+    max_inflight_per_client: int = key(
+        1024,
+        "Most engine operations (writes, scatters, barriers, sends) one client connection "
+        "may have in flight at once, of the engine worker's 4,096 slots shared by all: its "
+        "next submit waits (holding back that connection's later frames) until one of its "
+        "own finishes, so one client's writes to a silent peer cannot take every slot.",
+        min=1, max=4096,
+    )
+    max_inflight_per_peer: int = key(
+        1024,
+        "Most engine operations in flight at once to one destination peer (a domain group), "
+        "from all clients together. One more waits in that peer's queue, holding no worker "
+        "slot and holding back nothing else: the submitting connection's later frames, "
+        "writes to other peers included, go on at once. A transfer that waited "
+        "engine.peer_timeout_s without starting fails with TIMEOUT (not sent). So one dead "
+        "or stopped peer holds at most this many of the worker's 4,096 slots.",
+        min=1, max=4096,
+    )
+    max_links: int = key(
+        4096,
+        "Most peer links (one file descriptor each, outbound and inbound, every rail "
+        "together) the engine holds. Never more than RLIMIT_NOFILE less engine.fd_reserve. "
+        "At the cap an idle link (nothing in flight) is closed to make room; if none is "
+        "idle a transfer that needs a new link fails with TOO_LARGE and an inbound link "
+        "is closed at once.",
+        min=1, max=1 << 20,
+    )
+    fd_reserve: int = key(
+        256,
+        "File descriptors below RLIMIT_NOFILE that peer links never take: they stay for "
+        "client connections, listeners and files, so a flood of peer addresses cannot stop "
+        "the daemon from accepting its clients.",
+        min=0, max=1 << 20,
+    )
+    link_idle_s: float = key(
+        300.0,
+        "Seconds an outbound peer link may go unused (nothing sent, nothing in flight) "
+        "before it is closed and its descriptor freed; it is dialled again on next use. "
+        "0: never.",
+        min=0.0, unit="s",
+    )
+    rail_timeout_s: float = key(
+        10.0,
+        "Seconds a peer link's bytes may go unacknowledged (a cut cable, a dead NIC; also a "
+        "peer that reads nothing) before the link is given up (TCP_USER_TIMEOUT, and "
+        "keepalives while idle); also the most a dial may take. With more than one rail "
+        "the parts it carried are re-sent on the others (rail failover) and the rail is "
+        "tried again after a back-off.",
+        min=0.1, unit="s",
+    )
+    max_group_peers: int = key(
+        1024,
+        "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",
+        min=1, max=65536,
+    )
+    max_peer_groups: int = key(
+        64,
+        "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "
+        "is refused with TOO_LARGE. A connection's groups go when it closes.",
+        min=1, max=65536,
+    )
+    max_recv_pools: int = key(
+        64,
+        "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "
+        "receives of one length; post fewer, larger ones); one more is refused with "
+        "TOO_LARGE. Pools are found by length (no scan), and bounded so that one "
+        "connection cannot take every pool of engine.max_recv_pools_total.",
+        min=1, max=65536,
+    )
+    max_recv_pools_total: int = key(
+        4096,
+        "Most SUBMIT_RECVS posted on this daemon, all connections together; one more is "
+        "refused with TOO_LARGE.",
+        min=1, max=1 << 20,
+    )
+    recv_waiting_max: int = key(
+        1024,
+        "Most peer messages that may wait here at once for a busy receive (or for the "
+        "receiving connection's write buffer to drain); one more is refused, its sender's "
+        "SEND failing with TOO_LARGE. Their bytes are charged to memory.host_limit_mib "
+        "too, like a buffer.",
+        min=1, max=1 << 20,
+    )
+    recv_wait_s: float = key(
+        5.0,
+        "Seconds a peer message may wait for one of the busy receives it was queued on; "
+        "then it is dropped and its sender's SEND fails with CANCELLED. At most half of "
+        "engine.peer_timeout_s is used (a sender with the same timeout is told rather "
+        "than timing out).",
+        min=1e-3, unit="s",
+    )
+    write_id_window: int = key(
+        16384,
+        "Write ids (SINGLE_WRITE / PAGED_WRITES `wid`) a receiver remembers as applied, "
+        "per initiating peer, one per WRITE frame, oldest forgotten first (all peers "
+        "together: 4 windows; about 200 bytes each): a retry whose frames are still "
+        "remembered is acknowledged without being placed or counted again.",
+        min=1, max=1 << 24,
+    )
+    write_id_ttl_s: float = key(
+        600.0,
+        "Seconds a receiver remembers an applied write id: retry a write that timed out "
+        "within this (and within engine.write_id_window writes) for it to count once.",
+        min=1e-3, unit="s",
+    )
+    max_expectations: int = key(
+        65536,
+        "Most EXPECT_IMM_COUNTs one client connection may have waiting at once; one more "
+        "is refused with TOO_LARGE. They go when they fire, time out (expect_timeout_s), "
+        "are cancelled, or the connection closes.",
+        min=1,
+    )
+    expect_timeout_s: float = key(
+        300.0,
+        "The deadline of an EXPECT_IMM_COUNT that names none (timeout_ms): not reached by "
+        "then, it ends with TIMEOUT (nothing consumed). Nothing waits forever.",
+        min=1e-3, unit="s",
+    )
+    max_expect_timeout_s: float = key(
+        3600.0,
+        "The longest deadline an EXPECT_IMM_COUNT may ask for (timeout_ms); a longer one is "
+        "BAD_REQUEST. At least expect_timeout_s.",
+        min=1e-3, unit="s",
+    )
+
+    def has_secret(self) -> bool:
+        return bool(self.secret_file or self.secret)
+
+
+def _rail_problems(e: EngineConfig) -> list[str]:
+    """Without a secret, rails on loopback only unless insecure is set."""
+    if e.has_secret() or e.insecure:
+        return []
+    out = []
+    for host in e.host_rails:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            out.append(
+                f"engine.host_rails: {host} is not a loopback address, and without a cluster "
+                "secret peers are not authenticated: set engine.secret_file (the same on "
+                "every daemon), or engine.insecure = true to accept the risk")
+    return out
