@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from transferd.domains import tcp
+from transferd.domains import rails
 from transferd.protocol import values
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.values import NetAddr
@@ -25,12 +25,12 @@ def test_a_netaddr_decoded_twice_is_the_same_value_and_a_malformed_one_always_ra
 
 
 def test_a_rail_parsed_twice_is_the_same_and_a_bad_one_always_raises() -> None:
-    assert tcp.parse_rail(b"127.0.0.1:80") == ("127.0.0.1", 80)
-    hits = tcp._parse_rail_cached.cache_info().hits
-    assert tcp.parse_rail(b"127.0.0.1:80") == ("127.0.0.1", 80)
-    assert tcp._parse_rail_cached.cache_info().hits == hits + 1
+    assert rails.parse_rail(b"127.0.0.1:80") == ("127.0.0.1", 80)
+    hits = rails._parse_rail_cached.cache_info().hits
+    assert rails.parse_rail(b"127.0.0.1:80") == ("127.0.0.1", 80)
+    assert rails._parse_rail_cached.cache_info().hits == hits + 1
     for raw in (b"nohost:80", b"127.0.0.1:0", b"127.0.0.1:65536", b"\xff:1"):
         for _ in range(2):
             with pytest.raises(BadRequest):
-                tcp.parse_rail(raw)
-    assert tcp._parse_rail_cached.cache_info().maxsize == 1024
+                rails.parse_rail(raw)
+    assert rails._parse_rail_cached.cache_info().maxsize == 1024
