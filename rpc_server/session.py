@@ -422,6 +422,8 @@ class Session(asyncio.BufferedProtocol):
             raise BadRequest("AUTH: this connection is already authenticated")
         if cmd not in HANDLERS:
             raise UnknownCommand(f"{cmd.name} is not served by this daemon")
+        if frame.refused is not None:  # over a cap the decoder enforced (max_tensors)
+            raise frame.refused
 
     def _handle(self, frame: Frame) -> None:
         started = time.perf_counter()
@@ -434,8 +436,7 @@ class Session(asyncio.BufferedProtocol):
                 # A payload frame was judged by its sink when its header came.
                 raise _stopping()
             if frame.payload_len:
-                # The sink already judged this frame; a discarded payload
-                # always has its reason recorded.
+                # The sink judged it; a discarded payload always has its reason recorded.
                 if self._sink_error is not None:
                     raise self._sink_error
                 if frame.discarded:
@@ -446,6 +447,7 @@ class Session(asyncio.BufferedProtocol):
                 and not int(frame.flags) & _NOT_REQUEST_FLAGS
                 and COMMAND_MINOR[cmd] <= self.ctx.minor
                 and cmd in HANDLERS
+                and frame.refused is None
             ):  # the usual request passes these; anything else gets the checks' error
                 self._check_allowed(frame)
             result = HANDLERS[_COMMANDS[frame.cmd]](self, frame)

@@ -94,3 +94,21 @@ def test_receive_pools_per_connection_are_capped(daemon_factory: DaemonFactory) 
     again.hello()
     for _ in range(3):
         ok(again.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1}))
+
+
+def test_a_batch_far_over_the_cap_is_refused_at_its_length(daemon_factory: DaemonFactory) -> None:
+    """650,000 tensors (issue 11's attack): refused from the list's length prefix, before
+    one tensor is decoded (the message names the decoder's cap, not a count it built)."""
+    d = daemon_factory()
+    c = RawConn.to(d)
+    c.hello()
+    buf = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4096})).body["buffer"]
+    too_large(c.request(Command.GET_TENSORS, {"tensors": [[buf, 0, 1]] * 650_000}),
+              "more than 65536 entries")
+    # With a payload: the payload is skipped whole, nothing lands, the next frame is read.
+    too_large(c.request(Command.SET_TENSORS, {"tensors": [[buf, 0, 1]] * 65_537},
+                        b"\x07" * 65_537), "more than 65536 entries")
+    assert ok(c.request(Command.GET_TENSOR, {"tensor": [buf, 0, 8]})).payload == bytes(8)
+    # Exactly the cap is decoded and served.
+    ok(c.request(Command.GET_TENSORS, {"tensors": [[buf, 0, 1]] * 65_536}))
+    ok(c.request(Command.STATS))

@@ -516,3 +516,19 @@ def test_tensor_value_helpers() -> None:
     assert t.to_wire() == [3, 16, 32]
     (f,) = FrameDecoder().feed(encode_frame(Command.GET_TENSOR, 0, 1, {"tensor": t.to_wire()}))
     assert Tensor(*f.body["tensor"]) == t
+
+
+def test_a_list_over_its_commands_cap_refuses_the_frame_not_the_stream() -> None:
+    dec = FrameDecoder()
+    dec.array_caps = {int(Command.GET_TENSORS): 4}
+    over = encode_frame(Command.GET_TENSORS, 0, 7, {"tensors": [[1, 0, 1]] * 5})
+    at_cap = encode_frame(Command.GET_TENSORS, 0, 8, {"tensors": [[1, 0, 1]] * 4})
+    other = encode_frame(Command.SET_TENSORS, 0, 9, {"tensors": [[1, 0, 1]] * 5})
+    f1, f2, f3 = dec.feed(b"".join(bytes(x) for x in (over, at_cap, other)))
+    assert isinstance(f1.refused, TooLarge) and f1.refused.seq == 7 and f1.body == {}
+    assert "more than 4 entries" in f1.refused.message
+    assert f2.refused is None and len(f2.body["tensors"]) == 4
+    assert f3.refused is None and len(f3.body["tensors"]) == 5  # no cap for SET_TENSORS
+    # Invalid msgpack under a cap is still BAD_FRAME (framing cannot go on).
+    with pytest.raises(BadFrame):
+        dec.feed(encode_header(Command.GET_TENSORS, 0, 11, 1, 0) + b"\xc1")

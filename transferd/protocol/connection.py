@@ -214,6 +214,7 @@ _AUTH = int(Command.AUTH)
 _REPLY = int(Flag.REPLY)
 _REPLY_ERROR = int(Flag.REPLY | Flag.ERROR)
 _NOT_REQUEST = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
+_BATCHES = (int(Command.GET_TENSORS), int(Command.SET_TENSORS))
 
 
 class ServerConnection(_Machine):
@@ -240,6 +241,8 @@ class ServerConnection(_Machine):
             buffer_size=HANDSHAKE_BUFFER,
         )
         self.decoder.gate = self.check_header
+        if "max_tensors" in settings.limits:  # a longer batch is refused, not decoded
+            self.decoder.array_caps = dict.fromkeys(_BATCHES, settings.limits["max_tensors"])
         self.client_name = ""
         self.client_minor = 0
         self.method: str | None = None
