@@ -28,7 +28,8 @@ import os
 import resource
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # accept() errors that say "the process or the system is out of something",
 # not "this one connection went wrong".
@@ -135,6 +136,24 @@ class AcceptGuard:
                            "accept(s)", self.label, self.failures)
             self.failures = 0
         self.delay = BACKOFF_MIN_S
+
+    def accept_burst(self, limit: int = 64) -> Iterator[tuple[socket.socket, Any]]:
+        """Up to ``limit`` accepted (socket, address) pairs, then let others run.
+
+        Stops early when nothing is waiting, or when an accept() error paused the
+        listener (out of descriptors: see :meth:`failed`); skips one that failed alone.
+        """
+        for _ in range(limit):
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self.failed(exc):
+                    return
+                continue
+            self.accepted()
+            yield conn, addr
 
     def failed(self, exc: OSError) -> bool:
         """Handle an accept() error; True if the loop must stop (the guard paused it)."""

@@ -313,16 +313,7 @@ class TcpDomain(Domain):
     # -- inbound ------------------------------------------------------------------
 
     def _accept(self) -> None:
-        for _ in range(64):
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if self._guard.failed(exc):  # out of descriptors: back off
-                    return
-                continue
-            self._guard.accepted()
+        for sock, _ in self._guard.accept_burst():
             if len(self._handshaking) >= MAX_HANDSHAKING or not self.budget.take():
                 self._log(logging.WARNING, "rail %d: inbound link refused: %d handshaking, "
                           "%d of %d peer links open", self.rail, len(self._handshaking),

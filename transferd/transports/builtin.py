@@ -119,16 +119,7 @@ class _TcpListener(Listener):
 
     def _accept(self) -> None:
         admission = self._opts.admission if self._ctx is not None else None
-        for _ in range(64):  # a burst of connections, then let others run
-            try:
-                conn, addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if self._guard.failed(exc):
-                    return
-                continue
-            self._guard.accepted()
+        for conn, addr in self._guard.accept_burst():
             source = str(addr[0])
             if admission is not None and admission.admit(source) is not None:
                 conn.close()
@@ -182,16 +173,7 @@ class _UnixListener(Listener):
         self._guard = AcceptGuard(self._loop, sock, self._accept, f"listener {ep.url}", log)
 
     def _accept(self) -> None:
-        for _ in range(64):  # a burst of connections, then let others run
-            try:
-                conn, _addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if self._guard.failed(exc):
-                    return
-                continue
-            self._guard.accepted()
+        for conn, _addr in self._guard.accept_burst():
             conn.setblocking(False)
             self.kind.tune(conn, self._opts)
             SocketTransport(
