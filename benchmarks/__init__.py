@@ -21,6 +21,8 @@ BENCHMARKS = [
     # The 4 KiB write's steps and domain groups (issue 12)
     "engine_steps",
     "engine_groups",
+    # The small write's CPU and rate (issue 17)
+    "engine_small",
     # Memory (issue 7)
     "shm_read",
     # Connections (issue 6)
@@ -36,7 +38,7 @@ BENCHMARKS = [
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency", "engine_steps",
-               "engine_groups"],
+               "engine_groups", "engine_small"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from transferd.domains.coverage import Coverage
+from transferd.protocol.peer_coverage import Coverage
 from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.regions import Region, RegionTable

@@ -28,10 +28,10 @@ from transferd.protocol.values import NetAddr
 
 from . import registry
 from .base import Ack, Domain, DomainOptions
-from .coverage import DUPLICATE, Coverage, Landed, fingerprint
+from transferd.protocol.peer_coverage import DUPLICATE, Coverage, Landed, fingerprint
 from .failover import RailHealth, Resend, move
 from .peers import PeerBook
-from .writeids import Seen, WriteIds
+from transferd.protocol.peer_writeids import Seen, WriteIds
 
 if TYPE_CHECKING:
     from transferd.engine.immcounter import ImmCounter
