@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from transferd.config_sections import key
+from transferd.domains import registry as domain_registry
 
 
 @dataclass
@@ -77,7 +78,7 @@ class EngineConfig:
         "delivers every write in pieces, out of order, after random delays, to prove "
         'nothing depends on delivery order. Never use "chaos" in production. '
         "docs/domains.md says how to add a Domain.",
-        choices=("tcp", "chaos", "chaos:tcp", "verbs"),
+        choices=domain_registry.choices(),
     )
     rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
         [],

@@ -220,7 +220,9 @@ def test_a_frame_whose_size_cannot_be_trusted_closes_the_link(bad: str) -> None:
 def test_an_outbound_link_takes_acks_only_and_bounded_ones() -> None:
     _, _, p = _setup()
     feed(p.out, encode_send(1, 0, 0))
-    assert p.out.closed and isinstance(p.out.error, BadFrame)
+    # Its parts fail PEER_UNREACHABLE (another rail may take them), saying why.
+    assert p.out.closed and isinstance(p.out.error, PeerUnreachable)
+    assert "takes ACKs only" in p.out.error.message
     _, _, p = _setup()
     feed(p.out, ACK_HEAD.pack(0x42, 1, 60000, 0, 1))
     assert p.out.closed and "ACK" in p.out.error.message
@@ -366,12 +368,15 @@ def test_a_deferred_landing_holds_the_link_and_acks_once_landed() -> None:
     token = object()
     p.out.write(token, 1, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"dev!")], 2)
     p.out.write(token, 2, 0, r.rkeys[0], [r.ptr + 4], [4], [memoryview(b"next")], 2)
-    feed(p.inb, drain(p.out))
+    first, second = frames(drain(p.out))
+    feed(p.inb, first)
     (land,) = [e for e in p.inb.events if isinstance(e, Land)]
     assert p.inb.state is LinkState.PAUSED and mem.counts[2] == 0 and drain(p.inb) == b""
+    assert not p.inb.reading  # the next frame waits in the socket meanwhile
     p.inb.events.clear()
     p.inb.landed(land, None)  # the copy completed: counted, acknowledged, reading on
-    assert mem.counts[2] == 1
+    assert mem.counts[2] == 1 and p.inb.reading
+    feed(p.inb, second)
     (land2,) = [e for e in p.inb.events if isinstance(e, Land)]
     p.inb.landed(land2, None)
     feed(p.out, drain(p.inb))
@@ -390,8 +395,27 @@ def test_a_wrong_secret_ends_both_ends_with_the_reason() -> None:
     out.connected(0.0)
     feed(inb, drain(out))
     feed(out, drain(inb))
-    assert out.closed and isinstance(out.error, Unauthorized)
+    assert out.closed and isinstance(out.error, PeerUnreachable)
     assert "did not prove the cluster secret" in out.error.message
+    # The responder, told nothing, waits for an AUTH until its handshake times out.
+    assert not inb.closed
+    inb.tick(6.0)
+    assert inb.closed and isinstance(inb.error, Timeout)
+    # The other way round the responder refuses the AUTH and says why.
+    out = OutboundLink(me, 0, b"one secret", 0.0, timeout=5.0,
+                       expect=(them.node, 0, them.addrs[0]))
+    out.connected(0.0)
+    inb = InboundLink(them, 0, b"one secret", 0.0, landing=Landing(HostMemory(1)),
+                      timeout=5.0, max_message=1 << 20)
+    feed(inb, drain(out))
+    feed(out, drain(inb))
+    out.hs.secret = b"a third"  # the initiator's AUTH proves another secret
+    out.hs._out.clear()
+    from transferd.protocol.frames import encode_frame
+    from transferd.protocol.peer import PeerCommand
+    feed(inb, encode_frame(PeerCommand.AUTH, 0, 0, {"mac": bytes(32)}))
+    assert inb.closed and isinstance(inb.error, Unauthorized)
+    assert b"UNAUTHORIZED" in drain(inb)
 
 
 def test_without_a_secret_the_probe_holds_the_initiator_to_its_address() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from transferd.protocol.peer_coverage import Coverage
-from transferd.protocol.peer_writeids import Seen, WriteIds
 from transferd.protocol.errors import BadRequest, Timeout
-from transferd.protocol.peer import WriteHeader
+from transferd.protocol.peer_coverage import Coverage
+from transferd.protocol.peer_wire import WriteHeader
+from transferd.protocol.peer_writeids import Seen, WriteIds
 
 PEER = (5, 0)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from transferd.domains.group import DomainGroup
 from transferd.protocol.errors import BadRequest, OutOfBounds
 
 from .regions import Region
@@ -19,7 +18,7 @@ def plan_staging(region: Region, pages: list[tuple[int, int]]
                  ) -> tuple[Any, list[int], list[tuple[int, int]], int]:
     """(the region's device I/O, each page's device address, each page's (chunk,
     offset) in staging, how many chunks) for pages of (absolute address, length)."""
-    io = DomainGroup.device_io(region)
+    io = region.staging
     mem = region.buffer.memory
     assert io is not None and mem is not None
     # A device Memory's check(offset, size) gives the device address (bounds checked).

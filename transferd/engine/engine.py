@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 from transferd.config import EngineConfig
 from transferd.copies import COUNTING, count
-from transferd.domains.base import Ack, DomainOptions
+from transferd.domains import registry
+from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
@@ -52,6 +53,7 @@ from .plan import (
     plan_paged,
     plan_single,
 )
+from .port import EnginePort
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .secret import load_secret, loopback
@@ -81,6 +83,10 @@ class TransferEngine:
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable()
         self.counter = ImmCounter(notify=self._notify)
+        # What every group lands writes and delivers messages through.
+        self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
+        # What the configured kind of Domain can do (asked, never its name).
+        self.capabilities = registry.capabilities(config.domain)
         self._ops = itertools.count(1)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
@@ -164,8 +170,7 @@ class TransferEngine:
     def _make_group(self, index: int, worker: Worker) -> DomainGroup:
         """Group ``index`` on ``worker``'s loop, its rails bound (runs on that loop)."""
         assert worker.loop is not None
-        g = DomainGroup(index, self.node, worker.loop, self.regions, self.counter,
-                        self._deliver, sender_gone=self._sender_gone,
+        g = DomainGroup(index, self.node, worker.loop, self.port,
                         timeout_s=self.config.peer_timeout_s,
                         domain=self.config.domain, options=self.domain_options,
                         secret=self.secret,
@@ -242,7 +247,7 @@ class TransferEngine:
         self._check_wid(wid)
         region = self.regions.get(src[0])
         op = next(self._ops)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
                 plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid))
         view = region.view(region.ptr + src[1], length)
@@ -261,7 +266,7 @@ class TransferEngine:
                              "destination pages")
         base, stride = region.ptr + sp.offset, sp.stride
         op = next(self._ops)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             pages = [(base + i * stride, page_len) for i in sp.indices]
             return self._from_device(op, region, pages, lambda v: _wid(
                 plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid))
@@ -274,10 +279,10 @@ class TransferEngine:
             return
         if not 0 <= wid <= 0xFFFFFFFFFFFFFFFF:
             raise BadRequest(f"write id {wid} is not a 64-bit unsigned value")
-        if self.config.domain == "verbs":
+        if not self.capabilities.sees_writes:
             # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
-            raise BadRequest("write ids need a Domain whose receiver sees each write "
-                             "(tcp, chaos), not verbs")
+            raise BadRequest(f"write ids need a Domain whose receiver sees each write "
+                             f"(tcp, chaos), not {self.config.domain}")
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
@@ -374,7 +379,7 @@ class TransferEngine:
         self._check_group(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             raise BadRequest(f"a scatter from {region.buffer.device} memory is not supported "
                              "(single and paged writes are)")
         parts: list[WritePart | SendPart] = []
@@ -415,7 +420,7 @@ class TransferEngine:
         """Post receives for ``owner`` (a connection); see :mod:`.receives`."""
         self.receives.post(owner, length, count, deliver)
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack,
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Callable[..., None],
                  source: Hashable = None) -> None:
         # From a Domain's worker: the receive side lives on the daemon's loop.
         self._notify(functools.partial(self.receives.arrive, peer, msg, ack, source))
@@ -448,6 +453,10 @@ class TransferEngine:
         mine.add(fired)
         self.counter.expect(imm, count, fired)
         return fired
+
+    def expectations_pending(self) -> int:
+        """Expectations clients wait on now (for the metrics)."""
+        return sum(len(v) for v in list(self._expectations.values()))
 
     def cancel_expectation(self, owner: Hashable, handle: Callable[[], None]) -> bool:
         """Drop a waiting expectation (nothing consumed); False if it had fired."""

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from transferd.memory import Buffer, Ref
 from transferd.protocol.errors import NotFound, OutOfBounds
@@ -41,6 +42,26 @@ class Region:
     # How to cut short each admitted write that said how (its link's close).
     _aborts: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
     _tickets: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    # -- what a Domain may read (transferd.parts.RegionInfo) ------------------------------
+
+    @property
+    def device(self) -> str:
+        return self.buffer.device
+
+    @property
+    def staging(self) -> Any:
+        """The staging path (a DeviceIO) of a region of device memory, else None."""
+        mem = self.buffer.memory
+        io = getattr(mem, "io", None)
+        return io if io is not None and mem is not None and mem.host_view is None else None
+
+    def device_address(self, offset: int, size: int) -> int:
+        """The device address of ``[offset, offset + size)`` of device memory."""
+        mem = self.buffer.memory
+        assert mem is not None
+        check: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+        return check(offset, size)
 
     # -- writes in flight -------------------------------------------------------------
 

@@ -58,7 +58,8 @@ from .errors import (
 from .frames import Frame, encode_frame
 from .peer import PeerCommand
 
-VERSION = 1
+# 2: the data phase after the handshake is peer_wire's fixed headers (1 spoke msgpack).
+VERSION = 2
 METHOD = "hmac-sha256"
 NONCE_LEN = 32
 MAC_LEN = 32

@@ -147,9 +147,10 @@ class Landing:
                  coverage: Coverage | None = None, landed: Landed | None = None) -> None:
         self.memory = memory
         self.remember = rails > 1
-        self.write_ids = write_ids or WriteIds()
-        self.coverage = coverage or Coverage()
-        self.landed = landed or Landed()
+        # (Not ``or``: an empty table is falsy, and the caller's is the one to use.)
+        self.write_ids = WriteIds() if write_ids is None else write_ids
+        self.coverage = Coverage() if coverage is None else coverage
+        self.landed = Landed() if landed is None else landed
         # Tallies the metrics read when scraped.
         self.writes_in = 0
         self.bytes_in = 0

@@ -21,8 +21,9 @@ Link states are one enum and one transition table (:data:`TRANSITIONS`)::
     CONNECTING --connected--> HANDSHAKE --authenticated--> SETUP --carrier ready--> READY
     READY <--hold / release--> PAUSED;   any state --close--> CLOSED
 
-SETUP is the Domain's own step after the handshake (verbs exchanges its queue
-pairs there; tcp's carrier is the stream itself and goes straight on).  PAUSED is
+SETUP is the Domain's own step after the handshake: verbs exchanges its queue pairs
+there, one SETUP frame each way (:meth:`send_setup`, the :class:`SetUp` event), then
+says :meth:`carrier_ready`; tcp's carrier is the stream itself and goes straight on.  PAUSED is
 back-pressure: an outbound link whose unsent bytes passed the high watermark takes
 no new part until they fall below the low one; an inbound link whose ACKs the peer
 does not read (the ACK watermark), or which waits for a device write's copies,
@@ -39,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
+
+from transferd.copies import COUNTING, count
 
 from .errors import BadFrame, BadRequest, PeerUnreachable, TransferdError
 from .frames import FrameDecoder
@@ -61,14 +64,18 @@ from .peer_wire import (
     MAX_ERROR_TEXT,
     MAX_EXT,
     MAX_PAGES,
+    MAX_SETUP,
     SEND,
     SEND_HEAD,
+    SETUP,
+    SETUP_HEAD,
     WRITE,
     WRITE_HEAD,
     ack_error,
     check_write_head,
     encode_ack,
     encode_send,
+    encode_setup,
     encode_write,
     parse_write,
     write_table_len,
@@ -110,10 +117,10 @@ TRANSITIONS: dict[tuple[LinkState, LinkInput], LinkState] = {
 # (48 + 16 + 16 * 4096 + 4096 bytes), and a small write arrives whole in one read.
 PRE_AUTH_BUFFER = 8192
 BUFFER = 256 * 1024
-# A payload at least this long, not yet in the buffer, is received straight into
-# its pages; a shorter one comes with its header into the buffer and is copied
-# (a copy of a few KiB costs less than the receive it saves).
-DIRECT_MIN = 64 * 1024
+# An inbound link reads exactly what the frame in hand needs, so that a payload is
+# received straight into its pages and never through the link's buffer: at a frame's
+# start this much (a one-page WRITE's whole header), then the rest of its header.
+HEAD_GUESS = 64
 # What one receive or send is offered (views and bytes).
 IOV_MAX = 512
 RECV_BYTES = 1 << 20
@@ -213,13 +220,30 @@ class Land:
 
 
 @dataclass(frozen=True, slots=True)
+class SetUp:
+    """The other end's set-up came (SETUP state): ``blob``, or ``error`` if it refused
+    ours."""
+
+    blob: bytes
+    error: TransferdError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A WRITE was refused (its ACK carries ``error``): for the log."""
+
+    ref: tuple[int, int]
+    error: TransferdError
+
+
+@dataclass(frozen=True, slots=True)
 class Closed:
     """The link is over; ``error`` says why (None: closed on purpose)."""
 
     error: TransferdError | None
 
 
-Event = Probe | Ready | ProbeArrived | Deliver | Land | Closed
+Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Closed
 
 
 class _Link:
@@ -237,6 +261,7 @@ class _Link:
         self._buf: bytearray | None = None
         self._view: memoryview | None = None
         self._start = self._end = 0
+        self._messages = False  # frames come from receive_message now
 
     # -- state --------------------------------------------------------------------------
 
@@ -281,7 +306,11 @@ class _Link:
 
     def _fail(self, exc: TransferdError) -> None:
         self.out.push(self.hs.data_to_send())  # a responder tells the initiator why
-        self.close(exc)
+        self.close(self._error_of(exc))
+
+    def _error_of(self, exc: TransferdError) -> TransferdError:
+        """The error a link closes with when the peer or the handshake ended it."""
+        return exc
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -323,7 +352,11 @@ class _Link:
             return
         view[:len(data)] = data
         self._end += len(data)
-        self._frames()
+        self._messages = True
+        try:
+            self._frames()
+        finally:
+            self._messages = False
         if not self.closed and (self._start != self._end or self._in_frame):
             self._fail(BadFrame(f"a message of {len(data)} bytes is not one whole frame"))
 
@@ -382,6 +415,30 @@ class _Link:
     def _frames(self) -> None:
         raise NotImplementedError
 
+    def send_setup(self, blob: bytes | None, error: TransferdError | None = None) -> None:
+        """SETUP state: our set-up (or the error refusing theirs) to the other end."""
+        if self.state is not LinkState.SETUP:
+            raise BadFrame(f"peer link: a set-up when {self.state.value}")
+        self.out.push(encode_setup(blob, error))
+
+    def _setup_frames(self) -> None:
+        """SETUP state: the other end's SETUP frame, when it is whole."""
+        buf = self._buf
+        assert buf is not None
+        avail = self._end - self._start
+        if avail < 8:
+            return
+        cmd, status, _, n = SETUP_HEAD.unpack_from(buf, self._start)
+        if cmd != SETUP or n > MAX_SETUP:
+            self.close(self._error_of(BadFrame(f"peer frame 0x{cmd:02x} where the "
+                                               "set-up was due")))
+            return
+        if avail < 8 + n:
+            return
+        blob = bytes(buf[self._start + 8:self._start + 8 + n])
+        self._start += 8 + n
+        self.events.append(SetUp(b"", ack_error(1, blob)) if status else SetUp(blob, None))
+
     def carrier_ready(self) -> None:
         """The Domain's carrier is set up (tcp: at once): the link is READY."""
         self._move(LinkInput.CARRIER_READY)
@@ -403,11 +460,14 @@ class OutboundLink(_Link):
                  expect: tuple[int, int, bytes], timeout: float,
                  admit: Callable[[PeerIdentity], None] | None = None,
                  high_water: int = HIGH_WATER, low_water: int = LOW_WATER,
+                 label: str = "peer link",
                  random: Callable[[int], bytes] | None = None) -> None:
         kw: dict[str, Any] = {} if random is None else {"random": random}
         super().__init__(PeerHandshake(Role.INITIATOR, me, rail, secret, now, timeout=timeout,
                                        expect=expect, admit=admit, **kw))
         self.high_water, self.low_water = high_water, low_water
+        # Names the link in the errors its parts fail with ("link to NODE rail R").
+        self.label = label
         # Parts taken before the link was ready or while it was paused, in order.
         self._waiting: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._pending: dict[tuple[int, int], Any] = {}
@@ -505,13 +565,23 @@ class OutboundLink(_Link):
             fn, args = waiting.popleft()
             fn(*args)
 
+    def _error_of(self, exc: TransferdError) -> TransferdError:
+        # A configuration mismatch stays a BAD_REQUEST (another rail count, say); the
+        # rest is a link that could not be made or went wrong: PEER_UNREACHABLE.
+        kind = BadRequest if type(exc) is BadRequest else PeerUnreachable
+        return kind(f"{self.label}: {exc.message}")
+
     def _closed_error(self) -> TransferdError:
-        return self.error if isinstance(self.error, PeerUnreachable) else PeerUnreachable(
-            f"the link is closed{': ' + self.error.message if self.error else ''}")
+        """What a part given to a closed link fails with (another rail may take it)."""
+        err = self.error
+        if type(err) is PeerUnreachable or type(err) is BadRequest:
+            return err
+        return PeerUnreachable(f"{self.label} is closed{': ' + err.message if err else ''}")
 
     def _closing(self, error: TransferdError | None) -> None:
         self.out.clear()
-        err = self._closed_error()
+        # What it held fails with the reason it closed (a transfer's own TIMEOUT, say).
+        err = error or self._closed_error()
         for _, args in self._waiting:
             self.completions.append((args[0], err))
         self._waiting.clear()
@@ -527,6 +597,9 @@ class OutboundLink(_Link):
         self._view = memoryview(self._buf)
 
     def _frames(self) -> None:
+        if self.state is LinkState.SETUP:
+            self._setup_frames()
+            return
         buf = self._buf
         assert buf is not None
         start, end = self._start, self._end
@@ -553,7 +626,7 @@ class OutboundLink(_Link):
                     done.append((token, error))
         except TransferdError as exc:
             self._start = start
-            self.close(exc)
+            self.close(self._error_of(exc))
             return
         self._start = start
 
@@ -565,17 +638,21 @@ class InboundLink(_Link):
     side does when a region is deregistered while one of this link's writes is
     landing in it (close the link: no more of it lands).  ``max_message`` bounds a
     SEND's payload (collected in memory: refused before anything is allocated).
+    ``stream_frames``: False for a link whose stream carries only the handshake and
+    the set-up (verbs: writes and messages go by the NIC), where any other frame on
+    it is BadFrame.
     """
 
     def __init__(self, me: PeerIdentity, rail: int, secret: bytes | None, now: float, *,
                  landing: Landing, timeout: float, max_message: int,
                  admit: Callable[[PeerIdentity], None] | None = None,
-                 abort: Callable[[], None] | None = None,
+                 abort: Callable[[], None] | None = None, stream_frames: bool = True,
                  random: Callable[[int], bytes] | None = None) -> None:
         kw: dict[str, Any] = {} if random is None else {"random": random}
         super().__init__(PeerHandshake(Role.RESPONDER, me, rail, secret, now, timeout=timeout,
                                        admit=admit, **kw))
         self.rail = rail
+        self.stream_frames = stream_frames
         self.landing = landing
         self.max_message = max_message
         self._abort = abort
@@ -593,6 +670,7 @@ class InboundLink(_Link):
         self._pos = 0
         self._drop = False  # the payload is read and dropped (refused, or a duplicate)
         self._direct = False
+        self._want = HEAD_GUESS  # bytes to read next (a header's)
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -616,8 +694,9 @@ class InboundLink(_Link):
     # -- receiving ----------------------------------------------------------------------
 
     def get_buffers(self) -> list[memoryview]:
-        if self._kind and self._start == self._end and self._left >= DIRECT_MIN \
-                and not self._drop:
+        if self._buf is None:
+            return super().get_buffers()
+        if self._kind and self._start == self._end and not self._drop:
             # Straight into the pages: the rest of this payload, a socket's worth.
             self._direct = True
             segs, i = self._segs, self._seg
@@ -631,7 +710,10 @@ class InboundLink(_Link):
                 total += len(seg)
             return views
         self._direct = False
-        return super().get_buffers()
+        room = self._room()
+        # Never past the frame in hand: its header, or what of a dropped payload is left.
+        want = min(self._left, len(room)) if self._kind else self._want
+        return [room[:max(1, want)]]
 
     def received(self, n: int, now: float) -> None:
         if self._direct:
@@ -659,6 +741,8 @@ class InboundLink(_Link):
         self._left -= len(data)
         if self._drop:
             return
+        if COUNTING:
+            count("peer.buffered", len(data))  # (only after a header shorter than guessed)
         segs = self._segs
         i, off, pos, total = self._seg, self._pos, 0, len(data)
         if off == 0 and i == 0 and len(segs) == 1 and total == len(segs[0]):
@@ -678,6 +762,12 @@ class InboundLink(_Link):
 
     def _frames(self) -> None:
         """Every whole frame in the buffer, in order, until one needs more bytes."""
+        if self.state is LinkState.SETUP:
+            self._setup_frames()
+            return
+        if not self.stream_frames and self._end > self._start and not self._messages:
+            self.close(BadFrame("a frame on a link that carries none after its set-up"))
+            return
         buf, view = self._buf, self._view
         assert buf is not None and view is not None
         while self.state is LinkState.READY:
@@ -694,11 +784,13 @@ class InboundLink(_Link):
                 continue
             avail = end - start
             if not avail:
+                self._want = HEAD_GUESS
                 return
             cmd = buf[start]
             try:
                 if cmd == WRITE:
                     if avail < 48:
+                        self._want = HEAD_GUESS - avail
                         return
                     head = WRITE_HEAD.unpack_from(buf, start)
                     flags, npages, ext = head[1], head[2], head[7]
@@ -706,11 +798,13 @@ class InboundLink(_Link):
                         check_write_head(flags, npages, ext)
                     size = 48 + write_table_len(flags, npages, ext)
                     if avail < size:
+                        self._want = size - avail
                         return
                     self._start = start + size
                     self._open_write(buf, start, head)
                 elif cmd == SEND:
                     if avail < 24:
+                        self._want = 24 - avail
                         return
                     _, _, _, part, op, plen = SEND_HEAD.unpack_from(buf, start)
                     self._start = start + 24
@@ -767,6 +861,7 @@ class InboundLink(_Link):
             adm, self._adm = self._adm, None
             if adm is None:
                 assert self._refusal is not None
+                self.events.append(Refused(ref, self._refusal))
                 self._ack(ref, self._refusal)
             elif adm.duplicate:
                 adm.commit(nbytes)
@@ -822,6 +917,7 @@ class InboundLink(_Link):
             land.admission.commit(land.nbytes)
         else:
             land.admission.fail(error)
+            self.events.append(Refused(land.ref, error))
         if self.state is not LinkState.CLOSED:
             self._ack(land.ref, error)
             self._release()
@@ -838,7 +934,7 @@ class InboundLink(_Link):
 
 
 __all__ = [
-    "ACK_HIGH", "ACK_LOW", "BUFFER", "HIGH_WATER", "LOW_WATER", "PRE_AUTH_BUFFER",
+    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER", "PRE_AUTH_BUFFER",
     "TRANSITIONS", "Closed", "Deliver", "Event", "InboundLink", "Land", "LinkInput",
-    "LinkState", "OutboundLink", "Output", "ProbeArrived",
+    "LinkState", "OutboundLink", "Output", "ProbeArrived", "Refused", "SetUp",
 ]

@@ -16,6 +16,10 @@ ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, 
                [mlen bytes: the error's code, NUL, its message (UTF-8)]
 SEND   (0x43)  24 bytes: cmd u8, 0 u8, 0 u16, part u32, op u64, payload u64
                payload: the message
+SETUP  (0x4E)  8 bytes: cmd u8, status u8 (0 ok, 1 error), 0 u16, length u32
+               [length bytes, at most 4096: the Domain's own set-up (verbs: its queue
+               pairs), or an error's code, NUL, its message]; one each way, after the
+               handshake and before any other frame, only on a Domain that has one
 
 Flags of a WRITE: IMM (``imm`` counts), SPAN (a part of a single write split in
 several: the whole write's range follows), WID (``wid`` is the client's write id),
@@ -57,9 +61,12 @@ class Cmd(enum.IntEnum):
     # Reserved: one-sided READ and its data (issue 19).
     READ = 0x46
     READ_DATA = 0x47
+    SETUP = 0x4E
 
 
-WRITE, ACK, SEND = int(Cmd.WRITE), int(Cmd.ACK), int(Cmd.SEND)
+WRITE, ACK, SEND, SETUP = int(Cmd.WRITE), int(Cmd.ACK), int(Cmd.SEND), int(Cmd.SETUP)
+# The longest set-up a Domain exchanges after the handshake.
+MAX_SETUP = 4096
 
 # WRITE flags.
 IMM = 0x01
@@ -72,6 +79,7 @@ KNOWN_FLAGS = IMM | SPAN | WID | AGAIN | UNIFORM
 WRITE_HEAD = struct.Struct("<BBHIQQIIQQ")
 ACK_HEAD = struct.Struct("<BBHIQ")
 SEND_HEAD = struct.Struct("<BBHIQQ")
+SETUP_HEAD = struct.Struct("<BBHI")
 SPAN_FMT = struct.Struct("<QQ")
 # A one-page WRITE's header whole: the fixed part and its page (the small write).
 WRITE_ONE = struct.Struct("<BBHIQQIIQQQQ")
@@ -203,6 +211,8 @@ def frame_size(data: bytes | bytearray | memoryview) -> int | None:
         return None if len(data) < 16 else 16 + ACK_HEAD.unpack_from(data)[2]
     if cmd == SEND:
         return None if len(data) < 24 else 24 + SEND_HEAD.unpack_from(data)[5]
+    if cmd == SETUP:
+        return None if len(data) < 8 else 8 + SETUP_HEAD.unpack_from(data)[3]
     raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, an ACK or a SEND")
 
 
@@ -228,9 +238,58 @@ def encode_send(op: int, part: int, length: int) -> bytes:
     return SEND_HEAD.pack(SEND, 0, 0, part, op, length)
 
 
+def encode_setup(blob: bytes | None, error: TransferdError | None = None) -> bytes:
+    """A SETUP frame: a Domain's set-up, or the error that refused the other's."""
+    if error is not None:
+        blob = (error.code.value + "\0" + error.message).encode("utf-8", "replace")[
+            :MAX_SETUP]
+    assert blob is not None and len(blob) <= MAX_SETUP
+    return SETUP_HEAD.pack(SETUP, 1 if error is not None else 0, 0, len(blob)) + blob
+
+
+def parse_message(msg: bytes | bytearray | memoryview
+                  ) -> tuple[int, int, int, memoryview | None, TransferdError | None]:
+    """A SEND or an ACK that came whole in one message (a message transport):
+    (cmd, op, part, the SEND's payload, the ACK's error); BadFrame unless the message
+    is exactly that one frame."""
+    view = memoryview(msg).cast("B")
+    n = len(view)
+    cmd = view[0] if n else 0
+    if cmd == SEND and n >= 24:
+        _, _, _, part, op, plen = SEND_HEAD.unpack_from(view)
+        if 24 + plen == n:
+            return SEND, op, part, view[24:], None
+    elif cmd == ACK and n >= 16:
+        _, status, mlen, part, op = ACK_HEAD.unpack_from(view)
+        if 16 + mlen == n and (status or not mlen):
+            return ACK, op, part, None, ack_error(status, view[16:])
+    raise BadFrame(f"a message of {n} bytes is not one SEND or ACK frame")
+
+
 __all__ = [
-    "ACK", "ACK_HEAD", "AGAIN", "IMM", "MAX_PAGES", "SEND", "SEND_HEAD", "SPAN", "UNIFORM",
-    "WID", "WRITE", "WRITE_HEAD", "Cmd", "WriteHeader", "ack_error", "check_write_head",
-    "encode_ack", "encode_send", "encode_write", "frame_size", "parse_write",
+    "ACK",
+    "ACK_HEAD",
+    "AGAIN",
+    "IMM",
+    "MAX_PAGES",
+    "SEND",
+    "SEND_HEAD",
+    "SETUP",
+    "SPAN",
+    "UNIFORM",
+    "WID",
+    "WRITE",
+    "WRITE_HEAD",
+    "Cmd",
+    "WriteHeader",
+    "ack_error",
+    "check_write_head",
+    "encode_ack",
+    "encode_send",
+    "encode_setup",
+    "encode_write",
+    "frame_size",
+    "parse_message",
+    "parse_write",
     "write_table_len",
 ]

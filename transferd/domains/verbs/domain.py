@@ -36,36 +36,33 @@ import socket
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from transferd.parts import SendPart, Transfer, WritePart
+from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
     TransferdError,
 )
-from transferd.protocol.frames import Frame
+from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
 
-from ..base import Domain
+from ..base import LINK_STATES, Capabilities, Domain, LinkStats, Port
 from ..rails import parse_rail, rail_bytes
-from ..tcp import dial_probe
 from . import messages
+from .bind import create
 from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from .cqloop import CqPoller
-from .links import InLink, LinkState, OutLink
+from .links import InLink, OutLink
 from .mrtable import Registration, address_of
 from .resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from .sender import Posted, Sender
 from .sendq import SendQueue
 from .wr import RecvSlots, ZeroWriteTemplate, build_chains
 
-if TYPE_CHECKING:
-    from transferd.engine.regions import Region
-
-    from ..group import DomainGroup
-
 T = TypeVar("T")
+
+CAPABILITIES: Capabilities = create.capabilities
 
 log = logging.getLogger("transferd.verbs")
 
@@ -153,7 +150,7 @@ class QpEnd:
             self.tx = _Slots(nic, MSG_DEPTH, MSG_LEN)
             self.recv = RecvSlots(int(WrKind.RECV), self.rx.addr, MSG_LEN, MSG_DEPTH,
                                   self.rx.reg.lkey)
-        self._tx_waiting: deque[tuple[int, dict[str, Any], bytes, Any]] = deque()
+        self._tx_waiting: deque[tuple[bytes, bytes, Any]] = deque()
         domain.dispatcher.qps[self.info.qpn] = QpRole(self, write)
         domain.qps[self.info.qpn] = self
         for wr in self.recv.wrs:
@@ -207,20 +204,20 @@ class QpEnd:
             pos += n
         d.kick()
 
-    def send_frame(self, cmd: int, body: dict[str, Any], payload: bytes,
-                   on_done: Any) -> None:
-        """One frame in one SEND, copied into a registered slot (waits for a free one)."""
+    def send_frame(self, head: bytes, payload: bytes, on_done: Any) -> None:
+        """One frame (``head``, then ``payload``) in one SEND, copied into a registered
+        slot (waits for a free one)."""
         assert self.tx is not None
         if self.closed:
             raise PeerUnreachable("queue pair closed")
         if not self.tx.free:
             if len(self._tx_waiting) >= SEND_DEPTH * 4:
                 raise BadRequest("too many messages waiting for a send slot")
-            self._tx_waiting.append((cmd, body, payload, on_done))
+            self._tx_waiting.append((head, payload, on_done))
             return
         i = self.tx.free.pop()
         try:
-            n = messages.encode_into(self.tx.slot(i), cmd, body, payload)
+            n = messages.encode_into(self.tx.slot(i), head, payload)
         except TransferdError:
             self.tx.free.append(i)
             raise
@@ -236,7 +233,7 @@ class QpEnd:
         sge = (self.tx.addr + i * self.tx.length, n, self.tx.reg.lkey)
         self.domain.sender.send(self, sge, sent)
 
-    def received(self, slot: int, nbytes: int) -> Frame:
+    def received(self, slot: int, nbytes: int) -> Any:
         assert self.rx is not None
         try:
             return messages.parse(self.rx.slot(slot)[:nbytes])
@@ -259,7 +256,7 @@ class QpEnd:
             d.sender.completed(p, err)
         for q in waiting:
             d.sender.completed(q, err)
-        for _, _, _, on_done in tx_waiting:
+        for _, _, on_done in tx_waiting:
             if on_done is not None:
                 on_done(err)
         with contextlib.suppress(PyverbsError):
@@ -281,27 +278,28 @@ class VerbsDomain(Domain):
     """
 
     name = "verbs"
+    # The NIC places writes (no receiver code sees them) and counts immediates; it does
+    # not take device memory yet (docs/rdma.md).
+    capabilities = CAPABILITIES
 
-    def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0, *,
+    def __init__(self, port: Port, rail: int, host: str, port_number: int = 0, *,
                  device: str, ib_port: int = 1, gid_index: int | None = None) -> None:
-        self.group = group
+        self.port = port
         self.rail = rail
         self.host = host
-        self.loop = group.loop
+        self.loop = port.loop
         self.nic = Nic(device, ib_port, gid_index)  # VerbsUnavailable names what is missing
-        self.sender = shared_sender(group)
+        self.sender = shared_sender(port)
         self.wrids: WrIds[Posted] = WrIds(WR_IDS)
         self.qps: dict[int, QpEnd] = {}
         self.dispatcher: Dispatcher[Posted] = Dispatcher(
             self.wrids, on_send_done=self.sender.completed, on_imm=self._on_imm,
             on_message=self._on_message, repost=self._repost, on_broken=self._on_broken)
-        self._listener = _listen(host, port)
-        self.port = self._listener.getsockname()[1]
+        self._listener = _listen(host, port_number)
+        self.port_number = self._listener.getsockname()[1]
         # Keyed by the peer and the address dialled, as the tcp rails' links.
         self._links: dict[tuple[int, int, bytes], OutLink] = {}
         self._inbound: set[InLink] = set()
-        self._probes: dict[bytes, OutLink] = {}
-        self._probing: set[asyncio.Task[None]] = set()
         self._cqes = 0
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
                                self.dispatcher.dispatch)
@@ -317,15 +315,15 @@ class VerbsDomain(Domain):
 
     # -- memory -------------------------------------------------------------------------
 
-    def register(self, region: Region) -> int:
+    def register(self, region: RegionInfo) -> int:
         """ibv_reg_mr of the region on this NIC: its rkey for the MrDesc.  The NIC checks
         rkey and bounds of every write that arrives; the region table's own rkeys are
         not used on verbs."""
-        device = str(getattr(getattr(region.buffer, "memory", None), "kind", "cpu"))
+        device = region.device
         return self._on_worker(lambda: self.nic.register(region.ptr, region.size,
                                                          device).rkey)
 
-    def deregister(self, region: Region) -> None:
+    def deregister(self, region: RegionInfo) -> None:
         """ibv_dereg_mr: from its return no remote write lands in the region (one in
         flight fails at its initiator with a remote access error)."""
         def dereg() -> None:
@@ -353,7 +351,7 @@ class VerbsDomain(Domain):
 
     @property
     def address(self) -> bytes:
-        return rail_bytes(self.host, self.port)
+        return rail_bytes(self.host, self.port_number)
 
     def check_address(self, raw: bytes) -> None:
         """A verbs rail's address is its TCP set-up address (the Domain interface's check)."""
@@ -381,35 +379,14 @@ class VerbsDomain(Domain):
         if self._links.get(key) is link:
             del self._links[key]
 
-    # -- probes (no cluster secret; peer_handshake) ----------------------------------------
-
-    def expect_probe(self, nonce: bytes, link: OutLink) -> None:
-        if len(self._probes) < MAX_HANDSHAKING:
-            self._probes[nonce] = link
-
-    def forget_probe(self, link: OutLink) -> None:
-        if link.hs is not None and self._probes.get(link.hs.nonce) is link:
-            del self._probes[link.hs.nonce]
-
-    def probe_arrived(self, nonce: bytes, token: bytes) -> None:
-        link = self._probes.get(nonce)
-        if link is not None:
-            link.probed(token)
-
-    def send_probe(self, addr: bytes, data: bytes) -> bool:
-        """Dial ``addr`` (the initiator's claimed rail), send a PROBE, hang up."""
-        try:
-            host, port = parse_rail(addr)
-        except BadRequest:
-            return False
-        task = self.loop.create_task(self._probe(host, port, data))
-        self._probing.add(task)
-        task.add_done_callback(self._probing.discard)
-        return True
-
-    async def _probe(self, host: str, port: int, data: bytes) -> None:
-        await dial_probe(self.loop, self.host, host, port, data,
-                         self.group.handshake_timeout_s, f"verbs rail {self.rail}")
+    def link_stats(self) -> LinkStats:
+        states = dict.fromkeys(LINK_STATES, 0)
+        waiting = 0
+        for link in list(self._links.values()):
+            s = link.state.value
+            states[s if s in states else "connecting"] += 1
+            waiting += len(link._waiting)
+        return LinkStats(states, waiting, len(self._inbound))
 
     def fail_wrs_of(self, qp: QpEnd) -> list[Posted]:
         """Take back the work requests of a queue pair that is going away."""
@@ -427,7 +404,7 @@ class VerbsDomain(Domain):
             except OSError as exc:
                 log.warning("verbs rail %d: accept failed: %s", self.rail, exc)
                 return
-            if sum(i.state is LinkState.CONNECTING for i in self._inbound) >= MAX_HANDSHAKING:
+            if sum(i.handshaking for i in self._inbound) >= MAX_HANDSHAKING:
                 sock.close()  # strangers in their handshake: a bounded number at once
                 continue
             self._inbound.add(InLink(self, sock))
@@ -439,7 +416,7 @@ class VerbsDomain(Domain):
         owner = qp.owner
         if isinstance(owner, InLink) and owner.peer is not None:
             # One WRITE_WITH_IMM completion is one unit: it adds 1 (counting.py).
-            self.group.landed_imm(owner.peer, imm, nbytes)
+            self.port.landing.landed_imm(imm, nbytes)
 
     def _on_message(self, qp: QpEnd, qpn: int, slot: int, nbytes: int) -> None:
         try:
@@ -471,8 +448,6 @@ class VerbsDomain(Domain):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
             inbound.close(PeerUnreachable("engine is shutting down"))
-        for task in list(self._probing):
-            task.cancel()
         self.sender.close()
         self.nic.close()
 
@@ -482,7 +457,8 @@ _SENDERS: weakref.WeakKeyDictionary[Any, Sender] = weakref.WeakKeyDictionary()
 
 
 def shared_sender(group: Any) -> Sender:
-    """The group's Sender (its carrier gate spans the group's rails)."""
+    """The group's Sender (its carrier gate spans the group's rails); ``group`` is the
+    group's port, which every rail of it shares."""
     sender = _SENDERS.get(group)
     if sender is None:
         sender = Sender(lambda link: lambda a, n: link.domain.nic.mrs.find(a, n).lkey,
