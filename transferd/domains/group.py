@@ -15,6 +15,7 @@ the peer book are what is shared with the daemon's loop, and both are thread saf
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,10 @@ from .peers import PeerBook
 from .probes import Probes
 
 __all__ = ["DomainGroup", "DomainOptions", "GroupStats"]
+
+# Deadlines kept at most (transfers that ended early behind one that has not are
+# dropped all at once past this).
+DEADLINES_COMPACT = 65536
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,10 @@ class DomainGroup:
         self.health = RailHealth(1)
         self._book: PeerBook | None = None
         self.messages_in = 0
+        # Transfers by deadline, earliest first: (when, transfer, its destinations).
+        self._deadlines: deque[tuple[float, Transfer, tuple[tuple[int, NetAddr], ...]]] = \
+            deque()
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     # -- what the Domains ask (the Port) ---------------------------------------------
 
@@ -188,7 +197,7 @@ class DomainGroup:
     # -- initiator side -------------------------------------------------------------------
 
     def execute(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
-        transfer.timer = self.loop.call_later(self.timeout_s, self._timed_out, transfer, parts)
+        self._deadline(transfer, parts)
         if not parts:
             transfer.part_done()
             return
@@ -209,17 +218,46 @@ class DomainGroup:
                 move(part, rail)
             domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
 
-    def _timed_out(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+    def _deadline(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+        """The transfer fails with TIMEOUT engine.peer_timeout_s from now unless it ended.
+
+        One timeout for every transfer of the group, so deadlines come in the order
+        transfers start: one timer, for the earliest, instead of one per transfer
+        (what a transfer that ends early leaves behind is dropped as it reaches the
+        front, and all of it, bounded, past :data:`DEADLINES_COMPACT`)."""
+        dl = self._deadlines
+        while dl and dl[0][1].finished:
+            dl.popleft()
+        if len(parts) == 1:
+            where: tuple[tuple[int, NetAddr], ...] = ((parts[0].rail, parts[0].dst),)
+        else:
+            where = tuple({(p.rail, p.dst.key): (p.rail, p.dst) for p in parts}.values())
+        dl.append((self.loop.time() + self.timeout_s, transfer, where))
+        if len(dl) > DEADLINES_COMPACT:
+            self._deadlines = dl = deque(e for e in dl if not e[1].finished)
+        if self._deadline_timer is None:
+            self._deadline_timer = self.loop.call_at(dl[0][0], self._expire)
+
+    def _expire(self) -> None:
+        self._deadline_timer = None
+        dl, now = self._deadlines, self.loop.time()
+        while dl and (dl[0][1].finished or dl[0][0] <= now):
+            _, transfer, where = dl.popleft()
+            if not transfer.finished:
+                self._timed_out(transfer, where)
+        if dl and self._deadline_timer is None:
+            self._deadline_timer = self.loop.call_at(dl[0][0], self._expire)
+
+    def _timed_out(self, transfer: Transfer, where: tuple[tuple[int, NetAddr], ...]) -> None:
         err = Timeout(f"transfer {transfer.op} not acknowledged in {self.timeout_s:g} s")
-        rail = parts[0].rail if parts else 0
-        dst = parts[0].dst if parts else None
+        rail, dst = where[0] if where else (0, None)
         peer_warning("transfer timed out", dst.node if dst else None, rail,
                      dst.rails[0].decode(errors="replace") if dst and dst.rails else None,
                      err)
         transfer.fail(err)
         # A link still holding unsent bytes after that long has a peer that reads
         # nothing: closed, so the memory those bytes lie in can go back.
-        for rail_, dst_ in {(p.rail, p.dst.key): (p.rail, p.dst) for p in parts}.values():
+        for rail_, dst_ in where:
             self.domains[rail_].drop_stalled(dst_, err)
 
     def connect(self, addr: NetAddr) -> None:
@@ -262,3 +300,6 @@ class DomainGroup:
         for d in self.domains:
             d.close()
         self.probes.close()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None

@@ -518,20 +518,17 @@ class TransferEngine:
         at engine.max_inflight_per_peer makes it wait (peer_slots.py) without holding
         back anything else."""
         assert self.peer_slots is not None
-        try:
-            fut = self.peer_slots.run({p.dst.key for p in parts},
-                                      lambda: self._start_transfer(op, parts, group))
-        except BaseException:
-            if held is not None:
-                held.release()
-            raise
-        if held is not None:
-            fut.add_done_callback(lambda _: held.release())
-        return fut
+        keys = ((parts[0].dst.key,) if len(parts) == 1 else {p.dst.key for p in parts})
+        return self.peer_slots.run(
+            keys, functools.partial(self._start_transfer, op, parts, group),
+            held.release if held is not None else None)
 
     def _start_transfer(self, op: int, parts: list[WritePart | SendPart],
-                        group: DomainGroup | None = None) -> asyncio.Future[None]:
-        """Hand parts to ``group``'s worker, taking a slot until the transfer ends."""
+                        group: DomainGroup | None = None,
+                        releases: tuple[Callable[[], None], ...] = ()
+                        ) -> asyncio.Future[None]:
+        """Hand parts to ``group``'s worker, taking a slot until the transfer ends;
+        ``releases`` are called then too."""
         assert self.groups and self.loop is not None
         group = group or self.groups[0]
         worker = self.workers[group.index]
@@ -540,7 +537,10 @@ class TransferEngine:
         slots.take()
         loop = self.loop
         fut: asyncio.Future[None] = loop.create_future()
-        nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
+        if len(parts) == 1:
+            nbytes = parts[0].nbytes if type(parts[0]) is WritePart else 0
+        else:
+            nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
         finished = self._finished
 
         if worker.on_daemon_loop:
@@ -550,7 +550,12 @@ class TransferEngine:
             def finish(err: TransferdError | None) -> None:
                 loop.call_soon_threadsafe(finished, fut, err, nbytes)
 
-        fut.add_done_callback(lambda _: slots.release())
+        def ended(_: asyncio.Future[None]) -> None:
+            slots.release()
+            for fn in releases:
+                fn()
+
+        fut.add_done_callback(ended)
         transfer = Transfer(op, len(parts), nbytes, finish)
         self._transfers[fut] = (transfer, worker)
         try:

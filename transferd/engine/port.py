@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from transferd.memory import Ref
 from transferd.memory.staging import GatedLanding
 from transferd.parts import Ack
 from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
 
 from .immcounter import ImmCounter
-from .regions import Region, RegionTable
+from .regions import Admitted, Region, RegionTable
 
 Done = Callable[[TransferdError | None], None]
 Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable], None]
@@ -35,7 +34,7 @@ class HostPlacement:
     __slots__ = ("_ref", "views")
     deferred = False
 
-    def __init__(self, views: list[memoryview], ref: Ref) -> None:
+    def __init__(self, views: list[memoryview], ref: Admitted) -> None:
         self.views = views
         self._ref = ref
 
@@ -57,7 +56,7 @@ class StagedPlacement:
     deferred = True
 
     def __init__(self, io: Any, chunks: list[Any], pages: list[tuple[int, int]],
-                 admitted: Ref, nbytes: int) -> None:
+                 admitted: Admitted, nbytes: int) -> None:
         self._io = io
         self._chunks = chunks
         self._pages = pages

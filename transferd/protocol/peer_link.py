@@ -117,9 +117,11 @@ TRANSITIONS: dict[tuple[LinkState, LinkInput], LinkState] = {
 # (48 + 16 + 16 * 4096 + 4096 bytes), and a small write arrives whole in one read.
 PRE_AUTH_BUFFER = 8192
 BUFFER = 256 * 1024
-# An inbound link reads exactly what the frame in hand needs, so that a payload is
+# An inbound link reads only what the frame in hand needs, so that a payload is
 # received straight into its pages and never through the link's buffer: at a frame's
-# start this much (a one-page WRITE's whole header), then the rest of its header.
+# start this much (a one-page WRITE's whole header, and no frame's header is
+# shorter than 24), then the rest of its header; with a payload's last bytes, this
+# much of what follows (the next header's start).
 HEAD_GUESS = 64
 # What one receive or send is offered (views and bytes).
 IOV_MAX = 512
@@ -671,6 +673,7 @@ class InboundLink(_Link):
         self._drop = False  # the payload is read and dropped (refused, or a duplicate)
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
+        self._head: memoryview | None = None  # the buffer's first HEAD_GUESS bytes
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -684,44 +687,67 @@ class InboundLink(_Link):
     def _in_frame(self) -> bool:
         return self._kind != 0
 
-    def _authenticated(self) -> None:
-        super()._authenticated()
-        assert self.peer is not None
-        self._key = self.peer.key
-        # tcp's carrier is the stream: ready at once (a Domain with a set-up step of
-        # its own calls carrier_ready itself; see verbs).
-
     # -- receiving ----------------------------------------------------------------------
 
     def get_buffers(self) -> list[memoryview]:
         if self._buf is None:
             return super().get_buffers()
-        if self._kind and self._start == self._end and not self._drop:
-            # Straight into the pages: the rest of this payload, a socket's worth.
-            self._direct = True
-            segs, i = self._segs, self._seg
-            first = segs[i][self._pos:]
-            views = [first]
-            total = len(first)
-            for seg in islice(segs, i + 1, i + IOV_MAX):
-                if total >= RECV_BYTES:
-                    break
-                views.append(seg)
-                total += len(seg)
-            return views
+        start = self._start
+        if start == self._end:
+            if self._kind:
+                if not self._drop:
+                    # Straight into the pages: the rest of this payload, a socket's worth,
+                    # and when that is all of it, the next frame's header into the
+                    # buffer (headers go there anyway): one receive a frame while they
+                    # come back to back, and a short one says the socket is empty.
+                    self._direct = True
+                    self._start = self._end = 0
+                    segs, i = self._segs, self._seg
+                    if len(segs) - i == 1:
+                        return [segs[i][self._pos:], self._head]
+                    first = segs[i][self._pos:]
+                    views = [first]
+                    total = len(first)
+                    for seg in islice(segs, i + 1, i + IOV_MAX - 1):
+                        if total >= RECV_BYTES:
+                            break
+                        views.append(seg)
+                        total += len(seg)
+                    if total >= self._left:
+                        views.append(self._head)
+                    return views
+            elif self._want == HEAD_GUESS:
+                # The usual case: nothing buffered, a frame's header next.
+                self._direct = False
+                self._start = self._end = 0
+                return [self._head]
         self._direct = False
         room = self._room()
         # Never past the frame in hand: its header, or what of a dropped payload is left.
         want = min(self._left, len(room)) if self._kind else self._want
         return [room[:max(1, want)]]
 
+    def _authenticated(self) -> None:
+        super()._authenticated()
+        assert self.peer is not None and self._view is not None
+        self._key = self.peer.key
+        self._head = self._view[:HEAD_GUESS]
+
     def received(self, n: int, now: float) -> None:
         if self._direct:
             self._direct = False
-            self._advance(n)
-            if not self._left:
-                self._finish()
-            self._frames()
+            left = self._left - n
+            if left > 0:
+                self._advance(n)
+                return
+            # The payload is whole; what came after it is the next header's start.
+            self._end = -left
+            self._left = 0
+            self._finish()
+            if self._end:
+                self._frames()
+            else:
+                self._want = HEAD_GUESS
             return
         super().received(n, now)
 
@@ -794,9 +820,12 @@ class InboundLink(_Link):
                         return
                     head = WRITE_HEAD.unpack_from(buf, start)
                     flags, npages, ext = head[1], head[2], head[7]
-                    if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
-                        check_write_head(flags, npages, ext)
-                    size = 48 + write_table_len(flags, npages, ext)
+                    if npages == 1 and not flags & 0xF2 and not ext:
+                        size = 64  # one page, no span (the small write)
+                    else:
+                        if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
+                            check_write_head(flags, npages, ext)
+                        size = 48 + write_table_len(flags, npages, ext)
                     if avail < size:
                         self._want = size - avail
                         return

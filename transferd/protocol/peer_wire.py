@@ -161,6 +161,15 @@ def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, 
     that are wrong but framed (the frame is refused, the link goes on)."""
     _cmd, flags, n, part, op, rkey, imm, ext, wid, plen = head
     pos = off + 48
+    if n == 1 and not flags & (SPAN | UNIFORM) and not ext:
+        # The small write: one page, its header 64 bytes.
+        a, length = SPAN_FMT.unpack_from(buf, pos)
+        if length != plen:
+            raise BadRequest(f"pages hold {length} bytes but the payload has {plen}")
+        if a + length > _U64 + 1:
+            raise BadRequest("peer WRITE: a page runs past the end of the address space")
+        return WriteHeader(op, part, rkey, [a], [length], imm if flags & IMM else None, None,
+                           wid if flags & WID else None, bool(flags & AGAIN))
     span: tuple[int, int] | None = None
     if flags & SPAN:
         span = SPAN_FMT.unpack_from(buf, pos)
