@@ -83,9 +83,8 @@ class PeerSlots:
         """
         keys = frozenset(peers)
         busy = self._busy
-        for k in keys:  # _blocked(keys, queued=True), inlined: this runs per submit
-            if busy.get(k, 0) >= self.per_peer or self._queues.get(k):
-                blocked: PeerKey | None = k
+        for blocked in keys:  # _blocked(keys, queued=True), inlined: it runs per submit
+            if busy.get(blocked, 0) >= self.per_peer or self._queues.get(blocked):
                 break
         else:
             return self._start(keys, start, held)
@@ -95,7 +94,7 @@ class PeerSlots:
                             f"{self.per_peer} at a time)")
         w = _Waiter(keys, start, self.loop.create_future(), held)
         w.timer = self.loop.call_later(self.timeout_s, self._expire, w, blocked)
-        self._queues.setdefault(blocked, deque()).append(w)  # type: ignore[arg-type]
+        self._queues.setdefault(blocked, deque()).append(w)
         self._waiters[w.outer] = w
         w.outer.add_done_callback(self._forget)
         self.waiting += 1

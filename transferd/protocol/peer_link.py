@@ -673,7 +673,7 @@ class InboundLink(_Link):
         self._drop = False  # the payload is read and dropped (refused, or a duplicate)
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
-        self._head: memoryview | None = None  # the buffer's first HEAD_GUESS bytes
+        self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
