@@ -197,7 +197,7 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
             problems += _check_unix(path, key, kind)
     for i, url in enumerate(cfg.server.listen):
         if this_machine and url.startswith("rdma://"):
-            from transferd.domains.verbs.bind import rdma_problem
+            from transferd.rdma.devices import rdma_problem
 
             if (why := rdma_problem(url)) is not None:
                 problems.append(Problem(f"server.listen[{i}]", why, Kind.MACHINE))

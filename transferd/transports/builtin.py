@@ -14,7 +14,8 @@ from transferd.fds import AcceptGuard
 from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
-from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
+from .continuation import HELLO_MESSAGE, MIN_MAX_MESSAGE
+from .sockets import SocketTransport
 
 log = logging.getLogger("transferd.transports")
 

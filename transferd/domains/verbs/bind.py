@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from transferd.rdma.loader import VerbsUnavailable, load_pyverbs, memlock_problem
+
 from . import NAME
-from .loader import VerbsUnavailable, load_pyverbs, memlock_problem
 
 if TYPE_CHECKING:
     from transferd.domains.base import Domain, DomainOptions, Port
@@ -81,7 +82,7 @@ create = _Create()
 def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
     """(config key, message) for each reason this machine cannot run the verbs Domain
     as configured: what ``transferd serve`` and ``check-config`` report before start."""
-    from .devices import discover
+    from transferd.rdma.devices import discover
 
     report = discover()
     out: list[tuple[str, str]] = []
@@ -102,15 +103,3 @@ def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
                             "not ACTIVE"))
     out += [("engine.domain", f"verbs: {p}") for p in report.problems]
     return out
-
-
-def rdma_problem(url: str) -> str | None:
-    """Why an ``rdma://HOST:PORT`` listener or connection cannot open here, or None."""
-    from .devices import discover
-
-    report = discover()
-    if not report.usable:
-        return f"{url}: no RDMA device with an ACTIVE port: {report.reason}"
-    if (p := memlock_problem()) is not None:
-        return f"{url}: {p}"
-    return None

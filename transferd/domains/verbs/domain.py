@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import socket
 import weakref
 from collections import deque
@@ -46,19 +45,19 @@ from transferd.protocol.errors import (
 )
 from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
+from transferd.rdma.completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
+from transferd.rdma.cqloop import CqPoller
+from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
+from transferd.rdma.slots import Slots
+from transferd.rdma.wr import RecvSlots, ZeroWriteTemplate, build_chains
 
 from ..base import LINK_STATES, Capabilities, Domain, LinkStats, Port
 from ..rails import parse_rail, rail_bytes
 from . import messages
 from .bind import create
-from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
-from .cqloop import CqPoller
 from .links import InLink, OutLink
-from .mrtable import Registration, address_of
-from .resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from .sender import Posted, Sender
 from .sendq import SendQueue
-from .wr import RecvSlots, ZeroWriteTemplate, build_chains
 
 T = TypeVar("T")
 
@@ -85,29 +84,6 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(256)
     sock.setblocking(False)
     return sock
-
-
-class _Slots:
-    """Host memory in fixed slots, registered with the NIC (message buffers)."""
-
-    def __init__(self, nic: Nic, count: int, length: int) -> None:
-        self.length = length
-        self.map = mmap.mmap(-1, count * length)
-        self.view = memoryview(self.map)
-        self.addr = address_of(self.view)
-        self.reg: Registration = nic.register(self.addr, count * length)
-        self.free = list(range(count - 1, -1, -1))
-
-    def slot(self, i: int) -> memoryview:
-        return self.view[i * self.length : (i + 1) * self.length]
-
-    def close(self, nic: Nic) -> None:
-        with contextlib.suppress(TransferdError, PyverbsError):
-            nic.deregister(self.addr)
-        # A slot view still held somewhere keeps the mapping until it goes.
-        with contextlib.suppress(BufferError):
-            self.view.release()
-            self.map.close()
 
 
 class QpEnd:
@@ -137,8 +113,8 @@ class QpEnd:
         self.max_sge = nic.choice.max_sge
         self.queue: SendQueue[Posted] = SendQueue(SEND_DEPTH, self._post)
         self.template = ZeroWriteTemplate((nic.sink.buf, 0, nic.sink.lkey)) if write else None
-        self.rx: _Slots | None = None
-        self.tx: _Slots | None = None
+        self.rx: Slots | None = None
+        self.tx: Slots | None = None
         if write:
             # Every write receive names the same sink: WRITE_WITH_IMM writes nothing
             # into a receive buffer, and a stray SEND of more than SINK_LEN breaks the
@@ -146,8 +122,8 @@ class QpEnd:
             self.recv = RecvSlots(int(WrKind.WRITE_RECV), nic.sink.buf, SINK_LEN,
                                   depth if receives else 0, nic.sink.lkey, stride=0)
         else:
-            self.rx = _Slots(nic, MSG_DEPTH, MSG_LEN)
-            self.tx = _Slots(nic, MSG_DEPTH, MSG_LEN)
+            self.rx = Slots(nic, MSG_DEPTH, MSG_LEN)
+            self.tx = Slots(nic, MSG_DEPTH, MSG_LEN)
             self.recv = RecvSlots(int(WrKind.RECV), self.rx.addr, MSG_LEN, MSG_DEPTH,
                                   self.rx.reg.lkey)
         self._tx_waiting: deque[tuple[bytes, bytes, Any]] = deque()

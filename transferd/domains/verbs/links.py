@@ -41,10 +41,10 @@ from transferd.protocol.peer_link import (
 )
 from transferd.protocol.peer_wire import ACK, SEND, encode_ack, encode_send
 from transferd.protocol.values import NetAddr
+from transferd.rdma.exchange import RailSetup, check_pair
 
 from ..link_io import SocketLink
 from ..rails import parse_rail
-from .exchange import RailSetup, check_pair
 
 if TYPE_CHECKING:
     from .domain import QpEnd, VerbsDomain
