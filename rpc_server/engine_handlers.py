@@ -175,7 +175,7 @@ def single_write(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     wid = _opt_wid(b)
     # Checked now, so a bad request is answered before anything is queued.
     return _submit(session, frame,
-                   lambda: engine.submit_single_write(length, imm, src, dst, wid))
+                   lambda: engine.submit_single_write(length, imm, src, dst, wid, session))
 
 
 @handler(Command.PAGED_WRITES)
@@ -190,7 +190,7 @@ def paged_writes(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     dst = (MrDesc.from_wire(desc), Pages.from_wire(dst_pages))
     wid = _opt_wid(b)
     return _submit(session, frame,
-                   lambda: engine.submit_paged_writes(page_len, imm, src, dst, wid))
+                   lambda: engine.submit_paged_writes(page_len, imm, src, dst, wid, session))
 
 
 @handler(Command.ADD_PEER_GROUP)

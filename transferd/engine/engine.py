@@ -25,6 +25,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
@@ -54,6 +55,7 @@ from .plan import (
     plan_single,
 )
 from .port import EnginePort
+from .write_scope import WriteIdScope
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .secret import load_secret, loopback
@@ -88,6 +90,9 @@ class TransferEngine:
         # What the configured kind of Domain can do (asked, never its name).
         self.capabilities = registry.capabilities(config.domain)
         self._ops = itertools.count(1)
+        # Write ids by the connection that submitted them (write_scope.py).
+        self.write_ids = WriteIdScope(time.monotonic, config.write_id_window,
+                                      config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
         self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
@@ -241,11 +246,14 @@ class TransferEngine:
     # -- one-sided writes ------------------------------------------------------------
 
     def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
-                                  dst: tuple[MrDesc, int], wid: int | None = None
-                                  ) -> asyncio.Future[None]:
+                            dst: tuple[MrDesc, int], wid: int | None = None,
+                            owner: Hashable = None) -> asyncio.Future[None]:
+        """``wid``: the write id of ``owner`` (the submitting connection) for this write."""
         self._check_descs([dst[0]])
-        self._check_wid(wid)
         region = self.regions.get(src[0])
+        if wid is not None:
+            wid = self._wire_wid(owner, wid, ("single", length, imm, region.id, src[1],
+                                              dst[0].node, dst[0].ptr, dst[1]))
         op = next(self._ops)
         if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
@@ -255,15 +263,19 @@ class TransferEngine:
         return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
-                                  src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
-                                  wid: int | None = None) -> asyncio.Future[None]:
+                            src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
+                            wid: int | None = None, owner: Hashable = None
+                            ) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
-        self._check_wid(wid)
         region = self.regions.get(src[0])
-        sp = src[1]
-        if len(sp.indices) != len(dst[1].indices):
-            raise BadRequest(f"{len(sp.indices)} source pages for {len(dst[1].indices)} "
+        sp, dp = src[1], dst[1]
+        if len(sp.indices) != len(dp.indices):
+            raise BadRequest(f"{len(sp.indices)} source pages for {len(dp.indices)} "
                              "destination pages")
+        if wid is not None:
+            wid = self._wire_wid(owner, wid, (
+                "paged", page_len, imm, region.id, tuple(sp.indices), sp.stride, sp.offset,
+                dst[0].node, dst[0].ptr, tuple(dp.indices), dp.stride, dp.offset))
         base, stride = region.ptr + sp.offset, sp.stride
         op = next(self._ops)
         if region.staging is not None:
@@ -274,15 +286,15 @@ class TransferEngine:
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
-    def _check_wid(self, wid: int | None) -> None:
-        if wid is None:
-            return
+    def _wire_wid(self, owner: Hashable, wid: int, what: Any) -> int:
+        """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
         if not 0 <= wid <= 0xFFFFFFFFFFFFFFFF:
             raise BadRequest(f"write id {wid} is not a 64-bit unsigned value")
         if not self.capabilities.sees_writes:
             # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
             raise BadRequest(f"write ids need a Domain whose receiver sees each write "
                              f"(tcp, chaos), not {self.config.domain}")
+        return self.write_ids.wire_id(owner, wid, what)
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
@@ -495,6 +507,7 @@ class TransferEngine:
         return self.counter.value(_imm(imm) or 0)
 
     def session_closed(self, owner: Hashable) -> None:
+        self.write_ids.closed(owner)
         for gid in self._groups_of.pop(owner, ()):
             self._peer_groups.pop(gid, None)
         for cb in self._expectations.pop(owner, []):
