@@ -24,7 +24,7 @@ from transferd.protocol.errors import (
     PeerUnreachable,
     TransferdError,
 )
-from transferd.protocol.peer_handshake import PeerIdentity, Ready
+from transferd.protocol.peer_handshake import PeerIdentity, Ready, node_of
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_link import (
     Deliver,
@@ -111,9 +111,10 @@ class HostMemory:
 
 
 def identity(rails: int = 2, node: int | None = None) -> PeerIdentity:
-    node = node or secrets.randbits(62) + 1
-    return PeerIdentity(node, 0, tuple(f"10.0.{node % 200}.{r}:1".encode()
-                                       for r in range(rails)))
+    """A daemon's identity; its node id its addresses' (as without a secret) unless given."""
+    n = secrets.randbits(16)
+    addrs = tuple(f"10.{n >> 8}.{n & 0xFF}.{r}:1".encode() for r in range(rails))
+    return PeerIdentity(node or node_of((addrs,)), 0, addrs)
 
 
 def feed(link: InboundLink | OutboundLink, data: bytes | memoryview, now: float = 0.0,

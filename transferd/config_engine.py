@@ -149,6 +149,16 @@ class EngineConfig:
         "or stopped peer holds at most this many of the worker's 4,096 slots.",
         min=1, max=4096,
     )
+    max_peers: int = key(
+        16384,
+        "Peer domain groups (node id and group) each host group remembers with the rail "
+        "addresses they proved in the handshake (a link claiming a known one at other "
+        "addresses is refused, as is a client's address naming it elsewhere). Past it the "
+        "least recently bound is forgotten, and a binding not renewed by a handshake for "
+        "an hour goes; a forgotten peer binds again at its next handshake, proving itself "
+        "again (without a cluster secret its node id is its addresses').",
+        min=1, max=1 << 20,
+    )
     max_links: int = key(
         4096,
         "Most peer links (one file descriptor each, outbound and inbound, every rail "

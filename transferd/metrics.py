@@ -318,6 +318,10 @@ class _EngineCollector:
                 "Peer write parts that had landed already (a re-send): acknowledged, "
                 "not applied or counted again.",
                 value=total("duplicate_parts"))
+        yield g("transferd_engine_peers_known",
+                "Peer domain groups bound to the rail addresses they proved, every host "
+                "group together (engine.max_peers each; this daemon counts once per group).",
+                value=total("peers_known"))
         budget = getattr(groups[0], "link_budget", None) if groups else None
         yield g("transferd_engine_link_budget",
                 "Peer links (descriptors) this daemon may hold (engine.max_links, "

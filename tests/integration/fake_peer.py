@@ -27,7 +27,13 @@ from transferd.domains.rails import parse_rail, rail_bytes
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand
-from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role, State
+from transferd.protocol.peer_handshake import (
+    PeerHandshake,
+    PeerIdentity,
+    Role,
+    State,
+    node_of,
+)
 from transferd.protocol.peer_wire import (
     ACK,
     ACK_HEAD,
@@ -101,7 +107,10 @@ class FakePeer:
             self.listeners.append(s)
         addrs = claim or tuple(rail_bytes(*s.getsockname()) for s in self.listeners)
         # A fresh id each time: the daemon binds an id to the addresses it came with.
-        self.me = PeerIdentity(node or secrets.randbits(62) + 1, 0, addrs)
+        # Without a secret an id is its addresses' (unless a test claims another).
+        if node is None:
+            node = secrets.randbits(62) + 1 if secret is not None else node_of((addrs,))
+        self.me = PeerIdentity(node, 0, addrs)
         self.conn = RawConn(*parse_rail(dst.rails[rail]), timeout=timeout)
         self.hs = PeerHandshake(Role.INITIATOR, self.me, rail, secret, time.monotonic(),
                                 timeout=timeout,

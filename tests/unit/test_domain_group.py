@@ -312,3 +312,32 @@ def test_a_part_re_sent_on_another_rail_counts_once(
                                     again=True))
     assert c.value(12) == 6
     assert lg.duplicates == 2 and r.admitted == 0
+
+
+def test_the_peer_book_is_bounded_and_forgets_what_is_not_renewed() -> None:
+    """Least recently bound forgotten first; a binding not renewed for ttl_s goes; this
+    daemon's own binding never does, and a forgotten peer binds again."""
+    from transferd.domains.peers import PeerBook
+    from transferd.protocol.peer_handshake import PeerIdentity
+
+    now = [0.0]
+    me = PeerIdentity(1, 0, (b"127.0.0.1:1",))
+    book = PeerBook(me, limit=3, ttl_s=10.0, clock=lambda: now[0])
+    peers = [PeerIdentity(10 + i, 0, (f"127.0.0.2:{i + 1}".encode(),)) for i in range(5)]
+    for p in peers[:3]:
+        book.bind(p)
+    book.bind(peers[0])  # renewed: now the newest
+    book.bind(peers[3])  # past the bound: the least recently bound (peers[1]) goes
+    assert book.get(peers[1].key) is None and book.get(peers[0].key) == peers[0].addrs
+    with pytest.raises(BadRequest, match="bound to"):
+        book.bind(PeerIdentity(peers[0].node, 0, (b"127.0.0.9:9",)))
+    now[0] = 5.0
+    book.bind(peers[2])
+    now[0] = 12.0
+    book.bind(peers[4])  # peers[0] and [3] were last bound at 0: gone; [2] at 5 stays
+    assert book.get(peers[0].key) is None and book.get(peers[3].key) is None
+    assert book.get(peers[2].key) == peers[2].addrs and len(book) == 3
+    book.bind(PeerIdentity(peers[0].node, 0, (b"127.0.0.9:9",)))  # forgotten: binds anew
+    assert book.get(me.key) == me.addrs and book.forgotten == 3
+    with pytest.raises(BadRequest, match="this daemon"):
+        book.bind(PeerIdentity(1, 0, (b"127.0.0.9:9",)))

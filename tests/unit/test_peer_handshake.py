@@ -27,11 +27,15 @@ from transferd.protocol.peer_handshake import (
     Ready,
     Role,
     State,
+    node_of,
     parse_probe,
 )
 
-A = PeerIdentity(0xA, 0, (b"127.0.0.2:1000", b"127.0.0.3:1001"))
-B = PeerIdentity(0xB, 0, (b"127.0.0.4:2000", b"127.0.0.5:2001"))
+# Node ids their addresses' (what one must be without a secret: peer_handshake.node_of).
+A = PeerIdentity(node_of(((b"127.0.0.2:1000", b"127.0.0.3:1001"),)), 0,
+                 (b"127.0.0.2:1000", b"127.0.0.3:1001"))
+B = PeerIdentity(node_of(((b"127.0.0.4:2000", b"127.0.0.5:2001"),)), 0,
+                 (b"127.0.0.4:2000", b"127.0.0.5:2001"))
 SECRET = b"the cluster secret"
 
 

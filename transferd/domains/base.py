@@ -83,6 +83,9 @@ class DomainOptions:
     # The transferd.fds.LinkBudget every group of the engine shares (None: a group
     # makes its own from max_links and fd_reserve).
     link_budget: Any = None
+    # Peers a group's peer book remembers (engine.max_peers): least recently bound
+    # forgotten first.
+    max_peers: int = 16384
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:

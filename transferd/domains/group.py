@@ -57,6 +57,7 @@ class GroupStats:
     failovers: int = 0
     duplicate_parts: int = 0
     write_id_duplicates: int = 0
+    peers_known: int = 0
     links: tuple[LinkStats, ...] = ()
 
 
@@ -154,7 +155,7 @@ class DomainGroup:
     def book(self) -> PeerBook:
         """Who authenticated with which addresses; made once the rails are bound."""
         if self._book is None:
-            self._book = PeerBook(self.identity)
+            self._book = PeerBook(self.identity, self.options.max_peers)
         return self._book
 
     @property
@@ -164,6 +165,13 @@ class DomainGroup:
     @property
     def identity(self) -> PeerIdentity:
         return PeerIdentity(self.node, self.index, tuple(d.address for d in self.domains))
+
+    def set_node(self, node: int, everyone: tuple[tuple[bytes, ...], ...]) -> None:
+        """The daemon's node id, once every group is bound (without a cluster secret it is
+        ``everyone``'s, the addresses of every group: peer_handshake.node_of)."""
+        self.node = node
+        self.links.everyone = everyone
+        self._book = None  # bound to our own identity anew
 
     def bind_peer(self, peer: PeerIdentity) -> None:
         """A link authenticated ``peer``: bind it (BadRequest if it contradicts a binding)."""
@@ -294,6 +302,7 @@ class DomainGroup:
             messages_in=self.messages_in, refused_by=dict(lg.refused_by),
             partial_writes=len(lg.coverage), failovers=self.health.failovers,
             duplicate_parts=lg.duplicates, write_id_duplicates=self.write_ids.duplicates,
+            peers_known=len(self._book) if self._book is not None else 0,
             links=tuple(d.link_stats() for d in self.domains))
 
     def close(self) -> None:

@@ -30,6 +30,9 @@ class LinkContext:
                  handshake_timeout_s: float, budget: LinkBudget, book: Callable[[], PeerBook],
                  probes: Probes, max_message: int) -> None:
         self._identity = identity
+        # Every group's addresses of this daemon (the engine sets them once all are
+        # bound): without a secret an initiator lists them, its node id is theirs.
+        self.everyone: tuple[tuple[bytes, ...], ...] | None = None
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
         self.budget = budget
@@ -49,7 +52,8 @@ class LinkContext:
         """Our end of a link to ``dst`` (one rail's address), in CONNECTING."""
         return OutboundLink(self.identity, rail, self.secret, now,
                             expect=(dst.node, dst.group, dst.rails[0]),
-                            timeout=self.handshake_timeout_s, admit=self.bind_peer)
+                            timeout=self.handshake_timeout_s, admit=self.bind_peer,
+                            everyone=self.everyone)
 
     def inbound(self, rail: int, landing: Landing, now: float,
                 abort: Callable[[], None] | None = None,

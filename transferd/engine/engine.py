@@ -39,6 +39,7 @@ from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
+from transferd.protocol.peer_handshake import node_of
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
@@ -55,11 +56,11 @@ from .plan import (
     plan_single,
 )
 from .port import EnginePort
-from .write_scope import WriteIdScope
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .secret import load_secret, loopback
 from .transfer import Transfer
+from .write_scope import WriteIdScope
 
 log = logging.getLogger("transferd.engine")
 
@@ -126,6 +127,7 @@ class TransferEngine:
             max_links=config.max_links, fd_reserve=config.fd_reserve,
             link_idle_s=config.link_idle_s, rail_timeout_s=config.rail_timeout_s,
             link_budget=LinkBudget(link_budget(config.max_links, config.fd_reserve)),
+            max_peers=config.max_peers,
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
                                 "gid_index": config.rdma_gid_index}})
@@ -170,7 +172,19 @@ class TransferEngine:
             await self.close()
             raise
         self.worker, self.group = self.workers[0], self.groups[0]
+        if self.secret is None:
+            await self._addressed_node()
         return self.main_address()
+
+    async def _addressed_node(self) -> None:
+        """Without a cluster secret this daemon's node id is its rails' addresses (every
+        group's), hashed: what a peer checks, so nobody else can claim it
+        (peer_handshake.node_of).  Set before anything is published or dialled."""
+        everyone = tuple(g.identity.addrs for g in self.groups)
+        self.node = node_of(everyone)
+        for worker, g in zip(self.workers, self.groups, strict=True):
+            await asyncio.wrap_future(worker.run(_call(functools.partial(
+                g.set_node, self.node, everyone))))
 
     def _make_group(self, index: int, worker: Worker) -> DomainGroup:
         """Group ``index`` on ``worker``'s loop, its rails bound (runs on that loop)."""
@@ -250,6 +264,7 @@ class TransferEngine:
                             owner: Hashable = None) -> asyncio.Future[None]:
         """``wid``: the write id of ``owner`` (the submitting connection) for this write."""
         self._check_descs([dst[0]])
+        self._check_wid(wid)
         region = self.regions.get(src[0])
         if wid is not None:
             wid = self._wire_wid(owner, wid, ("single", length, imm, region.id, src[1],
@@ -267,6 +282,7 @@ class TransferEngine:
                             wid: int | None = None, owner: Hashable = None
                             ) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
+        self._check_wid(wid)
         region = self.regions.get(src[0])
         sp, dp = src[1], dst[1]
         if len(sp.indices) != len(dp.indices):
@@ -286,14 +302,19 @@ class TransferEngine:
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
-    def _wire_wid(self, owner: Hashable, wid: int, what: Any) -> int:
-        """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
+    def _check_wid(self, wid: int | None) -> None:
+        """A write id this engine can honour (before anything else is looked up)."""
+        if wid is None:
+            return
         if not 0 <= wid <= 0xFFFFFFFFFFFFFFFF:
             raise BadRequest(f"write id {wid} is not a 64-bit unsigned value")
         if not self.capabilities.sees_writes:
             # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
             raise BadRequest(f"write ids need a Domain whose receiver sees each write "
                              f"(tcp, chaos), not {self.config.domain}")
+
+    def _wire_wid(self, owner: Hashable, wid: int, what: Any) -> int:
+        """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
         return self.write_ids.wire_id(owner, wid, what)
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],

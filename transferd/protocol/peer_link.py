@@ -463,10 +463,11 @@ class OutboundLink(_Link):
                  admit: Callable[[PeerIdentity], None] | None = None,
                  high_water: int = HIGH_WATER, low_water: int = LOW_WATER,
                  label: str = "peer link",
+                 everyone: tuple[tuple[bytes, ...], ...] | None = None,
                  random: Callable[[int], bytes] | None = None) -> None:
         kw: dict[str, Any] = {} if random is None else {"random": random}
         super().__init__(PeerHandshake(Role.INITIATOR, me, rail, secret, now, timeout=timeout,
-                                       expect=expect, admit=admit, **kw))
+                                       expect=expect, admit=admit, everyone=everyone, **kw))
         self.high_water, self.low_water = high_water, low_water
         # Names the link in the errors its parts fail with ("link to NODE rail R").
         self.label = label
