@@ -374,9 +374,10 @@ def test_a_replayed_handshake_is_refused(tcp_cluster: Cluster) -> None:
 
 
 def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
-    """64 silent strangers on a rail are all it holds: the 65th is closed on accept, and
-    once they are gone a new link is taken again."""
-    from transferd.domains.tcp import MAX_HANDSHAKING
+    """Silent strangers on a rail hold at most MAX_PER_SOURCE slots from one source: the
+    next one from it takes its oldest's slot (that one is closed), and the newcomer is
+    served; once they are gone a new link is taken as before."""
+    from transferd.domains.strangers import MAX_PER_SOURCE
 
     cl = tcp_cluster
 
@@ -386,18 +387,63 @@ def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
 
     addr = asyncio.run(main_address())
     rail = tcp_rails(addr)[1]
-    silent = [RawConn(*rail) for _ in range(MAX_HANDSHAKING)]
+    silent = []
     try:
-        # Each was accepted (the daemon reads a header from it) before the next comes.
-        time.sleep(0.3)
+        for _ in range(MAX_PER_SOURCE):
+            silent.append(RawConn(*rail))
+            time.sleep(0.01)  # each accepted before the next comes (age order)
+        time.sleep(0.2)
+        assert not any(c.closed_by_peer(0.01) for c in silent)
         with RawConn(*rail) as one_more:
-            assert one_more.closed_by_peer(1.0)
+            assert silent[0].closed_by_peer(1.0)  # the oldest gave way
+            assert not one_more.closed_by_peer(0.3)
+            assert not any(c.closed_by_peer(0.01) for c in silent[1:])
     finally:
         for c in silent:
             c.close()
     time.sleep(0.3)
     with RawConn(*rail) as again:
         assert not again.closed_by_peer(0.5)
+
+
+@async_test(timeout=60)
+async def test_silent_strangers_on_a_rail_do_not_stop_a_real_peers_link() -> None:
+    """#16.5: 64 silent sockets on a rail held every handshake slot, even with
+    engine.secret_file: a real peer's first write then failed PEER_UNREACHABLE.  Now a
+    source holds at most its share (the per-source cap, the oldest giving way), each for
+    at most the handshake timeout, and the real peer's link is made at once."""
+    secret = secret_file()
+    own = start_many([{"env": engine_env(RAILS[n], secret_file=secret,
+                                         handshake_timeout_s=HANDSHAKE_TIMEOUT_S)}
+                      for n in ("a", "c")])
+    try:
+        await _first_link_through_strangers(*own)
+    finally:
+        for d in own:
+            d.stop()
+
+
+async def _first_link_through_strangers(a_d: DaemonProcess, c_d: DaemonProcess) -> None:
+    async with nodes(a_d, c_d) as (a, c):
+        addr_c = await c.client.main_address()
+        dst = await c.region(4096)
+        src = await a.region(4096, seed=93)
+        # The stranger on every rail of C, 64 sockets each, from its own address.
+        silent = []
+        for host, port in tcp_rails(addr_c):
+            for _ in range(64):
+                sock = socket.socket()
+                sock.bind((STRANGER, 0))
+                sock.connect((host, port))
+                silent.append(sock)
+        try:
+            await asyncio.sleep(0.2)
+            w = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0))
+            await w.wait(WAIT)
+            assert await c.read(dst) == bytes(src.data)
+        finally:
+            for sock in silent:
+                sock.close()
 
 
 def test_the_pre_handshake_body_cap_exactly(tcp_cluster: Cluster) -> None:

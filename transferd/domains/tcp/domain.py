@@ -7,8 +7,8 @@ receive peers' writes straight into regions.  Both are the sans-IO ends of
 :mod:`transferd.protocol.peer_link` (handshake, frames, landing, ACKs, watermarks)
 fed by a :class:`~transferd.domains.link_io.SocketLink`; what is here is what TCP
 needs: dialling and its back-off, the descriptor budget, idle links reclaimed, the
-listener and its bound on strangers in their handshake, and the probes a
-responder sends without a cluster secret.
+listener and its bound on strangers in their handshake (:mod:`..strangers`), and the
+probes a responder sends without a cluster secret.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import ClassVar
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning
 from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
+from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import (
     BadRequest,
     OverLimit,
@@ -45,13 +46,11 @@ from transferd.protocol.values import NetAddr
 from ..base import LINK_STATES, Capabilities, Domain, DomainOptions, LinkStats, Port
 from ..link_io import SocketLink
 from ..rails import parse_rail, rail_bytes
+from ..strangers import RailStrangers
 
 log = logging.getLogger("transferd.domain")
 
 CONNECT_TIMEOUT = 10.0
-# Inbound links still in their handshake, per rail: past this new ones are closed at
-# once (each costs an 8 KiB buffer, and without a secret one probe).
-MAX_HANDSHAKING = 64
 # A dial that failed (refused, timed out, or its handshake did) is not retried for a
 # while: 0.25 s, doubling per failure to 10 s, forgotten once one works.
 DIAL_BACKOFF_MIN_S = 0.25
@@ -111,7 +110,10 @@ class TcpDomain(Domain):
         # used only for the address it authenticated at.
         self._links: dict[LinkKey, PeerLink] = {}
         self._inbound: set[InboundPeer] = set()
-        self._handshaking: set[InboundPeer] = set()
+        # Inbound links in their handshake: at most 64, 16 from one source, each for at
+        # most the handshake timeout (strangers.py, the client ports' pre-auth admission).
+        self.strangers = RailStrangers(f"rail {rail} ({host}:{self.port_number})",
+                                       port.links.handshake_timeout_s)
         self.closing = False
         # Links of every rail of the group share one budget of descriptors (fds.py).
         self.budget: LinkBudget = port.links.budget
@@ -247,11 +249,10 @@ class TcpDomain(Domain):
     # -- inbound ------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        for sock, _ in self._guard.accept_burst():
-            if len(self._handshaking) >= MAX_HANDSHAKING or not self.budget.take():
-                self._log(logging.WARNING, "rail %d: inbound link refused: %d handshaking, "
-                          "%d of %d peer links open", self.rail, len(self._handshaking),
-                          self.budget.used, self.budget.limit)
+        for sock, addr in self._guard.accept_burst():
+            if not self.budget.take():
+                self._log(logging.WARNING, "rail %d: inbound link refused: %d of %d peer "
+                          "links open", self.rail, self.budget.used, self.budget.limit)
                 sock.close()
                 continue
             tune_link(sock, self.rail_timeout_s)
@@ -259,16 +260,18 @@ class TcpDomain(Domain):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ACK_SNDBUF)
             peer = InboundPeer(self, sock)
             self._inbound.add(peer)
-            self._handshaking.add(peer)
+            peer.ticket = self.strangers.admit(str(addr[0]), self.loop.time(), peer)
+            if peer.ticket is None:
+                peer.io.close(None)
 
     def handshake_done(self, peer: InboundPeer) -> None:
-        self._handshaking.discard(peer)
+        self.strangers.done(peer.ticket)
 
     def inbound_closed(self, peer: InboundPeer) -> None:
         if peer in self._inbound:
             self._inbound.discard(peer)
             self.budget.release()
-        self._handshaking.discard(peer)
+        self.strangers.done(peer.ticket)
 
     def close(self) -> None:
         if self.closing:
@@ -428,7 +431,13 @@ class InboundPeer:
         loop = domain.loop
         self.core: InboundLink = port.links.inbound(domain.rail, port.landing, loop.time(),
                                                     abort=self._abort)
+        self.ticket: Ticket | None = None  # its pre-auth slot, until the handshake ends
         self.io = SocketLink(loop, sock, self.core, self)
+
+    def give_way(self, why: Why) -> None:
+        """Its pre-auth slot was taken back (its deadline, or a newcomer's turn)."""
+        self.io.close(PeerUnreachable(f"rail {self.domain.rail}: a link in its handshake "
+                                      f"closed: {why.value}"))
 
     def link_event(self, link: SocketLink, event: Event) -> None:
         d = self.domain

@@ -53,6 +53,7 @@ from transferd.rdma.wr import RecvSlots, ZeroWriteTemplate, build_chains
 
 from ..base import LINK_STATES, Capabilities, Domain, LinkStats, Port
 from ..rails import parse_rail, rail_bytes
+from ..strangers import RailStrangers
 from . import messages
 from .bind import create
 from .links import InLink, OutLink
@@ -70,7 +71,6 @@ WRITE_RECV_DEPTH = 1024  # WRITE_WITH_IMMs towards us in flight per peer and rai
 MSG_DEPTH = 32  # message slots per send/recv queue pair, each way
 MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
 WR_IDS = 1 << 16  # work requests in flight per NIC
-MAX_HANDSHAKING = 64  # inbound set-up links not yet authenticated, per rail
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0
 REGISTER_TIMEOUT = 10.0  # ibv_reg_mr pins the pages: large regions take a while
@@ -276,6 +276,8 @@ class VerbsDomain(Domain):
         # Keyed by the peer and the address dialled, as the tcp rails' links.
         self._links: dict[tuple[int, int, bytes], OutLink] = {}
         self._inbound: set[InLink] = set()
+        self.strangers = RailStrangers(f"verbs rail {rail} ({host}:{self.port_number})",
+                                       port.links.handshake_timeout_s)
         self._cqes = 0
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
                                self.dispatcher.dispatch)
@@ -374,19 +376,26 @@ class VerbsDomain(Domain):
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 log.warning("verbs rail %d: accept failed: %s", self.rail, exc)
                 return
-            if sum(i.handshaking for i in self._inbound) >= MAX_HANDSHAKING:
-                sock.close()  # strangers in their handshake: a bounded number at once
-                continue
-            self._inbound.add(InLink(self, sock))
+            link = InLink(self, sock)
+            self._inbound.add(link)
+            # Strangers in their handshake: a bounded number, a share per source, each
+            # for the handshake timeout (as on a tcp rail: ..strangers).
+            link.ticket = self.strangers.admit(str(addr[0]), self.loop.time(), link)
+            if link.ticket is None:
+                link.close(PeerUnreachable("no handshake slot"))
+
+    def handshake_done(self, link: InLink) -> None:
+        self.strangers.done(link.ticket)
 
     def inbound_closed(self, link: InLink) -> None:
         self._inbound.discard(link)
+        self.strangers.done(link.ticket)
 
     def _on_imm(self, qp: QpEnd, imm: int, nbytes: int) -> None:
         owner = qp.owner

@@ -29,6 +29,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from transferd.parts import SendPart, Transfer, WritePart
+from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
 from transferd.protocol.peer_handshake import Probe, Ready
 from transferd.protocol.peer_link import (
@@ -271,6 +272,7 @@ class InLink(_SetupLink):
     def __init__(self, domain: VerbsDomain, sock: socket.socket) -> None:
         self.domain = domain
         self.peer: tuple[int, int] | None = None
+        self.ticket: Ticket | None = None  # its pre-auth slot, until the handshake ends
         port = domain.port
         self._closed = False
         # The TCP connection carries the handshake and the set-up only.
@@ -289,6 +291,7 @@ class InLink(_SetupLink):
             links.probes.arrived(event.nonce, event.token)
         elif isinstance(event, Ready):
             links.probes.cancel(self)
+            d.handshake_done(self)
             self.peer = event.peer.key
             self._setup_timer()
         elif isinstance(event, SetUp):
@@ -308,9 +311,10 @@ class InLink(_SetupLink):
             self.core.send_setup(mine.to_bytes())
             self.core.carrier_ready()
 
-    @property
-    def handshaking(self) -> bool:
-        return self.core.state in (LinkState.HANDSHAKE, LinkState.SETUP)
+    def give_way(self, why: Why) -> None:
+        """Its pre-auth slot was taken back (its deadline, or a newcomer's turn)."""
+        self.close(PeerUnreachable(f"verbs rail {self.domain.rail}: a link in its "
+                                   f"handshake closed: {why.value}"))
 
     def on_message(self, msg: Message) -> None:
         """A two-sided message from the peer this link authenticated."""
