@@ -14,7 +14,9 @@ with instrumented():
     from transferd.protocol.errors import BadFrame, BadRequest, NotFound, OutOfBounds
     from transferd.protocol.peer_handshake import PeerIdentity
     from transferd.protocol.peer_landing import Landing
-    from transferd.protocol.peer_link import InboundLink, LinkState, OutboundLink
+    from transferd.protocol.peer_link import LinkState
+from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_outbound import OutboundLink
 
 SECRET = b"fuzzing secret"
 ME = PeerIdentity(0xA, 0, (b"127.0.0.1:1",))

@@ -25,15 +25,15 @@ from transferd.protocol.errors import (
     TransferdError,
 )
 from transferd.protocol.peer_handshake import PeerIdentity, Ready, node_of
+from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_link import (
     Deliver,
-    InboundLink,
     Land,
     LinkState,
-    OutboundLink,
     ProbeArrived,
 )
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.peer_wire import frame_size
 
 SECRET = b"in-memory peer link secret"

@@ -19,7 +19,8 @@ from transferd.protocol.errors import PeerUnreachable, TransferdError
 from transferd.protocol.frames import FrameDecoder
 from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role
 from transferd.protocol.peer_landing import Landing
-from transferd.protocol.peer_link import LinkState, OutboundLink
+from transferd.protocol.peer_link import LinkState
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.peer_wire import ACK_HEAD
 from transferd.protocol.values import NetAddr
 

@@ -35,18 +35,18 @@ from transferd.protocol.errors import (
     Unauthorized,
 )
 from transferd.protocol.peer_handshake import Probe, Ready
+from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_link import (
     ACK_HIGH,
     TRANSITIONS,
     Closed,
-    InboundLink,
     Land,
     LinkInput,
     LinkState,
-    OutboundLink,
     ProbeArrived,
 )
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.peer_wire import (
     ACK_HEAD,
     WRITE_HEAD,

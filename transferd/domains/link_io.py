@@ -20,7 +20,9 @@ import struct
 from typing import Any, Protocol
 
 from transferd.protocol.errors import PeerUnreachable, TransferdError
-from transferd.protocol.peer_link import Closed, Event, InboundLink, OutboundLink
+from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_link import Closed, Event
+from transferd.protocol.peer_outbound import OutboundLink
 
 log = logging.getLogger("transferd.peer")
 

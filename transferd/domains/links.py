@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from transferd.fds import LinkBudget
 from transferd.protocol.peer_handshake import PeerIdentity
-from transferd.protocol.peer_link import InboundLink, OutboundLink
+from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
 
 from .peers import PeerBook

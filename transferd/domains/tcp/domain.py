@@ -31,16 +31,16 @@ from transferd.protocol.errors import (
     TransferdError,
 )
 from transferd.protocol.peer_handshake import Probe, Ready
+from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_link import (
     Deliver,
     Event,
-    InboundLink,
     Land,
     LinkState,
-    OutboundLink,
     ProbeArrived,
     Refused,
 )
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
 
 from ..base import LINK_STATES, Capabilities, Domain, DomainOptions, LinkStats, Port

@@ -32,14 +32,14 @@ from transferd.parts import SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
 from transferd.protocol.peer_handshake import Probe, Ready
+from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_link import (
     Event,
-    InboundLink,
     LinkState,
-    OutboundLink,
     ProbeArrived,
     SetUp,
 )
+from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.peer_wire import ACK, SEND, encode_ack, encode_send
 from transferd.protocol.values import NetAddr
 from transferd.rdma.exchange import RailSetup, check_pair
