@@ -38,15 +38,17 @@ from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.metrics import Metrics
-from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
+from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.peer_handshake import node_of
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .device_source import plan_staging
+from .expectations import Expectations
 from .immcounter import ImmCounter
 from .limits import MAX_MESSAGE
+from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
 from .plan import (
     SendPart,
@@ -96,16 +98,14 @@ class TransferEngine:
                                       config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
-        self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
-        self._groups_of: dict[Hashable, set[int]] = {}  # by the connection that made them
-        self._group_ids = itertools.count(1)
+        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers)
         # Posted receives and the messages waiting for them (on the daemon's loop).
         self.receives = Receives(
             lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
             max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
             max_waiting=config.recv_waiting_max,
             wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
-        self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
+        self.expectations = Expectations(self.counter, config.max_expectations)
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -218,9 +218,6 @@ class TransferEngine:
     def group_of(self, region: Region) -> DomainGroup:
         """The host group ``region`` is dealt to (by its id, in turn)."""
         return self.groups[region.id % len(self.groups)]
-
-    def _worker_of(self, group: DomainGroup) -> Worker:
-        return self.workers[group.index]
 
     @property
     def rails(self) -> int:
@@ -374,42 +371,22 @@ class TransferEngine:
 
     def add_peer_group(self, addrs: Sequence[NetAddr], owner: Hashable = None) -> int:
         """A peer group of ``addrs``, its links opened now; it goes with ``owner``."""
-        if len(addrs) > self.config.max_group_peers:
-            raise OverLimit(f"a peer group of {len(addrs)} addresses is over "
-                            f"engine.max_group_peers = {self.config.max_group_peers}")
-        mine = self._groups_of.setdefault(owner, set())
-        if len(mine) >= self.config.max_peer_groups:
-            raise OverLimit(f"{len(mine)} peer groups already made on this connection "
-                            f"(engine.max_peer_groups = {self.config.max_peer_groups})")
+        self.peer_groups.room(len(addrs), owner)
         for a in addrs:
             for group in self.groups:
                 group.check_address(a)
             if len(a.rails) != self.rails:
                 raise BadRequest(f"rail count mismatch: peer {a} has {len(a.rails)} rail(s), "
                                  f"this daemon {self.rails}")
-        gid = next(self._group_ids)
-        self._peer_groups[gid] = tuple(addrs)
-        mine.add(gid)
+        gid = self.peer_groups.add(addrs, owner)
         for worker, group in zip(self.workers, self.groups, strict=True):
             for a in addrs:
                 worker.call(group.connect, a)
         return gid
 
-    def _check_group(self, gid: int | None, descs: Sequence[MrDesc]) -> None:
-        if gid is None:
-            return
-        peers = self._peer_groups.get(gid)
-        if peers is None:
-            raise NotFound(f"no peer group {gid}")
-        # A peer daemon's regions may be in any of its host groups: membership is by node.
-        nodes = {p.node for p in peers}
-        for d in descs:
-            if d.node[0] not in nodes:
-                raise BadRequest(f"destination 0x{d.ptr:x} is not on a peer of group {gid}")
-
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
                              dsts: Sequence[ScatterDst]) -> asyncio.Future[None]:
-        self._check_group(gid, [d.dst[0] for d in dsts])
+        self.peer_groups.check(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
         if region.staging is not None:
@@ -427,7 +404,7 @@ class TransferEngine:
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
-        self._check_group(gid, dsts)
+        self.peer_groups.check(gid, dsts)
         self._check_descs(dsts)
         op = next(self._ops)
         return self._submit(op, list(plan_barrier(op, _imm(imm) or 0, dsts, self.rails)))
@@ -473,33 +450,15 @@ class TransferEngine:
 
         Returns the expectation's handle, for :meth:`cancel_expectation`.
         """
-        imm = _imm(imm) or 0
-        mine = self._expectations.setdefault(owner, set())
-        if len(mine) >= self.config.max_expectations:
-            raise OverLimit(f"{len(mine)} expectations already wait on this connection "
-                           f"(engine.max_expectations = {self.config.max_expectations})")
-
-        def fired() -> None:
-            mine.discard(fired)
-            callback()
-
-        mine.add(fired)
-        self.counter.expect(imm, count, fired)
-        return fired
+        return self.expectations.expect(owner, _imm(imm) or 0, count, callback)
 
     def expectations_pending(self) -> int:
         """Expectations clients wait on now (for the metrics)."""
-        return sum(len(v) for v in list(self._expectations.values()))
+        return self.expectations.pending()
 
     def cancel_expectation(self, owner: Hashable, handle: Callable[[], None]) -> bool:
         """Drop a waiting expectation (nothing consumed); False if it had fired."""
-        mine = self._expectations.get(owner)
-        if mine is None or handle not in mine:
-            return False
-        if not self.counter.cancel(handle):
-            return False  # reached meanwhile: its callback is on its way
-        mine.discard(handle)
-        return True
+        return self.expectations.cancel(owner, handle)
 
     def cancel(self, fut: asyncio.Future[None], error: TransferdError) -> bool:
         """End a submit now with ``error`` (CANCELLED; TIMEOUT at its own deadline).
@@ -529,10 +488,8 @@ class TransferEngine:
 
     def session_closed(self, owner: Hashable) -> None:
         self.write_ids.closed(owner)
-        for gid in self._groups_of.pop(owner, ()):
-            self._peer_groups.pop(gid, None)
-        for cb in self._expectations.pop(owner, []):
-            self.counter.cancel(cb)
+        self.peer_groups.closed(owner)
+        self.expectations.closed(owner)
         self.receives.closed(owner)
 
     # -- internals ---------------------------------------------------------------------
