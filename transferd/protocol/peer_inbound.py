@@ -23,6 +23,7 @@ from .peer_link import (
     ACK_HIGH,
     ACK_LOW,
     HEAD_GUESS,
+    HEAD_READ,
     IOV_MAX,
     RECV_BYTES,
     Deliver,
@@ -89,6 +90,7 @@ class InboundLink(LinkEnd):
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
         self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
+        self._first = self._head  # its first HEAD_READ bytes
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -132,10 +134,12 @@ class InboundLink(LinkEnd):
                         views.append(self._head)
                     return views
             elif self._want == HEAD_GUESS:
-                # The usual case: nothing buffered, a frame's header next.
+                # The usual case: nothing buffered, a frame's header next; with it, a
+                # small payload (copied to its pages: cheaper than a second receive),
+                # or a large one's first bytes (the rest goes straight into its pages).
                 self._direct = False
                 self._start = self._end = 0
-                return [self._head]
+                return [self._first]
         self._direct = False
         room = self._room()
         # Never past the frame in hand: its header, or what of a dropped payload is left.
@@ -147,6 +151,7 @@ class InboundLink(LinkEnd):
         assert self.peer is not None and self._view is not None
         self._key = self.peer.key
         self._head = self._view[:HEAD_GUESS]
+        self._first = self._view[:HEAD_READ]
 
     def received(self, n: int, now: float) -> None:
         if self._direct:
