@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
+from transferd import authlog
 from transferd.copies import COUNTING, count
 from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
@@ -173,6 +174,12 @@ class Session(asyncio.BufferedProtocol):
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not _CLOSED and self.conn.state is _AWAIT_AUTH:
+            # It had the server's proof and went: a client checks the proof and hangs
+            # up when it does not match its own secret (PROTOCOL.md, Authentication).
+            authlog.client_failed(self.peer, "wrong_secret", "the client hung up after the "
+                                  "server's proof (hmac-sha256): its token differs from "
+                                  "this daemon's server.token (or it dialled another daemon)")
         self.state = _CLOSED
         self.conn.connection_lost()
         self._end_handshake()
@@ -275,16 +282,18 @@ class Session(asyncio.BufferedProtocol):
                 self.ctx.metrics.error(ev.error.code)
                 if ev.auth:
                     delay, n = self.ctx.admission.failed(self.source, self._loop.time())
-                    log.warning(
-                        "authentication failed from %s: %s (%d in the last minute; "
-                        "answering in %.2f s)", self.peer, ev.error.message, n, delay,
-                    )
+                    authlog.client_failed(self.peer, ev.reason, f"{ev.error.message} ({n} in "
+                                          f"the last minute; answering in {delay:.2f} s)")
                     if self._timer is not None:
                         self._timer.cancel()
                     # Still counted as not authenticated while it waits.
                     self._timer = self._loop.call_later(delay, self._flush_and_close)
                     return
-                log_client_error(self.peer, ev.error, self._decoder.current_cmd, ev.error.seq)
+                if ev.reason:  # an AUTH that never came: one line, as a failed authentication
+                    authlog.client_failed(self.peer, ev.reason, ev.error.message)
+                else:
+                    log_client_error(self.peer, ev.error, self._decoder.current_cmd,
+                                     ev.error.seq)
                 self._flush_and_close()
                 return
         self._flush_handshake()

@@ -92,6 +92,25 @@ class _RequestSeconds:
         yield fam
 
 
+class _AuthFailures:
+    """``transferd_auth_failures_total``: failed handshakes by plane and reason
+    (transferd/authlog.py), every pair exported from the start at 0."""
+
+    name = "transferd_auth_failures"
+    doc = "Failed handshakes, by plane (client, peer) and reason."
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.doc, labels=["plane", "reason"])]
+
+    def collect(self) -> Iterator[Metric]:
+        from transferd import authlog
+
+        fam = CounterMetricFamily(self.name, self.doc, labels=["plane", "reason"])
+        for plane, reason, n in authlog.FAILURES.counts():
+            fam.add_metric([plane, reason], n)
+        yield fam
+
+
 class Metrics:
     """The daemon's metrics.
 
@@ -156,6 +175,7 @@ class Metrics:
         )
         self.request_seconds = _RequestSeconds()
         r.register(self.request_seconds)
+        r.register(_AuthFailures())
         self.transfer_bytes = Counter(
             "transferd_engine_bytes",
             "Bytes moved by the transfer engine, by direction.",

@@ -116,10 +116,15 @@ class Refused:
 
     ``auth`` is true for a failed authentication (a wrong or missing secret),
     which the server logs with the source address and slows down per source.
+    ``reason`` says why, for the log and the metrics (``no_secret``,
+    ``wrong_secret``, ``timeout``, ``protocol``: transferd.authlog.REASONS); it is
+    set for every failure of the authentication step, ``auth`` or not (an AUTH
+    that never came is closed at once, not slowed down).
     """
 
     error: TransferdError
     auth: bool = False
+    reason: str = ""
 
 
 @dataclass
@@ -321,14 +326,14 @@ class ServerConnection(_Machine):
         )
         self._out.append(encode_frame(cmd, _REPLY_ERROR, 0, exc.to_body()))
         self._go(Input.TIMED_OUT)
-        return [Refused(exc)]
+        return [Refused(exc, reason="timeout" if cmd == _AUTH else "")]
 
-    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False
-               ) -> list[Event]:
+    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False,
+               reason: str = "") -> list[Event]:
         """Send a fatal error and go CLOSING."""
         self._out.append(encode_frame(cmd, _REPLY_ERROR, seq, exc.to_body()))
         self._go(Input.REFUSED)
-        return [Refused(exc, auth=is_auth)]
+        return [Refused(exc, auth=is_auth, reason=reason or ("protocol" if is_auth else ""))]
 
     # -- HELLO and AUTH ----------------------------------------------------------------
 
@@ -387,17 +392,20 @@ class ServerConnection(_Machine):
                 token = body.get("token")
                 if not isinstance(token, str) or not auth.same(token.encode(), s.secret):
                     return self.refuse(
-                        Unauthorized("a valid token is required" if token else "token missing"),
+                        Unauthorized("the client's token is wrong: it is not this daemon's "
+                                     "server.token" if token else "token missing"),
                         frame.cmd, frame.seq, is_auth=True,
+                        reason="wrong_secret" if token else "no_secret",
                     )
                 self.method = auth.TOKEN
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, auth.TOKEN)
             return self.refuse(
                 Unauthorized(
-                    f"authentication required: this listener offers {', '.join(s.methods)}"
+                    "authentication required: this daemon has a token (server.token) and "
+                    f"the client gave none; this listener offers {', '.join(s.methods)}"
                 ),
-                frame.cmd, frame.seq, is_auth=True,
+                frame.cmd, frame.seq, is_auth=True, reason="no_secret",
             )
         except TransferdError as exc:
             return self.refuse(exc, frame.cmd, frame.seq, is_auth=isinstance(exc, Unauthorized))
@@ -411,7 +419,10 @@ class ServerConnection(_Machine):
             )
         want = auth.client_mac(self.settings.secret, self._challenge, self._nonce)
         if not auth.same(mac, want):
-            return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, is_auth=True)
+            return self.refuse(
+                Unauthorized("wrong mac: the client's token is not this daemon's server.token"),
+                frame.cmd, frame.seq, is_auth=True, reason="wrong_secret",
+            )
         self._send_reply(frame, None)
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
 
@@ -494,7 +505,8 @@ class ClientConnection(_Machine):
         """The server's HELLO reply: the AUTH body to send next, or None when READY.
 
         Raises Unauthorized (and goes CLOSING) when the server's proof is
-        wrong or missing: that server does not know the secret.
+        wrong or missing: the two sides do not hold the same secret (the client
+        then closes, and the server logs that it hung up after its proof).
         """
         if self.state is not ConnState.HELLO:
             self._go(Input.HELLO_ACCEPTED)  # raises IllegalTransition
@@ -530,7 +542,12 @@ class ClientConnection(_Machine):
             or not auth.same(proof, auth.server_proof(self.secret, self._nonce, challenge))
         ):
             self._go(Input.REFUSED)
-            raise Unauthorized("the server's proof is wrong: it does not know the secret")
+            # Nearly always this client's token, not the server: say so first.
+            raise Unauthorized(
+                "the token is wrong: the server's proof does not match this client's token "
+                "(it differs from the daemon's server.token, or this is not the daemon "
+                "meant)"
+            )
         self._go(Input.CHALLENGED)
         return {"mac": auth.client_mac(self.secret, challenge, self._nonce)}
 
