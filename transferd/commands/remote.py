@@ -23,7 +23,23 @@ from transferd.exits import Exit
 
 T = TypeVar("T")
 
-URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False)
+def check_url(_ctx: Any, _param: Any, url: str | None) -> str | None:
+    """A daemon's URL, checked as the client will read it: a malformed one is a usage
+    error (exit 2), not a failure to reach a daemon."""
+    if url is None:
+        return None
+    from transferd import transports
+    from transferd.protocol.errors import TransferdError
+
+    try:
+        transports.parse(url)
+    except TransferdError as exc:
+        raise click.BadParameter(exc.message) from None
+    return url
+
+
+URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False,
+                     callback=check_url)
 TOKEN = click.option("--token-file", "token", default=None, type=click.Path(dir_okay=False),
                      callback=lambda _ctx, _p, v: _read_token(v),
                      help="File holding the daemon's token (else TRANSFERD_TOKEN, if set); "
