@@ -173,6 +173,16 @@ class Metrics:
             "transferd_leases_expired", "Leases that expired unrenewed (their buffers were "
             "freed).", registry=r
         )
+        self.reload_ok = Gauge(
+            "transferd_config_last_reload_successful",
+            "1 when the last SIGHUP's configuration was applied (or at start), 0 when it "
+            "was refused.", registry=r)
+        self.reload_ok.set(1)
+        self.reload_time = Gauge(
+            "transferd_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last configuration applied: the start, or a SIGHUP.",
+            registry=r)
+        self.reload_time.set_to_current_time()
         self.request_seconds = _RequestSeconds()
         r.register(self.request_seconds)
         r.register(_AuthFailures())

@@ -14,6 +14,7 @@ import click
 
 from transferd import config as cfgmod
 from transferd.exits import Exit
+from transferd.logs import fatal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,7 +80,7 @@ def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str
     from transferd.daemon import run_daemon
 
     if token is not None:
-        click.echo(f"{prog}: {cfgmod.TOKEN_REFUSED}", err=True)
+        fatal(f"{prog}: {cfgmod.TOKEN_REFUSED}")
         sys.exit(Exit.CONFIG)
     overrides = {
         "server.host": host,
@@ -98,11 +99,11 @@ def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str
         config = cfgmod.load(config_path, overrides=overrides)
     except cfgmod.ConfigError as exc:
         for line in exc.errors:
-            click.echo(f"{prog}: configuration error: {line}", err=True)
+            fatal(f"{prog}: configuration error: {line}")
         sys.exit(Exit.CONFIG)
     found = list(frontends())
     if not found:
-        click.echo(f"{prog}: no front end installed (is rpc_server installed?)", err=True)
+        fatal(f"{prog}: no front end installed (is rpc_server installed?)")
         sys.exit(Exit.INSTALL)
     # SIGHUP re-reads the same file, variables and flags.
     run_daemon(config, found, loader=lambda: cfgmod.load(config_path, overrides=overrides))
