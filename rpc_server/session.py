@@ -56,7 +56,7 @@ from transferd.protocol.errors import (
     TransferdError,
     UnknownCommand,
 )
-from transferd.protocol.frames import DISCARD, Frame, Sink
+from transferd.protocol.frames import DISCARD, Frame, Phase, Sink
 
 from .context import ServerContext
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
@@ -233,6 +233,13 @@ class Session(asyncio.BufferedProtocol):
         if self.ctx.engine is not None and not self.write_blocked:
             # Peer messages handed to this connection are out: their senders' ACKs.
             self.ctx.engine.session_drained(self)
+
+    @property
+    def receiving(self) -> bool:
+        """A frame's payload has begun to arrive and is not all in: the drain waits for
+        it (a SET that began to land runs to its end; one refused is read to its end and
+        answered, not cut off under its payload)."""
+        return self._decoder.phase is Phase.PAYLOAD
 
     @property
     def write_blocked(self) -> bool:
