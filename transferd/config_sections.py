@@ -46,6 +46,7 @@ def key(
     reload: bool = False,
     secret: bool = False,
     unit: str = "",
+    off: str = "",
 ) -> Any:
     """Declare a config key.
 
@@ -54,7 +55,8 @@ def key(
     ``choices``: the allowed strings (matched case-insensitively, stored lower
     case).  ``flag``: the command-line flags that set it, as documented.
     ``reload``: SIGHUP applies a change without a restart.  ``secret``: masked
-    by ``check-config --print``.
+    by ``check-config --print``.  ``off``: for a port, the setting that turns its
+    listener off (named when a negative port is given, as ``--metrics-port -1`` is).
     """
     meta = {
         "doc": " ".join(doc.split()),
@@ -65,6 +67,7 @@ def key(
         "reload": reload,
         "secret": secret,
         "unit": unit,
+        "off": off,
     }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -327,7 +330,7 @@ class MetricsConfig:
         "daemons started with different RPC ports never collide; a node's service sets a "
         "fixed port for Prometheus to scrape (18516 in deploy/ and config/examples/). A port "
         "given that is taken is an error naming metrics.port.",
-        min=0, max=65535, flag="--metrics-port",
+        min=0, max=65535, flag="--metrics-port", off="metrics.enabled = false",
     )
     timeout_s: float = key(
         10.0,

@@ -48,6 +48,9 @@ _SHARED: tuple[Callable[[Any], Any], ...] = (
     click.option("--log-format", default=None,
                  type=click.Choice(cfgmod.LOG_FORMATS, case_sensitive=False),
                  help="Log format (log.format): text, or json lines for log shippers."),
+    click.option("-d", "--device", default=None,
+                 help="Devices to serve buffers from: cpu (always served), or CUDA devices "
+                      "as cuda:0 or cuda:0,cuda:1 (needs CuPy; sets gpu.devices) [cpu]."),
 )
 
 
@@ -67,11 +70,17 @@ def metrics_port_overrides(port: int | None) -> dict[str, object]:
     return {"metrics.port": port}
 
 
+def device_overrides(device: str | None) -> list[str] | None:
+    """``-d``: the CUDA devices named (cpu is always served), or None (no override)."""
+    gpus = [d.strip() for d in (device or "").split(",") if d.strip() and d.strip() != "cpu"]
+    return gpus or None
+
+
 def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str | None,
           host: str | None, port: int | None, mem: int | None, protocol_minor: int | None,
           metrics_port: int | None, token: str | None, token_file: str | None,
           unix_socket: str | None, listen: tuple[str, ...], log_level: str | None,
-          log_format: str | None, extra: dict[str, object] | None = None) -> None:
+          log_format: str | None, device: str | None) -> None:
     """Load the configuration the flags override and run the daemon until it stops.
 
     Flags beat TRANSFERD_* variables, which beat the file, which beats the defaults.
@@ -93,7 +102,7 @@ def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str
         "log.level": log_level,
         "log.format": log_format,
         **metrics_port_overrides(metrics_port),
-        **(extra or {}),
+        "gpu.devices": device_overrides(device),
     }
     try:
         config = cfgmod.load(config_path, overrides=overrides)
