@@ -402,6 +402,8 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.copies import snapshot
 
         body["copies"] = snapshot()
+    if frame.body.get("summary") is True:  # uptime, connections, errors (docs/protocol.md)
+        body.update(session.ctx.metrics.summary())
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 
