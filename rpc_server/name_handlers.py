@@ -139,9 +139,28 @@ def publish(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
 
 
 @handler(Command.LOOKUP)
-def lookup(session: Session, frame: Frame) -> Reply:
-    e = discovery_of(session.ctx).directory.lookup(frame.body.get("name"))
-    return Reply(_entry_body(e))
+def lookup(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
+    disc = discovery_of(session.ctx)
+    try:
+        return Reply(_entry_body(disc.directory.lookup(frame.body.get("name"))))
+    except NotFound as exc:
+        fetch = disc.backend.fetch(frame.body["name"])
+        if fetch is None:
+            raise
+        missing = exc
+
+    async def from_store() -> Reply:
+        got = await fetch
+        if got is None:
+            raise missing
+        kind, data, node = got
+        try:
+            decode_value(kind, data)
+        except TransferdError:
+            raise missing from None  # a malformed record is no value
+        return Reply({"name": frame.body["name"], "kind": kind, "value": data, "node": node})
+
+    return from_store()
 
 
 @handler(Command.UNPUBLISH)

@@ -57,6 +57,11 @@ class Backend:
         typed error of a conflict.  None: nothing to wait for."""
         return None
 
+    def fetch(self, name: str) -> Awaitable[tuple[str, bytes, str] | None] | None:
+        """A name the mirror lacks, read from the store now: (kind, value, node), or None.
+        None instead of an awaitable: nothing to ask (the store is away, or embedded)."""
+        return None
+
     async def close(self) -> None:
         self.state = State.CLOSED
 

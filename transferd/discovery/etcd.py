@@ -140,6 +140,28 @@ class EtcdBackend(Backend):
 
         return wait()
 
+    def fetch(self, name: str) -> Awaitable[tuple[str, bytes, str] | None] | None:
+        if self.state is not State.UP:
+            return None
+
+        async def get() -> tuple[str, bytes, str] | None:
+            # Published through another daemon a moment ago: its watch event is on
+            # its way, the store has it now (a lookup reads its own writes' peers).
+            key = self._name_key(name)
+            try:
+                r = await asyncio.wait_for(self.client.range(key), self.timeout_s)
+            except (Unavailable, StoreError, TimeoutError):
+                return None
+            for kv in r.get("kvs") or ():
+                got = self._parse(key, kv)
+                if got is not None and got[2].get("node") != self._my:
+                    body = got[2]
+                    return str(body.get("kind")), unb64(body.get("value")), \
+                        str(body.get("node", ""))
+            return None
+
+        return get()
+
     async def close(self) -> None:
         self.state = State.CLOSED
         if self._task is not None:

@@ -112,7 +112,8 @@ class HttpConnection:
             conn.start_next_cycle()  # kept alive for the next request
         else:
             self.close()
-        return status, json.loads(body) if body else {}
+        # An error may come as plain text (etcd's own refusals): its words are the message.
+        return status, _loads(bytes(body))
 
     async def stream(self, path: str, payload: dict[str, Any],
                      headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
