@@ -183,7 +183,7 @@ class EtcdServer:
         self.ctl("user", "grant-role", user, "transferd")
         self.ctl("auth", "enable")
 
-    def keys(self, prefix: str = "/transferd/") -> dict[str, str]:
+    def stored(self, prefix: str = "/transferd/") -> dict[str, str]:
         """Every key under ``prefix`` and its value (as root when auth is on)."""
         user = f"root:{self.root_password}" if self.root_password else ""
         out = self.ctl("get", "--prefix", prefix, "-w", "json", user=user)

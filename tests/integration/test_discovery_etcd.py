@@ -262,7 +262,7 @@ async def _restart(ds: list[DaemonProcess], etcd: EtcdServer) -> None:
         await until(lambda: _state(b, "up"), 15, "b registered again")
         await until(lambda: _has(a, 2), 10, "two peers again")
         await until(lambda: _found(b, "load/while-away"), 10, "the name published while away")
-        keys = etcd.keys()
+        keys = etcd.stored()
         assert any(k.endswith("/names/load/while-away") for k in keys), keys
         await asyncio.sleep(0.5)
         stop.set()
@@ -314,7 +314,7 @@ async def _secure(ds: list[DaemonProcess], bad: DaemonProcess, etcd: EtcdServer)
         await until(lambda: _has(b, 2), 10, "two peers over TLS with auth")
         await a.publish("tls/name", b"over tls")
         assert await b.lookup("tls/name") == b"over tls"
-        assert any(k.endswith("/names/tls/name") for k in etcd.keys())
+        assert any(k.endswith("/names/tls/name") for k in etcd.stored())
         # A wrong password: the daemon serves all the same, and says why etcd is not up.
         st = await x.discovery_status()
         assert st["state"] != "up"
