@@ -402,8 +402,10 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.copies import snapshot
 
         body["copies"] = snapshot()
-    if session.ctx.discovery is not None:  # where the names live, and whether it is up
-        body["discovery"] = session.ctx.discovery.status()
+    if frame.body.get("discovery") is True:  # where the names live, whether it is up
+        from .name_handlers import discovery_of
+
+        body["discovery"] = discovery_of(session.ctx).status()
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 

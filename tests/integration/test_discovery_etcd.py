@@ -28,6 +28,7 @@ from client import Client, MrDesc, NetAddr, NotFound
 from tests.etcd_server import EtcdServer
 from tests.helpers import DaemonProcess, async_test, digest, pattern, scrape
 from tests.integration.engine_cluster import start_many
+from transferd.protocol.constants import Command
 
 TTL = 3
 
@@ -245,7 +246,7 @@ async def _restart(ds: list[DaemonProcess], etcd: EtcdServer) -> None:
         await asyncio.sleep(0.5)
         etcd.stop()
         await until(lambda: _state(a, "away"), 10, "a says etcd is away")
-        status = await a.server_stats()
+        status = dict((await a.conn.request(Command.STATS, {"discovery": True})).body)
         assert status["discovery"]["state"] == "away" and status["discovery"]["error"]
         assert scrape(ds[0].metrics_url)['transferd_discovery_up{backend="etcd"}'] == 0.0
         # Names and peers it knew are still served; a publish answers at once, unsynced.
