@@ -18,9 +18,9 @@ import pytest
 
 from client import BadRequest, Client, MrDesc, NetAddr, NotFound, SyncClient, UnknownCommand
 from client.names import Watch
+from tests.helpers import DaemonProcess, RawConn, async_test, start_daemon
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import TooLarge
-from tests.helpers import DaemonProcess, RawConn, async_test, start_daemon
 
 
 @pytest.fixture(scope="module")

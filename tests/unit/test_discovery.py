@@ -81,7 +81,7 @@ def test_every_bound_is_exceeded_by_one_and_refused() -> None:
         d.publish("a3", Kind.BYTES, b"", A)
     d.publish("a2", Kind.BYTES, b"again", A)  # a replacement is not one more
     d.publish("b1", Kind.BYTES, b"", B)
-    with pytest.raises(OverLimit, match="discovery.max_names"):
+    with pytest.raises(OverLimit, match=r"discovery\.max_names"):
         d.publish("b2", Kind.BYTES, b"", B)
     assert d.owned_by(A) == 2 and d.owned_by(B) == 1
 
@@ -171,7 +171,7 @@ def test_watch_bounds() -> None:
     with pytest.raises(OverLimit, match="max_watches_per_connection"):
         d.subscribe("", A, lambda c: None)
     d.subscribe("", B, lambda c: None)
-    with pytest.raises(OverLimit, match="discovery.max_watches"):
+    with pytest.raises(OverLimit, match=r"discovery\.max_watches"):
         d.subscribe("", B, lambda c: None)
 
 
@@ -218,9 +218,9 @@ def test_endpoints_and_the_config_checks() -> None:
             parse_endpoints(url)
     with pytest.raises(ConfigError, match="credentials do not go in the URL"):
         load(env={"TRANSFERD_DISCOVERY_URL": "etcd://u:p@127.0.0.1:2379"})
-    with pytest.raises(ConfigError, match="discovery.timeout_s"):
+    with pytest.raises(ConfigError, match=r"discovery\.timeout_s"):
         load(env={"TRANSFERD_DISCOVERY_TTL_S": "3", "TRANSFERD_DISCOVERY_TIMEOUT_S": "2"})
-    with pytest.raises(ConfigError, match="discovery.password_file"):
+    with pytest.raises(ConfigError, match=r"discovery\.password_file"):
         load(env={"TRANSFERD_DISCOVERY_PASSWORD_FILE": "/x"})
     assert load().discovery.url == "" and not load().discovery.etcd
 
