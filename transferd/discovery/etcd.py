@@ -380,20 +380,29 @@ class EtcdBackend(Backend):
         if got is None:
             return
         kind, name, body = got
+        theirs = str(kv.get("lease", "0")) != str(self.lease)
         if kind == "node":
             if name == self._my:
-                if body.get("node") != d.record.get("node"):
-                    log.error("discovery: another daemon (node %s) registered as %r: "
-                              "discovery.node_name must be unique in the cluster",
-                              body.get("node"), name)
-                    self.record_changed()  # ours again; the operator must fix the names
+                if theirs:
+                    # Not put back: two daemons doing so would overwrite each other forever.
+                    self._duplicate(name, body.get("node"))
                 return
             d.node_put(name, body)
         elif body.get("node") != self._my:
             d.remote_put(name, body.get("kind"), unb64(body.get("value")),
                          str(body.get("node", "")))
-        elif name not in d.local:
-            self.changed(name)  # ours in etcd but not here (a race with a delete): remove
+        elif theirs:
+            self._duplicate(self._my, f"a name {name!r} of another lease")
+        # else: the echo of our own write
+
+    _duplicate_logged = False
+
+    def _duplicate(self, name: str, what: Any) -> None:
+        self.counts["conflicts"] += 1
+        if not self._duplicate_logged:
+            self._duplicate_logged = True
+            log.error("discovery: another daemon (%s) writes as node %r: discovery.node_name "
+                      "must be unique in the cluster", what, name)
 
     def _deleted(self, key: bytes) -> None:
         d = self.directory
