@@ -79,6 +79,9 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
     else:
         out.append(("ok", "secrets", f"clients prove the token of {token}" if token
                     else "loopback only, no token"))
+    from transferd.discovery.check import discovery_checks
+
+    out += discovery_checks(cfg)
     # For another node this machine's devices say nothing about the config's needs.
     for sec in probes.run_all(None if other_node else cfg):
         for n in sec.needed:

@@ -200,8 +200,10 @@ def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool)
 async def _sample(c: Any) -> dict[str, Any]:
     from transferd.protocol.constants import Command
 
-    # summary: uptime, connections, errors, the engine (a daemon before it ignores it).
-    stats = dict((await c.conn.request(Command.STATS, {"summary": True})).body)
+    # summary: uptime, connections, errors, the engine; discovery: where the daemon's
+    # names live and whether that store is up (a daemon before them ignores them).
+    stats = dict((await c.conn.request(Command.STATS, {"summary": True,
+                                                       "discovery": True})).body)
     devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
     stats["devices"] = list(devices)
     stats["t"] = time.monotonic()
@@ -258,6 +260,13 @@ def _table(now: dict[str, Any], before: dict[str, Any] | None, url: str) -> str:
                      f"{_rate_of(now, before, dt, 'engine', 'transfers_ok'):>14}  "
                      f"{eng['transfers_error']:,} failed, {eng['in_flight']:,} in flight, "
                      f"{eng['refused_writes']:,} peer writes refused")
+    disc = now.get("discovery")
+    if disc:
+        where = disc.get("url") or "this daemon (embedded)"
+        lines.append(f"{'names':<22}{disc.get('state', '?')} in {where}: "
+                     f"{disc.get('names', 0)} here, {disc.get('mirrored', 0)} mirrored, "
+                     f"{disc.get('peers', 0)} peers" + (f" ({disc['error']})"
+                                                         if disc.get("error") else ""))
     lines.append("")
     lines.append(f"{'device':<10}{'used':>14}{'free':>14}{'total':>14}")
     for d in now["devices"]:
