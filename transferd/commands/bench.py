@@ -244,11 +244,17 @@ def bench(peer: str | None, source: str | None, op_name: str, size: int | None,
                        "pip install 'transferd[plot]' (or pip install matplotlib)", err=True)
             sys.exit(Exit.INSTALL)
     secret = _secret(secret_file)
-    host = local_address_towards(peer) if peer and not source else "127.0.0.1"
+    # The daemon the bench starts puts its rail where the other daemon reaches it.
+    other = peer if not source else source if not peer else None
+    try:
+        host = local_address_towards(other) if other else "127.0.0.1"
+    except BenchError as exc:
+        click.echo(f"transferd bench: {exc}", err=True)
+        sys.exit(Exit.FAILURE)
     if not _is_loopback(host) and not secret:
         raise click.UsageError(
-            f"the peer is on another host: the daemon the bench starts on {host} needs the "
-            "cluster secret the peer has (--secret-file FILE, or TRANSFERD_ENGINE_SECRET_FILE)")
+            f"{other} is on another host: the daemon the bench starts on {host} needs the "
+            "cluster secret it has (--secret-file FILE, or TRANSFERD_ENGINE_SECRET_FILE)")
     mem = max(64, (max(todo) >> 20) + 16)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stopped)
@@ -262,7 +268,7 @@ def bench(peer: str | None, source: str | None, op_name: str, size: int | None,
         try:
             with contextlib.ExitStack() as stack:
                 src = source or stack.enter_context(daemon(host, mem, secret))
-                dst = peer or stack.enter_context(daemon("127.0.0.1", mem, secret))
+                dst = peer or stack.enter_context(daemon(host, mem, secret))
                 results = asyncio.run(_main(src, dst, op_name, todo, window, duration,
                                             warmup, timeout, token, progress))
         except Stopped as exc:

@@ -402,8 +402,8 @@ class ServerConnection(_Machine):
                 return self._ready(Input.HELLO_ACCEPTED, auth.TOKEN)
             return self.refuse(
                 Unauthorized(
-                    "authentication required: this daemon has a token (server.token) and "
-                    f"the client gave none; this listener offers {', '.join(s.methods)}"
+                    "authentication required: this daemon has a token (server.token_file) "
+                    f"and the client gave none; this listener offers {', '.join(s.methods)}"
                 ),
                 frame.cmd, frame.seq, is_auth=True, reason="no_secret",
             )
