@@ -253,8 +253,12 @@ class CopiesMixin:
                 pool.release(chunk)
                 raise
             s.copy_h2d(ptr + pos, chunk.ptr, n)
-            waiter.watch(s.record(), functools.partial(pool.release, chunk))
+            waiter.watch(s.record(), functools.partial(_back, pool, chunk))
             pos += n
+
+
+def _back(pool: StagingPool, chunk: StagingChunk, _outcome: object) -> None:
+    pool.release(chunk)
 
 
 def _resolve(gets: list[QueuedGet], fut: asyncio.Future[Any]) -> None:
