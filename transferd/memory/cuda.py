@@ -43,7 +43,7 @@ from transferd.workers.affinity import (
 from .base import Memory, MemorySource
 from .buffers import DeviceSpec
 from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
-from .streams import DeviceEvent, DeviceStream, EventWaiter
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter
 
 log = logging.getLogger("transferd.memory.cuda")
 
@@ -52,7 +52,9 @@ log = logging.getLogger("transferd.memory.cuda")
 MEMCPY_DEFAULT = 4
 # cudaMalloc aligns to at least 256 bytes on every CUDA GPU.
 ALIGNMENT = 256
+CUDA_SUCCESS = 0
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_ERROR_NOT_READY = 600
 IPC_HANDLE_BYTES = 64
 
 
@@ -121,21 +123,48 @@ class CudaEvent(DeviceEvent):
 
     ``cudaEventSynchronize`` is called without the GIL (CuPy's runtime
     wrapper releases it), so the waiter thread never stalls the event loops.
+    ``cudaEventQuery`` returns ``cudaErrorNotReady`` while pending and another
+    non-zero status when the device failed work before the event; a failure
+    of either call is a :class:`DeviceFault`, never taken for completion.
     """
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, index: int) -> None:
         self.event = event
-        self._rt = _cupy().cuda.runtime
+        self.index = index
+        self._cupy = _cupy()
 
     def done(self) -> bool:
-        return int(self._rt.eventQuery(self.event.ptr)) == 0  # cudaSuccess
+        status = int(self._cupy.cuda.runtime.eventQuery(self.event.ptr))
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_ERROR_NOT_READY:
+            return False
+        raise DeviceFault(f"cuda:{self.index}: {_status_text(self._cupy, status)}")
 
     def synchronize(self) -> None:
-        self._rt.eventSynchronize(self.event.ptr)
+        rt = self._cupy.cuda.runtime
+        try:
+            # The event's own device current (a shared waiter serves several).
+            with self._cupy.cuda.Device(self.index):
+                rt.eventSynchronize(self.event.ptr)
+        except rt.CUDARuntimeError as exc:
+            raise DeviceFault(f"cuda:{self.index}: {exc}") from None
+
+
+def _status_text(cupy: Any, status: int) -> str:
+    """A runtime status as CuPy's CUDARuntimeError words it."""
+    try:
+        return str(cupy.cuda.runtime.CUDARuntimeError(status))
+    except Exception:  # pragma: no cover - a status the runtime cannot name
+        return f"CUDA error {status}"
 
 
 class CudaStream(DeviceStream):
-    """A non-blocking CuPy stream of one device; every call with that device current."""
+    """A CuPy stream of one device; every call with that device current.
+
+    ``CudaStream(index)`` makes a non-blocking stream on device ``index``;
+    :meth:`of` wraps a stream the caller made, on the device it was made on.
+    """
 
     def __init__(self, index: int, stream: Any = None) -> None:
         cupy = _cupy()
@@ -146,6 +175,20 @@ class CudaStream(DeviceStream):
         self._device = cupy.cuda.Device(index)
         with self._device:
             self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def of(cls, stream: Any) -> CudaStream:
+        """A CuPy stream as a DeviceStream, on its own device.
+
+        CuPy records the device a stream was created on (``device_id``); the
+        null and per-thread streams have none (-1) and belong to whichever
+        device is current, so those take the calling thread's current device:
+        call this in the thread that uses the stream.
+        """
+        index = int(getattr(stream, "device_id", -1))
+        if index < 0:
+            index = int(_cupy().cuda.runtime.getDevice())
+        return cls(index, stream)
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
@@ -171,7 +214,7 @@ class CudaStream(DeviceStream):
             # block=True: a waiting thread sleeps in the driver instead of spinning.
             ev = self._cupy.cuda.Event(block=True, disable_timing=True)
             ev.record(self.stream)
-        return CudaEvent(ev)
+        return CudaEvent(ev, self.index)
 
     def synchronize(self) -> None:
         with self._device:
@@ -183,6 +226,16 @@ class CudaStream(DeviceStream):
 
     def waiter_init(self) -> None:
         self._device.use()
+
+    def __enter__(self) -> CudaStream:
+        # CuPy's own current stream too, for whatever else this thread launches.
+        self.stream.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.stream.__exit__(*exc)
 
 
 # -- pinned staging ----------------------------------------------------------------------
