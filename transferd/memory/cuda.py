@@ -42,6 +42,7 @@ from transferd.workers.affinity import (
 
 from .base import Memory, MemorySource
 from .buffers import DeviceSpec
+from .cuda_extent import address_range, ipc_span
 from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
 from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter
 
@@ -331,44 +332,6 @@ class CudaMemory(Memory):
 
     def _free(self) -> None:
         _cupy().cuda.runtime.free(self.ptr)
-
-
-def address_range(ptr: int) -> tuple[int, int] | None:
-    """``(base, size)`` of the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
-
-    Through the driver library itself (CuPy does not wrap this call).  It
-    needs a current context in the calling thread (the caller makes the
-    pointer's own device current first); None where it cannot be asked or
-    the driver does not know the pointer.
-    """
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
-        return None
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
-    return int(base.value), int(size.value)
-
-
-def ipc_span(ptr: int, nbytes: int, extent: tuple[int, int] | None) -> tuple[int, int]:
-    """``(allocation base, offset of ptr in it)`` for exporting ``[ptr, ptr + nbytes)``.
-
-    A CUDA IPC handle names a whole allocation: the range's offset in it has
-    to be known, never guessed.  BadRequest where the allocation could not be
-    found, OutOfBounds where the range does not lie inside it.
-    """
-    if extent is None:
-        raise BadRequest(f"cannot find the CUDA allocation of 0x{ptr:x} "
-                         "(cuMemGetAddressRange failed): not registering it at a guessed offset")
-    base, size = extent
-    if nbytes < 0 or ptr < base or ptr + nbytes > base + size:
-        raise OutOfBounds(f"[0x{ptr:x}, +{nbytes}) is outside its allocation "
-                          f"[0x{base:x}, +{size})")
-    return base, ptr - base
 
 
 class IpcCudaMemory(CudaMemory):
