@@ -213,3 +213,26 @@ async def test_event_waiter_threads_are_bounded_whatever_the_streams(
     finally:
         for s in streams:
             s.close()
+
+
+@async_test(timeout=60)
+async def test_a_copy_the_producer_failed_is_never_sent(
+        daemon: DaemonProcess, stream: StandinStream) -> None:
+    """Issue 24.2 on the client: its staging holds nothing of the device's bytes, so its
+    SET must not go; the fault is raised at the next flush point, once."""
+    from transferd.protocol.errors import Internal
+
+    dev = _dev(os.urandom(64 * KiB))
+    async with await Client.connect(daemon.url) as c:
+        c.use_copy_staging(StagingPool(64 * KiB, 2))
+        buf = await c.alloc_buffer(dev.size)
+        await c.set_tensor(buf.tensor(), b"\x01" * dev.size)
+        stream.fail()
+        await c.copy_from_device(buf.tensor(), (dev.ptr, dev.size), stream=stream)
+        with pytest.raises(Internal, match="fault"):
+            await c.synchronize()
+        assert bytes(await c.get_tensor(buf.tensor())) == b"\x01" * dev.size
+        stream.heal()
+        await c.copy_from_device(buf.tensor(), (dev.ptr, dev.size), stream=stream)
+        await c.synchronize()
+        assert bytes(await c.get_tensor(buf.tensor())) == bytes(dev.host_array())
