@@ -191,10 +191,16 @@ class CudaStream(DeviceStream):
             index = int(_cupy().cuda.runtime.getDevice())
         return cls(index, stream)
 
+    def _fault(self, exc: Exception) -> DeviceFault:
+        return DeviceFault(f"{self.name}: {exc}")
+
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:  # a sticky error of the context
+                raise self._fault(exc) from None
 
     def copy_d2h(self, host_ptr: int, dev_ptr: int, nbytes: int) -> None:
         self._copy(host_ptr, dev_ptr, nbytes)
@@ -207,14 +213,20 @@ class CudaStream(DeviceStream):
 
     def fill(self, dev_ptr: int, value: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:
+                raise self._fault(exc) from None
 
     def record(self) -> CudaEvent:
-        with self._device:
-            # block=True: a waiting thread sleeps in the driver instead of spinning.
-            ev = self._cupy.cuda.Event(block=True, disable_timing=True)
-            ev.record(self.stream)
+        try:
+            with self._device:
+                # block=True: a waiting thread sleeps in the driver instead of spinning.
+                ev = self._cupy.cuda.Event(block=True, disable_timing=True)
+                ev.record(self.stream)
+        except self._rt.CUDARuntimeError as exc:
+            raise self._fault(exc) from None
         return CudaEvent(ev, self.index)
 
     def synchronize(self) -> None:

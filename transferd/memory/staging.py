@@ -44,7 +44,7 @@ import numpy as np
 from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest
 
-from .streams import DeviceEvent, DeviceStream, EventWaiter, Outcome
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter, Outcome
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_CHUNKS = 8
@@ -232,8 +232,8 @@ class Claim:
 
     :meth:`fence` records an event after the copies enqueued so far and
     remembers it; :meth:`release` (idempotent; call it in a ``finally``)
-    gives the chunks back once that event ended, never while a copy on them
-    may still run.  Chunks taken by :meth:`take` are the claim's as soon as
+    gives the chunks back once that event ended (one it records then if none
+    was), never while a copy on them may still run.  Chunks taken by :meth:`take` are the claim's as soon as
     they are acquired, so a cancelled take loses none.
     """
 
@@ -264,7 +264,15 @@ class Claim:
             return
         self._released = True
         chunks, self.chunks = self.chunks, []
-        release_after(self.io, chunks, self._fence)
+        fence = self._fence
+        if fence is None and chunks:
+            # Ended before its fence (a copy that raised, a cancel between two
+            # enqueues): copies may be on the stream already; an event now covers them.
+            try:
+                fence = self.io.stream.record()
+            except DeviceFault:
+                fence = None  # a dead device runs nothing more: they are free
+        release_after(self.io, chunks, fence)
 
     def settle(self) -> asyncio.Future[None]:
         """Fence the copies enqueued so far and let the chunks go once it ended.
