@@ -233,8 +233,9 @@ class Claim:
     :meth:`fence` records an event after the copies enqueued so far and
     remembers it; :meth:`release` (idempotent; call it in a ``finally``)
     gives the chunks back once that event ended (one it records then if none
-    was), never while a copy on them may still run.  Chunks taken by :meth:`take` are the claim's as soon as
-    they are acquired, so a cancelled take loses none.
+    was), never while a copy on them may still run.  Chunks taken by
+    :meth:`take` are the claim's as soon as they are acquired, so a cancelled
+    take loses none.
     """
 
     def __init__(self, io: DeviceIO) -> None:
