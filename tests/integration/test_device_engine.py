@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from client import Client, Pages
+from client import Client, MrHandle, Pages
 from tests.helpers import DaemonProcess, async_test, digest
 from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
 from transferd.protocol.errors import BadRequest, Cancelled, Internal, OutOfBounds, Timeout
@@ -82,6 +82,14 @@ async def _device_region(c: Client, size: int, data: bytes | None = None,
         await c.set_tensor(buf.tensor(0, len(data)), data)
     mr, desc = await c.reg_mr(buf)
     return buf, mr, desc
+
+
+async def _host_source(c: Client, data: bytes) -> MrHandle:
+    """A host region on ``c``'s daemon holding ``data``."""
+    buf = await c.alloc_buffer(len(data))
+    await c.set_tensor(buf.tensor(), data)
+    mr, _ = await c.reg_mr(buf)
+    return mr
 
 
 @async_test(timeout=90)
@@ -158,9 +166,7 @@ async def test_counted_only_after_the_device_copy_completed(
         pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
     async with _clients(pair) as (a, b):
         data = os.urandom(64 * KiB)
-        hbuf = await a.alloc_buffer(len(data))
-        await a.set_tensor(hbuf.tensor(), data)
-        hmr, _ = await a.reg_mr(hbuf)
+        hmr = await _host_source(a, data)
         dbuf, _, ddesc = await _device_region(b, len(data))
         imm = fresh_imm()
         with open(hold_file, "w"):
@@ -261,9 +267,7 @@ async def test_a_device_fault_fails_writes_and_counts_nothing(
     from it sends nothing; once the device works again both land and count."""
     async with _clients(pair) as (a, b):
         data = os.urandom(64 * KiB)
-        hbuf = await a.alloc_buffer(len(data))
-        await a.set_tensor(hbuf.tensor(), data)
-        hmr, _ = await a.reg_mr(hbuf)
+        hmr = await _host_source(a, data)
         dbuf, dmr, ddesc = await _device_region(b, len(data))
         sink = await a.alloc_buffer(len(data))
         _, sdesc = await a.reg_mr(sink)

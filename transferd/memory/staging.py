@@ -44,7 +44,7 @@ import numpy as np
 from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest
 
-from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter, Outcome
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter, Outcome, settle
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_CHUNKS = 8
@@ -293,7 +293,7 @@ class Claim:
             for c in chunks:
                 pool.release(c)
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-                loop.call_soon_threadsafe(_settle, fut, outcome)
+                loop.call_soon_threadsafe(settle, fut, outcome)
 
         ended = event.outcome()
         if ended is False:
@@ -301,15 +301,6 @@ class Claim:
         else:
             back(ended)
         return fut
-
-
-def _settle(fut: asyncio.Future[None], outcome: Outcome) -> None:
-    if fut.done():
-        return
-    if outcome is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(outcome)
 
 
 # -- the pipeline -----------------------------------------------------------------------

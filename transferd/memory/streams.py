@@ -70,6 +70,16 @@ class DeviceEvent(ABC):
             return exc
 
 
+def settle(fut: asyncio.Future[None], outcome: Outcome) -> None:
+    """Resolve ``fut`` with an event's outcome (on its loop), unless it ended already."""
+    if fut.done():
+        return
+    if outcome is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(outcome)
+
+
 _current = threading.local()
 
 
@@ -213,18 +223,10 @@ class EventWaiter:
             fut.set_exception(ended)
             return fut
 
-        def settle(outcome: Outcome) -> None:
-            if fut.done():
-                return
-            if outcome is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(outcome)
-
         def hand_over(outcome: Outcome) -> None:
             # The loop may have closed meanwhile: then nobody is waiting.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, outcome)
+                loop.call_soon_threadsafe(settle, fut, outcome)
 
         self.watch(event, hand_over)
         return fut
