@@ -37,7 +37,8 @@ from .cuda_ipc import CudaIpc
 from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
 from .leases import Lease, Leases, owner_fields
 from .queue import QueuedGet, QueuedSet, chunks, segments
-from .shared import SharedBuffer, map_shared
+from .replies import lazy_sink, out_view, resolve_gets
+from .shared import SharedBuffer, map_shared, read_local
 from .switches import Switches
 from .watchers import Change, UvmWatcher, Watchers
 
@@ -46,68 +47,6 @@ if TYPE_CHECKING:
     from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 __all__ = ["Client", "RemoteBuffer", "Switches"]
-
-
-def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
-    """Settle queued reads from their GET_TENSOR(S) reply future."""
-    if fut.cancelled():
-        for g in gets:
-            if not g.future.done():
-                g.future.cancel()
-    elif (exc := fut.exception()) is not None:
-        for g in gets:
-            if not g.future.done():
-                g.future.set_exception(exc)
-    else:
-        payload = fut.result().payload
-        if payload is not None:  # gathered whole (see _lazy_sink): cut it up
-            if len(gets) == 1:
-                gets[0].result = payload
-            else:
-                pos = 0
-                for g in gets:
-                    end = pos + g.tensor[2]
-                    # Called twice per reply (its done callback, then the flush
-                    # itself): a read already settled is not cut out again.
-                    if not g.future.done():
-                        g.result = payload[pos:end]
-                        if COUNTING:
-                            count("client.batch_cut", end - pos)
-                    pos = end
-        for g in gets:
-            f = g.future
-            if not f.done():
-                # No result yet: a zero-byte read, whose sink was never asked for.
-                r = g.result
-                f.set_result(r if r is not None else bytearray())
-
-
-# A small reply for reads without ``out=`` is received whole and cut into the
-# reads' results: cheaper than scattering it over one small buffer per read.
-GATHER_SMALL = 64 * 1024
-
-
-def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview] | None]:
-    """Where a GET reply's payload goes, decided when the reply arrives.
-
-    Reads without ``out=`` get their bytearray only then, after the server has
-    checked every tensor: a read the server refuses allocates nothing.
-    """
-
-    def sink(frame: Frame) -> list[memoryview] | None:
-        if frame.payload_len <= GATHER_SMALL and all(g.out is None for g in gets):
-            return None  # the decoder gathers the payload; _resolve_gets cuts it
-        views: list[memoryview] = []
-        append = views.append
-        for g in gets:
-            out = g.out
-            if out is None:
-                g.result = r = bytearray(g.tensor[2])
-                g.out = out = memoryview(r)
-            append(out)
-        return views
-
-    return sink
 
 
 def _as_view(data: Any) -> memoryview:
@@ -365,13 +304,13 @@ class Client:
         if self._shared and t.buffer in self._shared:
             if self._queue:
                 await self.flush()
-            return self._get_local(t, out)
+            return read_local(self._shared[t.buffer], t, out)
         if out is None:
             # The reply's payload is allocated when it arrives, once the server
             # has checked the tensor: a bad request costs no client memory.
             reply = await self._call(_GET_TENSOR, {"tensor": t})
             return reply.payload if reply.payload is not None else bytearray()
-        await self._call(_GET_TENSOR, {"tensor": t}, sink=[self._out_view(t, out)])
+        await self._call(_GET_TENSOR, {"tensor": t}, sink=[out_view(t, out)])
         return out
 
     async def copy_tensor(self, src: Tensor | Sequence[int], dst: Tensor | Sequence[int]) -> None:
@@ -436,11 +375,11 @@ class Client:
         if self._shared and t.buffer in self._shared:
             # Shared memory: read now, in this process (no queue, no wire).
             try:
-                fut.set_result(self._get_local(t, out))
+                fut.set_result(read_local(self._shared[t.buffer], t, out))
             except TransferdError as exc:
                 fut.set_exception(exc)
             return fut
-        dest = self._out_view(t, out) if out is not None else None
+        dest = out_view(t, out) if out is not None else None
         self._queue.append(QueuedGet(t, fut, dest, out))
         return fut
 
@@ -463,7 +402,7 @@ class Client:
         for seg in segments(ops):
             self._send_sets(seg.sets)
             for gets, fut in self._send_gets(seg.gets):
-                fut.add_done_callback(functools.partial(_resolve_gets, gets))
+                fut.add_done_callback(functools.partial(resolve_gets, gets))
                 self._reads_in_flight.add(fut)
                 fut.add_done_callback(self._reads_in_flight.discard)
 
@@ -484,7 +423,7 @@ class Client:
         earlier = [f for f in self._reads_in_flight if not f.done()]
         for gets, fut in waits:
             # Resolved by callback, so a cancelled flush orphans no read.
-            fut.add_done_callback(functools.partial(_resolve_gets, gets))
+            fut.add_done_callback(functools.partial(resolve_gets, gets))
             self._reads_in_flight.add(fut)
             fut.add_done_callback(self._reads_in_flight.discard)
         first_error: BaseException | None = None
@@ -493,7 +432,7 @@ class Client:
                 await fut
             except TransferdError as exc:
                 first_error = first_error or exc
-            _resolve_gets(gets, fut)  # now, not when the callback gets its turn
+            resolve_gets(gets, fut)  # now, not when the callback gets its turn
         if earlier:
             await asyncio.wait(earlier)
         self._raise_failures()
@@ -528,14 +467,14 @@ class Client:
                 fut = conn.request(
                     _GET_TENSORS,
                     {"tensors": [g.tensor for g in part]},
-                    sink=_lazy_sink(part),
+                    sink=lazy_sink(part),
                     timeout=self.timeout,
                 )
                 waits.append((part, fut))
         else:
             for g in gets:
                 fut = conn.request(
-                    _GET_TENSOR, {"tensor": g.tensor}, sink=_lazy_sink([g]), timeout=self.timeout
+                    _GET_TENSOR, {"tensor": g.tensor}, sink=lazy_sink([g]), timeout=self.timeout
                 )
                 waits.append(([g], fut))
         return waits
@@ -642,27 +581,6 @@ class Client:
         return await self.watchers.alloc_uvm_watcher(callback, buffer=buffer, offset=offset)
 
     # -- helpers ----------------------------------------------------------------------
-
-    def _get_local(self, t: Tensor, out: Any) -> Any:
-        """A shared buffer's tensor, copied out of this process's mapping."""
-        src = self._shared[t.buffer].local(t.offset, t.size)
-        if COUNTING:
-            count("client.shared_get", t.size)
-        if out is None:
-            return bytearray(src)
-        self._out_view(t, out)[:] = src
-        return out
-
-    @staticmethod
-    def _out_view(t: Tensor, out: Any) -> memoryview:
-        if out is None:
-            return memoryview(bytearray(t.size))
-        view = _as_view(out)
-        if view.readonly:
-            raise BadRequest("out= must be a writable buffer")
-        if view.nbytes != t.size:
-            raise BadRequest(f"out= holds {view.nbytes} bytes for a tensor of {t.size}")
-        return view
 
     def _raise_failures(self) -> None:
         failed = self.conn.take_failures()
