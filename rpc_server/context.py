@@ -76,6 +76,9 @@ class ServerContext:
     # Releases of a gone owner's buffers still waiting for admitted writes to land
     # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
     background: set[Any] = field(default_factory=set)
+    # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
+    # embedded (rpc_server/name_handlers.py).
+    discovery: Any = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
@@ -118,4 +121,5 @@ class ServerContext:
         feats = ["batched_get", "batched_set", "no_reply_events"]
         if self.engine is not None:
             feats.append("engine")
+        feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

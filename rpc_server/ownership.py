@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transferd.memory.leases import Lease
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("transferd.session")
 
 OWNERS = ("daemon", "connection", "lease")
+
+# Other tables whose entries an owner holds (names: rpc_server/name_handlers.py), each
+# told when that owner is gone (a connection closed, a lease ended or expired).
+OWNER_GONE: list[Callable[[ServerContext, Hashable], None]] = []
+
 
 def owner_for(session: Session, body: dict[str, Any], default: str) -> Hashable | None:
     """The owner an ALLOC_BUFFER asks for: ``owner`` and/or ``lease``, else ``default``."""
@@ -110,6 +115,8 @@ def release_owned(ctx: ServerContext, owner: Hashable) -> tuple[int, Awaitable[N
     Returns how many buffers went, and an awaitable until the writes admitted
     into their regions before the revocation have landed (None: none in flight).
     """
+    for gone in OWNER_GONE:
+        gone(ctx, owner)
     table = ctx.buffers
     engine = ctx.engine
     regions: list[Region] = []
