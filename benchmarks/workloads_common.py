@@ -63,13 +63,23 @@ def describe_cpus(pins: Sequence[Pinning], names: Sequence[str]) -> str:
                      for n, p in zip(names, pins, strict=True))
 
 
+@dataclass(frozen=True)
+class Engine:
+    """A node's engine: the URL its role connects to, and the process it runs in when
+    that is not the role's own (a daemon's pid; None in process)."""
+
+    url: str
+    pid: int | None = None
+
+
 class Placement(Protocol):
-    """Which engine each node's role talks to; ``engines`` yields one URL per node."""
+    """Which engine each node's role talks to; ``engines`` yields one per node."""
 
     @property
     def label(self) -> str: ...
 
-    def engines(self, pins: Sequence[Pinning]) -> contextlib.AbstractContextManager[list[str]]:
+    def engines(self, pins: Sequence[Pinning]
+                ) -> contextlib.AbstractContextManager[list[Engine]]:
         ...
 
 
@@ -104,7 +114,7 @@ class Daemons:
         return self.steps_dir / f"daemon-{i}.json"
 
     @contextlib.contextmanager
-    def engines(self, pins: Sequence[Pinning]) -> Iterator[list[str]]:
+    def engines(self, pins: Sequence[Pinning]) -> Iterator[list[Engine]]:
         env = {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails))}
         procs = []
         for i, pin in enumerate(pins):
@@ -118,7 +128,7 @@ class Daemons:
             failed = [e for e in errors if e is not None]
             if failed:
                 raise RuntimeError(f"a daemon did not start: {failed[0]}")
-            yield [p.url for p in procs]
+            yield [Engine(p.url, p.pid) for p in procs]
         finally:
             for p in procs:
                 p.stop()
@@ -245,6 +255,17 @@ def p50(xs: Sequence[float]) -> float:
 
 def p99(xs: Sequence[float]) -> float:
     return percentile(xs, 99)
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process used so far, threads that ended included (/proc/PID/stat:
+    utime + stime, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def load_now() -> tuple[float, float, float]:

@@ -37,6 +37,7 @@ from .harness import BenchResult, Check, Options, Table, fmt_ratio, interleave, 
 from .workloads_common import (
     SECTION,
     Daemons,
+    Engine,
     Placement,
     RoleProcess,
     cpu_of,
@@ -222,15 +223,15 @@ def _shape_args(layers: int, pages: int) -> dict[str, int]:
     return {"layers": layers, "pages": pages, "page_len": PAGE}
 
 
-def _td_roles(urls: list[str], shape: dict[str, int], pins: list[Any]) -> Any:
-    """The transferd nodes on ``urls`` (prefill's engine, decode's), entered as a stack."""
+def _td_roles(engines: list[Engine], shape: dict[str, int], pins: list[Any]) -> Any:
+    """The transferd nodes on ``engines`` (prefill's, decode's), entered as a stack."""
     import contextlib
 
     stack = contextlib.ExitStack()
-    (decode,) = stack.enter_context(roles([(MODULE, "td-decode", {"url": urls[1],
+    (decode,) = stack.enter_context(roles([(MODULE, "td-decode", {"url": engines[1].url,
                                                                   "shape": shape}, pins[1])]))
     (prefill,) = stack.enter_context(roles([(MODULE, "td-prefill", {
-        "url": urls[0], "shape": shape, "desc": decode.ready["desc"]}, pins[0])]))
+        "url": engines[0].url, "shape": shape, "desc": decode.ready["desc"]}, pins[0])]))
     return stack, prefill, decode
 
 
@@ -284,8 +285,8 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     pins = [cpu_of(opts, 0), cpu_of(opts, 1)]
     seeds = iter(range(1, 1 << 30))
     samples: dict[str, list[list[dict[str, Any]]]] = {}
-    with where.engines(pins) as urls:
-        stack, prefill, decode = _td_roles(urls, shape, pins)
+    with where.engines(pins) as engines:
+        stack, prefill, decode = _td_roles(engines, shape, pins)
         with stack, roles([(MODULE, "floor-decode", {"shape": shape}, pins[1])]) as (fd,), \
                 roles([(MODULE, "floor-prefill", {"shape": shape, "port": fd.ready["port"]},
                         pins[0])]) as (fp,):
@@ -316,8 +317,8 @@ def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Any]) -> dict[s
     with tempfile.TemporaryDirectory(prefix="td-kv-steps-") as tmp:
         placement = Daemons(rails=1, steps_dir=Path(tmp))
         reqs = []
-        with placement.engines(pins) as urls:
-            stack, prefill, decode = _td_roles(urls, shape, pins)
+        with placement.engines(pins) as engines:
+            stack, prefill, decode = _td_roles(engines, shape, pins)
             with stack:
                 arm = Arm("transferd (steps)", prefill, decode)
                 arm.request(1 << 30, COMPUTE_S, check=False)
