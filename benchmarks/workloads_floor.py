@@ -73,6 +73,7 @@ class FloorNode:
         self.size = size
         self.landed = Tally()  # messages that landed here, by tag
         self.acked = Tally()  # acks of messages this node sent, by tag
+        self.refused: list[str] = []  # why each connection closed on a bad message
         self.srv = socket.create_server((host, 0), backlog=256)
         self.port = int(self.srv.getsockname()[1])
         threading.Thread(target=self._accept, daemon=True).start()
@@ -91,33 +92,36 @@ class FloorNode:
 
     def _serve(self, conn: socket.socket) -> None:
         hdr = bytearray(HDR.size)
-        view = self.buf.view
-
-        def recv_pages(views: list[memoryview]) -> int:
-            return conn.recvmsg_into(views)[0]
-
         with conn:
             while True:
                 try:
                     _recv_exact(conn, memoryview(hdr))
+                    self._land(conn, *HDR.unpack(hdr))
                 except (ConnectionError, OSError):
                     return
-                kind, tag, a, b = HDR.unpack(hdr)
-                if kind == DATA:
-                    self._check(a, b)
-                    _recv_exact(conn, view[a:a + b])
-                elif kind == PAGES:
-                    if b > MAX_PAGES:
-                        raise ValueError(f"{b} pages in one message")
-                    idx = array.array("I", bytes(4 * b))
-                    _recv_exact(conn, memoryview(idx).cast("B"))
-                    for i in idx:
-                        self._check(i * a, a)
-                    _scatter(recv_pages, [view[i * a:(i + 1) * a] for i in idx])
-                elif kind != BARRIER:
-                    raise ValueError(f"message kind {kind}")
-                self.landed.add(tag)
-                conn.sendall(HDR.pack(ACK, tag, 0, 0))
+                except ValueError as exc:  # a message this node cannot place: refused
+                    self.refused.append(str(exc))
+                    return
+
+    def _land(self, conn: socket.socket, kind: int, tag: int, a: int, b: int) -> None:
+        """One message's bytes into place (checked first), counted, acknowledged."""
+        view = self.buf.view
+        if kind == DATA:
+            self._check(a, b)
+            _recv_exact(conn, view[a:a + b])
+        elif kind == PAGES:
+            if b > MAX_PAGES:
+                raise ValueError(f"{b} pages in one message (at most {MAX_PAGES})")
+            idx = array.array("I", bytes(4 * b))
+            _recv_exact(conn, memoryview(idx).cast("B"))
+            for i in idx:
+                self._check(i * a, a)
+            _scatter(lambda views: conn.recvmsg_into(views)[0],
+                     [view[i * a:(i + 1) * a] for i in idx])
+        elif kind != BARRIER:
+            raise ValueError(f"message kind {kind}")
+        self.landed.add(tag)
+        conn.sendall(HDR.pack(ACK, tag, 0, 0))
 
     def link(self, port: int, host: str = "127.0.0.1") -> Link:
         return Link(self, port, host)

@@ -26,14 +26,25 @@ read (A) -> worker -> on the peer socket (A) -> read (B) -> EVENT sent (B) -> us
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .harness import BenchResult, Check, Options, Table, fmt_ratio, interleave, median
+from .harness import (
+    BenchResult,
+    Check,
+    Options,
+    Pinning,
+    Table,
+    fmt_ratio,
+    interleave,
+    median,
+)
 from .workloads_common import (
     SECTION,
     Daemons,
@@ -219,14 +230,13 @@ class Arm:
         }
 
 
-def _shape_args(layers: int, pages: int) -> dict[str, int]:
-    return {"layers": layers, "pages": pages, "page_len": PAGE}
+def shape_args(layers: int, pages: int, page_len: int = PAGE) -> dict[str, int]:
+    return {"layers": layers, "pages": pages, "page_len": page_len}
 
 
-def _td_roles(engines: list[Engine], shape: dict[str, int], pins: list[Any]) -> Any:
+def _td_roles(engines: list[Engine], shape: dict[str, int], pins: list[Pinning]
+              ) -> tuple[contextlib.ExitStack, RoleProcess, RoleProcess]:
     """The transferd nodes on ``engines`` (prefill's, decode's), entered as a stack."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     (decode,) = stack.enter_context(roles([(MODULE, "td-decode", {"url": engines[1].url,
                                                                   "shape": shape}, pins[1])]))
@@ -275,30 +285,36 @@ def _breakdown(reqs: list[dict[str, Any]], ev_a: list[tuple[str, int]],
     return out
 
 
-def run(opts: Options, placement: Placement | None = None) -> BenchResult:
-    res = BenchResult(NAME, TITLE, SECTION)
-    load0 = load_now()
-    where: Placement = placement or Daemons(rails=1)
-    layers, pages = LAYERS, PAGES
-    shape = _shape_args(layers, pages)
-    rounds, per_round = opts.pick(5, 2), opts.pick(4, 3)
-    pins = [cpu_of(opts, 0), cpu_of(opts, 1)]
-    seeds = iter(range(1, 1 << 30))
-    samples: dict[str, list[list[dict[str, Any]]]] = {}
+@contextlib.contextmanager
+def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Iterator[list[Arm]]:
+    """The transferd arm on ``where`` and the floor, each a prefill and a decode role."""
     with where.engines(pins) as engines:
         stack, prefill, decode = _td_roles(engines, shape, pins)
         with stack, roles([(MODULE, "floor-decode", {"shape": shape}, pins[1])]) as (fd,), \
                 roles([(MODULE, "floor-prefill", {"shape": shape, "port": fd.ready["port"]},
                         pins[0])]) as (fp,):
-            arms = [Arm("transferd", prefill, decode), Arm("plain sockets", fp, fd)]
-            for arm in arms:  # warm: links open, pages touched
-                arm.request(next(seeds), COMPUTE_S)
-                samples[arm.label] = []
-            for r, arm in interleave(arms, rounds):
-                got = [arm.request(next(seeds), COMPUTE_S) for _ in range(per_round)]
-                samples[arm.label].append(got)
-                opts.log(f"round {r} {arm.label}: bump -> usable p50 "
-                         f"{p50([x for g in got for x in g['layer_ms']]):.2f} ms")
+            yield [Arm("transferd", prefill, decode), Arm("plain sockets", fp, fd)]
+
+
+def run(opts: Options, placement: Placement | None = None) -> BenchResult:
+    res = BenchResult(NAME, TITLE, SECTION)
+    load0 = load_now()
+    where: Placement = placement or Daemons(rails=1)
+    layers, pages = LAYERS, PAGES
+    shape = shape_args(layers, pages)
+    rounds, per_round = opts.pick(5, 2), opts.pick(4, 3)
+    pins = [cpu_of(opts, 0), cpu_of(opts, 1)]
+    seeds = iter(range(1, 1 << 30))
+    samples: dict[str, list[list[dict[str, Any]]]] = {}
+    with arms_of(where, shape, pins) as arms:
+        for arm in arms:  # warm: links open, pages touched
+            arm.request(next(seeds), COMPUTE_S)
+            samples[arm.label] = []
+        for r, arm in interleave(arms, rounds):
+            got = [arm.request(next(seeds), COMPUTE_S) for _ in range(per_round)]
+            samples[arm.label].append(got)
+            opts.log(f"round {r} {arm.label}: bump -> usable p50 "
+                     f"{p50([x for g in got for x in g['layer_ms']]):.2f} ms")
     steps: dict[str, list[float]] = {}
     if isinstance(where, Daemons):
         steps = _steps_pass(opts, shape, pins)
@@ -312,7 +328,8 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     return res
 
 
-def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Any]) -> dict[str, list[float]]:
+def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
+                ) -> dict[str, list[float]]:
     n = opts.pick(4, 2)
     with tempfile.TemporaryDirectory(prefix="td-kv-steps-") as tmp:
         placement = Daemons(rails=1, steps_dir=Path(tmp))

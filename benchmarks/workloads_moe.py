@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from .harness import BenchResult, Check, Options, Table, fmt_ratio, median
+from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
     Daemons,
@@ -142,7 +143,8 @@ class FloorRank:
         t = time.monotonic_ns()
         for r in self.others:
             self.links[r].barrier(tag)
-        done = self.node.landed.wait(tag, len(self.others))
+        self.node.landed.wait(tag, len(self.others))
+        done = time.monotonic_ns()  # when this rank goes on (as the transferd rank's await)
         if incoming:  # the slabs that landed here: counted, consumed (all in, by now)
             self.node.landed.wait(data_tag, incoming)
         return t, done
@@ -218,9 +220,8 @@ class Arm:
 
 
 @contextlib.contextmanager
-def _arms(opts: Options, where: Placement, ranks: int) -> Any:
-    shape = {"ranks": ranks, "tokens": TOKENS}
-    pins = [cpu_of(opts, i) for i in range(ranks)]
+def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Iterator[list[Arm]]:
+    """The transferd arm on ``where`` and the floor, a role per rank each (``pins[i]``)."""
     with where.engines(pins) as engines, \
             roles([(MODULE, "td-rank", {"url": e.url, "shape": shape, "rank": i}, p)
                    for i, (e, p) in enumerate(zip(engines, pins, strict=True))]) as td, \
@@ -245,7 +246,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     offset = 0
     pins = [cpu_of(opts, i) for i in range(max(RANKS))]
     for ranks in RANKS:
-        with _arms(opts, where, ranks) as arms:
+        with arms_of(where, {"ranks": ranks, "tokens": TOKENS}, pins[:ranks]) as arms:
             for arm in arms:  # warm: every link open, every page touched
                 arm.sequence(4, offset)
             offset += 4

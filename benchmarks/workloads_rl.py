@@ -25,9 +25,10 @@ import contextlib
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
-from .harness import BenchResult, Check, Options, Table, fmt_ratio, median
+from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
     Daemons,
@@ -92,9 +93,9 @@ class TdReceiver:
 
 class TdTrainer:
     def __init__(self, url: str, shape: dict[str, int], descs: list[str],
-                 addrs: list[str]) -> None:
+                 addrs: list[str], groups: list[int]) -> None:
         self.url, self.shape = url, _shape(shape)
-        self.desc_hex, self.addr_hex = descs, addrs
+        self.desc_hex, self.addr_hex, self.sizes = descs, addrs, groups
 
     async def setup(self) -> None:
         from client import Client, MrDesc, NetAddr
@@ -106,7 +107,7 @@ class TdTrainer:
         self.descs = [MrDesc.from_bytes(bytes.fromhex(d)) for d in self.desc_hex]
         addrs = [NetAddr.from_bytes(bytes.fromhex(a)) for a in self.addr_hex]
         # A group per update size: the first n nodes (links opened now, for all).
-        self.groups = {n: await self.node.group(addrs[:n]) for n in RECEIVERS}
+        self.groups = {n: await self.node.group(addrs[:n]) for n in self.sizes}
 
     async def fill(self, seed: int) -> dict[str, Any]:
         return {"crcs": await self.node.compute_weights(seed)}
@@ -242,15 +243,20 @@ class Arm:
 
 
 @contextlib.contextmanager
-def _arms(opts: Options, where: Placement, shape: dict[str, int], size: int) -> Any:
-    pins = [cpu_of(opts, 0)] + [cpu_of(opts, 1)] * max(RECEIVERS)
+def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
+            groups: tuple[int, ...] = RECEIVERS) -> Iterator[list[Arm]]:
+    """The transferd arm on ``where`` and the floor: a trainer (``pins[0]``) and an
+    inference node for each of ``pins[1:]``; an update may go to the first n of them for
+    every n of ``groups``."""
+    size = shape["size"]
     with where.engines(pins) as engines, \
             roles([(MODULE, "td-receiver", {"url": e.url, "shape": shape}, p)
                    for e, p in zip(engines[1:], pins[1:], strict=True)]) as td_rx, \
             roles([(MODULE, "td-trainer", {
                 "url": engines[0].url, "shape": shape,
                 "descs": [r.ready["desc"] for r in td_rx],
-                "addrs": [r.ready["addr"] for r in td_rx]}, pins[0])]) as (td_tx,), \
+                "addrs": [r.ready["addr"] for r in td_rx], "groups": list(groups)},
+                pins[0])]) as (td_tx,), \
             roles([(MODULE, "floor-receiver", {"shape": shape}, p) for p in pins[1:]]) as fl_rx, \
             roles([(MODULE, "floor-trainer", {"shape": shape, "rails": RAILS,
                                               "ports": [r.ready["port"] for r in fl_rx]},
@@ -260,7 +266,7 @@ def _arms(opts: Options, where: Placement, shape: dict[str, int], size: int) -> 
                  ([td_tx.pid, *[p for p in pid[:1] if p]],
                   [r.pid for r in td_rx] + [p for p in pid[1:] if p]))
         fl = Arm("plain sockets", fl_tx, fl_rx, size, ([fl_tx.pid], [r.pid for r in fl_rx]))
-        yield [td, fl], pins
+        yield [td, fl]
 
 
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
@@ -272,7 +278,8 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     rounds = opts.pick(3, 1)
     seeds = iter(range(1, 1 << 30))
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    with _arms(opts, where, shape, size) as (arms, pins):
+    pins = [cpu_of(opts, 0)] + [cpu_of(opts, 1)] * max(RECEIVERS)
+    with arms_of(where, shape, pins) as arms:
         for arm in arms:  # warm: every node's links open, every page touched
             arm.update(max(RECEIVERS), next(seeds))
         for r in range(rounds):
