@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -26,7 +29,7 @@ from benchmarks.workloads_common import Daemons
 from benchmarks.workloads_floor import DATA, HDR, FloorNode
 from client import Client, Tensor
 from examples import kv_cache, moe_dispatch, weight_update
-from tests.helpers import DaemonProcess, async_test
+from tests.helpers import REPO, DaemonProcess, async_test
 from tests.integration.engine_cluster import engine_env, secret_file, start_many
 
 RAILS = ("127.0.0.30", "127.0.0.31")
@@ -244,3 +247,22 @@ def test_floor_node_places_counts_acks_and_refuses_what_does_not_fit() -> None:
     finally:
         a.close()
         b.close()
+
+
+# -- the examples as a user runs them -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("script", "args", "says"), [
+    ("kv_cache.py", ["--layers", "3", "--pages", "4", "--page-kib", "4", "--requests", "2",
+                     "--rails", "2"], "pages all match"),
+    ("weight_update.py", ["--mib", "4", "--shards", "4", "--receivers", "2", "--updates", "1"],
+     "shards all match"),
+    ("moe_dispatch.py", ["--ranks", "3", "--tokens", "4", "--steps", "3"],
+     "every token in place on every rank"),
+])
+def test_example_runs_from_the_checkout(script: str, args: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=90,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert says in r.stdout and "MISMATCH" not in r.stdout
