@@ -150,9 +150,11 @@ class RoleProcess(PeerProcess):
     starts its steps together); ``cmd`` is both."""
 
     def __init__(self, module: str, role: str, args: dict[str, Any], pinning: Pinning,
-                 *, python: str | None = None, timeout: float = 120.0) -> None:
+                 *, python: str | None = None, timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
         super().__init__("socket", role, 0, pinning, timeout=timeout)
         self.name = f"{module}.{role}"
+        self.env = dict(env or {})
         self.argv = [python or sys.executable, "-m", "benchmarks.workloads_common", "role",
                      module, role, json.dumps(args)]
 
@@ -167,13 +169,16 @@ class RoleProcess(PeerProcess):
 
 @contextlib.contextmanager
 def roles(specs: Sequence[tuple[str, str, dict[str, Any], Pinning]],
-          timeout: float = 120.0) -> Iterator[list[RoleProcess]]:
+          timeout: float = 120.0, python: str | None = None,
+          env: dict[str, str] | None = None) -> Iterator[list[RoleProcess]]:
     """Start roles in order (a later one may need an earlier one's ready answer: start
-    them in separate ``with`` blocks then); all stopped on the way out."""
+    them in separate ``with`` blocks then); all stopped on the way out.  ``python``: the
+    interpreter (the benchmark-only venv's for another engine's roles); ``env``: added to
+    their environment."""
     started: list[RoleProcess] = []
     try:
         for module, role, args, pin in specs:
-            r = RoleProcess(module, role, args, pin, timeout=timeout)
+            r = RoleProcess(module, role, args, pin, timeout=timeout, python=python, env=env)
             started.append(r)
             r.start()
         yield started

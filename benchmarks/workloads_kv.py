@@ -30,11 +30,12 @@ import contextlib
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .engine_common import LABELS, PeerUnavailable, peer_python
 from .harness import (
     BenchResult,
     Check,
@@ -72,6 +73,7 @@ COMPUTE_S = 0.002
 TARGET_LAYER = 1.5
 TARGET_REQUEST = 1.2
 MODULE = "workloads_kv"
+PEERS = "workloads_peers"
 
 
 # -- roles: transferd (examples/kv_cache.py's nodes) -----------------------------------------
@@ -285,15 +287,44 @@ def _breakdown(reqs: list[dict[str, Any]], ev_a: list[tuple[str, int]],
     return out
 
 
+# UCX sends a message over its rendezvous threshold with a handshake of its own: each of a
+# layer's 64 pages, over tcp here (30-90 ms a layer measured, against 0.8 ms with it off).
+# A NIXL user moving pages this size would set it so, as this arm does.
+NIXL_KV_ENV = {"UCX_RNDV_THRESH": "inf"}
+
+
 @contextlib.contextmanager
-def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Iterator[list[Arm]]:
-    """The transferd arm on ``where`` and the floor, each a prefill and a decode role."""
+def _nixl_arm(shape: dict[str, int], pins: list[Pinning]) -> Iterator[Arm]:
+    python = peer_python("nixl")
+    with roles([(PEERS, "nixl-decode", {"shape": shape}, pins[1])], python=python,
+               env=NIXL_KV_ENV) as (d,), \
+            roles([(PEERS, "nixl-prefill", {"shape": shape, "meta": d.ready["meta"],
+                                            "addr": d.ready["addr"]}, pins[0])],
+                  python=python, env=NIXL_KV_ENV) as (p,):
+        yield Arm(LABELS["nixl"], p, d)
+
+
+PEER_ARMS = {"nixl": _nixl_arm}
+
+
+@contextlib.contextmanager
+def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
+            peers: Sequence[str] = ()) -> Iterator[tuple[list[Arm], dict[str, str]]]:
+    """The transferd arm on ``where``, the floor, and each of ``peers`` that starts (the
+    others map to the reason), each a prefill and a decode role."""
     with where.engines(pins) as engines:
         stack, prefill, decode = _td_roles(engines, shape, pins)
         with stack, roles([(MODULE, "floor-decode", {"shape": shape}, pins[1])]) as (fd,), \
                 roles([(MODULE, "floor-prefill", {"shape": shape, "port": fd.ready["port"]},
-                        pins[0])]) as (fp,):
-            yield [Arm("transferd", prefill, decode), Arm("plain sockets", fp, fd)]
+                        pins[0])]) as (fp,), contextlib.ExitStack() as more:
+            arms = [Arm("transferd", prefill, decode), Arm("plain sockets", fp, fd)]
+            missing = {}
+            for kind in peers:
+                try:
+                    arms.append(more.enter_context(PEER_ARMS[kind](shape, pins)))
+                except PeerUnavailable as exc:
+                    missing[kind] = str(exc)
+            yield arms, missing
 
 
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
@@ -306,7 +337,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     pins = [cpu_of(opts, 0), cpu_of(opts, 1)]
     seeds = iter(range(1, 1 << 30))
     samples: dict[str, list[list[dict[str, Any]]]] = {}
-    with arms_of(where, shape, pins) as arms:
+    with arms_of(where, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
         for arm in arms:  # warm: links open, pages touched
             arm.request(next(seeds), COMPUTE_S)
             samples[arm.label] = []
@@ -319,6 +350,8 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     if isinstance(where, Daemons):
         steps = _steps_pass(opts, shape, pins)
     _report(res, samples, steps, rounds, per_round, layers, pages)
+    for kind, why in missing.items():
+        res.notes.append(f"{LABELS[kind]}: not available: {why}")
     res.notes.append(f"placement: transferd on {where.label}; "
                      + describe_cpus(pins, ["prefill side (daemon A, the prefill role; the "
                                             "floor's prefill process)",
@@ -353,13 +386,22 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
     def layer_ms(rs: list[dict[str, Any]]) -> list[float]:
         return [x for r in rs for x in r["layer_ms"]]
 
-    def ratio(key: Any) -> float:
-        return median([key(a) / key(b) for a, b in zip(td, fl, strict=True)])
+    def ratio(key: Any, arm: str = "transferd") -> float:
+        return median([key(a) / key(b) for a, b in zip(samples[arm], fl, strict=True)])
 
-    r_p50 = ratio(lambda rs: p50(layer_ms(rs)))
-    r_p99 = ratio(lambda rs: p99(layer_ms(rs)))
-    r_req = ratio(lambda rs: median([r["request_ms"] for r in rs]))
-    r_tail = ratio(lambda rs: median([r["tail_ms"] for r in rs]))
+    def p50_of(rs: list[dict[str, Any]]) -> float:
+        return p50(layer_ms(rs))
+
+    def p99_of(rs: list[dict[str, Any]]) -> float:
+        return p99(layer_ms(rs))
+
+    def request_of(rs: list[dict[str, Any]]) -> float:
+        return median([r["request_ms"] for r in rs])
+
+    def tail_of(rs: list[dict[str, Any]]) -> float:
+        return median([r["tail_ms"] for r in rs])
+
+    r_p50, r_p99, r_req, r_tail = (ratio(f) for f in (p50_of, p99_of, request_of, tail_of))
     late = sum(r["late"] for rs in td for r in rs)
     t = Table(f"{layers} layers x {pages} pages of {PAGE >> 10} KiB ({layers * pages * PAGE >> 20}"
               f" MiB a request), compute {COMPUTE_S * 1e3:g} ms a layer; {rounds} alternating "
@@ -370,8 +412,10 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
         t.add(label, f"{p50(layer_ms(rs)):.3f}", f"{p99(layer_ms(rs)):.3f}",
               f"{median([r['request_ms'] for r in rs]):.1f}",
               f"{median([r['tail_ms'] for r in rs]):.3f}", str(sum(r["late"] for r in rs)))
-    t.add("transferd / floor", fmt_ratio(r_p50), fmt_ratio(r_p99), fmt_ratio(r_req),
-          fmt_ratio(r_tail), "")
+    for arm in samples:
+        if arm != "plain sockets":
+            t.add(f"{arm} / floor", *(fmt_ratio(ratio(f, arm))
+                                      for f in (p50_of, p99_of, request_of, tail_of)), "")
     res.tables.append(t)
     res.checks.append(Check("(1) KV bump -> usable p50 / plain-socket floor", r_p50, "<=",
                             TARGET_LAYER, "x"))
@@ -396,6 +440,10 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
     res.data = {
         "layers": layers, "pages": pages, "page": PAGE, "compute_s": COMPUTE_S,
         "ratios": {"p50": r_p50, "p99": r_p99, "request": r_req, "tail": r_tail},
+        "ratios_by_arm": {arm: {n: ratio(f, arm) for n, f in (("p50", p50_of), ("p99", p99_of),
+                                                               ("request", request_of),
+                                                               ("tail", tail_of))}
+                          for arm in samples if arm != "plain sockets"},
         "late": late,
         "arms": {k: [[{x: r[x] for x in ("layer_ms", "request_ms", "tail_ms", "late")}
                       for r in g] for g in v] for k, v in samples.items()},

@@ -25,9 +25,10 @@ import contextlib
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .engine_common import LABELS, PeerUnavailable, peer_python
 from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
@@ -52,6 +53,7 @@ RAILS = 2
 SHARDS = 64
 TARGET = 0.9
 MODULE = "workloads_rl"
+PEERS = "workloads_peers"
 DATA_TAG, BARRIER_TAG = 1, 2
 GiB = 1 << 30
 
@@ -243,11 +245,27 @@ class Arm:
 
 
 @contextlib.contextmanager
+def _nixl_arm(shape: dict[str, int], pins: list[Pinning]) -> Iterator[Arm]:
+    python = peer_python("nixl")
+    with roles([(PEERS, "nixl-receiver", {"shape": shape}, p) for p in pins[1:]],
+               python=python) as rx, \
+            roles([(PEERS, "nixl-trainer", {"shape": shape,
+                                            "metas": [r.ready["meta"] for r in rx],
+                                            "addrs": [r.ready["addr"] for r in rx]}, pins[0])],
+                  python=python) as (tx,):
+        yield Arm(LABELS["nixl"], tx, rx, shape["size"], ([tx.pid], [r.pid for r in rx]))
+
+
+PEER_ARMS = {"nixl": _nixl_arm}
+
+
+@contextlib.contextmanager
 def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
-            groups: tuple[int, ...] = RECEIVERS) -> Iterator[list[Arm]]:
-    """The transferd arm on ``where`` and the floor: a trainer (``pins[0]``) and an
-    inference node for each of ``pins[1:]``; an update may go to the first n of them for
-    every n of ``groups``."""
+            groups: tuple[int, ...] = RECEIVERS, peers: Sequence[str] = ()
+            ) -> Iterator[tuple[list[Arm], dict[str, str]]]:
+    """The transferd arm on ``where``, the floor, and each of ``peers`` that starts (the
+    others map to the reason): a trainer (``pins[0]``) and an inference node for each of
+    ``pins[1:]``; an update may go to the first n of them for every n of ``groups``."""
     size = shape["size"]
     with where.engines(pins) as engines, \
             roles([(MODULE, "td-receiver", {"url": e.url, "shape": shape}, p)
@@ -260,13 +278,19 @@ def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
             roles([(MODULE, "floor-receiver", {"shape": shape}, p) for p in pins[1:]]) as fl_rx, \
             roles([(MODULE, "floor-trainer", {"shape": shape, "rails": RAILS,
                                               "ports": [r.ready["port"] for r in fl_rx]},
-                    pins[0])]) as (fl_tx,):
+                    pins[0])]) as (fl_tx,), contextlib.ExitStack() as more:
         pid = [e.pid for e in engines]
         td = Arm("transferd", td_tx, td_rx, size,
                  ([td_tx.pid, *[p for p in pid[:1] if p]],
                   [r.pid for r in td_rx] + [p for p in pid[1:] if p]))
         fl = Arm("plain sockets", fl_tx, fl_rx, size, ([fl_tx.pid], [r.pid for r in fl_rx]))
-        yield [td, fl]
+        arms, missing = [td, fl], {}
+        for kind in peers:
+            try:
+                arms.append(more.enter_context(PEER_ARMS[kind](shape, pins)))
+            except PeerUnavailable as exc:
+                missing[kind] = str(exc)
+        yield arms, missing
 
 
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
@@ -279,7 +303,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     seeds = iter(range(1, 1 << 30))
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     pins = [cpu_of(opts, 0)] + [cpu_of(opts, 1)] * max(RECEIVERS)
-    with arms_of(where, shape, pins) as arms:
+    with arms_of(where, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
         for arm in arms:  # warm: every node's links open, every page touched
             arm.update(max(RECEIVERS), next(seeds))
         for r in range(rounds):
@@ -295,21 +319,31 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
               "alternating (median; ratio per round, then the median)",
               ["nodes", "arm", "last barrier ms", "GiB/s per node", "GiB/s in all",
                "all writes acked ms", "CPU s/GiB trainer side", "receiver side", "vs floor"])
-    ratios = {}
+    ratios: dict[int, float] = {}
+    by_arm: dict[str, dict[int, float]] = {}
+    labels = [arm.label for arm in arms]
     for n in RECEIVERS:
-        td, fl = samples[("transferd", n)], samples[("plain sockets", n)]
-        ratios[n] = median([a["total"] / b["total"] for a, b in zip(td, fl, strict=True)])
-        for label, xs in (("transferd", td), ("plain sockets", fl)):
+        fl = samples[("plain sockets", n)]
+        for label in labels:
+            if label != "plain sockets":
+                by_arm.setdefault(label, {})[n] = median(
+                    [a["total"] / b["total"] for a, b in zip(samples[(label, n)], fl,
+                                                             strict=True)])
+        ratios[n] = by_arm["transferd"][n]
+        for label in labels:
+            xs = samples[(label, n)]
             t.add(str(n), label, f"{median([x['seconds'] for x in xs]) * 1e3:.0f}",
                   f"{median([sum(x['per_node']) / n for x in xs]):.2f}",
                   f"{median([x['total'] for x in xs]):.2f}",
                   f"{median([x['written_s'] for x in xs]) * 1e3:.0f}",
                   f"{median([x['cpu_per_gib'][0] for x in xs]):.2f}",
                   f"{median([x['cpu_per_gib'][1] for x in xs]):.2f}",
-                  fmt_ratio(ratios[n]) if label == "transferd" else "")
+                  fmt_ratio(by_arm[label][n]) if label in by_arm else "")
         res.checks.append(Check(f"(2) RL aggregate GiB/s, {n} node(s) / plain-socket floor",
                                 ratios[n], ">=", TARGET, "x"))
     res.tables.append(t)
+    for kind, why in missing.items():
+        res.notes.append(f"{LABELS[kind]}: not available: {why}")
     res.notes.append(f"placement: transferd on {where.label}; "
                      + describe_cpus(pins[:2], ["the trainer side (its daemon, its role; the "
                                                 "floor's trainer)", "every inference node "
@@ -319,6 +353,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
                      "processes over the update, per GiB delivered in all")
     res.notes.append(load_note(load0, load_now()))
     res.data = {"size": size, "shards": SHARDS, "rails": RAILS, "ratios": ratios,
+                "ratios_by_arm": by_arm,
                 "samples": {f"{k[0]} x{k[1]}": v for k, v in samples.items()}}
     return res
 

@@ -180,7 +180,7 @@ def _unpinned(n: int) -> list[Pinning]:
 
 def test_kv_benchmark_arms_move_the_same_pages() -> None:
     shape = workloads_kv.shape_args(layers=4, pages=4, page_len=4096)
-    with workloads_kv.arms_of(Daemons(rails=1), shape, _unpinned(2)) as arms:
+    with workloads_kv.arms_of(Daemons(rails=1), shape, _unpinned(2)) as (arms, _):
         for seed, arm in enumerate(arms, start=1):  # each request checks its pages
             r = arm.request(seed, compute_s=0.002)
             assert len(r["layer_ms"]) == 4 and all(x > 0 for x in r["layer_ms"])
@@ -189,7 +189,8 @@ def test_kv_benchmark_arms_move_the_same_pages() -> None:
 
 def test_rl_benchmark_arms_move_the_same_shards() -> None:
     shape = {"size": 4 << 20, "shards": 2}
-    with workloads_rl.arms_of(Daemons(rails=2), shape, _unpinned(3), groups=(1, 2)) as arms:
+    with workloads_rl.arms_of(Daemons(rails=2), shape, _unpinned(3),
+                              groups=(1, 2)) as (arms, _):
         for arm in arms:
             for n in (1, 2):  # each update checks every node's shards
                 r = arm.update(n, seed=n)
