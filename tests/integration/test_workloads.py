@@ -98,36 +98,30 @@ async def test_weight_update_every_shard_on_every_node_before_its_barrier(domain
     # 2 MiB shards: each single write is split over both rails.
     shape = weight_update.WeightShape(size=8 << 20, shards=4)
     with daemons(3, domain) as ds:
-        results = await weight_update.run([d.url for d in ds], shape, updates=2)
-    for r in results:
-        assert r.ok, "a node holds other shards than the trainer wrote"
-        assert len(r.arrived) == 2
-        # The barrier goes out once every write is acknowledged, so no node counts it
-        # before its shards are in place.
-        assert all(a > r.times.written for a in r.arrived)
-        assert r.times.written <= r.times.barrier
-        assert r.total_gib_s > 0
-
-
-@async_test(timeout=60)
-async def test_weight_update_check_sees_a_changed_shard() -> None:
-    shape = weight_update.WeightShape(size=1 << 20, shards=4)
-    with daemons(2) as (dt, dr):
-        t, c = await Client.connect(dt.url), await Client.connect(dr.url)
+        clients = [await Client.connect(d.url) for d in ds]
         try:
-            trainer, node = weight_update.Trainer(t, shape), weight_update.Receiver(c, shape)
+            trainer = weight_update.Trainer(clients[0], shape)
             await trainer.setup()
-            await node.setup()
-            group = await trainer.group([node.addr])
-            r = await weight_update.one_update(trainer, group, [node], seed=7)
-            assert r.ok
-            want = await node.digests()
-            await flip(c, node.weights.tensor(2 * shape.shard_len + 9, 1))
-            got = await node.digests()
-            assert [i for i in range(4) if got[i] != want[i]] == [2]
+            nodes = [weight_update.Receiver(c, shape) for c in clients[1:]]
+            for node in nodes:
+                await node.setup()
+            group = await trainer.group([node.addr for node in nodes])
+            for seed in (1, 2):  # new weights each time, the same regions and counter
+                r = await weight_update.one_update(trainer, group, nodes, seed)
+                assert r.ok, "a node holds other shards than the trainer wrote"
+                # The barrier goes out once every write is acknowledged, so no node
+                # counts it before its shards are in place.
+                assert all(a > r.times.written for a in r.arrived)
+                assert r.times.written <= r.times.barrier and r.total_gib_s > 0
+            # The check reads what landed: one byte of shard 2 changed on node 1 shows
+            # as shard 2, and only it.
+            want = await nodes[1].digests()
+            await flip(clients[2], nodes[1].weights.tensor(2 * shape.shard_len + 9, 1))
+            got = await nodes[1].digests()
+            assert [i for i in range(shape.shards) if got[i] != want[i]] == [2]
         finally:
-            await t.close()
-            await c.close()
+            for c in clients:
+                await c.close()
 
 
 # -- (3) MoE dispatch and combine ---------------------------------------------------------------
