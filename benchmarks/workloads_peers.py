@@ -12,7 +12,8 @@ a barrier do here:
   (descriptor lists prepared before the request, as a NIXL user prepares them), posted at
   the layer's bump with the layer's number as its notification; the prefill polls its
   transfers between bumps; the decode polls notifications from a thread of its own and
-  counts a layer usable when its notification is seen.
+  counts a layer usable when its notification is seen.  ``UCX_RNDV_THRESH=inf`` (set by
+  the benchmark): otherwise each 16 KiB page takes a rendezvous of its own.
 - RL (``nixl-trainer`` / ``nixl-receiver``): per node one WRITE of every shard (prepared
   once, reposted per update) with a notification, all nodes' posted at once, polled to the
   end; a node's update is in when its notification is seen (the barrier).  One UCX
@@ -34,6 +35,7 @@ from .engine_peers import Buffer
 
 WAIT_S = 120.0
 POLL_S = 1e-3  # a target's progress loop while nothing is expected (links, handshakes)
+EXPECT_POLL_S = 20e-6  # ... and while a transfer is expected (a sleep: UCX has threads too)
 
 
 def _agent(name: str) -> Any:
@@ -95,9 +97,9 @@ class _Node:
 
 class _Progress:
     """A node's progress loop: polls the agent (which progresses UCX) and times each
-    notification seen, spinning while a transfer is expected (``expecting``: the core is
-    the node's, as a NIXL user would give it) and every ``POLL_S`` otherwise; ``take``
-    waits for ``n`` notifications and consumes them."""
+    notification seen, every ``EXPECT_POLL_S`` while a transfer is expected (a spin would
+    starve UCX's own thread on the node's one CPU: 50-80 ms a layer, measured) and every
+    ``POLL_S`` otherwise; ``take`` waits for ``n`` notifications and consumes them."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
@@ -114,7 +116,7 @@ class _Progress:
                 with self.cond:
                     self.seen += [(bytes(m), t) for msgs in got.values() for m in msgs]
                     self.cond.notify_all()
-            time.sleep(0 if self.expecting else POLL_S)
+            time.sleep(EXPECT_POLL_S if self.expecting else POLL_S)
 
     def take(self, n: int) -> dict[bytes, int]:
         with self.cond:
