@@ -347,7 +347,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
             opts.log(f"round {r} {arm.label}: bump -> usable p50 "
                      f"{p50([x for g in got for x in g['layer_ms']]):.2f} ms")
     steps: dict[str, list[float]] = {}
-    if isinstance(where, Daemons):
+    if isinstance(where, Daemons) and not opts.quick:  # (a full run's: two more daemons)
         steps = _steps_pass(opts, shape, pins)
     _report(res, samples, steps, rounds, per_round, layers, pages)
     for kind, why in missing.items():
@@ -363,7 +363,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
 
 def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
                 ) -> dict[str, list[float]]:
-    n = opts.pick(4, 2)
+    n = 4
     with tempfile.TemporaryDirectory(prefix="td-kv-steps-") as tmp:
         placement = Daemons(rails=1, steps_dir=Path(tmp))
         reqs = []

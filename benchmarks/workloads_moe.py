@@ -241,7 +241,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     load0 = load_now()
     where: Placement = placement or Daemons(rails=1)
     seqs = opts.pick(SEQUENCES, QUICK_SEQUENCES)
-    repeats = {1: opts.pick(24, 6), 8: 4, 16: 1, 64: 1}
+    repeats = {1: opts.pick(24, 4), 8: 4, 16: 1, 64: 1}
     samples: dict[tuple[str, int, int], list[list[int]]] = {}
     offset = 0
     pins = [cpu_of(opts, i) for i in range(max(RANKS))]
