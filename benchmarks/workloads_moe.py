@@ -38,6 +38,7 @@ from .workloads_common import (
     load_now,
     p50,
     p99,
+    process_cpu_s,
     roles,
 )
 
@@ -199,15 +200,27 @@ ROLES = {"td-rank": TdRank, "floor-rank": FloorRank}
 
 
 class Arm:
-    def __init__(self, label: str, ranks: list[RoleProcess]) -> None:
-        self.label, self.ranks = label, ranks
+    """Every rank's role; ``pids``: every process of the arm (daemons too), whose CPU
+    time each sequence adds to ``cpu_s`` (by sequence length, with ``steps`` run)."""
+
+    def __init__(self, label: str, ranks: list[RoleProcess], pids: list[int]) -> None:
+        self.label, self.ranks, self.pids = label, ranks, pids
+        self.cpu_s: dict[int, float] = {}
+        self.steps: dict[int, int] = {}
 
     def sequence(self, steps: int, offset: int) -> list[list[int]]:
         """``steps`` steps in a row on every rank, starting together; every rank's times."""
+        cpu0 = sum(process_cpu_s(p) for p in self.pids)
         start_at = time.monotonic_ns() + 30_000_000  # every rank has the command by then
         got = all_of(self.ranks, op="run", steps=steps, offset=offset, start_at=start_at,
                      timeout=300)
+        self.cpu_s[steps] = self.cpu_s.get(steps, 0.0) + sum(
+            process_cpu_s(p) for p in self.pids) - cpu0
+        self.steps[steps] = self.steps.get(steps, 0) + steps
         return [t for g in got for t in g["times"]]
+
+    def cpu_ms_per_step(self, steps: int) -> float:
+        return 1e3 * self.cpu_s[steps] / self.steps[steps]
 
     def check(self, seed: int, offset: int) -> None:
         from examples.moe_dispatch import check_step
@@ -229,7 +242,8 @@ def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Ite
                    for i, p in enumerate(pins)]) as fl:
         all_of(td, op="join", infos=[r.ready["info"] for r in td])
         all_of(fl, op="join", ports=[r.ready["port"] for r in fl])
-        yield [Arm("transferd", td), Arm("plain sockets", fl)]
+        yield [Arm("transferd", td, [r.pid for r in td] + [e.pid for e in engines if e.pid]),
+               Arm("plain sockets", fl, [r.pid for r in fl])]
 
 
 def _us(times: list[list[int]], a: int, b: int) -> list[float]:
@@ -243,6 +257,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     seqs = opts.pick(SEQUENCES, QUICK_SEQUENCES)
     repeats = {1: opts.pick(24, 4), 8: 4, 16: 1, 64: 1}
     samples: dict[tuple[str, int, int], list[list[int]]] = {}
+    cpu: dict[tuple[str, int, int], float] = {}  # CPU ms per step, every process of the arm
     offset = 0
     pins = [cpu_of(opts, i) for i in range(max(RANKS))]
     for ranks in RANKS:
@@ -259,9 +274,11 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
                 opts.log(f"{ranks} ranks, {seq} in a row: transferd step p50 "
                          f"{p50(_us(samples[('transferd', ranks, seq)], 0, 4)):,.0f} us")
             for arm in arms:
+                for seq in seqs:
+                    cpu[(arm.label, ranks, seq)] = arm.cpu_ms_per_step(seq)
                 arm.check(seed=ranks, offset=offset)
             offset += 1
-    _report(res, samples, seqs)
+    _report(res, samples, seqs, cpu)
     res.notes.append(f"placement: transferd on {where.label}; rank i (its daemon and role; "
                      f"the floor's rank process) on CPU i mod {len({str(p.server) for p in pins})}"
                      f" ({describe_cpus(pins[:2], ['rank 0', 'rank 1'])})")
@@ -270,11 +287,11 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
 
 
 def _report(res: BenchResult, samples: dict[tuple[str, int, int], list[list[int]]],
-            seqs: tuple[int, ...]) -> None:
+            seqs: tuple[int, ...], cpu: dict[tuple[str, int, int], float]) -> None:
     t = Table(f"{TOKENS} tokens of 7 KiB per rank and step, top-4 of 4 experts per rank, "
               "skewed routing (seed 2025); us, p50 / p99 over every rank and step",
               ["ranks", "in a row", "arm", "dispatch p50", "p99", "combine p50", "p99",
-               "step p50", "scatter acked p50"])
+               "step p50", "scatter acked p50", "CPU ms/step"])
     ratios: dict[str, float] = {}
     flat: dict[int, float] = {}
     for ranks in RANKS:
@@ -284,7 +301,7 @@ def _report(res: BenchResult, samples: dict[tuple[str, int, int], list[list[int]
                 d, c = _us(xs, 0, 2), _us(xs, 2, 4)
                 t.add(str(ranks), str(seq), label, f"{p50(d):,.0f}", f"{p99(d):,.0f}",
                       f"{p50(c):,.0f}", f"{p99(c):,.0f}", f"{p50(_us(xs, 0, 4)):,.0f}",
-                      f"{p50(_us(xs, 0, 1)):,.0f}")
+                      f"{p50(_us(xs, 0, 1)):,.0f}", f"{cpu[(label, ranks, seq)]:.1f}")
         td = [x for s in seqs for x in samples[("transferd", ranks, s)]]
         fl = [x for s in seqs for x in samples[("plain sockets", ranks, s)]]
         for name, a, b in (("dispatch", 0, 2), ("combine", 2, 4)):
@@ -304,10 +321,13 @@ def _report(res: BenchResult, samples: dict[tuple[str, int, int], list[list[int]
     res.tables.append(r)
     res.notes.append("dispatch: the step's start -> every other rank's barrier counted here; "
                      "combine: -> every answer's barrier counted; scatter acked: the rank's own "
-                     "dispatch scatter acknowledged by every destination. One step per rank "
-                     "count checked token by token on every rank (both arms).")
+                     "dispatch scatter acknowledged by every destination; CPU ms/step: CPU "
+                     "time of every process of the arm (daemons and roles; the floor's ranks) "
+                     "per step, all ranks together, over 2 CPUs. One step per rank count "
+                     "checked token by token on every rank (both arms).")
     res.data = {
         "tokens": TOKENS, "ratios": ratios, "flat": flat,
+        "cpu_ms_per_step": {f"{k[0]} {k[1]} ranks x{k[2]}": v for k, v in cpu.items()},
         "p50_us": {f"{k[0]} {k[1]} ranks x{k[2]}": {
             "dispatch": p50(_us(v, 0, 2)), "combine": p50(_us(v, 2, 4)),
             "dispatch_p99": p99(_us(v, 0, 2)), "combine_p99": p99(_us(v, 2, 4)),
