@@ -18,6 +18,10 @@ lie) right at the bump; the decode process ``recvmsg_into``'s them into its page
 the layer (usable) and acks.  Targets: bump -> usable p50 <= 1.5x the floor's; the whole
 request <= 1.2x; no layer's write submitted after the next layer's bump.
 
+NIXL, where the benchmark-only venv has it (:mod:`benchmarks.workloads_peers`), in the
+same rounds: a WRITE of the layer's pages posted at each bump with the layer's
+notification, the decode counting a layer usable when it sees it.
+
 Then, apart from the figure of record, a few requests on daemons run through
 :mod:`benchmarks.engine_steps` (a timestamp at each step inside both daemons) say what a
 layer's time is made of: bump -> watcher EVENT sent (A) -> callback (prefill) -> frame

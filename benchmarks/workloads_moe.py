@@ -8,9 +8,10 @@ for the others' barriers (``expect_imm_count``), and answers with a combine scat
 second barrier.  Per step and rank: dispatch (step start -> every rank's tokens in place
 here) and combine (-> every answer in place here), p50 and p99 over every rank and step;
 sequences of 1, 8 and 64 steps in a row, all ranks starting each sequence together, each
-round running every length (in alternating order, the arms alternating too).  One
-step per sequence shape is checked token by token afterwards (CRC-32 of every slab sent,
-received and combined back).
+round running every length (in alternating order, the arms alternating too).  After them
+one step at each rank count is checked token by token (CRC-32 of every slab sent,
+received and combined back), on both arms.  No NIXL arm: its ranks would each be
+initiator and target of one agent at once, from two threads (see workloads_peers).
 
 The floor, in the same rounds: the same messages between processes placed the same way
 (:mod:`benchmarks.workloads_floor`): each rank sends every other rank the same slab over

@@ -15,6 +15,10 @@ of shard s on rail (s + i) mod rails) from one thread per connection, every part
 acknowledged, then one barrier message per node once all acks are in.  Target: transferd's
 aggregate >= 0.9x the floor's, for 1, 2 and 4 nodes.
 
+NIXL, where the benchmark-only venv has it (:mod:`benchmarks.workloads_peers`), in the
+same rounds: a WRITE of every shard per node, all posted at once, each node's notification
+its barrier.
+
 What the time is made of: CPU seconds per GiB moved, each side (the daemon and its role
 processes; the floor's processes), from /proc over each update.
 """
