@@ -198,6 +198,25 @@ def all_of(procs: Sequence[RoleProcess], timeout: float | None = None, **c: Any
 # -- inside a role's process ----------------------------------------------------------------
 
 
+class ClientRole:
+    """A role that is a client of its node's engine at ``url`` (any placement's URL)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client: Any = None
+
+    async def connect(self) -> Any:
+        """The role's connected :class:`client.Client`."""
+        from client import Client
+
+        self.client = await Client.connect(self.url)
+        return self.client
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+
 def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()

@@ -52,6 +52,7 @@ from .harness import (
 )
 from .workloads_common import (
     SECTION,
+    ClientRole,
     Daemons,
     Engine,
     Placement,
@@ -89,16 +90,15 @@ def _shape(shape: dict[str, int]) -> Any:
     return KvShape(**shape)
 
 
-class TdDecode:
+class TdDecode(ClientRole):
     def __init__(self, url: str, shape: dict[str, int]) -> None:
-        self.url, self.shape = url, _shape(shape)
+        super().__init__(url)
+        self.shape = _shape(shape)
 
     async def setup(self) -> dict[str, Any]:
-        from client import Client
         from examples.kv_cache import Decode
 
-        self.client = await Client.connect(self.url)
-        self.node = Decode(self.client, self.shape)
+        self.node = Decode(await self.connect(), self.shape)
         await self.node.setup()
         return {"desc": self.node.desc.to_bytes().hex()}
 
@@ -112,20 +112,17 @@ class TdDecode:
         usable = await self.node.wait()
         return {"usable": usable, "digests": await self.node.digests(self.plan) if check else None}
 
-    async def close(self) -> None:
-        await self.client.close()
 
-
-class TdPrefill:
+class TdPrefill(ClientRole):
     def __init__(self, url: str, shape: dict[str, int], desc: str) -> None:
-        self.url, self.shape, self.desc_hex = url, _shape(shape), desc
+        super().__init__(url)
+        self.shape, self.desc_hex = _shape(shape), desc
 
     async def setup(self) -> None:
-        from client import Client, MrDesc
+        from client import MrDesc
         from examples.kv_cache import Prefill
 
-        self.client = await Client.connect(self.url)
-        self.node = Prefill(self.client, self.shape)
+        self.node = Prefill(await self.connect(), self.shape)
         await self.node.setup()
         self.desc = MrDesc.from_bytes(bytes.fromhex(self.desc_hex))
 
@@ -137,9 +134,6 @@ class TdPrefill:
         t = await self.node.run(plan, self.desc, compute_s)
         digests = layer_digests(data, plan.src, self.shape.page_len) if data else None
         return {**asdict(t), "digests": digests}
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 # -- roles: the plain-socket floor -------------------------------------------------------------

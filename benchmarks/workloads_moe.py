@@ -31,6 +31,7 @@ from typing import Any
 from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
+    ClientRole,
     Daemons,
     Placement,
     RoleProcess,
@@ -81,16 +82,15 @@ async def _at(t_ns: int) -> None:
 # -- roles: transferd (examples/moe_dispatch.py's ranks) -------------------------------------
 
 
-class TdRank:
+class TdRank(ClientRole):
     def __init__(self, url: str, shape: dict[str, int], rank: int) -> None:
-        self.url, self.shape, self.rank = url, _shape(shape), rank
+        super().__init__(url)
+        self.shape, self.rank = _shape(shape), rank
 
     async def setup(self) -> dict[str, Any]:
-        from client import Client
         from examples.moe_dispatch import MoeRank, routing
 
-        self.client = await Client.connect(self.url)
-        self.node = MoeRank(self.client, self.shape, self.rank)
+        self.node = MoeRank(await self.connect(), self.shape, self.rank)
         self.plan = routing(self.shape, PLAN)
         return {"info": (await self.node.setup()).to_wire()}
 
@@ -109,9 +109,6 @@ class TdRank:
 
     async def digests(self, offset: int) -> dict[str, Any]:
         return await self.node.digests(self.plan[offset % PLAN])
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 # -- roles: the plain-socket floor -------------------------------------------------------------

@@ -253,15 +253,9 @@ class NixlTrainer:
                 remote, [(s * n, addr + s * n, n) for s in range(self.shape.shards)], b"done"))
 
     def fill(self, seed: int) -> dict[str, Any]:
-        from examples.weight_update import shard_data
+        from .workloads_rl import fill_shards
 
-        view, n = self.node.buf.view, self.shape.shard_len
-        crcs = []
-        for s in range(self.shape.shards):
-            data = shard_data(seed, s, n)
-            view[s * n:(s + 1) * n] = data
-            crcs.append(zlib.crc32(data))
-        return {"crcs": crcs}
+        return {"crcs": fill_shards(self.node.buf.view, self.shape, seed)}
 
     def update(self, n: int) -> dict[str, Any]:
         start = time.monotonic_ns()

@@ -36,6 +36,7 @@ from .engine_common import LABELS, PeerUnavailable, peer_python
 from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
+    ClientRole,
     Daemons,
     Placement,
     RoleProcess,
@@ -71,16 +72,15 @@ def _shape(shape: dict[str, int]) -> Any:
 # -- roles: transferd (examples/weight_update.py's nodes) ------------------------------------
 
 
-class TdReceiver:
+class TdReceiver(ClientRole):
     def __init__(self, url: str, shape: dict[str, int]) -> None:
-        self.url, self.shape = url, _shape(shape)
+        super().__init__(url)
+        self.shape = _shape(shape)
 
     async def setup(self) -> dict[str, Any]:
-        from client import Client
         from examples.weight_update import Receiver
 
-        self.client = await Client.connect(self.url)
-        self.node = Receiver(self.client, self.shape)
+        self.node = Receiver(await self.connect(), self.shape)
         await self.node.setup()
         return {"desc": self.node.desc.to_bytes().hex(), "addr": self.node.addr.to_bytes().hex()}
 
@@ -93,22 +93,19 @@ class TdReceiver:
     async def digests(self) -> dict[str, Any]:
         return {"crcs": await self.node.digests()}
 
-    async def close(self) -> None:
-        await self.client.close()
 
-
-class TdTrainer:
+class TdTrainer(ClientRole):
     def __init__(self, url: str, shape: dict[str, int], descs: list[str],
                  addrs: list[str], groups: list[int]) -> None:
-        self.url, self.shape = url, _shape(shape)
+        super().__init__(url)
+        self.shape = _shape(shape)
         self.desc_hex, self.addr_hex, self.sizes = descs, addrs, groups
 
     async def setup(self) -> None:
-        from client import Client, MrDesc, NetAddr
+        from client import MrDesc, NetAddr
         from examples.weight_update import Trainer
 
-        self.client = await Client.connect(self.url)
-        self.node = Trainer(self.client, self.shape)
+        self.node = Trainer(await self.connect(), self.shape)
         await self.node.setup()
         self.descs = [MrDesc.from_bytes(bytes.fromhex(d)) for d in self.desc_hex]
         addrs = [NetAddr.from_bytes(bytes.fromhex(a)) for a in self.addr_hex]
@@ -122,11 +119,21 @@ class TdTrainer:
         t = await self.node.update(self.groups[n], self.descs[:n])
         return {"start": t.start, "written": t.written, "barrier": t.barrier}
 
-    async def close(self) -> None:
-        await self.client.close()
-
 
 # -- roles: the plain-socket floor -------------------------------------------------------------
+
+
+def fill_shards(view: memoryview, shape: Any, seed: int) -> list[int]:
+    """The trainer's weights of version ``seed`` (examples.weight_update.shard_data) into
+    ``view``; each shard's CRC-32.  (The floor's and NIXL's trainers hold their memory.)"""
+    from examples.weight_update import shard_data
+
+    n, crcs = shape.shard_len, []
+    for s in range(shape.shards):
+        data = shard_data(seed, s, n)
+        view[s * n:(s + 1) * n] = data
+        crcs.append(zlib.crc32(data))
+    return crcs
 
 
 class FloorReceiver:
@@ -175,15 +182,7 @@ class FloorTrainer:
         return out
 
     def fill(self, seed: int) -> dict[str, Any]:
-        from examples.weight_update import shard_data
-
-        view, length = self.node.buf.view, self.shape.shard_len
-        crcs = []
-        for s in range(self.shape.shards):
-            data = shard_data(seed, s, length)
-            view[s * length:(s + 1) * length] = data
-            crcs.append(zlib.crc32(data))
-        return {"crcs": crcs}
+        return {"crcs": fill_shards(self.node.buf.view, self.shape, seed)}
 
     def update(self, n: int) -> dict[str, Any]:
         view = self.node.buf.view
