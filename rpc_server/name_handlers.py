@@ -27,7 +27,7 @@ from transferd.discovery.records import Change, check_kind, decode_value, encode
 from transferd.discovery.records import Op as ChangeOp
 from transferd.discovery.service import Discovery, record_to_wire
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.errors import BadRequest, NotFound, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, uint_field
 from transferd.protocol.values import MrDesc
@@ -132,7 +132,7 @@ def publish(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     region = _local_region(session, value) if isinstance(value, MrDesc) else None
     owner = owner_for(session, b, disc.default_owner)
     disc.directory.publish(name, kind, data, owner, ttl, region)
-    if region is not None:
+    if region is not None and not disc.directory.awaits_region(region):
         _watch_region(session, disc.directory, region)
     return _confirmed(disc, name, {"name": name, "owner": owner_name(owner),
                                    "node": disc.directory.node_name})
@@ -207,21 +207,46 @@ def names(session: Session, frame: Frame) -> Reply:
 
 
 class WatchStream:
-    """One WATCH: changes under its prefix, sent as EVENTs as the connection takes them."""
+    """One WATCH: changes under its prefix, sent as EVENTs as the connection takes them.
 
-    def __init__(self, session: Session, seq: int) -> None:
+    While the connection cannot take more, changes wait one per name (the latest,
+    in the place of the first, so a name that keeps changing still gets its turn);
+    a put the watcher has not seen followed by a delete cancel out.  So what waits
+    is the names that differ from what the watcher was last told: at most the names
+    visible now plus those it was told of and that went since, whatever the churn.
+    """
+
+    def __init__(self, session: Session, seq: int, directory: Directory) -> None:
         self.session = session
         self.seq = seq
-        # The changes not sent yet, one per name (the latest), oldest first.
+        # The changes not sent yet, one per name, oldest first.
         self.pending: dict[str, Change] = {}
+        # The pending names the watcher has not seen (absent for it before this put).
+        self.new: set[str] = set()
+        lim = directory.limits
+        # Never reached while the reasoning above holds: a guard, not a policy.
+        self.cap = 2 * (lim.max_names + lim.max_cluster_names)
         self.held = True  # until the WATCH reply is out
         self.ended = False
         self.sub: Any = None
         self.op: Op | None = None
 
-    def push(self, change: Change) -> None:
-        self.pending.pop(change.name, None)
-        self.pending[change.name] = change
+    def push(self, change: Change, new: bool) -> None:
+        name = change.name
+        if name in self.pending:
+            if change.op is ChangeOp.DELETE and name in self.new:
+                del self.pending[name]  # came and went unseen: nothing to tell
+                self.new.discard(name)
+                return
+            self.pending[name] = change
+        else:
+            self.pending[name] = change
+            if new:
+                self.new.add(name)
+            if len(self.pending) > self.cap:
+                self.stop(OverLimit(f"WATCH {self.seq}: over {self.cap} changes wait for "
+                                    "this connection; watch again"))
+                return
         self.flush()
 
     def release(self) -> None:
@@ -235,6 +260,7 @@ class WatchStream:
         while self.pending and not s.write_blocked:
             if s.transport is None or s.transport.is_closing():
                 self.pending.clear()
+                self.new.clear()
                 return
             name = next(iter(self.pending))
             ch = self.pending.pop(name)
@@ -242,6 +268,9 @@ class WatchStream:
             if ch.value is not None:
                 kind, raw = encode_value(ch.value)
                 body.update(kind=kind.value, value=raw)
+            if name in self.new:
+                self.new.discard(name)
+                body["new"] = True
             s.send_frame(Command.WATCH, Flag.EVENT, self.seq, body)
         if self.pending:
             s.drained_hooks.add(self.flush)
@@ -253,6 +282,7 @@ class WatchStream:
             return False
         self.ended = True
         self.pending.clear()
+        self.new.clear()
         self.session.drained_hooks.discard(self.flush)
         d = discovery_of(self.session.ctx).directory
         if self.sub is not None:
@@ -274,7 +304,12 @@ def watch(session: Session, frame: Frame) -> Reply:
         raise BadRequest("field 'initial' must be a boolean")
     if frame.no_reply:
         raise BadRequest("WATCH answers with its reply before any EVENT: it cannot be one-way")
-    stream = WatchStream(session, frame.seq)
+    if ops_of(session).get(frame.seq) is not None:
+        # Its EVENTs would carry a seq another operation's carry, and CANCEL would
+        # end only the first.
+        raise BadRequest(f"seq {frame.seq} belongs to an operation still running on this "
+                         "connection: a WATCH needs a seq of its own")
+    stream = WatchStream(session, frame.seq, d)
     stream.sub = d.subscribe(prefix, session, stream.push)
     n = 0
     if initial:
@@ -283,6 +318,7 @@ def watch(session: Session, frame: Frame) -> Reply:
             entries, more = d.listing(prefix, None, after)
             for e in entries:
                 stream.pending[e.name] = e.change(ChangeOp.PUT)
+                stream.new.add(e.name)
                 n += 1
             if not more or not entries:
                 break

@@ -24,7 +24,7 @@ A, B = object(), object()  # two owners
 def directory(**limits: int) -> tuple[Directory, list[Change]]:
     d = Directory("node-a", Limits(**limits))
     seen: list[Change] = []
-    d.subscribe("", A, seen.append)
+    d.subscribe("", A, lambda ch, new: seen.append(ch))
     return d, seen
 
 
@@ -166,13 +166,13 @@ def test_listing_is_sorted_paged_and_bounded() -> None:
 
 def test_watch_bounds() -> None:
     d = Directory("n", Limits(max_watches=3, max_watches_per_connection=2))
-    d.subscribe("", A, lambda c: None)
-    d.subscribe("", A, lambda c: None)
+    d.subscribe("", A, lambda c, new: None)
+    d.subscribe("", A, lambda c, new: None)
     with pytest.raises(OverLimit, match="max_watches_per_connection"):
-        d.subscribe("", A, lambda c: None)
-    d.subscribe("", B, lambda c: None)
+        d.subscribe("", A, lambda c, new: None)
+    d.subscribe("", B, lambda c, new: None)
     with pytest.raises(OverLimit, match=r"discovery\.max_watches"):
-        d.subscribe("", B, lambda c: None)
+        d.subscribe("", B, lambda c, new: None)
 
 
 def test_values_round_trip_and_a_bad_one_is_refused() -> None:
