@@ -416,7 +416,7 @@ class EtcdBackend(Backend):
             return None
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the stack
             body = None
         if not isinstance(body, dict):
             d.ignore("json", f"a record that is not a JSON object at {key[:80]!r}")
