@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transferd.discovery.backlog import Backlog
 from transferd.discovery.records import Change, Peer, Value, decode_value, encode_value
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import (
@@ -212,9 +213,7 @@ class Watch:
         self.seq = 0
         # How many names were under the prefix when it started (with ``initial``).
         self.count = 0
-        self._pending: dict[str, Change] = {}
-        # The pending names the caller has not seen (absent for it before this put).
-        self._new: set[str] = set()
+        self._pending = Backlog()
         self._wake: asyncio.Event | None = None
         self._error: TransferdError | None = None
         self._started = False
@@ -244,17 +243,7 @@ class Watch:
         return self
 
     def _push(self, change: Change, new: bool = False) -> None:
-        name = change.name
-        if name in self._pending:
-            if change.op == "delete" and name in self._new:
-                del self._pending[name]  # came and went before the caller looked
-                self._new.discard(name)
-                return
-            self._pending[name] = change
-        else:
-            self._pending[name] = change
-            if new:
-                self._new.add(name)
+        self._pending.add(change, new)
         if self._wake is not None:
             self._wake.set()
 
@@ -274,10 +263,8 @@ class Watch:
         await self.start()
         assert self._wake is not None
         while True:
-            if self._pending:
-                name = next(iter(self._pending))
-                self._new.discard(name)
-                return self._pending.pop(name)
+            if len(self._pending):
+                return self._pending.take()[0]
             if self._error is not None or self._closed:
                 if self._closed or isinstance(self._error, Cancelled):
                     raise StopAsyncIteration
@@ -297,7 +284,6 @@ class Watch:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._pending.clear()
-        self._new.clear()
         if self._wake is not None:
             self._wake.set()
         n = self.names

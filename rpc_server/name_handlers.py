@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from transferd.config_discovery import DiscoveryConfig
 from transferd.discovery.backend import Embedded
+from transferd.discovery.backlog import Backlog
 from transferd.discovery.directory import Directory, Entry
 from transferd.discovery.names import check_name, check_prefix
 from transferd.discovery.records import Change, check_kind, decode_value, encode_value
@@ -209,20 +210,17 @@ def names(session: Session, frame: Frame) -> Reply:
 class WatchStream:
     """One WATCH: changes under its prefix, sent as EVENTs as the connection takes them.
 
-    While the connection cannot take more, changes wait one per name (the latest,
-    in the place of the first, so a name that keeps changing still gets its turn);
-    a put the watcher has not seen followed by a delete cancel out.  So what waits
-    is the names that differ from what the watcher was last told: at most the names
-    visible now plus those it was told of and that went since, whatever the churn.
+    While the connection cannot take more, changes wait in a
+    :class:`~transferd.discovery.backlog.Backlog`: one per name, none for a name
+    that came and went unseen, so bounded by the names under the prefix whatever
+    the churn.
     """
 
     def __init__(self, session: Session, seq: int, directory: Directory) -> None:
         self.session = session
         self.seq = seq
-        # The changes not sent yet, one per name, oldest first.
-        self.pending: dict[str, Change] = {}
-        # The pending names the watcher has not seen (absent for it before this put).
-        self.new: set[str] = set()
+        # The changes not sent yet.
+        self.pending = Backlog()
         lim = directory.limits
         # Never reached while the reasoning above holds: a guard, not a policy.
         self.cap = 2 * (lim.max_names + lim.max_cluster_names)
@@ -232,21 +230,11 @@ class WatchStream:
         self.op: Op | None = None
 
     def push(self, change: Change, new: bool) -> None:
-        name = change.name
-        if name in self.pending:
-            if change.op is ChangeOp.DELETE and name in self.new:
-                del self.pending[name]  # came and went unseen: nothing to tell
-                self.new.discard(name)
-                return
-            self.pending[name] = change
-        else:
-            self.pending[name] = change
-            if new:
-                self.new.add(name)
-            if len(self.pending) > self.cap:
-                self.stop(OverLimit(f"WATCH {self.seq}: over {self.cap} changes wait for "
-                                    "this connection; watch again"))
-                return
+        self.pending.add(change, new)
+        if len(self.pending) > self.cap:
+            self.stop(OverLimit(f"WATCH {self.seq}: over {self.cap} changes wait for this "
+                                "connection; watch again"))
+            return
         self.flush()
 
     def release(self) -> None:
@@ -260,16 +248,13 @@ class WatchStream:
         while self.pending and not s.write_blocked:
             if s.transport is None or s.transport.is_closing():
                 self.pending.clear()
-                self.new.clear()
                 return
-            name = next(iter(self.pending))
-            ch = self.pending.pop(name)
+            ch, new = self.pending.take()
             body: dict[str, Any] = {"op": ch.op.value, "name": ch.name, "node": ch.node}
             if ch.value is not None:
                 kind, raw = encode_value(ch.value)
                 body.update(kind=kind.value, value=raw)
-            if name in self.new:
-                self.new.discard(name)
+            if new:
                 body["new"] = True
             s.send_frame(Command.WATCH, Flag.EVENT, self.seq, body)
         if self.pending:
@@ -282,7 +267,6 @@ class WatchStream:
             return False
         self.ended = True
         self.pending.clear()
-        self.new.clear()
         self.session.drained_hooks.discard(self.flush)
         d = discovery_of(self.session.ctx).directory
         if self.sub is not None:
@@ -317,8 +301,7 @@ def watch(session: Session, frame: Frame) -> Reply:
         while True:  # every visible name under the prefix, as puts, before any change
             entries, more = d.listing(prefix, None, after)
             for e in entries:
-                stream.pending[e.name] = e.change(ChangeOp.PUT)
-                stream.new.add(e.name)
+                stream.pending.add(e.change(ChangeOp.PUT), True)
                 n += 1
             if not more or not entries:
                 break

@@ -37,7 +37,7 @@ import random
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transferd.protocol.errors import BadRequest
@@ -296,11 +296,30 @@ class EtcdBackend(Backend):
         another daemon under this node name, whose record is left alone."""
         d = self.directory
         assert d is not None
-        c = self.client
         self._record_dirty = False
-        key = b64(self._node_key(self._my))
-        put = {"request_put": {"key": key, "value": b64(json.dumps(d.record).encode()),
-                               "lease": str(self.lease)}}
+
+        def taken(kv: dict[str, Any]) -> Exception | None:
+            held = str(kv.get("lease", "0") or "0")
+            if held in ("0", str(self.lease)):
+                return None
+            return NodeNameTaken(
+                f"node name {self._my!r} is registered by another daemon that keeps its "
+                f"lease alive (lease {int(held):x}, {self._urls_of(kv)}): "
+                "discovery.node_name must be unique in the cluster; this one serves its own "
+                "clients and registers once the name is free (a daemon of this name that "
+                "died frees it within its ttl)")
+
+        await self._guarded_put(b64(self._node_key(self._my)),
+                                b64(json.dumps(d.record).encode()), taken,
+                                f"node record {self._my!r}")
+
+    async def _guarded_put(self, key: str, value: str,
+                           refuse: Callable[[dict[str, Any]], Exception | None],
+                           what: str) -> None:
+        """Put ``key`` (base64) on this lease: create it, or replace the one there
+        unless ``refuse(kv)`` gives the error to raise instead."""
+        c = self.client
+        put = {"request_put": {"key": key, "value": value, "lease": str(self.lease)}}
         for _ in range(4):
             r = await c.txn([{"target": "CREATE", "key": key, "create_revision": "0"}], [put],
                             [{"request_range": {"key": key}}])
@@ -308,21 +327,16 @@ class EtcdBackend(Backend):
                 return
             kvs = first_kvs(r)
             if not kvs:
-                continue  # gone meanwhile: create it again
+                continue  # deleted meanwhile: create it again
             kv = kvs[0]
-            held = str(kv.get("lease", "0") or "0")
-            if held not in ("0", str(self.lease)):
-                raise NodeNameTaken(
-                    f"node name {self._my!r} is registered by another daemon that keeps "
-                    f"its lease alive (lease {int(held):x}, {self._urls_of(kv)}): "
-                    "discovery.node_name must be unique in the cluster; this one serves "
-                    "its own clients and registers once the name is free (a daemon of "
-                    f"this name that died frees it within its ttl)")
+            refused = refuse(kv)
+            if refused is not None:
+                raise refused
             r = await c.txn([{"target": "MOD", "key": key,
                               "mod_revision": str(kv.get("mod_revision", "0"))}], [put])
             if r.get("succeeded"):
                 return
-        raise Unavailable(f"node record {self._my!r}: etcd kept changing under us")
+        raise Unavailable(f"{what}: etcd kept changing under us")
 
     def _urls_of(self, kv: dict[str, Any]) -> str:
         try:
@@ -578,25 +592,15 @@ class EtcdBackend(Backend):
             return
         value = b64(json.dumps({"v": 1, "kind": e.kind.value, "value": b64(e.data),
                                 "node": self._my}).encode())
-        put = {"request_put": {"key": key, "value": value, "lease": str(self.lease)}}
-        for _ in range(4):
-            r = await c.txn([{"target": "CREATE", "key": key, "create_revision": "0"}], [put],
-                            [{"request_range": {"key": key}}])
-            if r.get("succeeded"):
-                return
-            kvs = first_kvs(r)
-            if not kvs:
-                continue  # deleted meanwhile: try to create it again
-            kv = kvs[0]
+
+        def theirs(kv: dict[str, Any]) -> Exception | None:
             holder = self._holder(kv)
-            if str(kv.get("lease", "0")) != str(self.lease) and holder != self._my:
-                raise Conflict(f"name {name!r} is published through node {holder!r}: "
-                               "unpublish it there first, or pick another name")
-            r = await c.txn([{"target": "MOD", "key": key,
-                              "mod_revision": str(kv.get("mod_revision", "0"))}], [put])
-            if r.get("succeeded"):
-                return
-        raise Unavailable(f"name {name!r}: etcd kept changing under us")
+            if str(kv.get("lease", "0")) == str(self.lease) or holder == self._my:
+                return None
+            return Conflict(f"name {name!r} is published through node {holder!r}: "
+                            "unpublish it there first, or pick another name")
+
+        await self._guarded_put(key, value, theirs, f"name {name!r}")
 
     def _holder(self, kv: dict[str, Any]) -> str:
         try:
