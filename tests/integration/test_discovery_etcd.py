@@ -26,9 +26,9 @@ import pytest
 
 from client import Client, MrDesc, NetAddr, NotFound
 from tests.etcd_server import EtcdServer
-from tests.helpers import DaemonProcess, async_test, digest, pattern, scrape
+from tests.helpers import DaemonProcess, RawConn, async_test, digest, pattern, scrape
 from tests.integration.engine_cluster import start_many
-from transferd.protocol.constants import Command
+from transferd.protocol.constants import Command, Flag
 
 TTL = 3
 
@@ -519,3 +519,53 @@ async def _same_name(a: DaemonProcess, env: dict[str, str], etcd: EtcdServer) ->
 
 async def _in_etcd(etcd: EtcdServer, key: str) -> bool:
     return key in etcd.stored()
+
+
+def test_names_that_come_and_go_while_etcd_is_away_queue_nothing(etcd: EtcdServer) -> None:
+    d = daemons(1, disc_env(etcd))[0]
+    try:
+        _churn_away(d, etcd)
+    finally:
+        d.stop()
+
+
+@async_test(timeout=60)
+async def _churn_away(d: DaemonProcess, etcd: EtcdServer) -> None:
+    c = await Client.connect(d.url)
+
+    async def state() -> dict[str, Any]:
+        return await c.discovery_status()
+
+    try:
+        await until(lambda: _state_is(c, "up"), 10, "registered")
+        assert (await c.publish("gone/while-away", b"g", owner="daemon")).synced
+        etcd.stop()
+        await until(lambda: _state_is(c, "away"), 10, "etcd away")
+        await c.unpublish("gone/while-away")  # in etcd: its delete must wait for it
+        with RawConn.to(d) as raw:
+            raw.hello()
+            for i in range(5000):  # request-scoped names, come and gone while away
+                raw.send(Command.PUBLISH, {"name": f"req/{i}", "kind": "bytes",
+                                           "value": b"v" * 200}, flags=Flag.NO_REPLY)
+                raw.send(Command.UNPUBLISH, {"name": f"req/{i}"}, flags=Flag.NO_REPLY)
+            assert not raw.request(Command.PUBLISH, {"name": "kept", "kind": "bytes",
+                                                     "value": b"k", "owner": "daemon"}).is_error
+        st = await state()
+        assert st["pending"] == 2, st  # the kept name, and the delete etcd needs
+        etcd.start()
+        await until(lambda: _state_is(c, "up"), 15, "registered again")
+        await until(lambda: _pending(c, 0), 5, "caught up")
+        stored = etcd.stored()
+        assert "/transferd/names/kept" in stored
+        assert not [k for k in stored if k.startswith(("/transferd/names/req/",
+                                                       "/transferd/names/gone/"))]
+    finally:
+        await c.close()
+
+
+async def _state_is(c: Client, state: str) -> bool:
+    return (await c.discovery_status())["state"] == state
+
+
+async def _pending(c: Client, n: int) -> bool:
+    return int((await c.discovery_status())["pending"]) == n

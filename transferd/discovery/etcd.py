@@ -45,6 +45,7 @@ from transferd.protocol.errors import BadRequest
 from .backend import Backend, State
 from .etcd_client import EtcdClient, b64, first_kvs, kv_key, kv_value, prefix_end
 from .http import StoreError, TooLarge, Unavailable
+from .names import Limits
 
 log = logging.getLogger("transferd.discovery")
 
@@ -96,6 +97,10 @@ class EtcdBackend(Backend):
         self.error = ""
         self.since = time.time()
         self._dirty: dict[str, None] = {}
+        # Names of this node that etcd may hold (found in the snapshot, written, or
+        # being written): only those need a delete when they go here.
+        self._stored: set[str] = set()
+        self._writing: str | None = None
         self._record_dirty = False
         self._wake: asyncio.Event | None = None
         self._waiters: dict[str, list[asyncio.Future[bool]]] = {}
@@ -117,6 +122,11 @@ class EtcdBackend(Backend):
         return f"{self.prefix}/".encode()
 
     @property
+    def _limits(self) -> Limits:
+        assert self.directory is not None
+        return self.directory.limits
+
+    @property
     def _my(self) -> str:
         assert self.directory is not None
         return self.directory.node_name
@@ -128,6 +138,14 @@ class EtcdBackend(Backend):
         self._task = asyncio.ensure_future(self._run())
 
     def changed(self, name: str) -> None:
+        d = self.directory
+        if d is not None and name not in d.local and name not in self._stored:
+            # Gone before it reached etcd: nothing there to undo.  (So names that come
+            # and go while etcd is away queue nothing: the queue is bounded by the
+            # names here and those etcd may hold, not by the churn.)
+            self._dirty.pop(name, None)
+            self._resolve(name, True)
+            return
         self._dirty[name] = None
         if self._wake is not None:
             self._wake.set()
@@ -141,6 +159,9 @@ class EtcdBackend(Backend):
         if self.state is not State.UP:
             return None
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if name not in self._dirty and name != self._writing:
+            fut.set_result(True)  # nothing to write: etcd has it as it is here
+            return fut
         self._waiters.setdefault(name, []).append(fut)
 
         async def wait() -> bool:
@@ -166,7 +187,9 @@ class EtcdBackend(Backend):
             for kv in r.get("kvs") or ():
                 got = self._parse(key, kv)
                 rec = self._name_record(key, got[2]) if got is not None else None
-                if rec is not None and rec[2] != self._my:
+                # What the mirror would not hold, a lookup does not answer either.
+                if rec is not None and rec[2] != self._my and \
+                        len(rec[1]) <= self._limits.max_value_bytes:
                     return rec
             return None
 
@@ -356,6 +379,7 @@ class EtcdBackend(Backend):
         names: list[tuple[str, Any, bytes, str]] = []
         nodes: list[tuple[str, dict[str, Any]]] = []
         stale: list[tuple[bytes, int]] = []
+        stored: set[str] = set()
         cap = d.limits.max_cluster_names + d.limits.max_nodes + 1
         seen = 0
         page = PAGE
@@ -398,6 +422,8 @@ class EtcdBackend(Backend):
                 if rec[2] == self._my:
                     if name not in d.local:  # an earlier run's: not ours any more
                         stale.append((key, int(kv.get("mod_revision", 0))))
+                    else:
+                        stored.add(name)
                 else:
                     names.append((name, *rec))
             if not r.get("more") or not kvs or seen >= cap:
@@ -411,6 +437,12 @@ class EtcdBackend(Backend):
         for key, mod in stale:
             await c.txn([{"target": "MOD", "key": b64(key), "mod_revision": str(mod)}],
                         [{"request_delete_range": {"key": b64(key)}}])
+        # What etcd holds of ours is known now: the deletes queued while it was away are
+        # done above (or were never needed); every local name is written again next.
+        self._stored = stored
+        for name in [n for n in self._dirty if n not in d.local]:
+            del self._dirty[name]
+            self._resolve(name, True)
         return revision
 
     def _parse(self, key: bytes, kv: dict[str, Any]) -> tuple[str, str, Any] | None:
@@ -550,17 +582,18 @@ class EtcdBackend(Backend):
                 name = next(iter(self._dirty))
                 del self._dirty[name]
                 waiters = self._waiters.pop(name, [])
+                self._writing = name
                 try:
                     await self._sync(name)
                 except Conflict as exc:
                     self.counts["conflicts"] += 1
                     d = self.directory
                     assert d is not None
+                    self._stored.discard(name)  # nothing of ours to delete there
                     e = d.local.get(name)
                     if e is not None:
                         log.warning("discovery: %s: dropped here", exc.message)
                         d._drop_local(e)
-                        self._dirty.pop(name, None)  # nothing of ours to delete there
                     for w in waiters:
                         if not w.done():
                             w.set_exception(exc)
@@ -569,6 +602,8 @@ class EtcdBackend(Backend):
                     self._dirty[name] = None  # written in the next session
                     self._waiters.setdefault(name, []).extend(waiters)
                     raise
+                finally:
+                    self._writing = None
                 for w in waiters:
                     if not w.done():
                         w.set_result(True)
@@ -589,7 +624,10 @@ class EtcdBackend(Backend):
                 await c.txn([{"target": "MOD", "key": key,
                               "mod_revision": str(kvs[0].get("mod_revision", "0"))}],
                             [{"request_delete_range": {"key": key}}])
+            if name not in d.local:  # (published again meanwhile: written next)
+                self._stored.discard(name)
             return
+        self._stored.add(name)  # before the put: a delete meanwhile must follow it
         value = b64(json.dumps({"v": 1, "kind": e.kind.value, "value": b64(e.data),
                                 "node": self._my}).encode())
 
@@ -608,6 +646,11 @@ class EtcdBackend(Backend):
         except ValueError:
             return "?"
         return str(body.get("node", "?")) if isinstance(body, dict) else "?"
+
+    def _resolve(self, name: str, value: bool) -> None:
+        for w in self._waiters.pop(name, ()):
+            if not w.done():
+                w.set_result(value)
 
     def _resolve_all(self, value: bool) -> None:
         waiters, self._waiters = self._waiters, {}
