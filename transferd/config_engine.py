@@ -111,13 +111,26 @@ class EngineConfig:
         "in both directions (HMAC-SHA256 over fresh nonces) before any byte or rkey "
         'crosses. "" (and no engine.secret): links are not authenticated, the rails bind '
         "to loopback only, and a non-loopback rail is refused unless engine.insecure is "
-        "set. Never a command-line flag.",
+        "set. Never a command-line flag. Refused when another user could read or rewrite "
+        "it (chmod 600; server.insecure_secret_files). SIGHUP re-reads it: new links "
+        "prove the new contents, open links stay.",
+        reload=True,
     )
     secret: str = key(
         "",
         "The cluster secret itself, for a service manager that injects secrets into the "
         "environment (TRANSFERD_ENGINE_SECRET); prefer engine.secret_file. Not both.",
-        secret=True,
+        secret=True, reload=True,
+    )
+    previous_secret_file: str = key(
+        "",
+        "During a rotation of the cluster secret: a file holding the secret in use "
+        "before. Links proving either are accepted, and this daemon proves both, so "
+        "daemons that have the new secret and daemons that still have the old one link "
+        "while the fleet is reloaded one by one; then empty the file (or the key) and "
+        "reload again (docs/security.md, Rotating a secret). An empty file: no rotation "
+        "in progress. Same rules as engine.secret_file otherwise.",
+        reload=True,
     )
     insecure: bool = key(
         False,
