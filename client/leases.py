@@ -9,8 +9,11 @@
 
 ``lease.detach()`` inside the block stops renewing without ending it: the
 buffers then stay until the ttl runs out, unless another connection (another
-process) renews the same name with ``client.renew_lease(name, ttl)`` or
-``client.lease(name, ttl)``.  docs/engine.md ("Owners and leases") has the model.
+process) joins the lease and renews it: ``client.lease(name, ttl, join=True)`` or
+``client.renew_lease(name, ttl, join=True)``.  Without ``join`` a name another
+connection made is refused (BadRequest), so two clients that picked one name never
+share and free each other's buffers.  docs/engine.md ("Owners and leases") has the
+model.
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ def _ttl_ms(ttl: float) -> int:
 class Lease:
     """A named lease this client renews until the block ends (or :meth:`detach`)."""
 
-    def __init__(self, client: Client, name: str, ttl: float, *, end: bool = True) -> None:
+    def __init__(self, client: Client, name: str, ttl: float, *, end: bool = True,
+                 join: bool = False) -> None:
         self.client = client
         self.name = name
         self.ttl = ttl
+        # Take part in a lease another connection made (else that is refused).
+        self.join = join
         # End the lease (free its buffers) when the block ends.
         self.end_on_exit = end
         self.created = False
@@ -49,7 +55,7 @@ class Lease:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Lease:
-        self.created = await self.client.renew_lease(self.name, self.ttl)
+        self.created = await self.client.renew_lease(self.name, self.ttl, join=self.join)
         self._task = asyncio.ensure_future(self._renew_forever())
         return self
 
@@ -70,7 +76,7 @@ class Lease:
             self._task = None
 
     async def renew(self) -> None:
-        await self.client.renew_lease(self.name, self.ttl)
+        await self.client.renew_lease(self.name, self.ttl, join=self.join)
 
     async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
         """A buffer this lease owns."""
@@ -82,7 +88,7 @@ class Lease:
         while True:
             await asyncio.sleep(period)
             try:
-                await self.client.renew_lease(self.name, self.ttl)
+                await self.client.renew_lease(self.name, self.ttl, join=self.join)
             except TransferdError as exc:
                 self.error = exc
                 log.warning("lease %r: renewal failed: %s", self.name, exc)
@@ -93,24 +99,34 @@ class Lease:
 class LeaseMixin:
     """Lease methods of :class:`client.Client`."""
 
-    def lease(self: Client, name: str, ttl: float, *, end: bool = True) -> Lease:  # type: ignore[misc]
-        """An async context manager: makes or renews lease ``name``, renews it meanwhile,
-        and ends it when the block ends (``end=False``: leaves it to run out)."""
-        return Lease(self, name, ttl, end=end)
+    def lease(self: Client, name: str, ttl: float, *, end: bool = True,  # type: ignore[misc]
+              join: bool = False) -> Lease:
+        """An async context manager: makes lease ``name`` (``join=True``: or joins the one
+        another connection made), renews it meanwhile, and ends it when the block ends
+        (``end=False``: leaves it to run out)."""
+        return Lease(self, name, ttl, end=end, join=join)
 
-    async def renew_lease(self: Client, name: str, ttl: float) -> bool:  # type: ignore[misc]
-        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now.
+    async def renew_lease(self: Client, name: str, ttl: float, *,  # type: ignore[misc]
+                          join: bool = False) -> bool:
+        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now;
+        one another connection made is refused (BadRequest) unless ``join``.
 
         Not a flush point: sent at once, beside whatever is queued (a lease
         orders nothing).
         """
-        r = await self.conn.request(Command.LEASE, {"lease": name, "ttl_ms": _ttl_ms(ttl)},
-                                    timeout=self.timeout)
+        body: dict[str, Any] = {"lease": name, "ttl_ms": _ttl_ms(ttl)}
+        if join:
+            body["join"] = True
+        r = await self.conn.request(Command.LEASE, body, timeout=self.timeout)
         return bool(r.body.get("created"))
 
-    async def end_lease(self: Client, name: str) -> int:  # type: ignore[misc]
-        """END_LEASE: free the lease's buffers now; how many there were."""
-        r = await self._call(Command.END_LEASE, {"lease": name})
+    async def end_lease(self: Client, name: str, *, join: bool = False) -> int:  # type: ignore[misc]
+        """END_LEASE: free the lease's buffers now; how many there were.  A lease this
+        connection neither made nor joined is refused (BadRequest) unless ``join``."""
+        body: dict[str, Any] = {"lease": name}
+        if join:
+            body["join"] = True
+        r = await self._call(Command.END_LEASE, body)
         return int(r.body.get("buffers", 0))
 
     @staticmethod

@@ -52,7 +52,7 @@ def owner_for(session: Session, body: dict[str, Any], default: str) -> Hashable 
         leases = session.ctx.leases
         if leases is None:  # pragma: no cover - every RPC front end makes its table
             raise BadRequest("this daemon serves no leases")
-        return leases.get(lease)
+        return leases.held(lease, session)  # another connection's lease: refused
     if owner == "lease":
         raise BadRequest("owner 'lease' needs the field 'lease' (the lease's name)")
     chosen = owner or default

@@ -78,6 +78,7 @@ class RpcFrontend:
         ctx.leases = LeaseTable(
             asyncio.get_running_loop(), functools.partial(ownership.lease_expired, ctx),
             max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
+            max_per_source=m.max_leases_per_source,
             max_ttl_s=m.max_lease_ttl_s)
         daemon.metrics.leases.set_function(ctx.leases.__len__)
         if ctx.secret:

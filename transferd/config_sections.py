@@ -281,8 +281,17 @@ class MemoryConfig:
     )
     max_leases_per_connection: int = key(
         64,
-        "Most live leases one client connection may have created; one more is refused "
-        "with TOO_LARGE. Leases outlive their creator, which then no longer counts them.",
+        "Most leases one open client connection may hold (made or joined); one more is "
+        "refused with TOO_LARGE. Leases outlive their connection, which then no longer "
+        "counts them (memory.max_leases_per_source still does).",
+        min=1, max=1 << 20,
+    )
+    max_leases_per_source: int = key(
+        256,
+        "Most live leases made from one source (a client's IP address; every Unix-socket "
+        "client is one source), counted until each ends or expires, so a client that "
+        "reconnects cannot take every one of memory.max_leases; one more is refused "
+        "with TOO_LARGE.",
         min=1, max=1 << 20,
     )
     max_lease_ttl_s: float = key(
