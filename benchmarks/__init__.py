@@ -31,6 +31,8 @@ BENCHMARKS = [
     "scale_peers",
     "scale_handoff",
     "copies",
+    # Security (issue 16)
+    "watchers",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).

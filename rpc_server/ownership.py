@@ -157,6 +157,9 @@ def session_closed(session: Session) -> None:
     release_in_background(ctx, session, f"connection {session.peer} closed")
     if ctx.leases is not None:
         ctx.leases.connection_closed(session)
+    from .watcher_handlers import session_closed as watchers_closed  # imports handlers
+
+    watchers_closed(session)  # at once: the sweep would free the slots 0.5 s later
 
 
 def lease_expired(ctx: ServerContext, lease: Lease) -> None:

@@ -17,7 +17,7 @@ from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     ownership,
-    watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
+    watcher_handlers,  # registers ALLOC_UVM_WATCHER
 )
 from .admission import Admission
 from .context import ServerContext
@@ -81,6 +81,7 @@ class RpcFrontend:
             max_per_source=m.max_leases_per_source,
             max_ttl_s=m.max_lease_ttl_s)
         daemon.metrics.leases.set_function(ctx.leases.__len__)
+        watcher_handlers.configure(ctx, cfg.engine)
         if ctx.secret:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")

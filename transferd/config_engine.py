@@ -137,6 +137,27 @@ class EngineConfig:
         "Without a cluster secret, allow rails beyond loopback anyway: any host that "
         "reaches a rail port can then act as a peer. Only on a network you trust.",
     )
+    max_watchers: int = key(
+        4096,
+        "Most UVM watchers (ALLOC_UVM_WATCHER) the daemon holds, all connections together; "
+        "one more is refused with OUT_OF_MEMORY.",
+        min=1, max=1 << 16,
+    )
+    max_watchers_per_connection: int = key(
+        64,
+        "Most UVM watchers one client connection may hold; one more is refused with "
+        "OUT_OF_MEMORY. Each connection's page holds 512 words.",
+        min=1, max=512,
+    )
+    watcher_idle_poll_ms: float = key(
+        10.0,
+        "Longest sleep of the thread that polls UVM watchers once their words stop "
+        "changing (it polls every 50 us while they change and for 40 polls after): the "
+        "first change after a quiet spell is seen within this, and an idle daemon's "
+        "watchers wake it 1000/this times a second, however many there are. Lower it for "
+        "a quicker first change at more CPU (1 ms: about 3% of a core).",
+        min=0.05, max=1000, unit="ms",
+    )
     handshake_timeout_s: float = key(
         5.0,
         "Seconds a peer link may take to finish its handshake before it is closed. Until "
