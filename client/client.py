@@ -13,6 +13,7 @@ from typing import Any
 
 from transferd import __version__, transports
 from transferd.copies import COUNTING, count
+from transferd.discovery.records import Peer, Value
 from transferd.protocol import auth as auth_methods
 from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
@@ -30,6 +31,7 @@ from .copies import CopiesMixin, release_sent
 from .cuda_ipc import IpcMixin
 from .engine import EngineEvents, EngineMixin
 from .leases import LeaseMixin
+from .names import NameInfo, Names, Published, Watch
 from .queue import QueuedGet, QueuedSet, chunks, segments
 from .shared import SharedBuffer, map_shared
 from .watchers import WatcherMixin
@@ -186,6 +188,8 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         # Shared buffers mapped here, by id: their tensors are read and
         # written in this process, not over the wire.
         self._shared: dict[int, SharedBuffer] = {}
+        # The names part (client/names.py), once connected.
+        self._names: Names | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -202,7 +206,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         opts = transports.TransportOptions(tls_ca=self.tls_ca or "", ssl_context=self.ssl_context)
         self._conn = await Connection.open(self.url, self.connect_timeout, opts)
         self._conn.on_event = self._on_event
-        self._conn.on_lost = self._events.lost
+        self._conn.on_lost = self._lost
         # The handshake is the sans-IO ClientConnection's: hmac-sha256 whenever
         # the server asks for authentication (the secret never crosses the
         # wire, and the server proves it knows it too); auth="token" sends it.
@@ -233,6 +237,8 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         self._conn.decoder.max_body = max(DEFAULT_MAX_BODY, self.max_body)
         if "max_message" in b:
             self._conn.set_max_message(int(b["max_message"]))
+        self._names = Names(self._conn, flush=self.flush, timeout=self.timeout,
+                            features=self.features if self.minor >= 2 else [])
         if self.switches.stats_ms:
             self._stats_task = asyncio.ensure_future(self._print_stats(self.switches.stats_ms))
 
@@ -571,7 +577,45 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
             raise first
 
     def _on_event(self, frame: Frame) -> bool:
+        names = self._names
+        if names is not None and names.on_event(frame):
+            return True
         return self._events.on_event(frame)
+
+    def _lost(self, exc: TransferdError) -> None:
+        self._events.lost(exc)
+        if self._names is not None:
+            self._names.lost(exc)
+
+    # -- names (the cluster's directory): delegated to the part in client/names.py ------
+
+    @property
+    def names_part(self) -> Names:
+        if self._names is None:
+            raise TransferdError("not connected: call open() or use Client.connect()")
+        return self._names
+
+    async def publish(self, name: str, value: Value, ttl: float | None = None, *,
+                      owner: str | None = None, lease: str | None = None) -> Published:
+        return await self.names_part.publish(name, value, ttl, owner=owner, lease=lease)
+
+    async def lookup(self, name: str) -> Value:
+        return await self.names_part.lookup(name)
+
+    async def unpublish(self, name: str) -> bool:
+        return await self.names_part.unpublish(name)
+
+    def watch(self, prefix: str = "", *, initial: bool = True) -> Watch:
+        return self.names_part.watch(prefix, initial=initial)
+
+    async def peers(self) -> list[Peer]:
+        return await self.names_part.peers()
+
+    async def names(self, prefix: str = "", limit: int | None = None) -> list[NameInfo]:
+        return await self.names_part.names(prefix, limit)
+
+    async def discovery_status(self) -> dict[str, Any]:
+        return await self.names_part.discovery_status()
 
     async def _print_stats(self, period_ms: int) -> None:
         while True:

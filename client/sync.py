@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from .client import Client
 from .engine import Completion
+from .names import SyncWatch
 
 T = TypeVar("T")
 
@@ -75,6 +76,11 @@ class SyncClient:
     def cancel(self, completion: Completion) -> bool:
         """CANCEL a submit or expectation; True if that is how it ended (see Completion.cancel)."""
         return self._run(completion.cancel())
+
+    def watch(self, prefix: str = "", *, initial: bool = True) -> SyncWatch:
+        """``for change in sc.watch(prefix)``, blocking; ``with`` ends it on the daemon."""
+        return SyncWatch(self._run, self._call_soon(
+            lambda: self._client.watch(prefix, initial=initial)))
 
     def close(self) -> None:
         try:

@@ -75,6 +75,9 @@ class ServerContext:
     # bounded by the daemon's descriptors.  While draining, new requests are refused.
     sessions: set[Any] = field(default_factory=set)
     draining: bool = False
+    # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
+    # embedded (rpc_server/name_handlers.py).
+    discovery: Any = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
@@ -118,4 +121,5 @@ class ServerContext:
         feats = ["batched_get", "batched_set", "no_reply_events"]
         if self.engine is not None:
             feats.append("engine")
+        feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

@@ -402,6 +402,10 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.copies import snapshot
 
         body["copies"] = snapshot()
+    if frame.body.get("discovery") is True:  # where the names live, whether it is up
+        from .name_handlers import discovery_of
+
+        body["discovery"] = discovery_of(session.ctx).status()
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transferd.memory.leases import Lease
@@ -38,6 +38,10 @@ OWNERS = ("daemon", "connection", "lease")
 
 # Releases still waiting for admitted writes to land (kept so they are not collected).
 _draining: set[asyncio.Future[None]] = set()
+
+# Other tables whose entries an owner holds (names: rpc_server/name_handlers.py), each
+# told when that owner is gone (a connection closed, a lease ended or expired).
+OWNER_GONE: list[Callable[[ServerContext, Hashable], None]] = []
 
 
 def owner_for(session: Session, body: dict[str, Any], default: str) -> Hashable | None:
@@ -114,6 +118,8 @@ def release_owned(ctx: ServerContext, owner: Hashable) -> tuple[int, Awaitable[N
     Returns how many buffers went, and an awaitable until the writes admitted
     into their regions before the revocation have landed (None: none in flight).
     """
+    for gone in OWNER_GONE:
+        gone(ctx, owner)
     table = ctx.buffers
     engine = ctx.engine
     regions: list[Region] = []

@@ -16,6 +16,7 @@ from . import (
     drain,
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
+    name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
     ownership,
     watcher_handlers,  # registers ALLOC_UVM_WATCHER
 )
@@ -72,6 +73,7 @@ class RpcFrontend:
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
             default_owner=cfg.memory.default_owner,
+            discovery=getattr(daemon, "discovery", None),
         )
         ctx = self.ctx
         m = cfg.memory

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from transferd.copies import COUNTING, count
@@ -136,6 +136,8 @@ class Session(asyncio.BufferedProtocol):
         # stay paused while any of them waits.
         self._tls_out: ChunkedOutput | None = None
         self._tls_blocked = False
+        # Called once the write buffer has drained (WATCH streams send what waited).
+        self.drained_hooks: set[Callable[[], None]] = set()
 
     # -- asyncio callbacks --------------------------------------------------
 
@@ -226,6 +228,9 @@ class Session(asyncio.BufferedProtocol):
         if self.ctx.engine is not None and not self.write_blocked:
             # Peer messages handed to this connection are out: their senders' ACKs.
             self.ctx.engine.session_drained(self)
+        if self.drained_hooks and not self.write_blocked:
+            for hook in list(self.drained_hooks):
+                hook()
 
     @property
     def write_blocked(self) -> bool:
