@@ -107,3 +107,36 @@ def test_the_thread_slows_down_when_nothing_changes_and_speeds_up_on_a_change() 
         assert ws.polls - p1 >= 10, ws.polls - p1
     finally:
         ws.close()
+
+
+def test_a_word_that_keeps_moving_makes_only_its_own_array_fast() -> None:
+    """An attacker bumping its word nonstop: its array is polled at full pace, every
+    other array still at the idle pace (before, all of them at full pace)."""
+    ws = Watchers(idle_poll_s=10e-3)
+    hot_words, cold_words = np.zeros(8, dtype=np.uint64), np.zeros(8, dtype=np.uint64)
+    hot = ws.add("attacker", "hot", hot_words, 0, lambda o, n: None)
+    cold = ws.add("victim", "cold", cold_words, 0, lambda o, n: None)
+    stop = threading.Event()
+
+    def bump() -> None:
+        v = 0
+        while not stop.is_set():
+            v += 1
+            hot_words[0] = v
+            time.sleep(1e-4)
+
+    t = threading.Thread(target=bump)
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert hot.segment is not None and cold.segment is not None
+        h0, c0 = hot.segment.polls, cold.segment.polls
+        time.sleep(1.0)
+        hot_polls, cold_polls = hot.segment.polls - h0, cold.segment.polls - c0
+        assert cold_polls <= 150, cold_polls  # about 100: the idle pace
+        assert hot_polls >= 5 * cold_polls, (hot_polls, cold_polls)
+        assert hot.changes > 100
+    finally:
+        stop.set()
+        t.join()
+        ws.close()

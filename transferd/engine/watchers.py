@@ -25,18 +25,21 @@ flight at a time; changes seen meanwhile are merged into the next one, so a
 slow consumer costs memory for nothing.
 
 What polling costs.  Watched words are kept per array they live in (a
-connection's page, a buffer): one poll reads each array's watched words in
-one numpy gather and compares them with the values last seen, so a page of
-512 watchers costs about what one does.  The thread polls every ``poll_s``
-(50 us) while words change, and when they stop it keeps that pace for
-``HOLD_POLLS`` polls, then doubles its sleep with each quiet poll up to
-``idle_poll_s`` (10 ms by default, ``engine.watcher_idle_poll_ms``): an idle
-daemon's watchers wake it about 100 times a second, whatever their number,
-and the first change after a quiet spell is seen within ``idle_poll_s``.
-However many arrays are watched, the thread sleeps at least as long as its
-last poll took in CPU time (``IDLE_DUTY`` times as long when idle, up to
-``MAX_IDLE_SLEEP_S``), so it never holds more than half of a core, or a
-fiftieth when idle, and the GIL with it.
+connection's page, a buffer): one poll of an array reads its watched words
+one by one (a few) or in one numpy gather and memcmp (more), so a page of
+512 watchers costs little more than one.  Each array has its own pace: every
+``poll_s`` (50 us) while its words change and for ``HOLD_POLLS`` polls after,
+then a sleep that doubles with each quiet poll until it joins the quiet
+arrays, which are all polled together every ``idle_poll_s`` (10 ms by
+default, ``engine.watcher_idle_poll_ms``).  So an idle daemon's watchers wake
+it about 100 times a second whatever their number, the first change after a
+quiet spell is seen within ``idle_poll_s``, and a client that keeps its own
+word moving makes the thread poll its array fast, not everybody's.  However
+many arrays are watched, the thread sleeps at least as long as its last poll
+of the busy ones took in CPU time, and the quiet ones are polled no more
+often than ``IDLE_DUTY`` times their cost (up to ``MAX_IDLE_SLEEP_S``), so it
+never holds more than half of a core, or a fiftieth when idle, and the GIL
+with it.
 """
 
 from __future__ import annotations
@@ -185,26 +188,36 @@ class Watcher:
 class _Segment:
     """The watched words of one array (a page, a buffer), read in one gather per poll.
 
-    ``index`` and ``last`` are rebuilt (new arrays, under the table's lock) when a
-    watcher comes or goes; the polling thread works on the arrays it took."""
+    ``state`` (the watchers, their indexes, the values last seen) is replaced whole,
+    under the table's lock, when a watcher comes or goes; the polling thread reads it
+    once per poll.  ``quiet``, ``sleep`` and ``due`` are the thread's own: how many
+    polls found nothing, the pace of this array, and when it is polled next."""
 
-    def __init__(self, key: Hashable, words: np.ndarray) -> None:
+    def __init__(self, key: Hashable, words: np.ndarray, poll_s: float) -> None:
         self.key = key
         self.words = words
         # The same words for scalar reads (54 ns each, against a gather's microsecond).
         self.scalars = words.data.cast("B").cast("Q")
-        self.watchers: tuple[Watcher, ...] = ()
-        self.index = np.empty(0, dtype=np.intp)
-        self.last = np.empty(0, dtype=np.uint64)
+        self.state: tuple[tuple[Watcher, ...], np.ndarray, np.ndarray] = (
+            (), np.empty(0, dtype=np.intp), np.empty(0, dtype=np.uint64))
+        self.dropped = False
+        self.polls = 0
+        self.quiet = 0
+        self.sleep = poll_s
+        self.due = 0.0
+
+    @property
+    def watchers(self) -> tuple[Watcher, ...]:
+        return self.state[0]
 
     def rebuild(self, watchers: tuple[Watcher, ...]) -> None:
-        self.watchers = watchers
-        self.index = np.array([w.index for w in watchers], dtype=np.intp)
-        self.last = np.array([w.last for w in watchers], dtype=np.uint64)
+        self.state = (watchers, np.array([w.index for w in watchers], dtype=np.intp),
+                      np.array([w.last for w in watchers], dtype=np.uint64))
 
     def poll(self) -> int:
         """Hand every watcher whose word moved its change; how many moved."""
-        watchers, last = self.watchers, self.last
+        self.polls += 1
+        watchers, index, last = self.state
         if len(watchers) <= SCALAR_READS:
             scalars, moved = self.scalars, 0
             for i, w in enumerate(watchers):
@@ -213,7 +226,7 @@ class _Segment:
                     moved += 1
                     _fire(w, v, last, i)
             return moved
-        now = self.words.take(self.index)
+        now = self.words.take(index)
         if now.tobytes() == last.tobytes():  # the common case: nothing moved, one memcmp
             return 0
         changed = np.flatnonzero(now != last).tolist()
@@ -264,7 +277,8 @@ class Watchers:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._snapshot: tuple[_Segment, ...] = ()
-        self._added = False
+        # Arrays with a new watcher, for the thread to poll at full pace (the lock held).
+        self._fresh: list[_Segment] = []
         self.polls = 0
 
     def __len__(self) -> int:
@@ -287,14 +301,14 @@ class Watchers:
             self.check_room(owner)
             seg = self._segments.get(key)
             if seg is None:
-                seg = self._segments[key] = _Segment(key, words)
+                seg = self._segments[key] = _Segment(key, words, self.poll_s)
             w = Watcher(next(self._ids), owner, index, callback, int(seg.words[index]), keep,
                         handoff, segment=seg)
             self._by_id[w.id] = w
             self._per_owner[owner] += 1
             seg.rebuild((*seg.watchers, w))
             self._snapshot = tuple(self._segments.values())
-            self._added = True
+            self._fresh.append(seg)  # the new word may be about to move
             if self._thread is None:
                 self._stop = False
                 self._thread = threading.Thread(target=self._main, name="transferd-watchers",
@@ -337,53 +351,84 @@ class Watchers:
         for seg in touched:
             seg.rebuild(tuple(w for w in seg.watchers if w.id not in ids))
             if not seg.watchers:
+                seg.dropped = True
                 del self._segments[seg.key]
         self._snapshot = tuple(self._segments.values())
 
     # -- the thread -----------------------------------------------------------------
 
     def _main(self) -> None:
-        next_sweep = time.monotonic() + SWEEP_S
-        quiet = 0
-        sleep = self.poll_s
+        # Arrays whose words moved lately, each at its own pace (50 us, doubling once
+        # quiet), and the quiet rest, polled together every idle_poll_s: one hot word
+        # makes the thread poll its own array fast, not every array of the daemon.
+        hot: list[_Segment] = []
+        cold: list[_Segment] = []
+        next_cold = next_sweep = time.monotonic()
+        paced = self.idle_poll_s > self.poll_s
         while True:
             with self._lock:
                 while not self._by_id and not self._stop:
                     # Nothing to watch: sleep until a watcher is added, burn nothing.
+                    hot.clear()
+                    cold.clear()
                     self._wake.wait()
                 if self._stop:
                     self._thread = None
                     return
-                segments = self._snapshot
+                fresh, self._fresh = self._fresh, []
             self.polls += 1
             # This thread's CPU time, not the clock's: a poll that waited for the GIL
             # or for a CPU did not cost what it took.
             started = time.thread_time()
-            moved = 0
-            for seg in segments:
-                moved += seg.poll()
             now = time.monotonic()
+            for seg in fresh:
+                seg.quiet, seg.sleep, seg.due = 0, self.poll_s, now
+                if seg in cold:
+                    cold.remove(seg)
+                if seg not in hot:
+                    hot.append(seg)
+            for seg in list(hot):
+                if seg.dropped:
+                    hot.remove(seg)
+                elif seg.due <= now:
+                    if seg.poll():
+                        seg.quiet, seg.sleep = 0, self.poll_s
+                    else:
+                        seg.quiet += 1
+                        if seg.quiet > HOLD_POLLS:
+                            seg.sleep = min(self.idle_poll_s, seg.sleep * 2)
+                    if paced and seg.sleep >= self.idle_poll_s:
+                        hot.remove(seg)  # quiet long enough: polled with the rest
+                        cold.append(seg)
+                    else:
+                        seg.due = now + seg.sleep
+            hot_spent = time.thread_time() - started
+            if now >= next_cold:
+                for seg in list(cold):
+                    if seg.dropped:
+                        cold.remove(seg)
+                    elif seg.poll():
+                        cold.remove(seg)
+                        seg.quiet, seg.sleep, seg.due = 0, self.poll_s, now + self.poll_s
+                        hot.append(seg)
+                # However many arrays: the quiet ones cost 1/IDLE_DUTY of a core at most.
+                cold_spent = time.thread_time() - started - hot_spent
+                next_cold = now + min(max(self.idle_poll_s, cold_spent * IDLE_DUTY),
+                                      MAX_IDLE_SLEEP_S)
             if now >= next_sweep:
                 next_sweep = now + SWEEP_S
-                self._sweep(segments)
-            spent = time.thread_time() - started
-            if moved:
-                quiet, sleep = 0, self.poll_s
-            else:
-                quiet += 1
-                if quiet > HOLD_POLLS:
-                    sleep = min(self.idle_poll_s, sleep * 2)
-            if quiet > HOLD_POLLS and self.idle_poll_s > self.poll_s:
-                # Idle: a long sleep, cut short by a new watcher (or close()), after
-                # which it polls at full pace again: the new word may be about to move.
-                time.sleep(min(max(sleep, spent * IDLE_DUTY), MAX_IDLE_SLEEP_S))
-                if self._added:
-                    self._added = False
-                    quiet, sleep = 0, self.poll_s
-            else:
-                time.sleep(max(sleep, spent))
+                self._sweep(hot + cold)
+            dues = [seg.due for seg in hot] + ([next_cold] if cold else [])
+            wait = (min(dues) if dues else now + self.idle_poll_s) - time.monotonic()
+            if hot:
+                time.sleep(max(wait, hot_spent))  # never more than half a core either
+            elif wait > 0:
+                # Only quiet arrays.  A watcher added meanwhile waits for this sleep
+                # (its baseline was read when it was made, so no change is missed);
+                # Condition.wait would cut it short but costs twice a sleep's wakeup.
+                time.sleep(wait)
 
-    def _sweep(self, segments: tuple[_Segment, ...]) -> None:
+    def _sweep(self, segments: list[_Segment]) -> None:
         owners = {w.owner for seg in segments for w in seg.watchers}
         for owner in owners:
             if not self._alive(owner):
