@@ -5,11 +5,12 @@ from transferd.protocol.errors import *  # noqa: F403 - typed errors are part of
 from transferd.protocol.messages import Tensor
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
-from .client import Client, RemoteBuffer, Switches
+from .client import Client, RemoteBuffer
 from .engine import Completion, MrHandle, PeerGroup
 from .leases import Lease
 from .names import NameInfo, Published, SyncWatch, Watch
 from .shared import SharedBuffer
+from .switches import Switches
 from .sync import SyncClient
 from .watchers import UvmWatcher
 

@@ -75,6 +75,9 @@ class ServerContext:
     # bounded by the daemon's descriptors.  While draining, new requests are refused.
     sessions: set[Any] = field(default_factory=set)
     draining: bool = False
+    # Releases of a gone owner's buffers still waiting for admitted writes to land
+    # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
+    background: set[Any] = field(default_factory=set)
     # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
     # embedded (rpc_server/name_handlers.py).
     discovery: Any = None

@@ -58,6 +58,7 @@ from transferd.protocol.errors import (
 from transferd.protocol.frames import DISCARD, Frame, Sink
 
 from .context import ServerContext
+from .device_io import Landings
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
 from .tls_output import ChunkedOutput
 
@@ -123,6 +124,10 @@ class Session(asyncio.BufferedProtocol):
         # Engine operations this connection submitted and that have not
         # finished; SYNCHRONIZE waits for them.
         self.pending: set[asyncio.Future[Any]] = set()
+        # SET frames whose payload went to device staging, until their handler runs.
+        self.landings = Landings()
+        # Resolved when one of this connection's submits ends (it waits at its share).
+        self.room: asyncio.Future[None] | None = None
         # Per-connection engine state (receive pools, watchers) hangs here.
         self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
