@@ -77,10 +77,17 @@ def test_sighup_switches_to_the_new_client_secret(daemon_factory: DaemonFactory,
     cur = tmp_path / "token"
     write_secret(cur, OLD)
     d = daemon_factory(["--token-file", str(cur)])
-    with SyncClient(d.url, token=OLD) as before:
+    with SyncClient(d.url, token=OLD) as before, RawConn.to(d) as midway:
+        # A handshake under way when the file is swapped: its HELLO proved the old one.
+        nonce = auth.fresh_nonce()
+        midway.send(Command.HELLO, {"major": PROTO_MAJOR, "minor": 2, "client": "raw",
+                                    "auth": auth.HMAC_SHA256, "nonce": nonce})
+        ch = midway.recv().body["challenge"]
         write_secret(cur, NEW)
         reload(d, "SIGHUP: applied")
         assert "server.token_file: the client secret replaced" in d.stderr, d.stderr
+        midway.send(Command.AUTH, {"mac": auth.client_mac(OLD.encode(), ch, nonce)})
+        assert midway.recv().body == {}  # finished under what its HELLO proved
         assert accepted(d, NEW) and not accepted(d, OLD)
         assert before.get_devices()  # opened under the old secret: it stays
         write_secret(cur, OLD, 0o644)
