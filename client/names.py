@@ -24,13 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transferd.discovery.backlog import Backlog
 from transferd.discovery.records import Change, Peer, Value, decode_value, encode_value
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import (
+    BadRequest,
     Cancelled,
     ConnectionLost,
     NotFound,
@@ -67,6 +71,23 @@ class NameInfo:
     size: int
 
 
+# A name's ttl in ms is a u32 on the wire (49 days).
+MAX_TTL_MS = 0xFFFFFFFF
+
+
+def _ttl_ms(ttl: Any) -> int:
+    """``ttl`` seconds as PUBLISH's ttl_ms; BadRequest for what no ttl can be."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) \
+            or ttl <= 0:
+        raise BadRequest(f"ttl must be a positive number of seconds (None: no ttl), not "
+                         f"{ttl!r}")
+    ms = max(1, round(ttl * 1000))  # under a millisecond: the shortest there is
+    if ms > MAX_TTL_MS:
+        raise BadRequest(f"ttl of {ttl:g} s is over the most a name's ttl can be "
+                         f"({MAX_TTL_MS // 1000} s, 49 days)")
+    return ms
+
+
 class Names:
     def __init__(self, conn: Connection, *, flush: Callable[[], Awaitable[None]] | None = None,
                  timeout: float | None = None, features: list[str] | None = None) -> None:
@@ -74,8 +95,9 @@ class Names:
         self._flush = flush
         self.timeout = timeout
         self.served = features is None or "names" in features
-        # WATCH seq -> its stream, for the EVENTs.
-        self.watches: dict[int, Watch] = {}
+        # WATCH seq -> its stream, for the EVENTs (weakly: a watch nobody refers to
+        # any more ends itself, see Watch).
+        self.watches: weakref.WeakValueDictionary[int, Watch] = weakref.WeakValueDictionary()
 
     def _check(self) -> None:
         if not self.served:
@@ -96,7 +118,7 @@ class Names:
         kind, raw = encode_value(value)
         body: dict[str, Any] = {"name": name, "kind": kind.value, "value": raw}
         if ttl is not None:
-            body["ttl_ms"] = max(1, round(ttl * 1000))
+            body["ttl_ms"] = _ttl_ms(ttl)
         if owner is not None:
             body["owner"] = owner
         if lease is not None:
@@ -159,14 +181,14 @@ class Names:
             w._end(error_from_body(frame.body, seq=frame.seq))
         else:
             try:
-                w._push(Change.from_body(frame.body))
+                w._push(Change.from_body(frame.body), bool(frame.body.get("new")))
             except (TransferdError, ValueError, KeyError) as exc:
                 log.warning("watch %r: a change that does not parse: %s", w.prefix, exc)
         return True
 
     def lost(self, exc: TransferdError) -> None:
-        watches, self.watches = self.watches, {}
-        for w in watches.values():
+        watches, self.watches = self.watches, weakref.WeakValueDictionary()
+        for w in list(watches.values()):
             w._end(ConnectionLost(exc.message))
 
 
@@ -174,8 +196,14 @@ class Watch:
     """A stream of :class:`Change`; an async iterator and an async context manager.
 
     Changes the daemon sent and the caller has not taken yet wait here one per
-    name (the latest), as on the daemon: a slow reader loses intermediate values
-    of a name, never its last state.
+    name (the latest, in the place of the first), as on the daemon: a slow reader
+    loses intermediate values of a name, never its last state, and a name that
+    came and went before the caller took its put is not told at all.  So what
+    waits is bounded by the names under the prefix, whatever their churn.
+
+    Leaving ``async for`` early (``break``) without ``async with`` or
+    :meth:`close`: once nothing refers to the watch any more, it ends on the
+    daemon by itself (a CANCEL is sent), so the connection's watches do not add up.
     """
 
     def __init__(self, names: Names, prefix: str, initial: bool) -> None:
@@ -185,11 +213,12 @@ class Watch:
         self.seq = 0
         # How many names were under the prefix when it started (with ``initial``).
         self.count = 0
-        self._pending: dict[str, Change] = {}
+        self._pending = Backlog()
         self._wake: asyncio.Event | None = None
         self._error: TransferdError | None = None
         self._started = False
         self._closed = False
+        self._finalizer: weakref.finalize | None = None
 
     async def start(self) -> Watch:
         if self._started:
@@ -207,15 +236,20 @@ class Watch:
             n.watches.pop(self.seq, None)
             raise
         self.count = int(reply.body.get("names", 0))
+        # Dropped without close(): CANCEL it then (holds neither self nor the Names).
+        self._finalizer = weakref.finalize(self, _abandoned, n.conn, self.seq,
+                                           asyncio.get_running_loop())
+        self._finalizer.atexit = False
         return self
 
-    def _push(self, change: Change) -> None:
-        self._pending.pop(change.name, None)
-        self._pending[change.name] = change
+    def _push(self, change: Change, new: bool = False) -> None:
+        self._pending.add(change, new)
         if self._wake is not None:
             self._wake.set()
 
     def _end(self, error: TransferdError) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()  # ended on the daemon: nothing to cancel
         if self._error is None:
             self._error = error
         self.names.watches.pop(self.seq, None)
@@ -229,9 +263,8 @@ class Watch:
         await self.start()
         assert self._wake is not None
         while True:
-            if self._pending:
-                name = next(iter(self._pending))
-                return self._pending.pop(name)
+            if len(self._pending):
+                return self._pending.take()[0]
             if self._error is not None or self._closed:
                 if self._closed or isinstance(self._error, Cancelled):
                     raise StopAsyncIteration
@@ -248,6 +281,8 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._pending.clear()
         if self._wake is not None:
             self._wake.set()
@@ -267,6 +302,20 @@ class Watch:
 
     def __repr__(self) -> str:
         return f"<Watch {self.prefix!r} seq={self.seq} waiting={len(self._pending)}>"
+
+
+def _abandoned(conn: Connection, seq: int, loop: asyncio.AbstractEventLoop) -> None:
+    """A started watch was dropped: end it on the daemon, unless it ended already."""
+
+    def cancel() -> None:
+        if conn.lost is not None:
+            return
+        fut = conn.request(Command.CANCEL, {"seq": seq})
+        # NOT_FOUND (it had ended), or the connection's end: nobody is waiting for either.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
+        loop.call_soon_threadsafe(cancel)
 
 
 class SyncWatch:

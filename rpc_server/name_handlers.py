@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from transferd.config_discovery import DiscoveryConfig
 from transferd.discovery.backend import Embedded
+from transferd.discovery.backlog import Backlog
 from transferd.discovery.directory import Directory, Entry
 from transferd.discovery.names import check_name, check_prefix
 from transferd.discovery.records import Change, check_kind, decode_value, encode_value
@@ -28,7 +29,7 @@ from transferd.discovery.records import Op as ChangeOp
 from transferd.discovery.service import Discovery, record_to_wire
 from transferd.memory.leases import Lease
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.errors import BadRequest, NotFound, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, uint_field
 from transferd.protocol.values import MrDesc
@@ -133,7 +134,7 @@ def publish(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     region = _local_region(session, value) if isinstance(value, MrDesc) else None
     owner = owner_for(session, b, disc.default_owner)
     disc.directory.publish(name, kind, data, owner, ttl, region)
-    if region is not None:
+    if region is not None and not disc.directory.awaits_region(region):
         _watch_region(session, disc.directory, region)
     return _confirmed(disc, name, {"name": name, "owner": owner_name(owner),
                                    "node": disc.directory.node_name})
@@ -211,21 +212,33 @@ def names(session: Session, frame: Frame) -> Reply:
 
 
 class WatchStream:
-    """One WATCH: changes under its prefix, sent as EVENTs as the connection takes them."""
+    """One WATCH: changes under its prefix, sent as EVENTs as the connection takes them.
 
-    def __init__(self, session: Session, seq: int) -> None:
+    While the connection cannot take more, changes wait in a
+    :class:`~transferd.discovery.backlog.Backlog`: one per name, none for a name
+    that came and went unseen, so bounded by the names under the prefix whatever
+    the churn.
+    """
+
+    def __init__(self, session: Session, seq: int, directory: Directory) -> None:
         self.session = session
         self.seq = seq
-        # The changes not sent yet, one per name (the latest), oldest first.
-        self.pending: dict[str, Change] = {}
+        # The changes not sent yet.
+        self.pending = Backlog()
+        lim = directory.limits
+        # Never reached while the reasoning above holds: a guard, not a policy.
+        self.cap = 2 * (lim.max_names + lim.max_cluster_names)
         self.held = True  # until the WATCH reply is out
         self.ended = False
         self.sub: Any = None
         self.op: Op | None = None
 
-    def push(self, change: Change) -> None:
-        self.pending.pop(change.name, None)
-        self.pending[change.name] = change
+    def push(self, change: Change, new: bool) -> None:
+        self.pending.add(change, new)
+        if len(self.pending) > self.cap:
+            self.stop(OverLimit(f"WATCH {self.seq}: over {self.cap} changes wait for this "
+                                "connection; watch again"))
+            return
         self.flush()
 
     def release(self) -> None:
@@ -240,12 +253,13 @@ class WatchStream:
             if s.transport is None or s.transport.is_closing():
                 self.pending.clear()
                 return
-            name = next(iter(self.pending))
-            ch = self.pending.pop(name)
+            ch, new = self.pending.take()
             body: dict[str, Any] = {"op": ch.op.value, "name": ch.name, "node": ch.node}
             if ch.value is not None:
                 kind, raw = encode_value(ch.value)
                 body.update(kind=kind.value, value=raw)
+            if new:
+                body["new"] = True
             s.send_frame(Command.WATCH, Flag.EVENT, self.seq, body)
         if self.pending:
             s.drained_hooks.add(self.flush)
@@ -278,7 +292,12 @@ def watch(session: Session, frame: Frame) -> Reply:
         raise BadRequest("field 'initial' must be a boolean")
     if frame.no_reply:
         raise BadRequest("WATCH answers with its reply before any EVENT: it cannot be one-way")
-    stream = WatchStream(session, frame.seq)
+    if ops_of(session).get(frame.seq) is not None:
+        # Its EVENTs would carry a seq another operation's carry, and CANCEL would
+        # end only the first.
+        raise BadRequest(f"seq {frame.seq} belongs to an operation still running on this "
+                         "connection: a WATCH needs a seq of its own")
+    stream = WatchStream(session, frame.seq, d)
     stream.sub = d.subscribe(prefix, session, stream.push)
     n = 0
     if initial:
@@ -286,7 +305,7 @@ def watch(session: Session, frame: Frame) -> Reply:
         while True:  # every visible name under the prefix, as puts, before any change
             entries, more = d.listing(prefix, None, after)
             for e in entries:
-                stream.pending[e.name] = e.change(ChangeOp.PUT)
+                stream.pending.add(e.change(ChangeOp.PUT), True)
                 n += 1
             if not more or not entries:
                 break

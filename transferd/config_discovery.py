@@ -36,7 +36,9 @@ class DiscoveryConfig:
         "",
         "This daemon's name in peers() and in the node record; empty = HOSTNAME:PORT of "
         "the RPC server (HOSTNAME/NODE-ID without a TCP listener). Unique in the cluster: "
-        "a restarted daemon with the same name takes over its record and names at once.",
+        "while a live daemon holds the name, another one configured with it stays "
+        "unregistered (serving its own clients, saying why) until the name is free; a "
+        "restart after a clean stop takes it back at once, after a crash within ttl_s.",
     )
     ttl_s: int = key(
         10,

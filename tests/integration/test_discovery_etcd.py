@@ -26,9 +26,9 @@ import pytest
 
 from client import Client, MrDesc, NetAddr, NotFound
 from tests.etcd_server import EtcdServer
-from tests.helpers import DaemonProcess, async_test, digest, pattern, scrape
+from tests.helpers import DaemonProcess, RawConn, async_test, digest, pattern, scrape
 from tests.integration.engine_cluster import start_many
-from transferd.protocol.constants import Command
+from transferd.protocol.constants import Command, Flag
 
 TTL = 3
 
@@ -402,3 +402,170 @@ async def _forged(ds: list[DaemonProcess], etcd: EtcdServer, trap_port: int,
     finally:
         for c in (a, b):
             await c.close()
+
+
+def _name_record(value: Any, kind: Any = "bytes", node: Any = "elsewhere") -> bytes:
+    return json.dumps({"v": 1, "kind": kind, "value": value, "node": node}).encode()
+
+
+# Records nobody's daemon writes: fields of the wrong type, base64 that is not, JSON
+# that is not an object or nests past Python's stack, a value that is no MrDesc.
+MALFORMED = {
+    "int-value": _name_record(5), "bad-base64": _name_record("abc"),
+    "list-kind": _name_record("YQ==", kind=["bytes"]), "dict-node": _name_record(
+        "YQ==", node={"n": 1}), "array": b"[1, 2]", "not-json": b"\xff\xfe{",
+    "deep": b"[" * 100_000, "junk-mr-desc": _name_record("anVuaw==", kind="mr_desc"),
+}
+
+
+def test_malformed_and_oversized_records_leave_discovery_up(etcd: EtcdServer) -> None:
+    for key, raw in MALFORMED.items():
+        etcd.put(f"/transferd/names/bad/{key}", raw)
+    etcd.put("/transferd/names/bad/ctl\x01name", _name_record("YQ=="))
+    etcd.put("/transferd/nodes/garbage", b'{"addr": 5, "version": "x"}')
+    # 12 values of 1.45 MB (each under etcd's request limit): 23 MB of base64, over
+    # what one reply of the snapshot may hold, none of them anything a daemon wrote.
+    big = _name_record(base64.b64encode(b"x" * (1088 << 10)).decode())
+    for i in range(12):
+        etcd.put(f"/transferd/names/big/{i}", big)
+    etcd.put("/transferd/names/ok/1", _name_record(base64.b64encode(b"one").decode()))
+    ds = daemons(1, disc_env(etcd))
+    try:
+        _malformed(ds[0], etcd)
+    finally:
+        stop_all(ds)
+
+
+@async_test(timeout=60)
+async def _malformed(d: DaemonProcess, etcd: EtcdServer) -> None:
+    c = await Client.connect(d.url)
+    try:
+        async def up() -> bool:
+            return (await c.discovery_status())["state"] == "up"
+
+        await until(up, 15, "discovery up despite the records")
+        assert await c.lookup("ok/1") == b"one"
+        st = await c.discovery_status()
+        assert st["ignored"] >= len(MALFORMED) + 1 + 12 and st["mirrored"] == 1, st
+        assert [n.name for n in await c.names()] == ["ok/1"]
+        assert [p.name for p in await c.peers() if not p.local] == []
+        # The same records arriving on the watch leave it running too.
+        for key, raw in MALFORMED.items():
+            etcd.put(f"/transferd/names/late/{key}", raw)
+        etcd.put("/transferd/names/late/big", big_record())
+        etcd.put("/transferd/names/ok/2", _name_record(base64.b64encode(b"two").decode()))
+        await until(lambda: _found(c, "ok/2"), 10, "a good record after the bad ones")
+        assert await c.lookup("ok/2") == b"two" and await up()
+        assert (await c.publish("mine", b"m")).synced
+    finally:
+        await c.close()
+
+
+def big_record() -> bytes:
+    return _name_record(base64.b64encode(b"y" * (1088 << 10)).decode())
+
+
+def test_a_second_daemon_under_a_taken_node_name_stays_out(etcd: EtcdServer) -> None:
+    env = disc_env(etcd, node_name="same")
+    a = daemons(1, env)[0]
+    try:
+        _same_name(a, env, etcd)
+    finally:
+        a.stop()
+
+
+@async_test(timeout=60)
+async def _same_name(a: DaemonProcess, env: dict[str, str], etcd: EtcdServer) -> None:
+    ca = await Client.connect(a.url)
+
+    def record() -> dict[str, Any]:
+        return json.loads(etcd.stored()["/transferd/nodes/same"])
+
+    try:
+        async def registered(c: Client) -> bool:
+            return (await c.discovery_status())["state"] == "up"
+
+        await until(lambda: registered(ca), 10, "a registered")
+        assert (await ca.publish("a/x", b"from-a", owner="daemon")).synced
+        b = daemons(1, env)[0]
+        try:
+            cb = await Client.connect(b.url)
+
+            async def refused() -> bool:
+                return "must be unique" in (await cb.discovery_status()).get("error", "")
+
+            await until(refused, 10, "b refused the taken name")
+            # a's record and name are left alone: b writes nothing under the name.
+            assert record()["urls"] == [a.url]
+            p = await cb.publish("b/y", b"from-b", owner="daemon")
+            assert not p.synced
+            await asyncio.sleep(0.5)
+            stored = etcd.stored()
+            assert "/transferd/names/b/y" not in stored
+            assert json.loads(stored["/transferd/names/a/x"])["value"] == \
+                base64.b64encode(b"from-a").decode()
+            assert (await ca.discovery_status())["state"] == "up"
+            await ca.close()
+            a.stop()  # its lease revoked: the name is free, b takes it
+            await until(lambda: registered(cb), 10, "b registered once a is gone")
+            assert record()["urls"] == [b.url]
+            await until(lambda: _in_etcd(etcd, "/transferd/names/b/y"), 5, "b's name written")
+            await cb.close()
+        finally:
+            b.stop()
+    finally:
+        await ca.close()
+
+
+async def _in_etcd(etcd: EtcdServer, key: str) -> bool:
+    return key in etcd.stored()
+
+
+def test_names_that_come_and_go_while_etcd_is_away_queue_nothing(etcd: EtcdServer) -> None:
+    d = daemons(1, disc_env(etcd))[0]
+    try:
+        _churn_away(d, etcd)
+    finally:
+        d.stop()
+
+
+@async_test(timeout=60)
+async def _churn_away(d: DaemonProcess, etcd: EtcdServer) -> None:
+    c = await Client.connect(d.url)
+
+    async def state() -> dict[str, Any]:
+        return await c.discovery_status()
+
+    try:
+        await until(lambda: _state_is(c, "up"), 10, "registered")
+        assert (await c.publish("gone/while-away", b"g", owner="daemon")).synced
+        etcd.stop()
+        await until(lambda: _state_is(c, "away"), 10, "etcd away")
+        await c.unpublish("gone/while-away")  # in etcd: its delete must wait for it
+        with RawConn.to(d) as raw:
+            raw.hello()
+            for i in range(5000):  # request-scoped names, come and gone while away
+                raw.send(Command.PUBLISH, {"name": f"req/{i}", "kind": "bytes",
+                                           "value": b"v" * 200}, flags=Flag.NO_REPLY)
+                raw.send(Command.UNPUBLISH, {"name": f"req/{i}"}, flags=Flag.NO_REPLY)
+            assert not raw.request(Command.PUBLISH, {"name": "kept", "kind": "bytes",
+                                                     "value": b"k", "owner": "daemon"}).is_error
+        st = await state()
+        assert st["pending"] == 2, st  # the kept name, and the delete etcd needs
+        etcd.start()
+        await until(lambda: _state_is(c, "up"), 15, "registered again")
+        await until(lambda: _pending(c, 0), 5, "caught up")
+        stored = etcd.stored()
+        assert "/transferd/names/kept" in stored
+        assert not [k for k in stored if k.startswith(("/transferd/names/req/",
+                                                       "/transferd/names/gone/"))]
+    finally:
+        await c.close()
+
+
+async def _state_is(c: Client, state: str) -> bool:
+    return (await c.discovery_status())["state"] == state
+
+
+async def _pending(c: Client, n: int) -> bool:
+    return int((await c.discovery_status())["pending"]) == n

@@ -9,7 +9,10 @@ server; SyncClient; the CLI.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +21,7 @@ import pytest
 
 from client import BadRequest, Client, MrDesc, NetAddr, NotFound, SyncClient, UnknownCommand
 from client.names import Watch
-from tests.helpers import DaemonProcess, RawConn, async_test, start_daemon
+from tests.helpers import DaemonProcess, RawConn, async_test, rss, start_daemon
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import TooLarge
 
@@ -157,7 +160,7 @@ def test_a_watcher_that_does_not_read_costs_one_change_per_name(
                 assert f.cmd == Command.WATCH and f.flags & Flag.EVENT
                 events += 1
                 got[f.body["name"]] = int.from_bytes(f.body["value"][-8:], "big")
-                if got.get("t4/3") == n - 1 and got.get("t4/0") == n - 4:
+                if got == {f"t4/{k}": n - 4 + k for k in range(4)}:
                     break
         except TimeoutError:
             pass
@@ -269,3 +272,156 @@ def test_the_command_line_lists_peers_and_names(daemon: DaemonProcess) -> None:
         assert j["discovery"]["backend"] == "embedded"
     finally:
         c.close()
+
+
+MiB = 1 << 20
+
+
+def test_a_watcher_that_does_not_read_while_names_come_and_go_costs_nothing(
+        daemon: DaemonProcess) -> None:
+    # Unique names published and unpublished at once: the directory never holds more
+    # than one, and neither may what waits for a watcher that stopped reading.
+    with RawConn.to(daemon) as watcher, RawConn.to(daemon) as raw:
+        watcher.hello()
+        watcher.send(Command.WATCH, {"prefix": "t9/"}, seq=7)
+        assert not watcher.recv().is_error
+        raw.hello()
+        before = rss(daemon)
+        value, n = b"v" * 4000, 10000
+        for i in range(n):  # 40 MB of values, pipelined
+            raw.send(Command.PUBLISH, {"name": f"t9/{i}", "kind": "bytes", "value": value},
+                     flags=Flag.NO_REPLY)
+            raw.send(Command.UNPUBLISH, {"name": f"t9/{i}"}, flags=Flag.NO_REPLY)
+        assert raw.request(Command.NAMES, {"prefix": "t9/"}).body["names"] == []
+        grew = rss(daemon) - before
+        assert grew < 16 * MiB, f"{grew / MiB:.0f} MiB for a watcher's backlog"
+        # What reaches the watcher still tells the truth: each name it was told of
+        # is then told gone, and far fewer than the 20,000 changes come.
+        shown: set[str] = set()
+        events = 0
+        watcher.sock.settimeout(1)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                f = watcher.recv()
+                events += 1
+                (shown.add if f.body["op"] == "put" else shown.discard)(f.body["name"])
+        assert shown == set() and events < n, events
+
+
+@async_test()
+async def test_a_client_watch_not_read_while_names_come_and_go_holds_nothing(
+        daemon: DaemonProcess) -> None:
+    # The client library reads every EVENT as it comes: what waits for a caller that
+    # does not take them is the client's to bound, as the daemon's is.
+    c = await Client.connect(daemon.url)
+    try:
+        async with c.watch("t15/") as changes:
+            with RawConn.to(daemon) as raw:
+                raw.hello()
+                for i in range(10000):
+                    raw.send(Command.PUBLISH, {"name": f"t15/{i}", "kind": "bytes",
+                                               "value": b"v" * 1000}, flags=Flag.NO_REPLY)
+                    raw.send(Command.UNPUBLISH, {"name": f"t15/{i}"}, flags=Flag.NO_REPLY)
+                raw.request(Command.PUBLISH, {"name": "t15/~end", "kind": "bytes",
+                                              "value": b"", "owner": "daemon"})
+                await asyncio.sleep(0.5)  # the EVENTs are in before anything is taken
+            got = []
+            while not got or got[-1].name != "t15/~end":
+                got.append(await changes.next(10))
+            assert len(got) == 1, (len(got), got[:3])
+        await c.unpublish("t15/~end")
+    finally:
+        await c.close()
+
+
+def test_republishing_an_mrdescs_name_costs_nothing_per_publish(daemon: DaemonProcess) -> None:
+    c = SyncClient.connect(daemon.url)
+    try:
+        buf = c.alloc_buffer(4096)
+        _, desc = c.reg_mr(buf)
+        with RawConn.to(daemon) as raw:
+            raw.hello()
+            before = rss(daemon)
+            for _ in range(25000):  # the same name, the same region, again and again
+                raw.send(Command.PUBLISH, {"name": "t10/kv", "kind": "mr_desc",
+                                           "value": desc.to_bytes(), "owner": "daemon"},
+                         flags=Flag.NO_REPLY)
+            assert not raw.request(Command.LOOKUP, {"name": "t10/kv"}).is_error
+            grew = rss(daemon) - before
+            assert grew < 3 * MiB, f"{grew / MiB:.1f} MiB for one name published 25,000 times"
+            c.free_buffer(buf)  # and the name still goes with the region
+            assert raw.request(Command.LOOKUP, {"name": "t10/kv"}).body["code"] == "NOT_FOUND"
+    finally:
+        c.close()
+
+
+def test_names_with_control_format_or_separator_characters_are_refused(
+        daemon: DaemonProcess) -> None:
+    with RawConn.to(daemon) as raw:
+        raw.hello()
+        for name in ("a\x85b", "a\u2028b", "a\u2029b", "t11/\u202egnp.exe", "\ufeffkv",
+                     "a\u200bb", "a\x9bb"):
+            e = raw.request(Command.PUBLISH, {"name": name, "kind": "bytes", "value": b""})
+            assert e.body.get("code") == "BAD_REQUEST", (name, e.body)
+            w = raw.request(Command.WATCH, {"prefix": name})
+            assert w.body.get("code") == "BAD_REQUEST", (name, w.body)
+        for name in ("t11/é", "t11/日本", "t11/a b", "t11/\U0001f600"):
+            ok = raw.request(Command.PUBLISH, {"name": name, "kind": "bytes", "value": b""})
+            assert not ok.is_error, (name, ok.body)
+
+
+@async_test()
+async def test_a_ttl_that_no_ttl_can_be_is_a_typed_error(daemon: DaemonProcess) -> None:
+    c = await Client.connect(daemon.url)
+    try:
+        for ttl in (-1, 0, 0.0, math.nan, math.inf, -math.inf, 5e6, "10", True):
+            with pytest.raises(BadRequest, match="ttl"):
+                await c.publish("t12/x", b"", ttl=ttl)  # type: ignore[arg-type]
+        assert await c.names("t12/") == []
+        await c.publish("t12/x", b"", ttl=0.0001)  # under a millisecond: the shortest
+    finally:
+        await c.close()
+
+
+@async_test()
+async def test_a_watch_left_by_break_ends_on_the_daemon(daemon: DaemonProcess) -> None:
+    c = await Client.connect(daemon.url)
+    try:
+        await c.publish("t13/x", b"1")
+        for _ in range(100):  # more than discovery.max_watches_per_connection (64)
+            async for ch in c.watch("t13/"):
+                assert ch.name == "t13/x"
+                break
+
+        async def watches() -> int:
+            return int((await c.discovery_status())["watches"])
+
+        for _ in range(100):
+            if await watches() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await watches() == 0
+        # A watch kept by its caller is not ended behind its back.
+        w = c.watch("t13/")
+        assert (await w.next(5)).name == "t13/x"
+        gc.collect()
+        await c.publish("t13/y", b"2")
+        assert (await w.next(5)).name == "t13/y"
+        await w.close()
+    finally:
+        await c.close()
+
+
+def test_a_watch_needs_a_seq_of_its_own(daemon: DaemonProcess) -> None:
+    with RawConn.to(daemon) as raw:
+        raw.hello()
+        raw.send(Command.WATCH, {"prefix": "t14/", "initial": False}, seq=5)
+        assert not raw.recv().is_error
+        raw.send(Command.WATCH, {"prefix": "t14/", "initial": False}, seq=5)
+        e = raw.recv()
+        assert e.seq == 5 and e.body["code"] == "BAD_REQUEST" and "seq" in e.body["message"]
+        raw.send(Command.CANCEL, {"seq": 5}, seq=6)
+        assert raw.recv().body["code"] == "CANCELLED"
+        assert raw.recv().body == {"seq": 5, "cancelled": True}
+        st = raw.request(Command.PEERS, {}).body["discovery"]
+        assert st["watches"] == 0, st

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ A, B = object(), object()  # two owners
 def directory(**limits: int) -> tuple[Directory, list[Change]]:
     d = Directory("node-a", Limits(**limits))
     seen: list[Change] = []
-    d.subscribe("", A, seen.append)
+    d.subscribe("", A, lambda ch, new: seen.append(ch))
     return d, seen
 
 
@@ -166,13 +168,13 @@ def test_listing_is_sorted_paged_and_bounded() -> None:
 
 def test_watch_bounds() -> None:
     d = Directory("n", Limits(max_watches=3, max_watches_per_connection=2))
-    d.subscribe("", A, lambda c: None)
-    d.subscribe("", A, lambda c: None)
+    d.subscribe("", A, lambda c, new: None)
+    d.subscribe("", A, lambda c, new: None)
     with pytest.raises(OverLimit, match="max_watches_per_connection"):
-        d.subscribe("", A, lambda c: None)
-    d.subscribe("", B, lambda c: None)
+        d.subscribe("", A, lambda c, new: None)
+    d.subscribe("", B, lambda c, new: None)
     with pytest.raises(OverLimit, match=r"discovery\.max_watches"):
-        d.subscribe("", B, lambda c: None)
+        d.subscribe("", B, lambda c, new: None)
 
 
 def test_values_round_trip_and_a_bad_one_is_refused() -> None:
@@ -265,3 +267,58 @@ def test_the_http_stream_reads_split_and_joined_objects_and_bounds_them() -> Non
     assert got[:3] == objs and "the stream ended" in got[3]
     got = asyncio.run(go(b'{"never": "' + b"x" * 5000, 4096))
     assert len(got) == 1 and "over 4096 bytes" in got[0]
+
+
+def test_a_dribbled_never_ending_object_costs_its_bytes_not_a_parse_per_read() -> None:
+    # A lying server: 1.5 MB of an object that never ends, then 1,000 small pieces of
+    # it, one at a time.  Parsed again at each read, that is 1,000 parses of 1.5 MB
+    # (seconds of the daemon's loop, for a peer that spends nothing); with each byte
+    # looked at once, the pieces cost what they weigh.
+    from transferd.discovery.http import HttpConnection, Unavailable
+
+    async def go(first: bytes, pieces: int, max_response: int = 16 << 20) -> str:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.readuntil(b"\r\n\r\n")
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                    f"{1 << 40:x}\r\n".encode() + first)  # a chunk size that lies
+            with contextlib.suppress(OSError):
+                await w.drain()
+                await asyncio.sleep(0.05)
+                for _ in range(pieces):
+                    w.write(b"x" * 256)
+                    await w.drain()
+                    await asyncio.sleep(0.0005)  # each its own read on the other side
+            w.close()
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        conn = HttpConnection("127.0.0.1", port, timeout=2, max_response=max_response)
+        try:
+            async for _ in conn.stream("/v3/watch", {}):
+                pass
+        except Unavailable as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            srv.close()
+        return "ended"
+
+    t0 = time.process_time()
+    out = asyncio.run(asyncio.wait_for(go(b'{"result": "' + b"x" * (3 << 20), 1000), 60))
+    cpu = time.process_time() - t0
+    assert out.startswith("Unavailable") and "closed" in out, out
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU: the stream was parsed again at every read"
+    # Over the bound: refused as TooLarge (an Unavailable), read no further.
+    out = asyncio.run(go(b'{"result": "' + b"x" * (3 << 19), 0, max_response=1 << 20))
+    assert out.startswith("TooLarge") and "over 1048576 bytes" in out, out
+    # JSON nested past Python's stack is a malformed reply, not a RecursionError.
+    out = asyncio.run(go(b"[" * 100_000 + b"\n", 0))
+    assert out.startswith("Unavailable"), out
+
+
+def test_names_refuse_control_format_and_separator_characters() -> None:
+    for bad in ("a\x85b", "a\u2028b", "a\u2029b", "\u202eab", "a\ufeff", "a\u200db",
+                "a\x00", "a\tb", "a\x7f"):
+        with pytest.raises(BadRequest, match="character"):
+            check_name(bad)
+    for good in ("kv/é", "日本/0", "a b", "\U0001f600", "a\u00a0b", "a/../b"):
+        assert check_name(good) == good

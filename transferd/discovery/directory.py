@@ -57,7 +57,9 @@ class Entry:
 class Subscription:
     prefix: str
     owner: Hashable
-    deliver: Callable[[Change], None]
+    # deliver(change, new): ``new`` when the name was not visible before a put (a
+    # watcher that has not seen the put yet may drop both it and a later delete).
+    deliver: Callable[[Change, bool], None]
     ended: bool = False
 
 
@@ -75,6 +77,9 @@ class Directory:
         self.nodes: dict[str, dict[str, Any]] = {}
         self._owned: Counter[Hashable | None] = Counter()
         self._by_region: dict[int, set[str]] = {}
+        # Regions whose end is awaited (one callback each, however often names are
+        # published on them), by id; each held until it ends (region_gone).
+        self._awaited: dict[int, Any] = {}
         self._subs: list[Subscription] = []
         self._subs_of: Counter[Hashable] = Counter()
         # Remote entries refused for a bound (logged once per kind of refusal).
@@ -204,7 +209,16 @@ class Directory:
             self._drop_local(e)
         return len(gone)
 
+    def awaits_region(self, region: Any) -> bool:
+        """Whether the end of ``region`` is awaited already; from now on it is."""
+        if id(region) in self._awaited:
+            return True
+        self._awaited[id(region)] = region
+        return False
+
     def region_gone(self, region: Any) -> int:
+        if self._awaited.get(id(region)) is region:
+            del self._awaited[id(region)]
         names = self._by_region.pop(id(region), set())
         n = 0
         for name in names:
@@ -310,7 +324,7 @@ class Directory:
     # -- watchers ----------------------------------------------------------------------
 
     def subscribe(self, prefix: str, owner: Hashable,
-                  deliver: Callable[[Change], None]) -> Subscription:
+                  deliver: Callable[[Change, bool], None]) -> Subscription:
         check_prefix(prefix)
         lim = self.limits
         if len(self._subs) >= lim.max_watches:
@@ -347,10 +361,11 @@ class Directory:
         else:
             assert before is not None
             change = before.change(Op.DELETE)
+        new = before is None
         for sub in list(self._subs):
             if not sub.ended and name.startswith(sub.prefix):
                 try:
-                    sub.deliver(change)
+                    sub.deliver(change, new)
                 except Exception:  # one watcher's failure is not the publisher's
                     log.exception("discovery: a watcher failed")
 

@@ -29,6 +29,7 @@ with jitter).  Nothing but a publish's confirmation (bounded by
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -36,27 +37,36 @@ import random
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transferd.protocol.errors import BadRequest
 
 from .backend import Backend, State
-from .etcd_client import EtcdClient, b64, first_kvs, kv_key, kv_value, prefix_end, unb64
-from .http import StoreError, Unavailable
+from .etcd_client import EtcdClient, b64, first_kvs, kv_key, kv_value, prefix_end
+from .http import StoreError, TooLarge, Unavailable
+from .names import Limits
 
 log = logging.getLogger("transferd.discovery")
 
 # The largest node record mirrored (rails, urls and capabilities are a few hundred bytes).
 MAX_RECORD = 16 * 1024
-# Keys read per page of the snapshot.
-PAGE = 1000
+# Keys read per page of the snapshot, and the bytes of one page's reply: 128 of
+# the largest records mirrored (MAX_RECORD, base64 in JSON) fit.  A page over
+# it holds larger values, which nobody mirrors: it is read again in smaller
+# pages, down to one key, and a key too large alone is stepped over, unread.
+PAGE = 128
+PAGE_BYTES = 4 << 20
 # A still-away store is logged again at most this often.
 AWAY_LOG_S = 60.0
 
 
 class Conflict(BadRequest):
     """The name is another node's in etcd."""
+
+
+class NodeNameTaken(Exception):
+    """Another live daemon's lease holds this node name's record."""
 
 
 def ssl_context(tls: bool, ca_file: str = "", cert_file: str = "",
@@ -87,11 +97,17 @@ class EtcdBackend(Backend):
         self.error = ""
         self.since = time.time()
         self._dirty: dict[str, None] = {}
+        # Names of this node that etcd may hold (found in the snapshot, written, or
+        # being written): only those need a delete when they go here.
+        self._stored: set[str] = set()
+        self._writing: str | None = None
         self._record_dirty = False
         self._wake: asyncio.Event | None = None
         self._waiters: dict[str, list[asyncio.Future[bool]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._away_logged = 0.0
+        # The unexpected errors logged with their traceback.
+        self._tracebacks: set[str] = set()
 
     # -- keys -----------------------------------------------------------------------------
 
@@ -106,6 +122,11 @@ class EtcdBackend(Backend):
         return f"{self.prefix}/".encode()
 
     @property
+    def _limits(self) -> Limits:
+        assert self.directory is not None
+        return self.directory.limits
+
+    @property
     def _my(self) -> str:
         assert self.directory is not None
         return self.directory.node_name
@@ -117,6 +138,14 @@ class EtcdBackend(Backend):
         self._task = asyncio.ensure_future(self._run())
 
     def changed(self, name: str) -> None:
+        d = self.directory
+        if d is not None and name not in d.local and name not in self._stored:
+            # Gone before it reached etcd: nothing there to undo.  (So names that come
+            # and go while etcd is away queue nothing: the queue is bounded by the
+            # names here and those etcd may hold, not by the churn.)
+            self._dirty.pop(name, None)
+            self._resolve(name, True)
+            return
         self._dirty[name] = None
         if self._wake is not None:
             self._wake.set()
@@ -130,6 +159,9 @@ class EtcdBackend(Backend):
         if self.state is not State.UP:
             return None
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if name not in self._dirty and name != self._writing:
+            fut.set_result(True)  # nothing to write: etcd has it as it is here
+            return fut
         self._waiters.setdefault(name, []).append(fut)
 
         async def wait() -> bool:
@@ -154,10 +186,11 @@ class EtcdBackend(Backend):
                 return None
             for kv in r.get("kvs") or ():
                 got = self._parse(key, kv)
-                if got is not None and got[2].get("node") != self._my:
-                    body = got[2]
-                    return str(body.get("kind")), unb64(body.get("value")), \
-                        str(body.get("node", ""))
+                rec = self._name_record(key, got[2]) if got is not None else None
+                # What the mirror would not hold, a lookup does not answer either.
+                if rec is not None and rec[2] != self._my and \
+                        len(rec[1]) <= self._limits.max_value_bytes:
+                    return rec
             return None
 
         return get()
@@ -200,9 +233,16 @@ class EtcdBackend(Backend):
             except (Unavailable, StoreError) as exc:
                 self._away(str(exc))
                 reached = self._reached
+            except NodeNameTaken as exc:
+                self.counts["conflicts"] += 1
+                self._away(str(exc), "refused this node", logging.ERROR)
             except Exception as exc:  # a bug must not end discovery for good
-                log.exception("discovery: etcd session failed")
-                self._away(f"{type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {exc}"
+                # Each once (16 at most): a retry loop must not flood the journal.
+                if why not in self._tracebacks and len(self._tracebacks) < 16:
+                    self._tracebacks.add(why)
+                    log.exception("discovery: etcd session failed")
+                self._away(why)
                 reached = self._reached
             if reached:
                 backoff = 0.1
@@ -211,7 +251,7 @@ class EtcdBackend(Backend):
 
     _reached = False
 
-    def _away(self, why: str) -> None:
+    def _away(self, why: str, what: str = "", level: int = logging.WARNING) -> None:
         self.counts["failures"] += 1
         self.error = why
         d = self.directory
@@ -223,13 +263,13 @@ class EtcdBackend(Backend):
             self.state = State.AWAY
             self.since = time.time()
             self._away_logged = now
-            what = "lost" if was is State.UP else "unreachable"
-            log.warning("discovery: etcd %s (%s): %s; retrying every %g s at most",
-                        what, why, known, self.retry_max_s)
+            what = what or ("lost" if was is State.UP else "unreachable")
+            log.log(level, "discovery: etcd %s (%s): %s; retrying every %g s at most",
+                    what, why, known, self.retry_max_s)
         elif now - self._away_logged >= AWAY_LOG_S:
             self._away_logged = now
-            log.warning("discovery: etcd still away (%s) for %.0f s: %s", why,
-                        time.time() - self.since, known)
+            log.log(level, "discovery: etcd still away (%s) for %.0f s: %s", why,
+                    time.time() - self.since, known)
         self._resolve_all(False)
 
     async def _session(self) -> bool:
@@ -274,11 +314,61 @@ class EtcdBackend(Backend):
             await asyncio.gather(*loops, return_exceptions=True)
 
     async def _put_record(self) -> None:
+        """Write this node's record: create it, or replace it where this lease (or no
+        lease: a record written by hand) holds it; another live lease holding it is
+        another daemon under this node name, whose record is left alone."""
         d = self.directory
         assert d is not None
         self._record_dirty = False
-        raw = json.dumps(d.record).encode()
-        await self.client.put(self._node_key(self._my), raw, self.lease)
+
+        def taken(kv: dict[str, Any]) -> Exception | None:
+            held = str(kv.get("lease", "0") or "0")
+            if held in ("0", str(self.lease)):
+                return None
+            return NodeNameTaken(
+                f"node name {self._my!r} is registered by another daemon that keeps its "
+                f"lease alive (lease {int(held):x}, {self._urls_of(kv)}): "
+                "discovery.node_name must be unique in the cluster; this one serves its own "
+                "clients and registers once the name is free (a daemon of this name that "
+                "died frees it within its ttl)")
+
+        await self._guarded_put(b64(self._node_key(self._my)),
+                                b64(json.dumps(d.record).encode()), taken,
+                                f"node record {self._my!r}")
+
+    async def _guarded_put(self, key: str, value: str,
+                           refuse: Callable[[dict[str, Any]], Exception | None],
+                           what: str) -> None:
+        """Put ``key`` (base64) on this lease: create it, or replace the one there
+        unless ``refuse(kv)`` gives the error to raise instead."""
+        c = self.client
+        put = {"request_put": {"key": key, "value": value, "lease": str(self.lease)}}
+        for _ in range(4):
+            r = await c.txn([{"target": "CREATE", "key": key, "create_revision": "0"}], [put],
+                            [{"request_range": {"key": key}}])
+            if r.get("succeeded"):
+                return
+            kvs = first_kvs(r)
+            if not kvs:
+                continue  # deleted meanwhile: create it again
+            kv = kvs[0]
+            refused = refuse(kv)
+            if refused is not None:
+                raise refused
+            r = await c.txn([{"target": "MOD", "key": key,
+                              "mod_revision": str(kv.get("mod_revision", "0"))}], [put])
+            if r.get("succeeded"):
+                return
+        raise Unavailable(f"{what}: etcd kept changing under us")
+
+    def _urls_of(self, kv: dict[str, Any]) -> str:
+        try:
+            urls = json.loads(kv_value(kv)).get("urls")
+        except (ValueError, AttributeError):
+            urls = None
+        if isinstance(urls, list) and urls:
+            return "at " + ", ".join(str(u)[:100] for u in urls[:4])
+        return "at an unknown address"
 
     async def _snapshot(self) -> int:
         """Read the whole prefix into the mirror; stale keys of this node go.  Its revision."""
@@ -286,15 +376,34 @@ class EtcdBackend(Backend):
         assert d is not None
         c = self.client
         start, end = self._root, prefix_end(self._root)
-        revision = 0
         names: list[tuple[str, Any, bytes, str]] = []
         nodes: list[tuple[str, dict[str, Any]]] = []
         stale: list[tuple[bytes, int]] = []
+        stored: set[str] = set()
         cap = d.limits.max_cluster_names + d.limits.max_nodes + 1
         seen = 0
+        page = PAGE
+        # The snapshot's revision: every page is read at it (and the watch goes on from it).
+        r = await c.range(start, end, limit=1, keys_only=True)
+        revision = int(r.get("header", {}).get("revision", 0))
         while True:
-            r = await c.range(start, end, limit=PAGE, revision=revision)
-            revision = revision or int(r.get("header", {}).get("revision", 0))
+            try:
+                r = await c.range(start, end, limit=page, revision=revision,
+                                  max_response=PAGE_BYTES)
+            except TooLarge:
+                if page > 1:
+                    page = max(1, page // 8)
+                    continue
+                # One key alone is over the bound: step over it, unread.
+                r = await c.range(start, end, limit=1, revision=revision, keys_only=True)
+                kvs = r.get("kvs") or []
+                if not kvs:
+                    break
+                d.ignore("record", f"a record over {PAGE_BYTES} bytes at "
+                                   f"{kv_key(kvs[0])[:80]!r}")
+                start = kv_key(kvs[0]) + b"\0"
+                continue
+            page = min(PAGE, page * 2)
             kvs = r.get("kvs") or []
             for kv in kvs:
                 seen += 1
@@ -304,14 +413,19 @@ class EtcdBackend(Backend):
                     continue
                 kind, name, body = got
                 if kind == "node":
-                    if name != self._my:
+                    if name != self._my and self._node_record(key, name, body):
                         nodes.append((name, body))
-                elif body.get("node") == self._my:
+                    continue
+                rec = self._name_record(key, body)
+                if rec is None:
+                    continue
+                if rec[2] == self._my:
                     if name not in d.local:  # an earlier run's: not ours any more
                         stale.append((key, int(kv.get("mod_revision", 0))))
+                    else:
+                        stored.add(name)
                 else:
-                    names.append((name, body.get("kind"), unb64(body.get("value")),
-                                  str(body.get("node", ""))))
+                    names.append((name, *rec))
             if not r.get("more") or not kvs or seen >= cap:
                 if r.get("more") and seen >= cap:
                     log.warning("discovery: over %d keys under %s: the rest not mirrored",
@@ -323,6 +437,12 @@ class EtcdBackend(Backend):
         for key, mod in stale:
             await c.txn([{"target": "MOD", "key": b64(key), "mod_revision": str(mod)}],
                         [{"request_delete_range": {"key": b64(key)}}])
+        # What etcd holds of ours is known now: the deletes queued while it was away are
+        # done above (or were never needed); every local name is written again next.
+        self._stored = stored
+        for name in [n for n in self._dirty if n not in d.local]:
+            del self._dirty[name]
+            self._resolve(name, True)
         return revision
 
     def _parse(self, key: bytes, kv: dict[str, Any]) -> tuple[str, str, Any] | None:
@@ -342,12 +462,37 @@ class EtcdBackend(Backend):
             return None
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the stack
             body = None
         if not isinstance(body, dict):
             d.ignore("json", f"a record that is not a JSON object at {key[:80]!r}")
             return None
         return ("node" if section == "nodes" else "name"), name, body
+
+    def _name_record(self, key: bytes, body: dict[str, Any]) -> tuple[str, bytes, str] | None:
+        """(kind, value, node) of a name's record; None (counted) when a field is not
+        what this daemon writes: a record is data from whoever can write to etcd."""
+        kind, value, node = body.get("kind"), body.get("value"), body.get("node")
+        if isinstance(kind, str) and isinstance(value, str) and isinstance(node, str):
+            try:
+                return kind, base64.b64decode(value, validate=True), node
+            except ValueError:  # binascii.Error
+                pass
+        assert self.directory is not None
+        self.directory.ignore("malformed", f"a malformed name record at {key[:80]!r}")
+        return None
+
+    def _node_record(self, key: bytes, name: str, body: dict[str, Any]) -> bool:
+        """Whether a node record can be shown (PEERS); its name is the key's, whatever
+        it says (no record passes for another node's by its contents)."""
+        from .service import record_to_wire
+
+        body["name"] = name
+        if record_to_wire(body) is not None:
+            return True
+        assert self.directory is not None
+        self.directory.ignore("node", f"a malformed node record at {key[:80]!r}")
+        return False
 
     # -- the three loops ------------------------------------------------------------------
 
@@ -387,10 +532,14 @@ class EtcdBackend(Backend):
                     # Not put back: two daemons doing so would overwrite each other forever.
                     self._duplicate(name, body.get("node"))
                 return
-            d.node_put(name, body)
-        elif body.get("node") != self._my:
-            d.remote_put(name, body.get("kind"), unb64(body.get("value")),
-                         str(body.get("node", "")))
+            if self._node_record(key, name, body):
+                d.node_put(name, body)
+            return
+        rec = self._name_record(key, body)
+        if rec is None:
+            return
+        if rec[2] != self._my:
+            d.remote_put(name, *rec)
         elif theirs:
             self._duplicate(self._my, f"a name {name!r} of another lease")
         # else: the echo of our own write
@@ -433,17 +582,18 @@ class EtcdBackend(Backend):
                 name = next(iter(self._dirty))
                 del self._dirty[name]
                 waiters = self._waiters.pop(name, [])
+                self._writing = name
                 try:
                     await self._sync(name)
                 except Conflict as exc:
                     self.counts["conflicts"] += 1
                     d = self.directory
                     assert d is not None
+                    self._stored.discard(name)  # nothing of ours to delete there
                     e = d.local.get(name)
                     if e is not None:
                         log.warning("discovery: %s: dropped here", exc.message)
                         d._drop_local(e)
-                        self._dirty.pop(name, None)  # nothing of ours to delete there
                     for w in waiters:
                         if not w.done():
                             w.set_exception(exc)
@@ -452,6 +602,8 @@ class EtcdBackend(Backend):
                     self._dirty[name] = None  # written in the next session
                     self._waiters.setdefault(name, []).extend(waiters)
                     raise
+                finally:
+                    self._writing = None
                 for w in waiters:
                     if not w.done():
                         w.set_result(True)
@@ -472,28 +624,21 @@ class EtcdBackend(Backend):
                 await c.txn([{"target": "MOD", "key": key,
                               "mod_revision": str(kvs[0].get("mod_revision", "0"))}],
                             [{"request_delete_range": {"key": key}}])
+            if name not in d.local:  # (published again meanwhile: written next)
+                self._stored.discard(name)
             return
+        self._stored.add(name)  # before the put: a delete meanwhile must follow it
         value = b64(json.dumps({"v": 1, "kind": e.kind.value, "value": b64(e.data),
                                 "node": self._my}).encode())
-        put = {"request_put": {"key": key, "value": value, "lease": str(self.lease)}}
-        for _ in range(4):
-            r = await c.txn([{"target": "CREATE", "key": key, "create_revision": "0"}], [put],
-                            [{"request_range": {"key": key}}])
-            if r.get("succeeded"):
-                return
-            kvs = first_kvs(r)
-            if not kvs:
-                continue  # deleted meanwhile: try to create it again
-            kv = kvs[0]
+
+        def theirs(kv: dict[str, Any]) -> Exception | None:
             holder = self._holder(kv)
-            if str(kv.get("lease", "0")) != str(self.lease) and holder != self._my:
-                raise Conflict(f"name {name!r} is published through node {holder!r}: "
-                               "unpublish it there first, or pick another name")
-            r = await c.txn([{"target": "MOD", "key": key,
-                              "mod_revision": str(kv.get("mod_revision", "0"))}], [put])
-            if r.get("succeeded"):
-                return
-        raise Unavailable(f"name {name!r}: etcd kept changing under us")
+            if str(kv.get("lease", "0")) == str(self.lease) or holder == self._my:
+                return None
+            return Conflict(f"name {name!r} is published through node {holder!r}: "
+                            "unpublish it there first, or pick another name")
+
+        await self._guarded_put(key, value, theirs, f"name {name!r}")
 
     def _holder(self, kv: dict[str, Any]) -> str:
         try:
@@ -501,6 +646,11 @@ class EtcdBackend(Backend):
         except ValueError:
             return "?"
         return str(body.get("node", "?")) if isinstance(body, dict) else "?"
+
+    def _resolve(self, name: str, value: bool) -> None:
+        for w in self._waiters.pop(name, ()):
+            if not w.done():
+                w.set_result(value)
 
     def _resolve_all(self, value: bool) -> None:
         waiters, self._waiters = self._waiters, {}

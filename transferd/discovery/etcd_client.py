@@ -23,7 +23,7 @@ import ssl
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .http import HttpConnection, StoreError, Unavailable, check_status
+from .http import HttpConnection, StoreError, TooLarge, Unavailable, check_status
 
 # Unary connections kept per client: the keepalive never queues behind a write.
 POOL = 3
@@ -34,6 +34,8 @@ def b64(raw: bytes | str) -> str:
 
 
 def unb64(text: Any) -> bytes:
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"not base64 text: {type(text).__name__}")
     return base64.b64decode(text or "")
 
 
@@ -77,12 +79,14 @@ class EtcdClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": self._token} if self._token else {}
 
-    async def call(self, path: str, payload: dict[str, Any]) -> Any:
-        """POST to one endpoint after another until one answers; its JSON reply."""
+    async def call(self, path: str, payload: dict[str, Any], *,
+                   max_response: int | None = None) -> Any:
+        """POST to one endpoint after another until one answers; its JSON reply
+        (:class:`~.http.TooLarge` when over ``max_response`` bytes)."""
         async with self._slots:
             conn = self._idle.pop() if self._idle else self._new()
             try:
-                out = await self._call(conn, path, payload)
+                out = await self._call(conn, path, payload, max_response)
             except BaseException:
                 conn.close()
                 raise
@@ -92,17 +96,22 @@ class EtcdClient:
                 conn.close()
             return out
 
-    async def _call(self, conn: HttpConnection, path: str, payload: dict[str, Any]) -> Any:
+    async def _call(self, conn: HttpConnection, path: str, payload: dict[str, Any],
+                    max_response: int | None) -> Any:
         last: Unavailable | None = None
         for _ in range(len(self.endpoints)):
             try:
                 await self._ensure_token(conn)
-                status, body = await conn.request(path, payload, self._headers())
+                status, body = await conn.request(path, payload, self._headers(),
+                                                  max_response)
                 if status == 401 and self.user:  # the token expired: a new one, once
                     self._token = None
                     await self._ensure_token(conn)
-                    status, body = await conn.request(path, payload, self._headers())
+                    status, body = await conn.request(path, payload, self._headers(),
+                                                      max_response)
                 return check_status(status, body)
+            except TooLarge:
+                raise  # the store answered: too much, and another member would too
             except Unavailable as exc:
                 last = exc
                 conn.close()
@@ -163,7 +172,8 @@ class EtcdClient:
                                              "failure": failure or []})
 
     async def range(self, key: bytes, range_end: bytes | None = None, *, limit: int = 0,
-                    revision: int = 0) -> Any:
+                    revision: int = 0, keys_only: bool = False,
+                    max_response: int | None = None) -> Any:
         body: dict[str, Any] = {"key": b64(key)}
         if range_end is not None:
             body["range_end"] = b64(range_end)
@@ -171,7 +181,9 @@ class EtcdClient:
             body["limit"] = str(limit)
         if revision:
             body["revision"] = str(revision)
-        return await self.call("/v3/kv/range", body)
+        if keys_only:
+            body["keys_only"] = True
+        return await self.call("/v3/kv/range", body, max_response=max_response)
 
     async def status(self) -> Any:
         return await self.call("/v3/maintenance/status", {})

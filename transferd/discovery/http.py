@@ -3,9 +3,11 @@
 One :class:`HttpConnection` is one TCP (or TLS) connection, kept alive for
 request after request; :meth:`HttpConnection.request` reads a whole response
 (bounded by ``max_response``), :meth:`HttpConnection.stream` yields a
-streaming response's body as it comes (a watch), also bounded per buffered
-object.  Any failure (refused, reset, a timeout, a response h11 cannot read)
-closes the connection and raises :class:`Unavailable`: the caller dials again.
+streaming response's body as it comes (a watch: one JSON object a line, as
+etcd's gateway writes them), also bounded per buffered object.  Any failure
+(refused, reset, a timeout, a response h11 cannot read, JSON nested past
+Python's recursion limit) closes the connection and raises :class:`Unavailable`
+(:class:`TooLarge` for a response over its bound): the caller dials again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class StoreError(Exception):
 
 class Unavailable(Exception):
     """The store could not be reached or stopped answering."""
+
+
+class TooLarge(Unavailable):
+    """A response, or one streamed object, over its bound (read no further)."""
+
+
+# What a response that cannot be read raises, besides the socket's own errors.
+_MALFORMED = (h11.ProtocolError, ValueError, UnicodeDecodeError, RecursionError)
 
 
 class HttpConnection:
@@ -80,20 +90,29 @@ class HttpConnection:
                 w.close()
 
     async def request(self, path: str, payload: dict[str, Any],
-                      headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        """POST ``payload`` as JSON to ``path``; the status and the decoded JSON reply."""
+                      headers: dict[str, str] | None = None,
+                      max_response: int | None = None) -> tuple[int, Any]:
+        """POST ``payload`` as JSON to ``path``; the status and the decoded JSON reply.
+
+        A reply over ``max_response`` bytes (default: the connection's bound)
+        raises :class:`TooLarge` once that many came, read no further."""
+        limit = self.max_response if max_response is None else max_response
         try:
-            return await asyncio.wait_for(self._request(path, payload, headers), self.timeout)
+            return await asyncio.wait_for(self._request(path, payload, headers, limit),
+                                          self.timeout)
         except TimeoutError:
             self.close()
             raise Unavailable(f"{self.where}{path}: no answer within {self.timeout:g} s") \
                 from None
-        except (OSError, ssl.SSLError, h11.ProtocolError, ValueError) as exc:
+        except TooLarge as exc:
+            self.close()  # the rest is unread: the connection cannot be reused
+            raise TooLarge(f"{self.where}{path}: {exc}") from None
+        except (OSError, ssl.SSLError, *_MALFORMED) as exc:
             self.close()
             raise Unavailable(f"{self.where}{path}: {_why(exc)}") from None
 
     async def _request(self, path: str, payload: dict[str, Any],
-                       headers: dict[str, str] | None) -> tuple[int, Any]:
+                       headers: dict[str, str] | None, limit: int) -> tuple[int, Any]:
         if not self.open:
             await self.connect()
         status = await self._send(path, payload, headers)
@@ -102,8 +121,8 @@ class HttpConnection:
             ev = await self._next()
             if isinstance(ev, h11.Data):
                 body += ev.data
-                if len(body) > self.max_response:
-                    raise ValueError(f"a response over {self.max_response} bytes")
+                if len(body) > limit:
+                    raise TooLarge(f"a response over {limit} bytes")
             elif isinstance(ev, h11.EndOfMessage):
                 break
         conn = self._h11
@@ -119,50 +138,55 @@ class HttpConnection:
                      headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         """POST, then yield each JSON object of the streamed reply as it arrives.
 
-        The status line must come within the timeout; after it the stream may be
-        idle for as long as it likes (the caller's liveness check ends it).  An
-        error status raises :class:`StoreError`; the stream's end raises
+        etcd's gateway ends each object with a newline.  Each byte is looked at
+        once (a newline is searched for only in what came since the last look; a
+        line is parsed once, when whole), so a peer that dribbles a never-ending
+        object costs its bytes, bounded by ``max_response``, not a parse per
+        read.  The status line must come within the timeout; after it the stream
+        may be idle for as long as it likes (the caller's liveness check ends
+        it).  An error status raises :class:`StoreError`; the stream's end raises
         :class:`Unavailable` (a watch never ends by itself).
         """
         try:
             if not self.open:
                 await self.connect()
             status = await asyncio.wait_for(self._send(path, payload, headers), self.timeout)
-            decoder = json.JSONDecoder()
-            pending = ""
-            raw = bytearray()
+            buf = bytearray()
+            scanned = 0  # buf[:scanned] holds no newline
             while True:
                 ev = await self._next()
                 if isinstance(ev, h11.EndOfMessage):
                     if status != 200:
-                        _raise_status(status, _loads(bytes(raw)))
+                        _raise_status(status, _loads(bytes(buf)))
                     raise Unavailable(f"{self.where}{path}: the stream ended")
                 if not isinstance(ev, h11.Data):
                     continue
+                buf += ev.data
                 if status != 200:
-                    raw += ev.data
-                    if len(raw) > self.max_response:
-                        raise ValueError("an error response too large")
+                    if len(buf) > self.max_response:
+                        raise TooLarge("an error response too large")
                     continue
-                pending += ev.data.decode()
                 while True:
-                    pending = pending.lstrip()
-                    if not pending:
+                    nl = buf.find(b"\n", scanned)
+                    if nl < 0:
+                        scanned = len(buf)
+                        if scanned > self.max_response:
+                            raise TooLarge(f"a streamed object over {self.max_response} "
+                                           "bytes")
                         break
-                    try:
-                        obj, end = decoder.raw_decode(pending)
-                    except ValueError:
-                        if len(pending) > self.max_response:
-                            raise ValueError(f"a streamed object over {self.max_response} "
-                                             "bytes") from None
-                        break  # the rest of it is still on its way
-                    pending = pending[end:]
-                    yield obj
+                    line = bytes(buf[:nl])
+                    del buf[:nl + 1]
+                    scanned = 0
+                    if line.strip():
+                        yield json.loads(line)
         except TimeoutError:
             self.close()
             raise Unavailable(f"{self.where}{path}: no answer within {self.timeout:g} s") \
                 from None
-        except (OSError, ssl.SSLError, h11.ProtocolError, ValueError, UnicodeDecodeError) as exc:
+        except TooLarge as exc:
+            self.close()
+            raise TooLarge(f"{self.where}{path}: {exc}") from None
+        except (OSError, ssl.SSLError, *_MALFORMED) as exc:
             self.close()
             raise Unavailable(f"{self.where}{path}: {_why(exc)}") from None
         finally:
@@ -204,7 +228,7 @@ class HttpConnection:
 def _loads(raw: bytes) -> Any:
     try:
         return json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"message": raw[:200].decode(errors="replace")}
 
 

@@ -1,13 +1,17 @@
 """The rules a name and a prefix follow, and the directory's bounds.
 
-A name is 1 to :data:`MAX_NAME` bytes of UTF-8 without control characters
-(so it can be a key in etcd, a line in ``transferd names`` and a log field as
-it is); a prefix is the same, or empty (every name).  Everything a directory
+A name is 1 to :data:`MAX_NAME` bytes of UTF-8 without control, format or
+line-separator characters (Unicode categories Cc, Cf, Zl, Zp, Cs: C0 and C1
+controls, DEL, NEL, bidi overrides, zero-width and BOM characters, U+2028 and
+U+2029), so it can be a key in etcd, a line in ``transferd names`` and a log
+field as it is, and reads as what it is; a prefix is the same, or empty (every
+name).  Everything a directory
 holds is bounded by :class:`Limits` (``[discovery]`` keys).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +28,18 @@ def _check(text: Any, what: str, empty: bool) -> str:
     n = len(text.encode())
     if n > MAX_NAME:
         raise BadRequest(f"{what} of {n} bytes is over {MAX_NAME}")
-    for ch in text:
-        if ch < " " or ch == "\x7f":
-            raise BadRequest(f"{what} {text!r} holds a control character")
+    if not text.isprintable():  # fast path: printable is none of the refused but Zs
+        for ch in text:
+            cat = unicodedata.category(ch)
+            if cat in _REFUSED:
+                raise BadRequest(f"{what} {text!r} holds a {_REFUSED[cat]} character "
+                                 f"(U+{ord(ch):04X})")
     return text
+
+
+# The categories a name may not hold, and what to call them in a message.
+_REFUSED = {"Cc": "control", "Cf": "format (invisible)", "Zl": "line separator",
+            "Zp": "paragraph separator", "Cs": "surrogate"}
 
 
 def check_name(name: Any) -> str:
