@@ -399,5 +399,5 @@ def stats(session: Session, frame: Frame) -> Reply:
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 
-        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine))
+        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine, viewer=session))
     return Reply(body)

@@ -108,6 +108,13 @@ class Config:
             out.append("engine.secret: set engine.secret_file or engine.secret "
                        "(TRANSFERD_ENGINE_SECRET), not both")
         out += _rail_problems(e)
+        if e.previous_secret_file and not e.has_secret():
+            out.append("engine.previous_secret_file: set without engine.secret_file or "
+                       "engine.secret (the secret in use now)")
+        if self.server.previous_token_file and not (self.server.token_file
+                                                    or self.server.token):
+            out.append("server.previous_token_file: set without server.token_file or "
+                       "server.token (the secret in use now)")
         out += discovery_problems(self.discovery)
         if e.expect_timeout_s > e.max_expect_timeout_s:
             out.append(f"engine.expect_timeout_s: {e.expect_timeout_s:g} s is over "

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from transferd import secret_files
 from transferd.config import Config, ConfigError
 from transferd.exits import Exit
 from transferd.lifecycle import (
@@ -34,6 +35,7 @@ from transferd.logs import fatal, hostport
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.keyring import Keyring
 
 if TYPE_CHECKING:
     from transferd.discovery.service import Discovery
@@ -80,6 +82,9 @@ def _starting(what: str) -> Iterator[None]:
 class Daemon:
     def __init__(self, config: Config, loader: Callable[[], Config] | None = None) -> None:
         self.config = config
+        # Every secret, read once here (ConfigError: a file refused) and again, and
+        # compared, on each SIGHUP.
+        self.secrets = secret_files.load(config)
         # Re-reads the configuration (same file, variables and flags) on SIGHUP.
         self.loader = loader
         self.frontends: list[Frontend] = []
@@ -122,8 +127,8 @@ class Daemon:
                 from transferd.engine import TransferEngine
 
                 self.engine = TransferEngine(
-                    self.config.engine, self.buffers, self.metrics, self.config.server.host
-                )
+                    self.config.engine, self.buffers, self.metrics, self.config.server.host,
+                    secret=self.secrets.cluster or Keyring())
                 e = self.config.engine
                 rails = ", ".join(e.host_rails) or self.config.server.host
                 with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
@@ -305,11 +310,28 @@ class Daemon:
                       "; ".join(exc.errors))
             return ReloadOutcome(False, "the configuration is invalid, the running one "
                                  "stays: " + "; ".join(exc.errors))
+        try:
+            secrets = secret_files.load(new)
+        except ConfigError as exc:
+            log.error("SIGHUP: a secret file is refused, the running configuration and "
+                      "secrets stay: %s", "; ".join(exc.errors))
+            return ReloadOutcome(False, "a secret file is refused, the running "
+                                 "configuration and secrets stay: " + "; ".join(exc.errors))
         applied, restart = diff(self.config, new)
-        if not applied and not restart:
+        if self.secrets.cluster and not secrets.cluster and self.engine is not None:
+            # Rails past loopback would then take links nobody authenticated.
+            restart.append("removing the cluster secret (the running one stays)")
+            secrets = secret_files.Secrets(secrets.client, self.secrets.cluster)
+        swapped = secret_files.changes(self.secrets, secrets, new)
+        if not applied and not restart and not swapped:
             log.info("SIGHUP: configuration unchanged")
             return ReloadOutcome(True, "configuration unchanged")
+        applied += swapped
         old = self.config
+        if self.engine is not None and secrets.cluster != self.secrets.cluster:
+            assert secrets.cluster is not None  # a removal was refused above
+            self.engine.set_secret(secrets.cluster)
+        self.secrets = secrets
         if new.log.level != old.log.level:
             from transferd import logs
 

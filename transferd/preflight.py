@@ -182,6 +182,11 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
             problems.append(Problem(
                 "memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more than this "
                 f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
+        # Secret files another user could read or rewrite (transferd.secret_files).
+        from transferd.secret_files import problems as secret_problems
+
+        problems += [Problem(key, message, Kind.MACHINE)
+                     for key, message in secret_problems(cfg)]
     # Local sockets: one path per listener, each free to take.
     paths = [("server.unix_socket", cfg.server.unix_socket, socket.SOCK_STREAM)]
     for i, (_, ep) in enumerate(_listen_endpoints(cfg)):

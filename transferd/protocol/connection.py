@@ -46,6 +46,7 @@ from .errors import (
     error_from_body,
 )
 from .frames import Frame, FrameDecoder, RawHeader, encode_frame
+from .keyring import Keyring
 from .messages import str_field, uint_field
 
 # The decoder's buffer before READY: a header and the largest pre-auth body.
@@ -196,8 +197,10 @@ class ServerSettings:
     features: list[str] = field(default_factory=list)
     max_body: int = 4 * 1024 * 1024
     max_payload: int = 1 << 34
-    # The shared secret (b"": no authentication required).
+    # The shared secret (b"": no authentication required), and during a rotation
+    # the one clients proved before (accepted too, and proved as ``previous_proof``).
     secret: bytes = b""
+    previous_secret: bytes = b""
     # Whether this listener offers the token method (the token crosses the wire).
     token_allowed: bool = False
     # Message transports announce their continuation size in HELLO.
@@ -253,6 +256,9 @@ class ServerConnection(_Machine):
         self.method: str | None = None
         self._nonce = b""
         self._challenge = b""
+        # The secrets of this handshake, taken at HELLO: a reload meanwhile
+        # changes the next handshake, not this one.
+        self._keys = Keyring()
 
     # -- input ------------------------------------------------------------------------
 
@@ -364,6 +370,7 @@ class ServerConnection(_Machine):
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, None)
             reply["auth"] = s.methods
+            keys = self._keys = Keyring(s.secret, s.previous_secret)
             method = body.get("auth")
             if method == auth.HMAC_SHA256:
                 nonce = body.get("nonce")
@@ -374,7 +381,10 @@ class ServerConnection(_Machine):
                 self._nonce = nonce
                 self._challenge = self._random(auth.NONCE_SIZE)
                 reply["challenge"] = self._challenge
-                reply["proof"] = auth.server_proof(s.secret, nonce, self._challenge)
+                reply["proof"] = auth.server_proof(keys.current, nonce, self._challenge)
+                if keys.previous:
+                    reply["previous_proof"] = auth.server_proof(keys.previous, nonce,
+                                                                self._challenge)
                 self.method = auth.HMAC_SHA256
                 self._send_reply(frame, reply)
                 self._go(Input.CHALLENGED)
@@ -390,7 +400,7 @@ class ServerConnection(_Machine):
                         "cross the wire in clear): use hmac-sha256"
                     )
                 token = body.get("token")
-                if not isinstance(token, str) or not auth.same(token.encode(), s.secret):
+                if not isinstance(token, str) or keys.match(token.encode(), bytes) is None:
                     return self.refuse(
                         Unauthorized("the client's token is wrong: it is not this daemon's "
                                      "server.token" if token else "token missing"),
@@ -417,8 +427,8 @@ class ServerConnection(_Machine):
                 Unauthorized(f"AUTH needs a mac of {auth.MAC_SIZE} bytes (bin)"),
                 frame.cmd, frame.seq, is_auth=True,
             )
-        want = auth.client_mac(self.settings.secret, self._challenge, self._nonce)
-        if not auth.same(mac, want):
+        if self._keys.match(mac, lambda k: auth.client_mac(k, self._challenge,
+                                                           self._nonce)) is None:
             return self.refuse(
                 Unauthorized("wrong mac: the client's token is not this daemon's server.token"),
                 frame.cmd, frame.seq, is_auth=True, reason="wrong_secret",
@@ -533,13 +543,16 @@ class ClientConnection(_Machine):
                 raise Unauthorized(f"the server requires authentication ({body['auth']})")
             self._go(Input.HELLO_ACCEPTED)
             return None
-        proof = body.get("proof")
+        # During a rotation the server proves the secret in use before as well.
+        proofs = [p for p in (body.get("proof"), body.get("previous_proof"))
+                  if isinstance(p, bytes)]
         if (
             not self._nonce
             or not isinstance(challenge, bytes)
             or len(challenge) != auth.NONCE_SIZE
-            or not isinstance(proof, bytes)
-            or not auth.same(proof, auth.server_proof(self.secret, self._nonce, challenge))
+            or not proofs
+            or not any([auth.same(p, auth.server_proof(self.secret, self._nonce, challenge))
+                        for p in proofs])
         ):
             self._go(Input.REFUSED)
             # Nearly always this client's token, not the server: say so first.

@@ -21,6 +21,13 @@ PROTOCOL.md does)::
 address), so neither end's claimed addresses can be changed in flight.  A
 replayed HELLO or AUTH fails: the other end's nonce is new on every link.
 
+During a rotation of the secret (``engine.previous_secret_file``) an end
+holds a :class:`~.keyring.Keyring` of two: the responder adds
+``previous_proof`` (the same HMAC under the secret in use before), the
+initiator takes whichever proof one of its own secrets makes and proves that
+secret in AUTH, and the responder accepts a mac under either.  So a daemon
+that has the new secret links with one that still has only the old, both ways.
+
 Without a secret nothing can be proven, but an initiator can still be held
 to the addresses it claims: the responder sends a random token in a PROBE
 frame, on a connection of its own, to the initiator's listener for this rail
@@ -56,6 +63,7 @@ from .errors import (
     error_from_body,
 )
 from .frames import Frame, encode_frame
+from .keyring import Keyring
 from .peer import PeerCommand
 
 VERSION = 1
@@ -203,7 +211,7 @@ class PeerHandshake:
         role: Role,
         me: PeerIdentity,
         rail: int,
-        secret: bytes | None,
+        secret: bytes | Keyring | None,
         now: float,
         *,
         timeout: float = DEFAULT_TIMEOUT,
@@ -216,7 +224,9 @@ class PeerHandshake:
         self.role = role
         self.me = me
         self.rail = rail
-        self.secret = secret or None
+        # Taken once: a reload swaps the group's keyring for the next links, not this one.
+        self.keys = Keyring.of(secret)
+        self.secret = self.keys.current or None
         self.deadline = now + timeout
         self.timeout = timeout
         self.expect = expect
@@ -384,6 +394,9 @@ class PeerHandshake:
             reply["challenge"] = self._challenge
             reply["proof"] = _mac(self.secret, RESPONDER_LABEL, nonce, self._challenge,
                                   self._transcript)
+            if self.keys.previous:
+                reply["previous_proof"] = _mac(self.keys.previous, RESPONDER_LABEL, nonce,
+                                               self._challenge, self._transcript)
         else:
             probe = {"nonce": nonce, "token": self._challenge}
             self._events.append(Probe(peer.addrs[rail],
@@ -392,9 +405,9 @@ class PeerHandshake:
 
     def _on_auth(self, body: dict[str, Any]) -> None:
         if self.secret is not None:
-            want = _mac(self.secret, INITIATOR_LABEL, self._challenge, self.nonce,
-                        self._transcript)
-            if not hmac.compare_digest(_bin(body, "mac", MAC_LEN), want):
+            mac = _bin(body, "mac", MAC_LEN)
+            if self.keys.match(mac, lambda k: _mac(k, INITIATOR_LABEL, self._challenge,
+                                                   self.nonce, self._transcript)) is None:
                 raise self._deny("wrong_secret", "the dialling daemon did not prove the "
                                  "cluster secret: its engine.secret_file differs from the "
                                  "receiving daemon's")
@@ -425,13 +438,20 @@ class PeerHandshake:
                 raise self._deny("no_secret", f"the daemon at {_show(addr)} has no cluster "
                                  "secret (engine.secret_file) and this one has")
             challenge = _bin(body, "challenge", NONCE_LEN)
-            want = _mac(self.secret, RESPONDER_LABEL, self.nonce, challenge, self._transcript)
-            if not hmac.compare_digest(_bin(body, "proof", MAC_LEN), want):
+            proofs = [_bin(body, "proof", MAC_LEN)]
+            if "previous_proof" in body:
+                proofs.append(_bin(body, "previous_proof", MAC_LEN))
+            shared = [self.keys.match(p, lambda k: _mac(k, RESPONDER_LABEL, self.nonce,
+                                                        challenge, self._transcript))
+                      for p in proofs]
+            found = next((k for k in shared if k is not None), None)
+            if found is None:
                 raise self._deny("wrong_secret", f"the daemon at {_show(addr)} did not prove "
                                  "the cluster secret: its engine.secret_file differs from "
                                  "this daemon's")
             self._move(Input.HELLO_REPLY)
             self._challenge = challenge
+            self.secret = found  # AUTH proves the secret both ends hold
             self._send_auth()
             return
         if "proof" in body:
