@@ -33,6 +33,12 @@ BENCHMARKS = [
     "scale_peers",
     "scale_handoff",
     "copies",
+    # Security (issue 16)
+    "watchers",
+    # The article's three systems, end to end (issue 25)
+    "workloads_kv",
+    "workloads_rl",
+    "workloads_moe",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
@@ -41,4 +47,5 @@ GROUPS = {
                "engine_groups", "engine_small"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
+    "workloads": ["workloads_kv", "workloads_rl", "workloads_moe"],
 }

@@ -62,6 +62,8 @@ class ServerContext:
     # The shared secret clients prove (b"": none required), the transports on
     # which the token method is offered, and the handshake's deadline.
     secret: bytes = b""
+    # During a rotation, the secret clients proved before (also accepted; b"": none).
+    previous_secret: bytes = b""
     token_transports: tuple[str, ...] = ("unix", "seqpacket", "tls")
     handshake_timeout: float = 5.0
     admission: Admission = field(default_factory=Admission)
@@ -73,6 +75,12 @@ class ServerContext:
     # bounded by the daemon's descriptors.  While draining, new requests are refused.
     sessions: set[Any] = field(default_factory=set)
     draining: bool = False
+    # Releases of a gone owner's buffers still waiting for admitted writes to land
+    # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
+    background: set[Any] = field(default_factory=set)
+    # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
+    # embedded (rpc_server/name_handlers.py).
+    discovery: Any = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
@@ -88,6 +96,7 @@ class ServerContext:
                 max_body=self.max_body,
                 max_payload=self.max_payload,
                 secret=self.secret,
+                previous_secret=self.previous_secret,
                 token_allowed=scheme in self.token_transports,
                 max_message=self.max_message if message else None,
                 handshake_timeout=self.handshake_timeout,
@@ -95,11 +104,11 @@ class ServerContext:
             )
         return st
 
-    def set_secret(self, secret: bytes) -> None:
+    def set_secret(self, secret: bytes, previous: bytes = b"") -> None:
         """A new secret (SIGHUP): the next handshakes use it; open connections stay."""
-        self.secret = secret
+        self.secret, self.previous_secret = secret, previous
         for st in self._settings.values():
-            st.secret = secret
+            st.secret, st.previous_secret = secret, previous
 
     def note_refused_connection(self, source: str, why: str) -> None:
         # One line per 5 s at most: a flood must not become a flood of logs.
@@ -115,4 +124,5 @@ class ServerContext:
         feats = ["batched_get", "batched_set", "no_reply_events"]
         if self.engine is not None:
             feats.append("engine")
+        feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

@@ -23,9 +23,10 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
+from transferd import authlog
 from transferd.copies import COUNTING, count
 from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
@@ -55,9 +56,10 @@ from transferd.protocol.errors import (
     TransferdError,
     UnknownCommand,
 )
-from transferd.protocol.frames import DISCARD, Frame, Sink
+from transferd.protocol.frames import DISCARD, Frame, Phase, Sink
 
 from .context import ServerContext
+from .device_io import Landings
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
 from .tls_output import ChunkedOutput
 
@@ -123,6 +125,10 @@ class Session(asyncio.BufferedProtocol):
         # Engine operations this connection submitted and that have not
         # finished; SYNCHRONIZE waits for them.
         self.pending: set[asyncio.Future[Any]] = set()
+        # SET frames whose payload went to device staging, until their handler runs.
+        self.landings = Landings()
+        # Resolved when one of this connection's submits ends (it waits at its share).
+        self.room: asyncio.Future[None] | None = None
         # Per-connection engine state (receive pools, watchers) hangs here.
         self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -136,6 +142,8 @@ class Session(asyncio.BufferedProtocol):
         # stay paused while any of them waits.
         self._tls_out: ChunkedOutput | None = None
         self._tls_blocked = False
+        # Called once the write buffer has drained (WATCH streams send what waited).
+        self.drained_hooks: set[Callable[[], None]] = set()
 
     # -- asyncio callbacks --------------------------------------------------
 
@@ -173,6 +181,12 @@ class Session(asyncio.BufferedProtocol):
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not _CLOSED and self.conn.state is _AWAIT_AUTH:
+            # It had the server's proof and went: a client checks the proof and hangs
+            # up when it does not match its own secret (PROTOCOL.md, Authentication).
+            authlog.client_failed(self.peer, "wrong_secret", "the client hung up after the "
+                                  "server's proof (hmac-sha256): its token differs from "
+                                  "this daemon's server.token (or it dialled another daemon)")
         self.state = _CLOSED
         self.conn.connection_lost()
         self._end_handshake()
@@ -226,6 +240,16 @@ class Session(asyncio.BufferedProtocol):
         if self.ctx.engine is not None and not self.write_blocked:
             # Peer messages handed to this connection are out: their senders' ACKs.
             self.ctx.engine.session_drained(self)
+        if self.drained_hooks and not self.write_blocked:
+            for hook in list(self.drained_hooks):
+                hook()
+
+    @property
+    def receiving(self) -> bool:
+        """A frame's payload has begun to arrive and is not all in: the drain waits for
+        it (a SET that began to land runs to its end; one refused is read to its end and
+        answered, not cut off under its payload)."""
+        return self._decoder.phase is Phase.PAYLOAD
 
     @property
     def write_blocked(self) -> bool:
@@ -275,16 +299,18 @@ class Session(asyncio.BufferedProtocol):
                 self.ctx.metrics.error(ev.error.code)
                 if ev.auth:
                     delay, n = self.ctx.admission.failed(self.source, self._loop.time())
-                    log.warning(
-                        "authentication failed from %s: %s (%d in the last minute; "
-                        "answering in %.2f s)", self.peer, ev.error.message, n, delay,
-                    )
+                    authlog.client_failed(self.peer, ev.reason, f"{ev.error.message} ({n} in "
+                                          f"the last minute; answering in {delay:.2f} s)")
                     if self._timer is not None:
                         self._timer.cancel()
                     # Still counted as not authenticated while it waits.
                     self._timer = self._loop.call_later(delay, self._flush_and_close)
                     return
-                log_client_error(self.peer, ev.error, self._decoder.current_cmd, ev.error.seq)
+                if ev.reason:  # an AUTH that never came: one line, as a failed authentication
+                    authlog.client_failed(self.peer, ev.reason, ev.error.message)
+                else:
+                    log_client_error(self.peer, ev.error, self._decoder.current_cmd,
+                                     ev.error.seq)
                 self._flush_and_close()
                 return
         self._flush_handshake()

@@ -19,16 +19,28 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from transferd import secret_files
 from transferd.config import Config, ConfigError
 from transferd.exits import Exit
-from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
-from transferd.logs import hostport
-from transferd.memory import BufferTable, DeviceSpec
+from transferd.lifecycle import (
+    ReloadOutcome,
+    Watchdog,
+    diff,
+    reload_began,
+    reload_ended,
+    sd_notify,
+    watchdog_interval,
+)
+from transferd.logs import fatal, hostport
+from transferd.memory import BufferTable
 from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.keyring import Keyring
 
 if TYPE_CHECKING:
+    from transferd.discovery.service import Discovery
     from transferd.engine import TransferEngine
+    from transferd.memory.cuda import CudaDevices
 
 log = logging.getLogger("transferd")
 
@@ -70,12 +82,17 @@ def _starting(what: str) -> Iterator[None]:
 class Daemon:
     def __init__(self, config: Config, loader: Callable[[], Config] | None = None) -> None:
         self.config = config
+        # Every secret, read once here (ConfigError: a file refused) and again, and
+        # compared, on each SIGHUP.
+        self.secrets = secret_files.load(config)
         # Re-reads the configuration (same file, variables and flags) on SIGHUP.
         self.loader = loader
         self.frontends: list[Frontend] = []
         self.watchdog: Watchdog | None = None
         self.metrics = Metrics()
-        self.buffers = BufferTable(config.devices() + _gpu_devices(config),
+        # The GPUs served (their groups: workers, streams, staging), stopped at exit.
+        self.gpus = _gpu_devices(config)
+        self.buffers = BufferTable(config.devices() + (self.gpus.specs if self.gpus else []),
                                    max_buffers=config.memory.max_buffers)
         for name, pool in self.buffers.devices.items():
             # Set once: alerts and dashboards compare the allocated bytes with it.
@@ -87,6 +104,8 @@ class Daemon:
                 functools.partial(self.buffers.lingering_on, name))
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
+        # The cluster's names and nodes ([discovery]); made before the front ends start.
+        self.discovery: Discovery | None = None
         self._stop: asyncio.Event | None = None
         # A second SIGTERM/SIGINT during the drain ends it early.
         self._hurry: asyncio.Event | None = None
@@ -100,7 +119,7 @@ class Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_stop_signal)
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         started = self.frontends
         try:
             # A minor-1 server cannot be asked engine commands: no engine then.
@@ -108,8 +127,8 @@ class Daemon:
                 from transferd.engine import TransferEngine
 
                 self.engine = TransferEngine(
-                    self.config.engine, self.buffers, self.metrics, self.config.server.host
-                )
+                    self.config.engine, self.buffers, self.metrics, self.config.server.host,
+                    secret=self.secrets.cluster or Keyring())
                 e = self.config.engine
                 rails = ", ".join(e.host_rails) or self.config.server.host
                 with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
@@ -120,6 +139,9 @@ class Daemon:
                         raise StartError(f"engine.domain = {e.domain!r}: {exc.message}",
                                          Exit.CONFIG) from exc
                 self.metrics.watch_engine(self.engine)
+            from transferd.discovery.service import Discovery
+
+            self.discovery = Discovery(self.config.discovery, self.metrics)
             urls: list[str] = []
             s = self.config.server
             for fe in frontends:
@@ -145,6 +167,7 @@ class Daemon:
                 rails = " ".join(r.decode(errors="backslashreplace") for r in addr.rails)
                 print(f"transferd: engine {addr.node:016x} rails {rails} "
                       f"address {addr.to_bytes().hex()}", flush=True)
+            await self._start_discovery(urls)
             # Everything built at start-up lives as long as the daemon: move it
             # out of the collector's sight so its passes stay short on the data path.
             gc.collect()
@@ -161,6 +184,7 @@ class Daemon:
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            await self._close_discovery()
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
@@ -168,10 +192,8 @@ class Daemon:
                 await self.engine.close()
             self.metrics.close()
             self.buffers.close()
-            if self.config.gpu.devices:
-                from transferd.memory import cuda
-
-                cuda.stop_groups()
+            if self.gpus is not None:
+                self.gpus.stop()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -199,6 +221,8 @@ class Daemon:
         started = loop.time()
         deadline = started + drain_s
         drainers: list[Any] = [fe for fe in self.frontends if hasattr(fe, "drain_begin")]
+        # Out of peers() and lookup at once: nobody should pick a daemon that is leaving.
+        await self._close_discovery()
         for fe in drainers:
             with contextlib.suppress(Exception):
                 await fe.drain_begin()
@@ -228,26 +252,86 @@ class Daemon:
         if aborted:
             log.warning("%d connections did not read their last replies: aborted", aborted)
 
+    async def _start_discovery(self, urls: list[str]) -> None:
+        from transferd import __version__
+
+        disc = self.discovery
+        assert disc is not None
+        features: list[str] = []
+        for fe in self.frontends:
+            ctx = getattr(fe, "ctx", None)
+            features += ctx.features() if ctx is not None else []
+        caps: dict[str, Any] = {"devices": sorted(self.buffers.devices)}
+        addr = None
+        if self.engine is not None:
+            e = self.config.engine
+            addr = self.engine.main_address()
+            caps.update(domain=e.domain, host_groups=e.host_groups,
+                        authenticated=self.engine.secret is not None)
+        await disc.start(urls=urls, server=f"transferd/{__version__}",
+                         minor=self.config.server.protocol_minor, features=features,
+                         addr=addr, capabilities=caps)
+        d = disc.directory
+        where = self.config.discovery.url or "this daemon (embedded)"
+        print(f"transferd: names in {where} as node {d.node_name}", flush=True)
+
+    async def _close_discovery(self) -> None:
+        if self.discovery is not None:
+            with contextlib.suppress(Exception):
+                await self.discovery.close()
+
     def workers(self) -> list[Any]:
         """The workers the watchdog watches (the engine's: every host group's)."""
         return list(getattr(self.engine, "workers", None) or [])
 
-    def reload(self) -> None:
+    def _on_sighup(self) -> None:
+        """systemd and a waiting ``transferd reload`` hear when the reload began and
+        how it ended; the metrics keep the last outcome."""
+        reload_began()
+        try:
+            outcome = self.reload()
+        except Exception as exc:  # a bug in a reload hook: the daemon goes on
+            log.exception("SIGHUP: the reload failed")
+            outcome = ReloadOutcome(False, f"the reload failed: {exc}")
+        self.metrics.reload_ok.set(1 if outcome.ok else 0)
+        if outcome.ok:
+            self.metrics.reload_time.set_to_current_time()
+        reload_ended(outcome)
+
+    def reload(self) -> ReloadOutcome:
         """SIGHUP: re-read the configuration; apply what can change, log the rest."""
         if self.loader is None:
             log.warning("SIGHUP: nothing to reload from (no configuration loader)")
-            return
+            return ReloadOutcome(False, "nothing to reload from (no configuration loader)")
         try:
             new = self.loader()
         except ConfigError as exc:
             log.error("SIGHUP: the configuration is invalid, the running one stays: %s",
                       "; ".join(exc.errors))
-            return
+            return ReloadOutcome(False, "the configuration is invalid, the running one "
+                                 "stays: " + "; ".join(exc.errors))
+        try:
+            secrets = secret_files.load(new)
+        except ConfigError as exc:
+            log.error("SIGHUP: a secret file is refused, the running configuration and "
+                      "secrets stay: %s", "; ".join(exc.errors))
+            return ReloadOutcome(False, "a secret file is refused, the running "
+                                 "configuration and secrets stay: " + "; ".join(exc.errors))
         applied, restart = diff(self.config, new)
-        if not applied and not restart:
+        if self.secrets.cluster and not secrets.cluster and self.engine is not None:
+            # Rails past loopback would then take links nobody authenticated.
+            restart.append("removing the cluster secret (the running one stays)")
+            secrets = secret_files.Secrets(secrets.client, self.secrets.cluster)
+        swapped = secret_files.changes(self.secrets, secrets, new)
+        if not applied and not restart and not swapped:
             log.info("SIGHUP: configuration unchanged")
-            return
+            return ReloadOutcome(True, "configuration unchanged")
+        applied += swapped
         old = self.config
+        if self.engine is not None and secrets.cluster != self.secrets.cluster:
+            assert secrets.cluster is not None  # a removal was refused above
+            self.engine.set_secret(secrets.cluster)
+        self.secrets = secrets
         if new.log.level != old.log.level:
             from transferd import logs
 
@@ -269,7 +353,9 @@ class Daemon:
             log.info("SIGHUP: applied %s", "; ".join(applied))
         if restart:
             log.warning("SIGHUP: not applied, needs a restart: %s", "; ".join(restart))
-        sd_notify("STATUS=serving (reloaded)")
+        return ReloadOutcome(True, "; ".join(
+            ([f"applied {'; '.join(applied)}"] if applied else [])
+            + ([f"not applied, needs a restart: {'; '.join(restart)}"] if restart else [])))
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
@@ -293,7 +379,7 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
     problems = preflight.check(config)
     if problems:
         for p in problems:
-            print(f"transferd: cannot start: {p}", file=sys.stderr, flush=True)
+            fatal(f"transferd: cannot start: {p}")
         sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
     try:
@@ -301,28 +387,28 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
         uvloop.run(daemon.run(frontends))
     except StartError as exc:
         # A race with the checks above (a port taken since): say which, no traceback.
-        print(f"transferd: cannot start: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: cannot start: {exc}")
         sys.exit(exc.status)
     except ConfigError as exc:
         # Found only once the engine starts: a secret file that cannot be read.
-        print(f"transferd: configuration error: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: configuration error: {exc}")
         sys.exit(Exit.CONFIG)
     except OSError as exc:
-        print(f"transferd: failed: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: failed: {exc}")
         sys.exit(Exit.FAILURE)
 
 
-def _gpu_devices(config: Config) -> list[DeviceSpec]:
-    """Start a group per GPU of gpu.devices; their DeviceSpecs (none without any)."""
+def _gpu_devices(config: Config) -> CudaDevices | None:
+    """Start a group per GPU of gpu.devices (None without any)."""
     if not config.gpu.devices:
-        return []
+        return None
     # CuPy is imported only here, for a daemon told to serve a GPU.
     from transferd.memory import cuda
     from transferd.protocol.errors import TransferdError
 
     g = config.gpu
     try:
-        return cuda.start_devices(
+        return cuda.CudaDevices.start(
             g.devices, memory_limit_mib=g.memory_limit_mib, staging_mib=g.staging_mib,
             staging_chunk_kib=g.staging_chunk_kib, pin=config.engine.pin_workers)
     except TransferdError as exc:

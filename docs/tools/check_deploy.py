@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 from transferd.config import Config, load  # noqa: E402
 from transferd.domains.base import LinkStats  # noqa: E402
 from transferd.domains.group import GroupStats  # noqa: E402
+from transferd.engine.watchers import Watchers  # noqa: E402
 from transferd.metrics import Metrics  # noqa: E402
 
 SERIES = re.compile(r"\btransferd_[a-z_]+\b")
@@ -49,6 +50,7 @@ def exported() -> tuple[set[str], set[str]]:
     group = SimpleNamespace(stats=lambda: GroupStats(links=(LinkStats(),)))
     m.watch_engine(SimpleNamespace(group=group, groups=[group], worker=None,
                                    receives=None, expectations_pending=lambda: 0))
+    m.registry.register(Watchers())  # the RPC front end registers the daemon's watcher set
     for metric in m.registry.collect():
         families.add(metric.name)
         names.add(metric.name)

@@ -23,6 +23,7 @@ from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
 from transferd.parts import MAX_MESSAGE, EnginePort, RegionInfo, SendPart, Transfer, WritePart
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import Coverage, Landed
 from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from transferd.protocol.peer_handshake import PeerIdentity
@@ -72,7 +73,7 @@ class DomainGroup:
         timeout_s: float = 30.0,
         domain: str = "tcp",
         options: DomainOptions | None = None,
-        secret: bytes | None = None,
+        secret: bytes | Keyring | None = None,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_message: int = MAX_MESSAGE,
     ) -> None:
@@ -90,8 +91,10 @@ class DomainGroup:
             link_budget(self.options.max_links, self.options.fd_reserve))
         self.probes = Probes(loop, self.link_budget)
         # The cluster secret every link proves (None: links can only be held to the
-        # addresses they claim; see peer_handshake).
-        self.links = LinkContext(lambda: self.identity, secret or None, handshake_timeout_s,
+        # addresses they claim; see peer_handshake).  The engine swaps it on a reload
+        # (``secret``); each handshake keeps the one it started with.
+        self.links = LinkContext(lambda: self.identity, Keyring.of(secret) or None,
+                                 handshake_timeout_s,
                                  self.link_budget, lambda: self.book, self.probes, max_message)
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()
@@ -104,11 +107,15 @@ class DomainGroup:
             deque()
         self._deadline_timer: asyncio.TimerHandle | None = None
 
-    # -- what the Domains ask (the Port) ---------------------------------------------
-
     @property
-    def secret(self) -> bytes | None:
+    def secret(self) -> Keyring | None:
         return self.links.secret
+
+    @secret.setter
+    def secret(self, secret: Keyring | None) -> None:
+        self.links.secret = secret or None
+
+    # -- what the Domains ask (the Port) ---------------------------------------------
 
     def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable) -> None:
         loop = self.loop

@@ -19,6 +19,7 @@ import socket
 import struct
 from typing import Any, Protocol
 
+from transferd import authlog
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_link import Closed, Event
@@ -65,6 +66,9 @@ class SocketLink:
         self._writing = False
         self.closed = False
         self._reading = True
+        self._peer_gone = False  # the other end closed (or broke) the connection
+        # Who is at the other end, for a failed handshake's count and log (authlog).
+        self.source: Any = self.peername()
         loop.add_reader(self._fd, self._readable)
         self._timer: asyncio.TimerHandle | None = loop.call_at(core.deadline, self._tick)
 
@@ -88,9 +92,11 @@ class SocketLink:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
+                self._peer_gone = True
                 self.close(PeerUnreachable(f"{self._what()} broken: {exc}"))
                 return
             if not n:
+                self._peer_gone = True
                 self.close(PeerUnreachable(f"{self._what()} closed by the peer"))
                 return
             try:
@@ -211,7 +217,21 @@ class SocketLink:
             abort(self.sock)
         with contextlib.suppress(OSError):
             self.sock.close()
+        self._handshake_outcome()
         self.owner.link_closed(self, error)
+
+    def _handshake_outcome(self) -> None:
+        """A handshake that failed is counted (and, receiving, logged) where it failed;
+        a dialling daemon that hung up after our proof is counted too (authlog)."""
+        core = self.core
+        if core.authenticated:
+            return
+        rail = core.hs.rail
+        if core.handshake_failed:
+            # Dialling, the broken link's own WARNING (its parts' error) names it.
+            authlog.peer_failed(core.hs, self.source, rail, emit=not self._outbound)
+        elif self._peer_gone and not self._outbound:
+            authlog.peer_hung_up(core.hs, self.source, rail)
 
     def _what(self) -> str:
         return "peer link"

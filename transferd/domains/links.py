@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from transferd.fds import LinkBudget
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_outbound import OutboundLink
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class LinkContext:
-    def __init__(self, identity: Callable[[], PeerIdentity], secret: bytes | None,
+    def __init__(self, identity: Callable[[], PeerIdentity], secret: Keyring | None,
                  handshake_timeout_s: float, budget: LinkBudget, book: Callable[[], PeerBook],
                  probes: Probes, max_message: int) -> None:
         self._identity = identity

@@ -37,8 +37,10 @@ from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
+from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_handshake import node_of
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
@@ -69,7 +71,7 @@ log = logging.getLogger("transferd.engine")
 
 class TransferEngine:
     def __init__(self, config: EngineConfig, buffers: BufferTable, metrics: Metrics | None,
-                 default_host: str = "127.0.0.1") -> None:
+                 default_host: str = "127.0.0.1", *, secret: Keyring | None = None) -> None:
         self.config = config
         self.buffers = buffers
         self.metrics = metrics
@@ -78,7 +80,8 @@ class TransferEngine:
         self._counted: tuple[Any, Any, Any] | None = None if metrics is None else (
             metrics.transfers.labels("ok"), metrics.transfers.labels("error"),
             metrics.transfer_bytes.labels("out"))
-        self.secret = load_secret(config)
+        # The daemon passes what it read (an empty Keyring: none); else read it here.
+        self.secret = (secret or None) if secret is not None else load_secret(config)
         self.hosts = list(config.host_rails) or [default_host]
         if self.secret is None and not config.insecure and not config.host_rails \
                 and not loopback(default_host):
@@ -199,6 +202,15 @@ class TransferEngine:
         # A fixed engine.peer_port is the first group's; the others' are the system's pick.
         g.bind(self.hosts, self.config.peer_port if index == 0 else 0)
         return g
+
+    def set_secret(self, secret: Keyring) -> None:
+        """A reloaded cluster secret: links made from now on prove it (open ones stay).
+
+        Each handshake takes its group's keyring when it starts, so swapping the
+        reference (atomic) needs no call onto the workers' loops."""
+        self.secret = secret
+        for group in self.groups:
+            group.secret = secret
 
     async def close(self) -> None:
         for worker, group in zip(self.workers, self.groups, strict=False):
@@ -326,24 +338,23 @@ class TransferEngine:
         """
         assert self.loop is not None
         io, devs, places, need = plan_staging(region, pages)
-        pool = io.pool
         held = region.buffer.ref()
         if self._staging_lock is None:
             self._staging_lock = asyncio.Lock()
         lock = self._staging_lock
 
         async def run() -> None:
-            chunks: list[Any] = []
+            # Back to the pool only once its copies ended, however this ends.
+            claim = Claim(io)
             try:
                 # One transfer takes its chunks at a time: two never hold half each.
                 async with lock:
-                    for _ in range(need):
-                        chunks.append(await pool.acquire())
+                    chunks = await claim.take(need)
                 views = []
                 for dev, (c, off), (_, n) in zip(devs, places, pages, strict=True):
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
-                await io.waiter.wait(io.stream.record())
+                await io.waiter.wait(claim.fence())
                 sending = self._submit(op, plan(views), None, self.group_of(region))
                 # From now on cancel() of this task fails the transfer itself (a
                 # cancelled task would let go of its worker slot before the transfer ended).
@@ -357,8 +368,7 @@ class TransferEngine:
                         self._transfers.pop(me, None)
             finally:
                 held.release()
-                for chunk in chunks:
-                    pool.release(chunk)
+                claim.release()
 
         return asyncio.ensure_future(run())
 

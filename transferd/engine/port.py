@@ -70,9 +70,10 @@ class StagedPlacement:
         self.views = views
 
     def land(self, done: Done) -> None:
-        """Every chunk's H2D copies, then ``done(None)`` on the event waiter's thread."""
+        """Every chunk's H2D copies, then ``done`` on the event waiter's thread: None, or
+        the device's fault (a DeviceFault) when a copy failed."""
         io, chunks = self._io, self._chunks
-        gate = GatedLanding(io.stream, io.waiter, io.pool)
+        gate = GatedLanding(io)
         per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
         step = io.pool.chunk_size
         pos = 0
@@ -83,11 +84,15 @@ class StagedPlacement:
                 per_chunk[ci].append((dev, off, k))
                 dev, n, pos = dev + k, n - k, pos + k
         left = [len(chunks)]
+        faults: list[TransferdError] = []
 
-        def copied() -> None:  # once per chunk, on the waiter's thread
+        def copied(fault: TransferdError | None) -> None:  # once per chunk, waiter's thread
+            if fault is not None:
+                faults.append(fault)
             left[0] -= 1
             if not left[0]:
-                done(None)
+                # A copy the device failed: nothing of this write counts (it fails).
+                done(faults[0] if faults else None)
 
         if not chunks:
             done(None)

@@ -49,10 +49,7 @@ class Region:
     staging: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        mem = self.buffer.memory
-        io = getattr(mem, "io", None)
-        if io is not None and mem is not None and mem.host_view is None:
-            self.staging = io
+        self.staging = self.buffer.staging
 
     # -- what a Domain may read (transferd.parts.RegionInfo) ------------------------------
 
@@ -62,10 +59,7 @@ class Region:
 
     def device_address(self, offset: int, size: int) -> int:
         """The device address of ``[offset, offset + size)`` of device memory."""
-        mem = self.buffer.memory
-        assert mem is not None
-        check: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
-        return check(offset, size)
+        return self.buffer.device_address(offset, size)
 
     # -- writes in flight -------------------------------------------------------------
 

@@ -7,15 +7,17 @@ ipcGetMemHandle / ipcOpenMemHandle, deviceGetPCIBusId, memGetInfo), and CuPy
 is imported only when a CUDA device is asked for.
 
 - :class:`CudaMemory`: ``cudaMalloc``'d memory, zero filled, no host view;
-  its way in and out is its group's staging pipeline (``io``), and
-  synchronous ``stage_in`` / ``stage_out`` for callers that need one.
+  its way in and out is its group's staging path (``staging``, a DeviceIO).
 - :class:`IpcCudaMemory`: memory a client allocated in its own process and
   exported with ``cudaIpcGetMemHandle``; opened here, closed when its buffer
   goes (the connection that registered it closed, or FREE_BUFFER).
-- :class:`CudaGroup`: what one GPU gets in the daemon: a worker thread pinned
-  to a core of the GPU's NUMA node (sysfs, through the PCI bus id CuPy
-  reports) with the GPU's context current, a non-blocking stream, the event
-  waiter, and one bounded pool of pinned staging allocated on that worker.
+- :class:`CudaGroup` (a :class:`~.base.MemorySource`): what one GPU gets in
+  the daemon: a worker thread pinned to a core of the GPU's NUMA node (sysfs,
+  through the PCI bus id CuPy reports) with the GPU's context current, a
+  non-blocking stream, the event waiter, and one bounded pool of pinned
+  staging allocated on that worker.  It makes the GPU's memory.
+- :class:`CudaDevices`: the groups of one daemon, started with it and
+  stopped with it (the daemon holds it; nothing here is a module global).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +40,11 @@ from transferd.workers.affinity import (
     numa_node_of_pci,
 )
 
-from .base import Memory
+from .base import Memory, MemorySource
 from .buffers import DeviceSpec
+from .cuda_extent import address_range, ipc_span
 from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
-from .streams import DeviceEvent, DeviceStream, EventWaiter
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter
 
 log = logging.getLogger("transferd.memory.cuda")
 
@@ -50,7 +53,9 @@ log = logging.getLogger("transferd.memory.cuda")
 MEMCPY_DEFAULT = 4
 # cudaMalloc aligns to at least 256 bytes on every CUDA GPU.
 ALIGNMENT = 256
+CUDA_SUCCESS = 0
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_ERROR_NOT_READY = 600
 IPC_HANDLE_BYTES = 64
 
 
@@ -119,21 +124,48 @@ class CudaEvent(DeviceEvent):
 
     ``cudaEventSynchronize`` is called without the GIL (CuPy's runtime
     wrapper releases it), so the waiter thread never stalls the event loops.
+    ``cudaEventQuery`` returns ``cudaErrorNotReady`` while pending and another
+    non-zero status when the device failed work before the event; a failure
+    of either call is a :class:`DeviceFault`, never taken for completion.
     """
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, index: int) -> None:
         self.event = event
-        self._rt = _cupy().cuda.runtime
+        self.index = index
+        self._cupy = _cupy()
 
     def done(self) -> bool:
-        return int(self._rt.eventQuery(self.event.ptr)) == 0  # cudaSuccess
+        status = int(self._cupy.cuda.runtime.eventQuery(self.event.ptr))
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_ERROR_NOT_READY:
+            return False
+        raise DeviceFault(f"cuda:{self.index}: {_status_text(self._cupy, status)}")
 
     def synchronize(self) -> None:
-        self._rt.eventSynchronize(self.event.ptr)
+        rt = self._cupy.cuda.runtime
+        try:
+            # The event's own device current (a shared waiter serves several).
+            with self._cupy.cuda.Device(self.index):
+                rt.eventSynchronize(self.event.ptr)
+        except rt.CUDARuntimeError as exc:
+            raise DeviceFault(f"cuda:{self.index}: {exc}") from None
+
+
+def _status_text(cupy: Any, status: int) -> str:
+    """A runtime status as CuPy's CUDARuntimeError words it."""
+    try:
+        return str(cupy.cuda.runtime.CUDARuntimeError(status))
+    except Exception:  # pragma: no cover - a status the runtime cannot name
+        return f"CUDA error {status}"
 
 
 class CudaStream(DeviceStream):
-    """A non-blocking CuPy stream of one device; every call with that device current."""
+    """A CuPy stream of one device; every call with that device current.
+
+    ``CudaStream(index)`` makes a non-blocking stream on device ``index``;
+    :meth:`of` wraps a stream the caller made, on the device it was made on.
+    """
 
     def __init__(self, index: int, stream: Any = None) -> None:
         cupy = _cupy()
@@ -145,10 +177,30 @@ class CudaStream(DeviceStream):
         with self._device:
             self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
 
+    @classmethod
+    def of(cls, stream: Any) -> CudaStream:
+        """A CuPy stream as a DeviceStream, on its own device.
+
+        CuPy records the device a stream was created on (``device_id``); the
+        null and per-thread streams have none (-1) and belong to whichever
+        device is current, so those take the calling thread's current device:
+        call this in the thread that uses the stream.
+        """
+        index = int(getattr(stream, "device_id", -1))
+        if index < 0:
+            index = int(_cupy().cuda.runtime.getDevice())
+        return cls(index, stream)
+
+    def _fault(self, exc: Exception) -> DeviceFault:
+        return DeviceFault(f"{self.name}: {exc}")
+
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:  # a sticky error of the context
+                raise self._fault(exc) from None
 
     def copy_d2h(self, host_ptr: int, dev_ptr: int, nbytes: int) -> None:
         self._copy(host_ptr, dev_ptr, nbytes)
@@ -161,15 +213,21 @@ class CudaStream(DeviceStream):
 
     def fill(self, dev_ptr: int, value: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:
+                raise self._fault(exc) from None
 
     def record(self) -> CudaEvent:
-        with self._device:
-            # block=True: a waiting thread sleeps in the driver instead of spinning.
-            ev = self._cupy.cuda.Event(block=True, disable_timing=True)
-            ev.record(self.stream)
-        return CudaEvent(ev)
+        try:
+            with self._device:
+                # block=True: a waiting thread sleeps in the driver instead of spinning.
+                ev = self._cupy.cuda.Event(block=True, disable_timing=True)
+                ev.record(self.stream)
+        except self._rt.CUDARuntimeError as exc:
+            raise self._fault(exc) from None
+        return CudaEvent(ev, self.index)
 
     def synchronize(self) -> None:
         with self._device:
@@ -181,6 +239,16 @@ class CudaStream(DeviceStream):
 
     def waiter_init(self) -> None:
         self._device.use()
+
+    def __enter__(self) -> CudaStream:
+        # CuPy's own current stream too, for whatever else this thread launches.
+        self.stream.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.stream.__exit__(*exc)
 
 
 # -- pinned staging ----------------------------------------------------------------------
@@ -214,42 +282,31 @@ def pinned_allocator(size: int) -> tuple[memoryview, int, Any]:
 
 
 class CudaMemory(Memory):
+    """``cudaMalloc``'d memory of one GPU: no host view; its staging path is its group's."""
+
     kind = "cuda"
 
-    def __init__(self, device: str, size: int, ptr: int, owned: bool = True) -> None:
+    def __init__(self, device: str, size: int, ptr: int, group: CudaGroup) -> None:
         super().__init__(device, size)
         self.index = device_index(device)
         self.ptr = ptr
-        self._owned = owned
+        self.group = group
         self._closed = False
-        group = GROUPS.get(self.index)
-        self.io: DeviceIO | None = group.io if group is not None else None
 
     @classmethod
     def create(cls, device: str, size: int) -> CudaMemory:
-        index = device_index(device)
-        if index not in GROUPS:
-            raise NotFound(f"no device {device!r} on this daemon")
-        cupy = _cupy()
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(index):
-            try:
-                ptr = int(rt.malloc(max(size, 1)))
-            except Exception as exc:
-                if getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
-                    raise OutOfMemory(f"cannot allocate {size} bytes on {device}") from None
-                raise OutOfMemory(f"cannot allocate {size} bytes on {device}: {exc}") from None
-            try:
-                rt.memset(ptr, 0, max(size, 1))
-                rt.deviceSynchronize()
-            except Exception:
-                rt.free(ptr)
-                raise
-        return cls(device, size, ptr)
+        # Device memory comes from the group the daemon started for that GPU
+        # (its DeviceSpec's source), never from the kind alone.
+        raise NotFound(f"{device} memory is made by its device's group: no daemon serves "
+                       f"{device} here")
 
     @property
     def host_view(self) -> memoryview | None:
         return None
+
+    @property
+    def staging(self) -> DeviceIO | None:
+        return None if self._closed else self.group.io
 
     @property
     def address(self) -> int:
@@ -258,26 +315,13 @@ class CudaMemory(Memory):
     def resident(self) -> int:
         return self.size
 
-    def check(self, offset: int, size: int) -> int:
-        """The device address of ``[offset, offset + size)``, bounds checked."""
+    def device_address(self, offset: int, size: int) -> int:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes "
                               f"on {self.device}")
         if self._closed:
             raise NotFound(f"{self.device} memory was freed")
         return self.ptr + offset
-
-    def stage_in(self, offset: int, data: memoryview) -> None:
-        dst = self.check(offset, len(data))
-        cupy = _cupy()
-        with cupy.cuda.Device(self.index):
-            cupy.cuda.runtime.memcpy(dst, host_address(data), len(data), MEMCPY_DEFAULT)
-
-    def stage_out(self, offset: int, out: memoryview) -> None:
-        src = self.check(offset, len(out))
-        cupy = _cupy()
-        with cupy.cuda.Device(self.index):
-            cupy.cuda.runtime.memcpy(host_address(out), src, len(out), MEMCPY_DEFAULT)
 
     def describe(self) -> dict[str, Any]:
         return {"device_ptr": self.ptr}
@@ -286,33 +330,20 @@ class CudaMemory(Memory):
         if self._closed:
             return True
         self._closed = True
-        cupy = _cupy()
-        with contextlib.suppress(Exception), cupy.cuda.Device(self.index):
-            self._free()
-        self._report_gone()
+        # cudaFree waits for the whole device: on the group's worker, not the loop.
+        self.group.off_loop(self._free_and_report)
         return True
+
+    def _free_and_report(self) -> None:
+        try:
+            with self.group.current():
+                self._free()
+        except Exception:  # a broken device: the memory is gone with it
+            log.exception("freeing %d bytes on %s failed", self.size, self.device)
+        self._report_gone()
 
     def _free(self) -> None:
         _cupy().cuda.runtime.free(self.ptr)
-
-
-def address_range(ptr: int) -> tuple[int, int] | None:
-    """``(base, size)`` of the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
-
-    Through the driver library itself (CuPy does not wrap this call); None
-    where it cannot be asked.
-    """
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
-        return None
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
-    return int(base.value), int(size.value)
 
 
 class IpcCudaMemory(CudaMemory):
@@ -323,31 +354,9 @@ class IpcCudaMemory(CudaMemory):
     allocation's real extent here before anything is touched.
     """
 
-    def __init__(self, device: str, size: int, ptr: int, base: int) -> None:
-        super().__init__(device, size, ptr, owned=False)
+    def __init__(self, device: str, size: int, ptr: int, base: int, group: CudaGroup) -> None:
+        super().__init__(device, size, ptr, group)
         self.base = base
-
-    @classmethod
-    def open(cls, device: str, handle: bytes, offset: int, size: int) -> IpcCudaMemory:
-        index = device_index(device)
-        if index not in GROUPS:
-            raise NotFound(f"no device {device!r} on this daemon")
-        if len(handle) != IPC_HANDLE_BYTES:
-            raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
-        cupy = _cupy()
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(index):
-            try:
-                base = int(rt.ipcOpenMemHandle(bytes(handle), rt.cudaIpcMemLazyEnablePeerAccess))
-            except Exception as exc:
-                raise BadRequest(f"cannot open the CUDA IPC handle on {device}: {exc}") from None
-            extent = address_range(base)
-            if extent is not None and offset + size > extent[1]:
-                with contextlib.suppress(Exception):
-                    rt.ipcCloseMemHandle(base)
-                raise OutOfBounds(f"[{offset}, {offset + size}) is outside the client's "
-                                  f"allocation of {extent[1]} bytes")
-        return cls(device, size, base + offset, base)
 
     def describe(self) -> dict[str, Any]:
         return {"ipc": True}
@@ -360,7 +369,9 @@ class IpcCudaMemory(CudaMemory):
 
 
 @dataclass(eq=False)
-class CudaGroup:
+class CudaGroup(MemorySource):
+    """What one GPU gets in the daemon; the daemon's :class:`CudaDevices` owns it."""
+
     info: DeviceInfo
     cpu: int | None
     stream: CudaStream
@@ -373,82 +384,157 @@ class CudaGroup:
     def device(self) -> str:
         return f"cuda:{self.info.index}"
 
+    @property
+    def name(self) -> str:
+        return self.device
+
+    def current(self) -> Any:
+        """A context manager: this GPU current in the calling thread."""
+        return _cupy().cuda.Device(self.info.index)
+
+    def off_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the group's worker (it has the GPU's context), else here."""
+        worker = self.worker
+        if worker is not None and worker.loop is not None and not worker.loop.is_closed():
+            try:
+                worker.call(fn)
+                return
+            except RuntimeError:  # the worker's loop stopped meanwhile (the daemon's exit)
+                pass
+        fn()
+
+    def create(self, size: int) -> CudaMemory:
+        rt = _cupy().cuda.runtime
+        with self.current():
+            try:
+                ptr = int(rt.malloc(max(size, 1)))
+            except Exception as exc:
+                if getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise OutOfMemory(f"cannot allocate {size} bytes on {self.device}") from None
+                raise OutOfMemory(f"cannot allocate {size} bytes on {self.device}: {exc}") \
+                    from None
+        # Zero filled on the group's stream, not waited for here: every access
+        # the daemon makes to this memory (SET, GET, COPY, CLEAR, engine
+        # writes) is enqueued on that stream after the fill, so none sees the
+        # bytes before it; the loop never waits for the device.
+        try:
+            self.stream.fill(ptr, 0, max(size, 1))
+        except Exception:
+            with contextlib.suppress(Exception), self.current():
+                rt.free(ptr)
+            raise
+        return CudaMemory(self.device, size, ptr, self)
+
+    def open_ipc(self, handle: bytes, offset: int, size: int) -> IpcCudaMemory:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+        rt = _cupy().cuda.runtime
+        with self.current():
+            try:
+                base = int(rt.ipcOpenMemHandle(bytes(handle), rt.cudaIpcMemLazyEnablePeerAccess))
+            except Exception as exc:
+                raise BadRequest(f"cannot open the CUDA IPC handle on {self.device}: {exc}") \
+                    from None
+            try:
+                # The opened mapping is the client's whole allocation: the
+                # buffer must lie inside it, and its extent must be known.
+                ipc_span(base + offset, size, address_range(base))
+            except Exception:
+                with contextlib.suppress(Exception):
+                    rt.ipcCloseMemHandle(base)
+                raise
+        return IpcCudaMemory(self.device, size, base + offset, base, self)
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.device, "gpu": self.info.name, "pci_bus_id": self.info.pci_bus_id,
                 "numa_node": self.info.numa_node, "cpu": self.cpu,
                 "staging": self.pool.capacity * self.pool.chunk_size}
 
-
-GROUPS: dict[int, CudaGroup] = {}
-_groups_lock = threading.Lock()
-_taken: Counter[int] = Counter()
+    def stop(self) -> None:
+        self.waiter.close()
+        self.pool.close()
+        if self.worker is not None:
+            self.worker.stop()
 
 
 def start_group(index: int, *, chunk: int = DEFAULT_CHUNK, chunks: int = DEFAULT_CHUNKS,
-                pin: bool = True) -> CudaGroup:
-    """Bring up cuda:``index``: pinned worker, context current, stream, staging."""
+                pin: bool = True, taken: Counter[int] | None = None) -> CudaGroup:
+    """Bring up cuda:``index``: pinned worker, context current, stream, staging.
+
+    ``taken``: cores already given to other groups (the least used is chosen).
+    """
     from transferd.workers import ThreadWorker
 
-    with _groups_lock:
-        if index in GROUPS:
-            return GROUPS[index]
-        info = device_info(index)
-        cpu = None
-        if pin:
-            node_cpus = cpus_of_node(info.numa_node) if info.numa_node is not None else set()
-            cpu = choose_cpu(node_cpus, allowed_cpus(), _taken)
-            if cpu is not None:
-                _taken[cpu] += 1
-        worker = ThreadWorker(f"transferd-cuda{index}", cpu)
-        worker.start()
-        cupy = _cupy()
+    info = device_info(index)
+    cpu = None
+    if pin:
+        taken = taken if taken is not None else Counter()
+        node_cpus = cpus_of_node(info.numa_node) if info.numa_node is not None else set()
+        cpu = choose_cpu(node_cpus, allowed_cpus(), taken)
+        if cpu is not None:
+            taken[cpu] += 1
+    worker = ThreadWorker(f"transferd-cuda{index}", cpu)
+    worker.start()
+    cupy = _cupy()
 
-        def init() -> tuple[CudaStream, StagingPool]:
-            # On the pinned worker: the context is made current here, and the
-            # staging pages are first touched here, so they come from its node.
-            cupy.cuda.Device(index).use()
-            return CudaStream(index), StagingPool(chunk, chunks, pinned_allocator,
-                                                  name=f"staging of cuda:{index}")
+    def init() -> tuple[CudaStream, StagingPool]:
+        # On the pinned worker: the context is made current here, and the
+        # staging pages are first touched here, so they come from its node.
+        cupy.cuda.Device(index).use()
+        return CudaStream(index), StagingPool(chunk, chunks, pinned_allocator,
+                                              name=f"staging of cuda:{index}")
 
+    try:
         stream, pool = worker.run_sync(init, timeout=60)
-        waiter = EventWaiter(stream, name=f"transferd-cuda{index}-events")
-        group = CudaGroup(info, cpu, stream, waiter, pool, DeviceIO(stream, waiter, pool),
-                          worker)
-        GROUPS[index] = group
-        log.info("cuda:%d %s (%s, NUMA node %s): worker on cpu %s, %d MiB of pinned staging",
-                 index, info.name, info.pci_bus_id, info.numa_node, cpu,
-                 (chunk * chunks) >> 20)
-        return group
+    except BaseException:
+        worker.stop()
+        raise
+    waiter = EventWaiter(stream, name=f"transferd-cuda{index}-events")
+    group = CudaGroup(info, cpu, stream, waiter, pool, DeviceIO(stream, waiter, pool, worker),
+                      worker)
+    log.info("cuda:%d %s (%s, NUMA node %s): worker on cpu %s, %d MiB of pinned staging",
+             index, info.name, info.pci_bus_id, info.numa_node, cpu, (chunk * chunks) >> 20)
+    return group
 
 
-def stop_groups() -> None:
-    with _groups_lock:
-        groups = list(GROUPS.values())
-        GROUPS.clear()
-    for g in groups:
-        g.waiter.close()
-        g.pool.close()
-        if g.worker is not None:
-            g.worker.stop()
+class CudaDevices:
+    """The GPUs one daemon serves: a group each, started together, stopped with the daemon."""
 
+    def __init__(self) -> None:
+        self.groups: dict[int, CudaGroup] = {}
+        self.specs: list[DeviceSpec] = []
+        self._taken: Counter[int] = Counter()
 
-def start_devices(devices: list[str], *, memory_limit_mib: int = 0, staging_mib: int = 32,
-                  staging_chunk_kib: int = 4096, pin: bool = True) -> list[DeviceSpec]:
-    """Start a group per device named; the DeviceSpecs the buffer table serves them by.
+    @classmethod
+    def start(cls, devices: list[str], *, memory_limit_mib: int = 0, staging_mib: int = 32,
+              staging_chunk_kib: int = 4096, pin: bool = True) -> CudaDevices:
+        """A group per device named, and the DeviceSpecs the buffer table serves them by.
 
-    NotFound (naming the device and why) when CuPy finds no such device.
-    """
-    count, reason = availability()
-    if not count:
-        raise NotFound(f"{', '.join(devices)}: {reason}")
-    chunk = staging_chunk_kib << 10
-    chunks = max(1, (staging_mib << 20) // chunk)
-    specs = []
-    for name in devices:
-        index = device_index(name)
-        if index >= count:
-            raise NotFound(f"no device {name}: CuPy finds {count} CUDA device(s)")
-        group = start_group(index, chunk=chunk, chunks=chunks, pin=pin)
-        limit = (memory_limit_mib << 20) or int(group.info.free * 0.9)
-        specs.append(DeviceSpec(name, limit, None, ALIGNMENT))
-    return specs
+        NotFound (naming the device and why) when CuPy finds no such device.
+        """
+        count, reason = availability()
+        if not count:
+            raise NotFound(f"{', '.join(devices)}: {reason}")
+        chunk = staging_chunk_kib << 10
+        chunks = max(1, (staging_mib << 20) // chunk)
+        self = cls()
+        try:
+            for name in devices:
+                index = device_index(name)
+                if index >= count:
+                    raise NotFound(f"no device {name}: CuPy finds {count} CUDA device(s)")
+                group = self.groups.get(index)
+                if group is None:
+                    group = self.groups[index] = start_group(index, chunk=chunk, chunks=chunks,
+                                                             pin=pin, taken=self._taken)
+                limit = (memory_limit_mib << 20) or int(group.info.free * 0.9)
+                self.specs.append(DeviceSpec(name, limit, None, ALIGNMENT, group))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        groups, self.groups = list(self.groups.values()), {}
+        for g in groups:
+            g.stop()

@@ -46,6 +46,7 @@ from .errors import (
     error_from_body,
 )
 from .frames import Frame, FrameDecoder, RawHeader, encode_frame
+from .keyring import Keyring
 from .messages import str_field, uint_field
 
 # The decoder's buffer before READY: a header and the largest pre-auth body.
@@ -116,10 +117,15 @@ class Refused:
 
     ``auth`` is true for a failed authentication (a wrong or missing secret),
     which the server logs with the source address and slows down per source.
+    ``reason`` says why, for the log and the metrics (``no_secret``,
+    ``wrong_secret``, ``timeout``, ``protocol``: transferd.authlog.REASONS); it is
+    set for every failure of the authentication step, ``auth`` or not (an AUTH
+    that never came is closed at once, not slowed down).
     """
 
     error: TransferdError
     auth: bool = False
+    reason: str = ""
 
 
 @dataclass
@@ -191,8 +197,10 @@ class ServerSettings:
     features: list[str] = field(default_factory=list)
     max_body: int = 4 * 1024 * 1024
     max_payload: int = 1 << 34
-    # The shared secret (b"": no authentication required).
+    # The shared secret (b"": no authentication required), and during a rotation
+    # the one clients proved before (accepted too, and proved as ``previous_proof``).
     secret: bytes = b""
+    previous_secret: bytes = b""
     # Whether this listener offers the token method (the token crosses the wire).
     token_allowed: bool = False
     # Message transports announce their continuation size in HELLO.
@@ -248,6 +256,9 @@ class ServerConnection(_Machine):
         self.method: str | None = None
         self._nonce = b""
         self._challenge = b""
+        # The secrets of this handshake, taken at HELLO: a reload meanwhile
+        # changes the next handshake, not this one.
+        self._keys = Keyring()
 
     # -- input ------------------------------------------------------------------------
 
@@ -321,14 +332,14 @@ class ServerConnection(_Machine):
         )
         self._out.append(encode_frame(cmd, _REPLY_ERROR, 0, exc.to_body()))
         self._go(Input.TIMED_OUT)
-        return [Refused(exc)]
+        return [Refused(exc, reason="timeout" if cmd == _AUTH else "")]
 
-    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False
-               ) -> list[Event]:
+    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False,
+               reason: str = "") -> list[Event]:
         """Send a fatal error and go CLOSING."""
         self._out.append(encode_frame(cmd, _REPLY_ERROR, seq, exc.to_body()))
         self._go(Input.REFUSED)
-        return [Refused(exc, auth=is_auth)]
+        return [Refused(exc, auth=is_auth, reason=reason or ("protocol" if is_auth else ""))]
 
     # -- HELLO and AUTH ----------------------------------------------------------------
 
@@ -359,6 +370,7 @@ class ServerConnection(_Machine):
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, None)
             reply["auth"] = s.methods
+            keys = self._keys = Keyring(s.secret, s.previous_secret)
             method = body.get("auth")
             if method == auth.HMAC_SHA256:
                 nonce = body.get("nonce")
@@ -369,7 +381,10 @@ class ServerConnection(_Machine):
                 self._nonce = nonce
                 self._challenge = self._random(auth.NONCE_SIZE)
                 reply["challenge"] = self._challenge
-                reply["proof"] = auth.server_proof(s.secret, nonce, self._challenge)
+                reply["proof"] = auth.server_proof(keys.current, nonce, self._challenge)
+                if keys.previous:
+                    reply["previous_proof"] = auth.server_proof(keys.previous, nonce,
+                                                                self._challenge)
                 self.method = auth.HMAC_SHA256
                 self._send_reply(frame, reply)
                 self._go(Input.CHALLENGED)
@@ -385,19 +400,22 @@ class ServerConnection(_Machine):
                         "cross the wire in clear): use hmac-sha256"
                     )
                 token = body.get("token")
-                if not isinstance(token, str) or not auth.same(token.encode(), s.secret):
+                if not isinstance(token, str) or keys.match(token.encode(), bytes) is None:
                     return self.refuse(
-                        Unauthorized("a valid token is required" if token else "token missing"),
+                        Unauthorized("the client's token is wrong: it is not this daemon's "
+                                     "server.token" if token else "token missing"),
                         frame.cmd, frame.seq, is_auth=True,
+                        reason="wrong_secret" if token else "no_secret",
                     )
                 self.method = auth.TOKEN
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, auth.TOKEN)
             return self.refuse(
                 Unauthorized(
-                    f"authentication required: this listener offers {', '.join(s.methods)}"
+                    "authentication required: this daemon has a token (server.token_file) "
+                    f"and the client gave none; this listener offers {', '.join(s.methods)}"
                 ),
-                frame.cmd, frame.seq, is_auth=True,
+                frame.cmd, frame.seq, is_auth=True, reason="no_secret",
             )
         except TransferdError as exc:
             return self.refuse(exc, frame.cmd, frame.seq, is_auth=isinstance(exc, Unauthorized))
@@ -409,9 +427,12 @@ class ServerConnection(_Machine):
                 Unauthorized(f"AUTH needs a mac of {auth.MAC_SIZE} bytes (bin)"),
                 frame.cmd, frame.seq, is_auth=True,
             )
-        want = auth.client_mac(self.settings.secret, self._challenge, self._nonce)
-        if not auth.same(mac, want):
-            return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, is_auth=True)
+        if self._keys.match(mac, lambda k: auth.client_mac(k, self._challenge,
+                                                           self._nonce)) is None:
+            return self.refuse(
+                Unauthorized("wrong mac: the client's token is not this daemon's server.token"),
+                frame.cmd, frame.seq, is_auth=True, reason="wrong_secret",
+            )
         self._send_reply(frame, None)
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
 
@@ -494,7 +515,8 @@ class ClientConnection(_Machine):
         """The server's HELLO reply: the AUTH body to send next, or None when READY.
 
         Raises Unauthorized (and goes CLOSING) when the server's proof is
-        wrong or missing: that server does not know the secret.
+        wrong or missing: the two sides do not hold the same secret (the client
+        then closes, and the server logs that it hung up after its proof).
         """
         if self.state is not ConnState.HELLO:
             self._go(Input.HELLO_ACCEPTED)  # raises IllegalTransition
@@ -521,16 +543,24 @@ class ClientConnection(_Machine):
                 raise Unauthorized(f"the server requires authentication ({body['auth']})")
             self._go(Input.HELLO_ACCEPTED)
             return None
-        proof = body.get("proof")
+        # During a rotation the server proves the secret in use before as well.
+        proofs = [p for p in (body.get("proof"), body.get("previous_proof"))
+                  if isinstance(p, bytes)]
         if (
             not self._nonce
             or not isinstance(challenge, bytes)
             or len(challenge) != auth.NONCE_SIZE
-            or not isinstance(proof, bytes)
-            or not auth.same(proof, auth.server_proof(self.secret, self._nonce, challenge))
+            or not proofs
+            or not any([auth.same(p, auth.server_proof(self.secret, self._nonce, challenge))
+                        for p in proofs])
         ):
             self._go(Input.REFUSED)
-            raise Unauthorized("the server's proof is wrong: it does not know the secret")
+            # Nearly always this client's token, not the server: say so first.
+            raise Unauthorized(
+                "the token is wrong: the server's proof does not match this client's token "
+                "(it differs from the daemon's server.token, or this is not the daemon "
+                "meant)"
+            )
         self._go(Input.CHALLENGED)
         return {"mac": auth.client_mac(self.secret, challenge, self._nonce)}
 

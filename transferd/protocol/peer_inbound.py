@@ -17,6 +17,7 @@ from typing import Any
 from transferd.copies import COUNTING, count
 
 from .errors import BadFrame, BadRequest, TransferdError
+from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_landing import Admission, Landing
 from .peer_link import (
@@ -61,7 +62,7 @@ class InboundLink(LinkEnd):
     it is BadFrame.
     """
 
-    def __init__(self, me: PeerIdentity, rail: int, secret: bytes | None, now: float, *,
+    def __init__(self, me: PeerIdentity, rail: int, secret: bytes | Keyring | None, now: float, *,
                  landing: Landing, timeout: float, max_message: int,
                  admit: Callable[[PeerIdentity], None] | None = None,
                  abort: Callable[[], None] | None = None, stream_frames: bool = True,

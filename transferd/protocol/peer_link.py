@@ -248,6 +248,9 @@ class LinkEnd:
         self.error: TransferdError | None = None
         self.out = Output()
         self.events: list[Event] = []
+        #: The handshake failed (refused, timed out, a frame it cannot take), as the
+        #: I/O side reports it (transferd.authlog); not a dial that never connected.
+        self.handshake_failed = False
         self._decoder = FrameDecoder(max_body=MAX_HANDSHAKE_BODY, max_payload=0, exact=True,
                                      buffer_size=PRE_AUTH_BUFFER)
         self._buf: bytearray | None = None
@@ -297,6 +300,8 @@ class LinkEnd:
         """What an end lets go of when it closes."""
 
     def _fail(self, exc: TransferdError) -> None:
+        if self.state is LinkState.HANDSHAKE:
+            self.handshake_failed = True  # (its reason is the handshake's: hs.reason)
         self.out.push(self.hs.data_to_send())  # a responder tells the initiator why
         self.close(self._error_of(exc))
 

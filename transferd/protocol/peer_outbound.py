@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import BadFrame, BadRequest, PeerUnreachable, TransferdError
+from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_link import (
     HIGH_WATER,
@@ -32,7 +33,7 @@ class OutboundLink(LinkEnd):
     every token still owed an answer.
     """
 
-    def __init__(self, me: PeerIdentity, rail: int, secret: bytes | None, now: float, *,
+    def __init__(self, me: PeerIdentity, rail: int, secret: bytes | Keyring | None, now: float, *,
                  expect: tuple[int, int, bytes], timeout: float,
                  admit: Callable[[PeerIdentity], None] | None = None,
                  high_water: int = HIGH_WATER, low_water: int = LOW_WATER,

@@ -495,7 +495,8 @@ class InboundPeer:
         d = self.domain
         d.port.links.probes.cancel(self)
         if error is not None and not self.core.authenticated:
-            log.info("rail %d: peer handshake refused: %s", d.rail, error.message)
+            # (A failed handshake is counted and logged where it failed: authlog.)
+            log.debug("rail %d: peer handshake ended: %s", d.rail, error.message)
         if self.core.authenticated:
             d.port.sender_gone(self)  # its messages still waiting go
         d.inbound_closed(self)
