@@ -24,7 +24,6 @@ from .peer_link import (
     ACK_HIGH,
     ACK_LOW,
     HEAD_GUESS,
-    HEAD_READ,
     IOV_MAX,
     RECV_BYTES,
     Deliver,
@@ -91,7 +90,6 @@ class InboundLink(LinkEnd):
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
         self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
-        self._first = self._head  # its first HEAD_READ bytes
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -135,12 +133,10 @@ class InboundLink(LinkEnd):
                         views.append(self._head)
                     return views
             elif self._want == HEAD_GUESS:
-                # The usual case: nothing buffered, a frame's header next; with it, a
-                # small payload (copied to its pages: cheaper than a second receive),
-                # or a large one's first bytes (the rest goes straight into its pages).
+                # The usual case: nothing buffered, a frame's header next.
                 self._direct = False
                 self._start = self._end = 0
-                return [self._first]
+                return [self._head]
         self._direct = False
         room = self._room()
         # Never past the frame in hand: its header, or what of a dropped payload is left.
@@ -152,7 +148,6 @@ class InboundLink(LinkEnd):
         assert self.peer is not None and self._view is not None
         self._key = self.peer.key
         self._head = self._view[:HEAD_GUESS]
-        self._first = self._view[:HEAD_READ]
 
     def received(self, n: int, now: float) -> None:
         if self._direct:

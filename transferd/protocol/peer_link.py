@@ -107,11 +107,6 @@ BUFFER = 256 * 1024
 # shorter than 24), then the rest of its header; with a payload's last bytes, this
 # much of what follows (the next header's start).
 HEAD_GUESS = 64
-# ...except a read at a frame's start with nothing buffered, which takes up to this
-# much: a small write's header and payload in one receive (a 4 KiB write is 4,160
-# bytes), the payload copied to its pages; of a large payload, at most this much is
-# copied, the rest received straight into its pages.
-HEAD_READ = 16 * 1024
 # What one receive or send is offered (views and bytes).
 IOV_MAX = 512
 RECV_BYTES = 1 << 20
@@ -446,7 +441,7 @@ class LinkEnd:
 
 
 __all__ = [
-    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HEAD_READ", "HIGH_WATER", "LOW_WATER",
+    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
     "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
     "LinkInput", "LinkState", "Output", "ProbeArrived", "Refused", "SetUp",
 ]
