@@ -135,6 +135,44 @@ def test_previous_token_file_accepts_both_during_a_rotation(daemon_factory: Daem
     assert OLD not in d.stderr and NEW not in d.stderr
 
 
+def contract_only(d: DaemonProcess, secret: str) -> bool:
+    """A client written from PROTOCOL.md alone: it checks ``proof`` (nothing else: an
+    unknown key such as ``previous_proof`` is not its business) and closes when that is
+    wrong; True when the daemon then accepts its AUTH."""
+    with RawConn.to(d) as raw:
+        nonce = auth.fresh_nonce()
+        raw.send(Command.HELLO, {"major": PROTO_MAJOR, "minor": 2, "client": "contract",
+                                 "auth": auth.HMAC_SHA256, "nonce": nonce})
+        body = raw.recv().body
+        if body["proof"] != auth.server_proof(secret.encode(), nonce, body["challenge"]):
+            return False  # PROTOCOL.md: "closes if it is wrong"
+        raw.send(Command.AUTH, {"mac": auth.client_mac(secret.encode(), body["challenge"],
+                                                       nonce)})
+        return raw.recv().body == {}
+
+
+def test_a_client_that_checks_only_proof_during_a_rotation(daemon_factory: DaemonFactory,
+                                                           tmp_path: Path) -> None:
+    """``proof`` is made with the secret in server.token_file: a client that reads only
+    it (PROTOCOL.md) is served during a window with that secret alone.  So for such
+    clients the new secret goes into the previous file first (accepted ahead, proved in
+    ``previous_proof``): they keep working on the old one while this library's clients
+    switch; the files are swapped when they switch (docs/security.md)."""
+    cur, prev = tmp_path / "token", tmp_path / "token.previous"
+    write_secret(cur, NEW)
+    write_secret(prev, OLD)
+    d = daemon_factory(["--token-file", str(cur)],
+                       env={"TRANSFERD_SERVER_PREVIOUS_TOKEN_FILE": str(prev)})
+    assert contract_only(d, NEW) and not contract_only(d, OLD)
+    assert accepted(d, OLD) and accepted(d, NEW)
+    # The new secret accepted ahead: the old one still proved in `proof`.
+    write_secret(cur, OLD)
+    write_secret(prev, NEW)
+    reload(d, "SIGHUP: applied")
+    assert contract_only(d, OLD) and not contract_only(d, NEW)
+    assert accepted(d, OLD) and accepted(d, NEW)
+
+
 @async_test(timeout=60)
 async def test_sighup_switches_to_the_new_cluster_secret(tmp_path: Path) -> None:
     """X had ONE, Z has TWO: once X's file says TWO and X reloads, they link both ways
