@@ -304,6 +304,37 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path: Path, key: str) -> N
     assert _check_config(cfg).returncode == 0, _check_config(cfg).stderr
 
 
+def test_a_secret_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    """A 0600 file in a directory any user can write (no sticky bit) was accepted: any
+    local user could rename it away and put there a symlink to a file of the daemon's
+    user or root whose contents they know or choose (RHEL's /etc/shadow is mode 0000
+    root: it passed the file's own check), which the next reload or start would take as
+    the secret.  Now the directories on the way to the file and to its target are judged
+    as ssh's StrictModes does: none writable by another user unless sticky (/tmp)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    secret = shared / "token"
+    write_secret(secret, OLD)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{secret}\"\n")
+    for mode in (0o777, 0o770):
+        shared.chmod(mode)
+        r = _check_config(cfg)
+        assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+        assert f"{shared} can be written by other users (mode {mode:04o})" in r.stderr, r.stderr
+        assert f"chmod go-w {shared}" in r.stderr and OLD not in r.stderr
+    # Through a symlink kept in a safe place, the target's directory is judged too.
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{link}\"\n")
+    r = _check_config(cfg)
+    assert r.returncode == Exit.CONFIG and f"{shared} can be written" in r.stderr, r.stderr
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody else can replace the file
+    assert _check_config(cfg).returncode == 0
+    shared.chmod(0o755)
+    assert _check_config(cfg).returncode == 0
+
+
 def test_a_secret_path_that_is_not_a_file_is_refused_at_once(tmp_path: Path) -> None:
     """A FIFO never ends (nothing writes it): check-config and the start used to block
     reading it.  Now it is refused without a read; so is a file that is too long."""
