@@ -96,6 +96,8 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             raise BadRequest(f"buffer {buf.id} has no host view to watch") from None
         (words, index), keep = buffer_words(view, offset), view
         key: Hashable = ("buffer", buf.id)
+        # Ends once the buffer is freed: its view would hold the memory and the charge.
+        gone: Any = lambda: buf.freed  # noqa: E731
     else:
         page = _PAGES.get(session)
         if page is None or page.closed:
@@ -104,7 +106,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             except OSError as exc:
                 raise BadRequest(f"cannot make a shared word page: {exc}") from None
         offset = page.take()
-        words, index, keep, key = page.words, offset // WORD, page, page
+        words, index, keep, key, gone = page.words, offset // WORD, page, page, None
         reply.update(path=str(page.path), offset=offset, page_size=len(page.words) * 8)
     box: list[Watcher] = []
 
@@ -118,7 +120,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         with contextlib.suppress(RuntimeError):  # the daemon's loop is gone
             loop.call_soon_threadsafe(deliver, old, new)
 
-    w = watchers.add(session, key, words, index, changed, keep, handoff=True)
+    w = watchers.add(session, key, words, index, changed, keep, handoff=True, gone=gone)
     box.append(w)
     reply.update(watcher=w.id, value=w.last)
     return Reply(reply)

@@ -117,3 +117,34 @@ async def test_idle_watchers_cost_nearly_nothing(daemon: DaemonProcess) -> None:
     finally:
         for c in clients:
             await c.close()
+
+
+@async_test(timeout=60)
+async def test_a_watcher_does_not_keep_a_freed_buffer(daemon_factory: DaemonFactory) -> None:
+    """A watcher on a buffer's word held the buffer's memory (and its charge) after the
+    buffer was freed, for as long as the watcher's connection lived: three 64 MiB
+    buffers watched and freed left a 256 MiB daemon OUT_OF_MEMORY, and any client could
+    pin another's memory that way.  Now the buffer's watchers end with it (they watched
+    memory nobody could reach) and the memory comes back; page watchers stay."""
+    d = daemon_factory(["-m", "256"])
+    assert d.metrics_url is not None
+    async with await Client.connect(d.url) as c, await Client.connect(d.url) as other:
+        kept = await c.alloc_uvm_watcher(lambda o, n: None)  # a page word: unaffected
+        for _ in range(6):
+            buf = await other.alloc_buffer(64 << 20)
+            await c.alloc_uvm_watcher(lambda o, n: None, buffer=buf, offset=8)
+            await other.free_buffer(buf)
+
+            async def back() -> bool:
+                return (await c.get_devices())[0]["free"] == 256 << 20
+
+            for _ in range(100):
+                if await back():
+                    break
+                await asyncio.sleep(0.05)
+            assert await back(), (await c.get_devices())[0]
+        assert metric(scrape(d.metrics_url), "transferd_watchers") == 1
+        got: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        kept.callback = lambda o, n: got.put_nowait((o, n))
+        kept.set(7)
+        assert await asyncio.wait_for(got.get(), 5) == (0, 7)

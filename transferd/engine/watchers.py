@@ -175,6 +175,9 @@ class Watcher:
     in_flight: bool = False
     changes: int = 0
     segment: _Segment | None = field(repr=False, default=None)
+    # True once the word's memory is let go of (its buffer freed): the watcher then
+    # ends at the next sweep, so that its views no longer hold that memory.
+    gone: Callable[[], bool] | None = field(repr=False, default=None)
 
     def read(self) -> int:
         assert self.segment is not None
@@ -233,6 +236,10 @@ class _Segment:
         for i in changed:
             _fire(watchers[i], int(now[i]), last, i)
         return len(changed)
+
+
+def _ended(old: int, new: int) -> None:
+    """The callback of a watcher taken out (the polling thread may still hold it)."""
 
 
 # Segments of at most this many watchers read their words one by one.
@@ -294,16 +301,18 @@ class Watchers:
                               "(engine.max_watchers_per_connection)")
 
     def add(self, owner: Hashable, key: Hashable, words: np.ndarray, index: int,
-            callback: Change, keep: Any = None, *, handoff: bool = False) -> Watcher:
+            callback: Change, keep: Any = None, *, handoff: bool = False,
+            gone: Callable[[], bool] | None = None) -> Watcher:
         """Watch ``words[index]`` for ``owner``.  ``key`` names the array: words of one
-        key are read together (the first ``words`` given for a key is the one read)."""
+        key are read together (the first ``words`` given for a key is the one read).
+        ``gone()`` true: the memory was let go of, the watcher ends within SWEEP_S."""
         with self._lock:
             self.check_room(owner)
             seg = self._segments.get(key)
             if seg is None:
                 seg = self._segments[key] = _Segment(key, words, self.poll_s)
             w = Watcher(next(self._ids), owner, index, callback, int(seg.words[index]), keep,
-                        handoff, segment=seg)
+                        handoff, segment=seg, gone=gone)
             self._by_id[w.id] = w
             self._per_owner[owner] += 1
             seg.rebuild((*seg.watchers, w))
@@ -341,6 +350,10 @@ class Watchers:
         """Take ``gone`` out (the lock held): their segments are rebuilt, or dropped."""
         touched: set[_Segment] = set()
         for w in gone:
+            # A callback usually refers back to its watcher (a cycle only the collector
+            # would break, at its leisure): cut it, so the memory the watcher's views
+            # hold (a freed buffer's) is let go of now.
+            w.callback = _ended
             del self._by_id[w.id]
             self._per_owner[w.owner] -= 1
             if self._per_owner[w.owner] <= 0:
@@ -365,12 +378,16 @@ class Watchers:
         cold: list[_Segment] = []
         next_cold = next_sweep = time.monotonic()
         paced = self.idle_poll_s > self.poll_s
+        fresh: list[_Segment] = []
+        seg: _Segment | None = None
         while True:
             with self._lock:
                 while not self._by_id and not self._stop:
-                    # Nothing to watch: sleep until a watcher is added, burn nothing.
+                    # Nothing to watch: sleep until a watcher is added, burn nothing,
+                    # and hold no array (a freed buffer's memory goes with its last view).
                     hot.clear()
                     cold.clear()
+                    fresh, seg = [], None
                     self._wake.wait()
                 if self._stop:
                     self._thread = None
@@ -429,6 +446,10 @@ class Watchers:
                 time.sleep(wait)
 
     def _sweep(self, segments: list[_Segment]) -> None:
+        ended = [w for seg in segments for w in seg.watchers if w.gone is not None and w.gone()]
+        if ended:
+            with self._lock:
+                self._forget([w for w in ended if w.id in self._by_id])
         owners = {w.owner for seg in segments for w in seg.watchers}
         for owner in owners:
             if not self._alive(owner):
