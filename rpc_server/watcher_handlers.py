@@ -13,7 +13,8 @@ Reply: ``watcher`` (id), ``value`` (the word now), and for the page form
 ``path``, ``offset``, ``page_size``.  Every change the watcher thread sees is
 an EVENT with the request's cmd and seq: ``{"watcher", "old", "new"}``.  At
 most one EVENT per watcher is in flight; changes seen meanwhile are merged.
-Watchers end with their connection.  docs/protocol.md has the reference.
+Watchers end with their connection, and one on a buffer's word also with that buffer
+(within the sweep, 0.5 s).  docs/protocol.md has the reference.
 """
 
 from __future__ import annotations
