@@ -11,6 +11,7 @@ CPU time over two seconds is checked with a wide margin.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import time
 
@@ -148,3 +149,32 @@ async def test_a_watcher_does_not_keep_a_freed_buffer(daemon_factory: DaemonFact
         kept.callback = lambda o, n: got.put_nowait((o, n))
         kept.set(7)
         assert await asyncio.wait_for(got.get(), 5) == (0, 7)
+
+
+@async_test(timeout=60)
+async def test_pages_of_a_killed_daemon_do_not_stay_in_dev_shm(
+        daemon_factory: DaemonFactory) -> None:
+    """A daemon killed with SIGKILL (the OOM killer, systemd's stop timeout) never ran its
+    clean-up: each connection's word page stayed in /dev/shm (tmpfs: memory) for good, a
+    crash loop adding more.  Now the next daemon that makes a page removes the pages of
+    daemons that are gone, and leaves a live daemon's alone."""
+    killed, live = daemon_factory(), daemon_factory()
+    assert killed.proc is not None and live.proc is not None
+    async with await Client.connect(killed.url) as c:
+        for _ in range(3):
+            await c.alloc_uvm_watcher(lambda o, n: None)
+        dead = sorted(glob.glob(f"/dev/shm/transferd-watch-{killed.proc.pid}-*"))
+        assert len(dead) == 1
+        killed.kill()
+    async with await Client.connect(live.url) as b:
+        w = await b.alloc_uvm_watcher(lambda o, n: None)
+        assert w.path is not None and os.path.exists(w.path)
+        third = daemon_factory()
+        async with await Client.connect(third.url) as c:
+            await c.alloc_uvm_watcher(lambda o, n: None)
+            assert not any(os.path.exists(p) for p in dead)
+            assert os.path.exists(w.path)  # the live daemon's page stays, and works
+            got: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+            w.callback = lambda o, n: got.put_nowait((o, n))
+            w.set(5)
+            assert await asyncio.wait_for(got.get(), 5) == (0, 5)

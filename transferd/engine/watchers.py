@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -98,13 +100,90 @@ def shm_dir() -> Path:
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
+_PAGE = re.compile(r"transferd-watch-(\d+)-[0-9a-f]{16}")
+# Directory -> the lock this process holds there while it has pages in it.
+_CLAIMS: dict[Path, int] = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+def _lock_path(d: Path, pid: int) -> Path:
+    return d / f"transferd-watch-{pid}.lock"
+
+
+def claim(d: Path) -> None:
+    """Before this process's first page in ``d``: hold its lock there (the sign that its
+    pages are in use) and remove the pages of processes that died without removing
+    theirs (SIGKILL, the OOM killer: ``atexit`` never ran).  A page is stale when its
+    process's lock can be taken (it works across PID namespaces sharing ``d``), or,
+    without a lock file, when no process has its PID; pages of this PID are stale
+    before this process made any (a PID used again)."""
+    with _CLAIMS_LOCK:
+        if d in _CLAIMS:
+            return
+        me = os.getpid()
+        fd = os.open(_lock_path(d, me), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mine_stale = True
+        except OSError:  # a live process of this PID in another PID namespace holds it
+            mine_stale = False
+        _CLAIMS[d] = fd
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        by_pid: dict[int, list[str]] = {}
+        for name in names:
+            m = _PAGE.fullmatch(name)
+            if m:
+                by_pid.setdefault(int(m.group(1)), []).append(name)
+        uid = os.geteuid()
+        for pid, pages in by_pid.items():
+            if (pid == me and mine_stale) or (pid != me and _dead(d, pid)):
+                for name in pages:
+                    with contextlib.suppress(OSError):
+                        if os.lstat(d / name).st_uid == uid:
+                            os.unlink(d / name)
+                if pid != me:
+                    with contextlib.suppress(OSError):
+                        os.unlink(_lock_path(d, pid))
+        if any(by_pid.values()):
+            log.debug("watcher pages of processes gone removed from %s", d)
+
+
+def _dead(d: Path, pid: int) -> bool:
+    """Whether the process that made pages as ``pid`` is gone (see :func:`claim`)."""
+    try:
+        fd = os.open(_lock_path(d, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its process is alive
+    finally:
+        os.close(fd)
+    return True
+
+
 class WordPage:
-    """One page of shared words in a file of its own, mode 0600, removed on close."""
+    """One page of shared words in a file of its own, mode 0600, removed on close (or,
+    when its process was killed, by the next process that makes one: :func:`claim`)."""
 
     _live: weakref.WeakSet[WordPage] = weakref.WeakSet()
 
     def __init__(self, directory: Path | None = None) -> None:
         d = directory or shm_dir()
+        claim(d)
         self.path = d / f"transferd-watch-{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -143,6 +222,12 @@ class WordPage:
     def close_all(cls) -> None:
         for page in list(cls._live):
             page.close()
+        with _CLAIMS_LOCK:
+            for d, fd in _CLAIMS.items():
+                with contextlib.suppress(OSError):
+                    os.unlink(_lock_path(d, os.getpid()))
+                os.close(fd)
+            _CLAIMS.clear()
 
 
 atexit.register(WordPage.close_all)
