@@ -120,6 +120,20 @@ def test_why_it_did_not_start_is_an_error_in_the_journal(tmp_path: Path) -> None
     assert log.read_text().startswith("<3>transferd: cannot start: server.port: ")
 
 
+def test_every_line_of_a_fatal_message_is_an_error(tmp_path: Path) -> None:
+    """A ConfigError of two problems is two lines ("transferd: configuration error: ..."):
+    the second had no priority, so journald filed it at info and `journalctl -p err`
+    showed half of why the daemon stopped."""
+    log = tmp_path / "journal"
+    log.touch()
+    code = ("from transferd.config import ConfigError; from transferd.logs import fatal; "
+            "fatal(f'transferd: configuration error: {ConfigError([\"a.b: one\", \"c.d: two\"])}')")
+    subprocess.run([sys.executable, "-c", code], stderr=log.open("a"), env=_journal_env(log),
+                   timeout=60, cwd=REPO, check=True)
+    assert log.read_text().splitlines() == ["<3>transferd: configuration error: a.b: one",
+                                            "<3>c.d: two"]
+
+
 # -- reloads -----------------------------------------------------------------------------
 
 
