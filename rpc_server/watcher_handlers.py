@@ -77,6 +77,24 @@ def session_closed(session: Session) -> None:
         page.close()
 
 
+# Per connection: watchers whose last EVENT still waits in its write buffer.
+_UNSENT: weakref.WeakKeyDictionary[Session, list[Watcher]] = weakref.WeakKeyDictionary()
+
+
+def _when_drained(session: Session, w: Watcher) -> None:
+    waiting = _UNSENT.get(session)
+    if waiting is None:
+        waiting = _UNSENT[session] = []
+
+        def drained() -> None:
+            session.drained_hooks.discard(drained)
+            for x in _UNSENT.pop(session, ()):
+                x.delivered()
+
+        session.drained_hooks.add(drained)
+    waiting.append(w)
+
+
 @handler(Command.ALLOC_UVM_WATCHER)
 def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
     if session.ctx.minor < 2:  # pragma: no cover - the session refuses minor-2 commands first
@@ -98,7 +116,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         (words, index), keep = buffer_words(view, offset), view
         key: Hashable = ("buffer", buf.id)
         # Ends once the buffer is freed: its view would hold the memory and the charge.
-        gone: Any = lambda: buf.freed  # noqa: E731
+        gone: Any = lambda: buf.freed
     else:
         page = _PAGES.get(session)
         if page is None or page.closed:
@@ -115,7 +133,12 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         w = box[0]
         session.send_frame(Command.ALLOC_UVM_WATCHER, Flag.EVENT, seq,
                            {"watcher": w.id, "old": old, "new": new})
-        w.delivered()
+        if session.write_blocked:
+            # Not out yet (a client that does not read): the next change waits, merged,
+            # until this one is, so a connection holds one EVENT per watcher at most.
+            _when_drained(session, w)
+        else:
+            w.delivered()
 
     def changed(old: int, new: int) -> None:  # on the watcher thread
         with contextlib.suppress(RuntimeError):  # the daemon's loop is gone

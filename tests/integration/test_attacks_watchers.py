@@ -13,13 +13,17 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, async_test, metric, scrape
+from tests.helpers import DaemonProcess, RawConn, async_test, metric, scrape
+from transferd.protocol.constants import Command
 from transferd.protocol.errors import OutOfMemory
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -178,3 +182,49 @@ async def test_pages_of_a_killed_daemon_do_not_stay_in_dev_shm(
             w.callback = lambda o, n: got.put_nowait((o, n))
             w.set(5)
             assert await asyncio.wait_for(got.get(), 5) == (0, 5)
+
+
+def test_a_client_that_does_not_read_its_events_costs_the_daemon_nothing(
+        daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """A client stops reading while its watched word keeps moving: every change was
+    written into its connection's buffer in the daemon (one EVENT "in flight" meant
+    handed to the transport), which grew without bound (+58 MiB in 30 s over tcp,
+    steady).  Now an EVENT counts as delivered once the transport has let go of it, so
+    one waits per watcher and later changes merge into it; once the client reads again
+    it gets them, chained, up to the word's last value.  Over a Unix socket (the
+    kernel holds a fixed ~200 KiB) what it then reads is what was queued."""
+    d = daemon_factory(["--unix", str(tmp_path / "d.sock")])
+    conn = RawConn.at(f"unix://{tmp_path / 'd.sock'}")
+    conn.hello()
+    body = conn.request(Command.ALLOC_UVM_WATCHER, {}).body
+    bumper = subprocess.Popen([sys.executable, "-c", BUMP, body["path"], str(body["offset"]),
+                               "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = bumper.communicate(timeout=60)
+        last = int(out.split()[-1])
+    finally:
+        bumper.kill()
+    events, new = 0, 0
+    while new != last:
+        f = conn.recv()
+        assert f.is_event and f.body["old"] == new, (f, new)  # chained: none lost
+        new = f.body["new"]
+        events += 1
+    conn.close()
+    assert d.alive()
+    assert events < 5_000, f"{events} EVENTs were queued for a client that did not read"
+
+
+# Stores into a watched word as fast as it can for argv[3] seconds; prints the last value.
+BUMP = """
+import mmap, os, sys, time
+import numpy as np
+fd = os.open(sys.argv[1], os.O_RDWR)
+words = np.frombuffer(mmap.mmap(fd, 4096), dtype=np.uint64)
+i, end, at = 0, time.monotonic() + float(sys.argv[3]), int(sys.argv[2]) // 8
+while time.monotonic() < end:
+    for _ in range(1000):
+        i += 1
+        words[at] = i
+print(i)
+"""
