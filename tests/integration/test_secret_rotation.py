@@ -135,6 +135,26 @@ def test_previous_token_file_accepts_both_during_a_rotation(daemon_factory: Daem
     assert OLD not in d.stderr and NEW not in d.stderr
 
 
+def test_a_reload_cannot_take_the_client_secret_away(tmp_path: Path) -> None:
+    """The token_file line deleted from the configuration (a slip in an edit), then
+    SIGHUP: the daemon went on without any secret, open to every client that reaches
+    it, and said so at INFO only.  As for the cluster secret, taking it away needs a
+    restart: the reload keeps the running secret and says so at WARNING."""
+    token = tmp_path / "token"
+    write_secret(token, OLD)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{token}\"\n[metrics]\nport = 0\n")
+    with DaemonProcess(command=[sys.executable, "-m", "transferd.cli", "serve", "-c",
+                                str(cfg)]) as d:
+        cfg.write_text("[server]\nport = 0\n[metrics]\nport = 0\n")
+        reload(d, "SIGHUP: not applied, needs a restart")
+        assert "removing the client secret" in d.stderr, d.stderr
+        with pytest.raises(Unauthorized):
+            with SyncClient(d.url) as c:
+                c.get_devices()
+        assert accepted(d, OLD)
+
+
 def contract_only(d: DaemonProcess, secret: str) -> bool:
     """A client written from PROTOCOL.md alone: it checks ``proof`` (nothing else: an
     unknown key such as ``previous_proof`` is not its business) and closes when that is
