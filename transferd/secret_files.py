@@ -216,13 +216,15 @@ def changes(old: Secrets, new: Secrets, config: Config) -> list[str]:
         if a.current != b.current:
             out.append(f"{key}: the {what} {_change(a.current, b.current)}")
         if a.previous != b.previous:
-            out.append(f"{prev_key}: the previous {what} {_change(a.previous, b.previous)}")
+            out.append(f"{prev_key}: the previous {what} "
+                       f"{_change(a.previous, b.previous, previous=True)}")
     return out
 
 
-def _change(a: bytes, b: bytes) -> str:
+def _change(a: bytes, b: bytes, previous: bool = False) -> str:
     if not a:
-        return "set (new handshakes require it)"
+        return ("set (accepted beside the current one until this file is emptied)"
+                if previous else "set (new handshakes require it)")
     if not b:
         return "removed (no longer accepted)"
     return "replaced (new handshakes use the new contents)"

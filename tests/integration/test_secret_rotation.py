@@ -112,7 +112,8 @@ def test_previous_token_file_accepts_both_during_a_rotation(daemon_factory: Daem
     write_secret(prev, OLD)
     write_secret(cur, NEW)
     reload(d, "SIGHUP: applied")
-    assert "server.previous_token_file: the previous client secret set" in d.stderr
+    assert "server.previous_token_file: the previous client secret set (accepted beside " \
+        "the current one until this file is emptied)" in d.stderr
     assert accepted(d, NEW) and accepted(d, OLD)
     for token in (OLD, NEW):  # the token method too, where it is offered
         with SyncClient(f"unix://{tmp_path / 'u.sock'}", token=token, auth="token") as c:
