@@ -106,8 +106,12 @@ class SocketLink:
                 self.close(PeerUnreachable(f"{self._what()}: {exc!r}"))
                 return
             self._after()
-            if self.closed or not self._reading or n < want:
-                return  # (a short read: the socket is empty, no need to ask again)
+            if self.closed or not self._reading:
+                return
+            if n < want and not core.in_frame:
+                # A short read between frames: the socket is empty, no need to ask again.
+                # Within a payload more is coming: read on (one wake-up, many reads).
+                return
 
     def _tick(self) -> None:
         self._timer = None

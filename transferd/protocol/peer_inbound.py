@@ -100,7 +100,7 @@ class InboundLink(LinkEnd):
         return self.state is not LinkState.PAUSED and self.state is not LinkState.CLOSED
 
     @property
-    def _in_frame(self) -> bool:
+    def in_frame(self) -> bool:
         return self._kind != 0
 
     # -- receiving ----------------------------------------------------------------------

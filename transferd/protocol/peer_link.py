@@ -349,11 +349,12 @@ class LinkEnd:
             self._frames()
         finally:
             self._messages = False
-        if not self.closed and (self._start != self._end or self._in_frame):
+        if not self.closed and (self._start != self._end or self.in_frame):
             self._fail(BadFrame(f"a message of {len(data)} bytes is not one whole frame"))
 
     @property
-    def _in_frame(self) -> bool:
+    def in_frame(self) -> bool:
+        """In the middle of a frame's payload (more of it is due)."""
         return False
 
     def _handshake_frames(self, now: float) -> None:
