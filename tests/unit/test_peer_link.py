@@ -39,6 +39,7 @@ from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_link import (
     ACK_HIGH,
+    RECV_BYTES,
     TRANSITIONS,
     Closed,
     Land,
@@ -143,8 +144,12 @@ def test_a_large_payload_is_received_straight_into_its_pages() -> None:
     wire = drain(p.out)
     feed(p.inb, wire[:64 + 1000])  # header and a little: into the link's buffer
     bufs = p.inb.get_buffers()
-    # The rest goes to the region itself, not to the link's buffer.
-    assert bufs[0].obj is r.data and len(bufs[0]) == len(data) - 1000
+    # The rest goes to the region itself, not to the link's buffer: a socket's worth
+    # (RECV_BYTES) a receive, straight after what came first.
+    assert bufs[0].obj is r.data and len(bufs) == 1
+    assert len(bufs[0]) == min(RECV_BYTES, len(data) - 1000)
+    bufs[0][0] = 0xAB  # where it lies: at offset 1000 of the region
+    assert r.data[1000] == 0xAB
     feed(p.inb, wire[64 + 1000:], chunk=1 << 18)
     feed(p.out, drain(p.inb))
     assert p.out.completions[0][1] is None and bytes(r.data[:len(data)]) == data

@@ -105,13 +105,17 @@ class SocketLink:
                 log.exception("peer link: frame handling failed")
                 self.close(PeerUnreachable(f"{self._what()}: {exc!r}"))
                 return
+            if core.in_frame and not core.events and not core.out.queued:
+                continue  # within a payload, nothing to hand on: read on
             self._after()
             if self.closed or not self._reading:
                 return
-            if n < want and not core.in_frame:
+            if n < want:
                 # A short read between frames: the socket is empty, no need to ask again.
                 # Within a payload more is coming: read on (one wake-up, many reads).
                 return
+        if core.in_frame and not self.closed:
+            self._after()  # (nothing is due, but the last reads' state is handed on)
 
     def _tick(self) -> None:
         self._timer = None

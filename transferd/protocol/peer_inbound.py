@@ -118,10 +118,15 @@ class InboundLink(LinkEnd):
                     # come back to back, and a short one says the socket is empty.
                     self._direct = True
                     self._start = self._end = 0
-                    segs, i = self._segs, self._seg
+                    segs, i, pos = self._segs, self._seg, self._pos
+                    seg = segs[i]
+                    if len(seg) - pos > RECV_BYTES:
+                        # A socket's worth at a time (a receive offered a gigabyte costs
+                        # the kernel more per byte than one offered a megabyte).
+                        return [seg[pos:pos + RECV_BYTES]]
                     if len(segs) - i == 1:
-                        return [segs[i][self._pos:], self._head]
-                    first = segs[i][self._pos:]
+                        return [seg[pos:], self._head]
+                    first = seg[pos:]
                     views = [first]
                     total = len(first)
                     for seg in islice(segs, i + 1, i + IOV_MAX - 1):
