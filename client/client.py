@@ -14,7 +14,6 @@ from typing import Any
 from transferd import __version__, transports
 from transferd.copies import COUNTING, count
 from transferd.protocol import auth as auth_methods
-from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
     DEFAULT_MAX_BODY,
     PROTO_MINOR,
@@ -206,23 +205,11 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         # The handshake is the sans-IO ClientConnection's: hmac-sha256 whenever
         # the server asks for authentication (the secret never crosses the
         # wire, and the server proves it knows it too); auth="token" sends it.
-        hs = ClientConnection(
+        b = await self._conn.handshake(
             name=self.name, max_minor=self.max_minor,
             secret=auth_methods.secret_from_text(self.token) if self.token else None,
-            method=self.auth,
+            method=self.auth, timeout=self.connect_timeout,
         )
-        try:
-            reply = await self._conn.request(
-                Command.HELLO, hs.hello_body(), timeout=self.connect_timeout
-            )
-            mac = hs.hello_reply(reply.body)
-            if mac is not None:
-                await self._conn.request(Command.AUTH, mac, timeout=self.connect_timeout)
-                hs.auth_reply()
-        except TransferdError:
-            await self._conn.close()
-            raise
-        b = reply.body
         self.version = (int(b["major"]), int(b["minor"]), int(b["patch"]))
         self.server = str(b.get("server", ""))
         self.features = list(b.get("features", []))

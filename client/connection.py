@@ -19,6 +19,7 @@ from transferd import transports
 from transferd.copies import COUNTING, count
 from transferd.parts import MAX_MESSAGE
 from transferd.protocol import frames
+from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
     HEADER_SIZE,
     HELLO_MAX_BODY,
@@ -119,6 +120,9 @@ class Connection(asyncio.BufferedProtocol):
         self._paused = False
         # A message transport takes whole frames (None: a stream, write bytes).
         self._write_frame: Any = None
+        # The URL it was opened with, and whether that transport keeps bytes private.
+        self.url = ""
+        self.private = False
 
     @classmethod
     async def open(
@@ -136,7 +140,30 @@ class Connection(asyncio.BufferedProtocol):
             from transferd.protocol.errors import PeerUnreachable
 
             raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
-        return cast(Connection, conn)
+        c = cast(Connection, conn)
+        c.url = url
+        c.private = transports.get(url).private
+        return c
+
+    async def handshake(self, *, name: str, max_minor: int, secret: bytes | None,
+                        method: str, timeout: float | None) -> dict[str, Any]:
+        """HELLO (and AUTH) through the sans-IO ClientConnection: the server's HELLO reply.
+
+        A server that does not prove it knows ``secret`` is refused (Unauthorized naming
+        this connection's URL) and the connection closed, before any request goes to it.
+        """
+        try:
+            hs = ClientConnection(name=name, max_minor=max_minor, secret=secret,
+                                  method=method, address=self.url, private=self.private)
+            reply = await self.request(Command.HELLO, hs.hello_body(), timeout=timeout)
+            mac = hs.hello_reply(reply.body)
+            if mac is not None:
+                await self.request(Command.AUTH, mac, timeout=timeout)
+                hs.auth_reply()
+        except TransferdError:
+            await self.close()
+            raise
+        return reply.body
 
     def set_max_message(self, max_message: int) -> None:
         """The server's ``max_message`` (HELLO reply): payload continuation size."""

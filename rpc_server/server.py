@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from transferd import transports
 from transferd.config import ServerConfig
 from transferd.memory.leases import LeaseTable
+from transferd.preauth import Admission
 from transferd.protocol import auth
 from transferd.protocol.errors import BadRequest
 
@@ -21,7 +22,6 @@ from . import (
     ownership,
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
-from .admission import Admission
 from .context import ServerContext
 from .session import Session
 
@@ -72,7 +72,8 @@ class RpcFrontend:
             secret=load_secret(s),
             token_transports=tuple(s.token_transports),
             handshake_timeout=s.handshake_timeout_s,
-            admission=Admission(s.max_handshakes, s.max_handshakes_per_source),
+            admission=Admission(s.max_handshakes, s.max_handshakes_per_source,
+                                timeout=s.handshake_timeout_s),
             max_body=s.max_body,
             max_payload=s.max_payload,
             max_tensors=s.max_tensors,

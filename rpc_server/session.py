@@ -20,16 +20,19 @@ the decoder to the command handlers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from transferd.copies import COUNTING, count
 from transferd.logs import hostport, log_client_error
 from transferd.memory import Ref, release_all
+from transferd.preauth import Ticket, Why
 from transferd.protocol import frames
+from transferd.protocol.auth import TOKEN
 from transferd.protocol.connection import (
     ConnState,
     Ready,
@@ -52,6 +55,7 @@ from transferd.protocol.errors import (
     Internal,
     NoHello,
     ProtocolError,
+    Timeout,
     TransferdError,
     UnknownCommand,
 )
@@ -94,6 +98,20 @@ _READY = ConnState.READY
 _pack_header = frames.HEADER.pack
 
 
+def _identity(transport: asyncio.BaseTransport) -> tuple[str, str]:
+    """(source, label): who a connection is counted as before it authenticates, and how
+    logs name it.  TCP and TLS: the peer's IP; a Unix socket: the peer's uid
+    (SO_PEERCRED), so one local user cannot take another's handshake slots."""
+    peer = transport.get_extra_info("peername")
+    cred = transport.get_extra_info("peercred")
+    if cred is not None:
+        pid, uid, _gid = cred
+        return f"uid {uid}", f"local (pid {pid}, uid {uid})"
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0]), hostport(peer)
+    return "local", "local"
+
+
 def _stopping() -> Cancelled:
     return Cancelled("the daemon is stopping (SIGTERM, draining): request refused, "
                      "nothing done; retry on another daemon or after the restart")
@@ -112,7 +130,10 @@ class Session(asyncio.BufferedProtocol):
             settings or ctx.settings_for("tcp"), self._loop.time(), payload_sink=self._sink_for
         )
         self._decoder = self.conn.decoder
-        self._admitted = False
+        # The pre-auth slot (transferd/preauth.py) until the handshake ends.
+        self._ticket: Ticket | None = None
+        # The handshake frame being answered (cmd, seq): a held verdict's answer names it.
+        self._hs_frame = (int(Command.HELLO), 0)
         self._timer: asyncio.TimerHandle | None = None
         # The transport asks the decoder directly: one Python call less per read.
         self.get_buffer = self._decoder.get_buffer  # type: ignore[method-assign]
@@ -155,22 +176,29 @@ class Session(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if transport.get_extra_info("transferd_message"):
             self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
-        peer = transport.get_extra_info("peername")
-        self.peer = hostport(peer) if peer else "local"
-        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else "local"
+        self.source, self.peer = _identity(transport)
         self.ctx.metrics.connections.inc()
         self.ctx.metrics.connections_accepted.inc()
-        refused = self.ctx.admission.admit(self.source)
-        if refused is not None:
-            # Over a cap: closed before a byte is read, nothing allocated.
-            self.ctx.note_refused_connection(self.source, refused)
+        admitted = self.ctx.admission.admit(self.source, self._loop.time(), self)
+        self.ctx.gave_way(admitted.closed)
+        if admitted.ticket is None:
+            self.ctx.note_refused_connection(self.source, admitted.reason)
             self.state = _CLOSED
             self.transport.abort()
             return
-        self._admitted = True
+        self._ticket = admitted.ticket
         self.ctx.sessions.add(self)
         self._timer = self._loop.call_at(self.conn.deadline, self._handshake_timeout)
         log.debug("connection from %s", self.peer)
+
+    def give_way(self, why: Why) -> None:
+        """The admission handed this connection's pre-auth slot to a newer one."""
+        self._ticket = None
+        if self.state is _CLOSED or self.state is _READY:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._answer_at_deadline(why.value)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
@@ -246,6 +274,7 @@ class Session(asyncio.BufferedProtocol):
         """A frame before READY: the sans-IO connection judges it."""
         started = time.perf_counter()
         sent = self.ctx.stats.bytes_out
+        self._hs_frame = (frame.cmd, frame.seq)
         cmd = _COMMANDS.get(frame.cmd)
         if cmd is not None:
             self.ctx.stats.commands[cmd] += 1
@@ -256,38 +285,61 @@ class Session(asyncio.BufferedProtocol):
                                    time.perf_counter() - started)
 
     def _after_handshake(self, events: list[Any]) -> None:
+        now = self._loop.time()
         for ev in events:
             if type(ev) is Ready:
-                if ev.method is not None:
-                    hold = self.ctx.admission.verdict_delay(self.source, self._loop.time())
-                    if hold > 0:
-                        # This source's failed attempts are still waiting for
-                        # their answers: a good secret is answered after them,
-                        # so hanging up early tells a guesser nothing.
+                if ev.method == TOKEN and self._ticket is not None:
+                    # The token's verdict is a guesser's only oracle (an hmac-sha256
+                    # server proof already lets anyone test guesses offline): a good
+                    # token is answered after this source's failures that still wait,
+                    # so hanging up early tells a guesser nothing.
+                    at = self.ctx.admission.success_at(self._ticket, now)
+                    if at is None or at > now:
                         self._block()
-                        if self._timer is not None:
-                            self._timer.cancel()
-                        self._timer = self._loop.call_later(hold, self._ready_in_turn, ev)
+                        self._hold_until(at, functools.partial(self._ready_in_turn, ev))
                         return
                 self._ready(ev)
             elif type(ev) is Refused:
                 self.state = _CLOSING
                 self.ctx.metrics.error(ev.error.code)
-                if ev.auth:
-                    delay, n = self.ctx.admission.failed(self.source, self._loop.time())
+                if ev.guess and self._ticket is not None:
+                    at, n = self.ctx.admission.failed(self._ticket, now)
                     log.warning(
-                        "authentication failed from %s: %s (%d in the last minute; "
-                        "answering in %.2f s)", self.peer, ev.error.message, n, delay,
+                        "authentication failed from %s: %s (%d in the last minute; %s)",
+                        self.peer, ev.error.message, n,
+                        f"answering in {at - now:.2f} s" if at is not None else
+                        "no answer before the handshake timeout: closed at it",
                     )
-                    if self._timer is not None:
-                        self._timer.cancel()
                     # Still counted as not authenticated while it waits.
-                    self._timer = self._loop.call_later(delay, self._flush_and_close)
+                    self._hold_until(at, self._flush_and_close)
                     return
                 log_client_error(self.peer, ev.error, self._decoder.current_cmd, ev.error.seq)
                 self._flush_and_close()
                 return
         self._flush_handshake()
+
+    def _hold_until(self, at: float | None, then: Callable[[], None]) -> None:
+        """Answer the handshake at ``at`` (``then``); None: at the handshake deadline, with
+        TIMEOUT instead of the verdict, whatever the verdict was."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if at is None:
+            self._timer = self._loop.call_at(self.conn.deadline, self._answer_at_deadline)
+        else:
+            self._timer = self._loop.call_at(at, then)
+
+    def _answer_at_deadline(self, why: str = "") -> None:
+        """No verdict in time (this source's answers queue up, or the slot gave way): the
+        same TIMEOUT and close for a good secret and a bad one, so it tells nothing."""
+        self._timer = None
+        self.conn.frames_to_send()  # whatever verdict was queued is not sent
+        cmd, seq = self._hs_frame
+        self.conn.refuse(Timeout(
+            f"no verdict within the handshake timeout ({self.conn.settings.handshake_timeout:g}"
+            f" s): {why or 'the failed attempts of this source are answered one after another'}"),
+            cmd, seq)
+        self.state = _CLOSING
+        self._flush_and_close()
 
     def _ready(self, ev: Ready) -> None:
         self.state = _READY
@@ -331,9 +383,9 @@ class Session(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._admitted:
-            self._admitted = False
-            self.ctx.admission.release(self.source)
+        if self._ticket is not None:
+            self.ctx.admission.release(self._ticket)
+            self._ticket = None
 
     def _release_held(self) -> None:
         held, self._held = self._held, []

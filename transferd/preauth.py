@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 
 class TicketPhase(enum.Enum):
@@ -60,6 +60,12 @@ class Why(enum.Enum):
                      "one (the cap in all)")
 
 
+class Holder(Protocol):
+    """What holds a ticket (the caller's connection): told when its slot is taken back."""
+
+    def give_way(self, why: Why) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class Ticket:
     """One connection's pre-auth slot.  ``owner`` is the caller's (its connection)."""
@@ -67,7 +73,7 @@ class Ticket:
     source: str
     admitted: float
     deadline: float
-    owner: Any = None
+    owner: Holder | None = None
     phase: TicketPhase = TicketPhase.HANDSHAKE
     why: Why | None = None  # set when the admission handed it back
 
@@ -142,7 +148,7 @@ class Admission:
 
     # -- admission ---------------------------------------------------------------------
 
-    def admit(self, source: str, now: float, owner: Any = None) -> Admitted:
+    def admit(self, source: str, now: float, owner: Holder | None = None) -> Admitted:
         """A new connection from ``source``: its ticket, and what must close to make room."""
         out = Admitted(None, self.expire(now))
         if self.max_pending <= 0 or self.max_per_source <= 0:
@@ -169,6 +175,13 @@ class Admission:
         self._order[t] = None
         out.ticket = t
         return out
+
+    @staticmethod
+    def close(tickets: list[Ticket]) -> None:
+        """Tell the owners of tickets handed back (by admit or expire) that they are out."""
+        for t in tickets:
+            if t.owner is not None and t.why is not None:
+                t.owner.give_way(t.why)
 
     def release(self, ticket: Ticket) -> None:
         """The connection authenticated or went away (idempotent)."""

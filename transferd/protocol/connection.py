@@ -114,12 +114,16 @@ class Ready:
 class Refused:
     """A fatal error: sent (server) or received (client); the connection closes.
 
-    ``auth`` is true for a failed authentication (a wrong or missing secret),
-    which the server logs with the source address and slows down per source.
+    ``auth`` is true for a failed authentication (a wrong or missing secret).
+    ``guess`` is true where a secret was presented and checked and was wrong (a
+    token, a mac): the server logs it with the source address and answers it
+    after the source's back-off.  A HELLO without credentials, or with a malformed
+    mac, tells a guesser nothing about the secret: answered at once.
     """
 
     error: TransferdError
     auth: bool = False
+    guess: bool = False
 
 
 @dataclass
@@ -323,12 +327,12 @@ class ServerConnection(_Machine):
         self._go(Input.TIMED_OUT)
         return [Refused(exc)]
 
-    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False
-               ) -> list[Event]:
+    def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False,
+               guess: bool = False) -> list[Event]:
         """Send a fatal error and go CLOSING."""
         self._out.append(encode_frame(cmd, _REPLY_ERROR, seq, exc.to_body()))
         self._go(Input.REFUSED)
-        return [Refused(exc, auth=is_auth)]
+        return [Refused(exc, auth=is_auth or guess, guess=guess)]
 
     # -- HELLO and AUTH ----------------------------------------------------------------
 
@@ -389,6 +393,7 @@ class ServerConnection(_Machine):
                     return self.refuse(
                         Unauthorized("a valid token is required" if token else "token missing"),
                         frame.cmd, frame.seq, is_auth=True,
+                        guess=isinstance(token, str) and bool(token),
                     )
                 self.method = auth.TOKEN
                 self._send_reply(frame, reply)
@@ -411,7 +416,7 @@ class ServerConnection(_Machine):
             )
         want = auth.client_mac(self.settings.secret, self._challenge, self._nonce)
         if not auth.same(mac, want):
-            return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, is_auth=True)
+            return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, guess=True)
         self._send_reply(frame, None)
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
 
@@ -450,9 +455,19 @@ class ClientConnection(_Machine):
 
     ``secret`` (bytes) authenticates with hmac-sha256 whenever the server asks
     for authentication; ``method="token"`` sends it as a token instead (only
-    where the server offers that).  The asyncio client uses
-    :meth:`hello_body`, :meth:`hello_reply` and :meth:`auth_reply` around its
-    own requests; :meth:`start` and :meth:`receive_data` do the same on bytes.
+    where the server offers that, and never where the transport is not
+    ``private``: over plain tcp:// the token would cross the wire in clear).
+
+    A client that holds a secret accepts only a server that proves it knows it:
+    a HELLO reply that omits ``auth``, or lists it without a challenge and proof
+    (hmac-sha256), is refused with UNAUTHORIZED naming ``address``, before any
+    request (or tensor byte) goes to it.  With the token method nothing proves
+    the server but the transport itself (the Unix socket's permissions, the TLS
+    certificate); the reply must still list ``token``.
+
+    The asyncio client uses :meth:`hello_body`, :meth:`hello_reply` and
+    :meth:`auth_reply` around its own requests; :meth:`start` and
+    :meth:`receive_data` do the same on bytes.
     """
 
     role = "client"
@@ -465,10 +480,19 @@ class ClientConnection(_Machine):
         secret: bytes | None = None,
         method: str = auth.HMAC_SHA256,
         random: Callable[[int], bytes] = os.urandom,
+        address: str = "",
+        private: bool = True,
     ) -> None:
         super().__init__()
         if method not in auth.METHODS:
             raise BadRequest(f"unknown auth method {method!r} (use one of {auth.METHODS})")
+        # Where the server is (named in refusals), and whether its transport keeps the
+        # bytes private (tls, unix, seqpacket): the token method only where it does.
+        self.address = address
+        if secret and method == auth.TOKEN and not private:
+            raise BadRequest(
+                f"{address or 'this transport'}: the token method would send the secret in "
+                "clear; use hmac-sha256 (the default), or tls:// or a Unix socket")
         self.name = name
         self.max_minor = max_minor
         self.secret = secret or b""
@@ -515,13 +539,34 @@ class ClientConnection(_Machine):
             self._go(Input.REFUSED)
             raise BadFrame(f"the server's HELLO reply: {exc.message}") from None
         challenge = body.get("challenge")
-        if challenge is None:
-            if body.get("auth") and not self.secret:
+        offered = body.get("auth")
+        if not self.secret:
+            if offered:
                 self._go(Input.REFUSED)
-                raise Unauthorized(f"the server requires authentication ({body['auth']})")
+                raise Unauthorized(f"{self._where}the server requires authentication "
+                                   f"({offered})")
+            self._go(Input.HELLO_ACCEPTED)
+            return None
+        # This client holds a secret: only a server that proves it knows it is used.
+        if not isinstance(offered, list) or not offered:
+            self._go(Input.REFUSED)
+            raise Unauthorized(
+                f"{self._where}the server does not ask for authentication (its HELLO reply "
+                "has no 'auth'), but this client holds a secret: a server that knows it "
+                "lists auth and proves it, so this one is not trusted with any request")
+        if self.method == auth.TOKEN:
+            if auth.TOKEN not in offered:
+                self._go(Input.REFUSED)
+                raise Unauthorized(f"{self._where}the server accepted a token but lists "
+                                   f"only {offered}: not trusted")
             self._go(Input.HELLO_ACCEPTED)
             return None
         proof = body.get("proof")
+        if challenge is None or proof is None:
+            self._go(Input.REFUSED)
+            raise Unauthorized(
+                f"{self._where}the server lists auth {offered} but sends no challenge and "
+                "proof: it does not prove it knows the secret, so it is not trusted")
         if (
             not self._nonce
             or not isinstance(challenge, bytes)
@@ -530,9 +575,14 @@ class ClientConnection(_Machine):
             or not auth.same(proof, auth.server_proof(self.secret, self._nonce, challenge))
         ):
             self._go(Input.REFUSED)
-            raise Unauthorized("the server's proof is wrong: it does not know the secret")
+            raise Unauthorized(f"{self._where}the server's proof is wrong: it does not know "
+                               "the secret")
         self._go(Input.CHALLENGED)
         return {"mac": auth.client_mac(self.secret, challenge, self._nonce)}
+
+    @property
+    def _where(self) -> str:
+        return f"{self.address}: " if self.address else ""
 
     def auth_reply(self) -> None:
         """AUTH was answered without an error."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from transferd.preauth import Admission
 from transferd.protocol.errors import BadRequest
 
 ProtocolFactory = Callable[[], asyncio.BufferedProtocol]
@@ -52,10 +53,9 @@ class TransportOptions:
     handshake_timeout: float = 5.0
     # Seconds to wait for a connection (client side).
     timeout: float | None = 10.0
-    # Server side, tls: the server's caps on connections not yet authenticated
-    # (an object with ``admit(source) -> reason | None`` and ``release(source)``),
-    # which count a TLS connection from its TCP accept, through its TLS handshake.
-    admission: Any = None
+    # Server side, tls: the server's pre-auth admission (transferd/preauth.py), which
+    # counts a TLS connection from its TCP accept, through its TLS handshake.
+    admission: Admission | None = None
 
 
 class Listener(ABC):

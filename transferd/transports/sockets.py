@@ -129,6 +129,7 @@ class SocketTransport(asyncio.Transport):
         self._extra = {
             "socket": sock,
             "peername": _peername(sock),
+            "peercred": _peercred(sock),
             "sockname": sock.getsockname(),
             "transferd_fds": True,
             "transferd_message": message,
@@ -515,6 +516,21 @@ class SocketTransport(asyncio.Transport):
             while self.received_fds:
                 with contextlib.suppress(OSError):
                     os.close(self.received_fds.popleft())
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peercred(sock: socket.socket) -> tuple[int, int, int] | None:
+    """The connecting process's (pid, uid, gid) on an AF_UNIX socket (SO_PEERCRED)."""
+    if sock.family != socket.AF_UNIX:
+        return None
+    try:
+        pid, uid, gid = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return None
+    return pid, uid, gid
 
 
 def _peername(sock: socket.socket) -> Any:
