@@ -1,8 +1,8 @@
 """Tensors on device buffers: SET, GET, COPY and CLEAR through the staging pipeline.
 
-A device buffer (``cuda:N``) has no host view; its Memory carries ``io`` (its
-group's stream, event waiter and pinned staging, ``DeviceIO``) and
-``check(offset, size)``, which bounds-checks and gives the device address.
+A device buffer (``cuda:N``) has no host view; its Memory gives its staging
+path (``staging``: its group's stream, event waiter and pinned staging, a
+``DeviceIO``) and ``device_address(offset, size)``, bounds checked.
 The core handlers (handlers.py) call in here when a tensor lies in such a
 buffer; host tensors never come here, so the host path is unchanged.
 
@@ -47,9 +47,7 @@ Pair = tuple["Buffer", Tensor]
 
 
 def io_of(buf: Buffer) -> DeviceIO | None:
-    mem = buf.memory
-    io = getattr(mem, "io", None)
-    return io if io is not None and mem is not None and mem.host_view is None else None
+    return buf.staging
 
 
 def any_device(pairs: Sequence[Pair]) -> bool:
@@ -57,10 +55,7 @@ def any_device(pairs: Sequence[Pair]) -> bool:
 
 
 def _dev_ptr(buf: Buffer, t: Tensor) -> int:
-    check = getattr(buf.memory, "check", None)
-    if check is None:  # pragma: no cover - every staged Memory has check()
-        raise BadRequest(f"buffer {buf.id} cannot be reached")
-    return int(check(t.offset, t.size))
+    return buf.device_address(t.offset, t.size)
 
 
 def _host_ptr(view: memoryview) -> int:
@@ -328,16 +323,15 @@ def register_ipc(session: Session, frame: Frame, device: str, size: int) -> Any:
     Owned by the connection: closed (``cudaIpcCloseMemHandle``) when it goes,
     or at FREE_BUFFER.  Tensors on it are served like any device buffer's.
     """
-    from transferd.memory.cuda import IpcCudaMemory
     from transferd.protocol.messages import bytes_field, uint_field
 
     from .handlers import Reply
 
-    if not device.startswith("cuda:"):
+    source = session.ctx.buffers.pool(device).spec.source
+    if source is None or not device.startswith("cuda:"):
         raise BadRequest(f"CUDA IPC memory is registered on a cuda:N device, not {device!r}")
     handle = bytes_field(frame.body, "ipc_handle")
     offset = uint_field(frame.body, "ipc_offset") if "ipc_offset" in frame.body else 0
     buf = session.ctx.buffers.alloc(
-        device, size, owner=session,
-        create=lambda: IpcCudaMemory.open(device, handle, offset, size))
+        device, size, owner=session, create=lambda: source.open_ipc(handle, offset, size))
     return Reply({"buffer": buf.id, "size": buf.size, "ipc": True})

@@ -80,7 +80,7 @@ def sec_env(dry: bool) -> dict[str, Any]:
     out["group"] = g.describe() | {"pinned": bool(g.worker.pinned)}
     if g.worker is not None and g.worker.cpu is not None:
         assert g.worker.pinned, "the group's worker could not be pinned"
-    cuda.stop_groups()
+    g.stop()
     return out
 
 

@@ -1,9 +1,11 @@
 """A daemon with one stand-in "device" (TESTS ONLY): ``python -m tests.standin_daemon ARGS``.
 
 It runs ``rpc-server ARGS`` after registering the device kind ``standin``:
-memory with no host view, reached only through a :class:`StandinStream` and
-pinned-like host staging, exactly as CUDA memory is reached through its
-group's stream and staging.  So the daemon's device path (handlers ->
+memory with no host view, reached only through its staging path (a
+:class:`StandinStream` and pinned-like host staging), exactly as CUDA memory
+is reached through its group's stream and staging, and made by a
+:class:`~transferd.memory.MemorySource` the daemon's buffer table holds, as a
+GPU's group makes its memory.  So the daemon's device path (handlers ->
 rpc_server.device_io -> transferd.memory.staging) runs end to end over real
 sockets on a machine without a GPU.  ``standin:0`` is never offered by the
 product: only this test entry point registers it.
@@ -20,41 +22,37 @@ from typing import Any
 
 from tests.standin_stream import StandinDeviceMemory, StandinStream
 from transferd import config as cfgmod
-from transferd.memory import DeviceSpec, Memory, register_kind
+from transferd.memory import DeviceSpec, Memory, MemorySource, register_kind
 from transferd.memory.staging import DeviceIO, StagingPool
 from transferd.memory.streams import EventWaiter
 from transferd.protocol.errors import NotFound, OutOfBounds
-
-STREAM = StandinStream("standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
-                       hold_path=os.environ.get("STANDIN_HOLD_FILE") or None)
-POOL = StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
-                   int(os.environ.get("STANDIN_CHUNKS", "4")), name="staging of standin:0")
-IO = DeviceIO(STREAM, EventWaiter(STREAM), POOL)
 
 
 class StandinMemory(Memory):
     kind = "standin"
 
-    def __init__(self, device: str, size: int) -> None:
+    def __init__(self, device: str, size: int, io: DeviceIO) -> None:
         super().__init__(device, size)
         self._mem: StandinDeviceMemory | None = StandinDeviceMemory(size)
-        self.io = IO
+        self._io = io
 
     @classmethod
     def create(cls, device: str, size: int) -> StandinMemory:
-        if device != "standin:0":
-            raise NotFound(f"no device {device!r}")
-        return cls(device, size)
+        raise NotFound(f"{device} memory is made by its group")
 
     @property
     def host_view(self) -> memoryview | None:
         return None
 
     @property
+    def staging(self) -> DeviceIO | None:
+        return self._io if self._mem is not None else None
+
+    @property
     def address(self) -> int:
         return self._mem.ptr if self._mem is not None and self.size else 0
 
-    def check(self, offset: int, size: int) -> int:
+    def device_address(self, offset: int, size: int) -> int:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes")
         if self._mem is None:
@@ -70,13 +68,34 @@ class StandinMemory(Memory):
         return True
 
 
+class StandinGroup(MemorySource):
+    """The stand-in device's group: its stream, event waiter and staging."""
+
+    def __init__(self) -> None:
+        self.stream = StandinStream(
+            "standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
+            hold_path=os.environ.get("STANDIN_HOLD_FILE") or None)
+        pool = StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
+                           int(os.environ.get("STANDIN_CHUNKS", "4")),
+                           name="staging of standin:0")
+        self.io = DeviceIO(self.stream, EventWaiter(self.stream), pool)
+
+    @property
+    def name(self) -> str:
+        return "standin:0"
+
+    def create(self, size: int) -> StandinMemory:
+        return StandinMemory(self.name, size, self.io)
+
+
 def main() -> None:
     register_kind("standin", StandinMemory)
     limit = int(os.environ.get("STANDIN_LIMIT_MIB", "256")) << 20
     devices = cfgmod.Config.devices
+    group = StandinGroup()
 
     def with_standin(self: cfgmod.Config) -> list[DeviceSpec]:
-        return [*devices(self), DeviceSpec("standin:0", limit, None, 256)]
+        return [*devices(self), DeviceSpec("standin:0", limit, None, 256, group)]
 
     cfgmod.Config.devices = with_standin  # type: ignore[method-assign]
     from rpc_server.cli import main as rpc_main

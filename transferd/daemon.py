@@ -23,12 +23,13 @@ from transferd.config import Config, ConfigError
 from transferd.exits import Exit
 from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
 from transferd.logs import hostport
-from transferd.memory import BufferTable, DeviceSpec
+from transferd.memory import BufferTable
 from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
 
 if TYPE_CHECKING:
     from transferd.engine import TransferEngine
+    from transferd.memory.cuda import CudaDevices
 
 log = logging.getLogger("transferd")
 
@@ -75,7 +76,9 @@ class Daemon:
         self.frontends: list[Frontend] = []
         self.watchdog: Watchdog | None = None
         self.metrics = Metrics()
-        self.buffers = BufferTable(config.devices() + _gpu_devices(config),
+        # The GPUs served (their groups: workers, streams, staging), stopped at exit.
+        self.gpus = _gpu_devices(config)
+        self.buffers = BufferTable(config.devices() + (self.gpus.specs if self.gpus else []),
                                    max_buffers=config.memory.max_buffers)
         for name, pool in self.buffers.devices.items():
             # Set once: alerts and dashboards compare the allocated bytes with it.
@@ -168,10 +171,8 @@ class Daemon:
                 await self.engine.close()
             self.metrics.close()
             self.buffers.close()
-            if self.config.gpu.devices:
-                from transferd.memory import cuda
-
-                cuda.stop_groups()
+            if self.gpus is not None:
+                self.gpus.stop()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -312,17 +313,17 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
         sys.exit(Exit.FAILURE)
 
 
-def _gpu_devices(config: Config) -> list[DeviceSpec]:
-    """Start a group per GPU of gpu.devices; their DeviceSpecs (none without any)."""
+def _gpu_devices(config: Config) -> CudaDevices | None:
+    """Start a group per GPU of gpu.devices (None without any)."""
     if not config.gpu.devices:
-        return []
+        return None
     # CuPy is imported only here, for a daemon told to serve a GPU.
     from transferd.memory import cuda
     from transferd.protocol.errors import TransferdError
 
     g = config.gpu
     try:
-        return cuda.start_devices(
+        return cuda.CudaDevices.start(
             g.devices, memory_limit_mib=g.memory_limit_mib, staging_mib=g.staging_mib,
             staging_chunk_kib=g.staging_chunk_kib, pin=config.engine.pin_workers)
     except TransferdError as exc:

@@ -271,3 +271,35 @@ def test_abort_admitted_cuts_short_only_writes_that_said_how() -> None:
     refs[1].release()
     assert r.drained().done() and r.abort_admitted() == 0
     b.release()
+
+
+def test_every_memory_says_how_its_bytes_are_reached() -> None:
+    # Exactly one of a host view and a staging path, asked, never found by an error.
+    from tests.standin_daemon import StandinGroup, StandinMemory
+    from transferd.protocol.errors import BadRequest
+
+    group = StandinGroup()
+    t = BufferTable([DeviceSpec("cpu", 4 * MiB), DeviceSpec("shm", 4 * MiB),
+                     DeviceSpec("standin:0", 4 * MiB, None, 256, group)])
+    host, shm, dev = (t.alloc(d, 8192) for d in ("cpu", "shm", "standin:0"))
+    for buf in (host, shm):
+        assert buf.memory is not None and buf.memory.host_view is not None
+        assert buf.staging is None and buf.memory.staging is None
+        with pytest.raises(BadRequest, match="host view"):
+            buf.device_address(0, 8)
+    assert dev.memory is not None and dev.memory.host_view is None
+    assert dev.staging is group.io and dev.memory.staging is group.io
+    assert dev.device_address(100, 8) == dev.memory.address + 100
+    with pytest.raises(OutOfBounds):
+        dev.device_address(8190, 8)
+    t.free_buffer(dev.id)
+    with pytest.raises(NotFound):
+        dev.device_address(0, 8)
+    # The device's memory came from the group the table was given, not the kind alone.
+    register_kind("standin", StandinMemory)
+    try:
+        with pytest.raises(NotFound, match="made by its group"):
+            memory_class("standin:0").create("standin:0", 8)
+    finally:
+        unregister_kind("standin")
+    group.stream.close()

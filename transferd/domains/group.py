@@ -249,10 +249,8 @@ class DomainGroup:
 
     @staticmethod
     def device_io(region: Region) -> Any:
-        """The DeviceIO of a region of device memory (no host view), else None."""
-        mem = region.buffer.memory
-        io = getattr(mem, "io", None)
-        return io if io is not None and mem is not None and mem.host_view is None else None
+        """The staging path (DeviceIO) of a region of device memory, else None."""
+        return region.buffer.staging
 
     def check_write(self, region: Region, peer: tuple[int, int], w: WriteHeader,
                     payload_len: int, abort: Callable[[], None] | None = None
@@ -298,10 +296,7 @@ class DomainGroup:
         gives each page's device address and length instead of host views (the
         bytes go through staging, see tcp.py's inbound link).
         """
-        mem = region.buffer.memory
-        assert mem is not None
-        # A device Memory's check(offset, size) gives the device address (bounds checked).
-        device_address: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+        device_address = region.buffer.device_address  # bounds checked
         pages: list[tuple[int, int]] = []
         total = 0
         for a, n in zip(w.addrs, w.lens, strict=True):

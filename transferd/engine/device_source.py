@@ -6,7 +6,6 @@ fails the submit at once, with nothing staged or sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from transferd.domains.group import DomainGroup
@@ -20,10 +19,8 @@ def plan_staging(region: Region, pages: list[tuple[int, int]]
     """(the region's device I/O, each page's device address, each page's (chunk,
     offset) in staging, how many chunks) for pages of (absolute address, length)."""
     io = DomainGroup.device_io(region)
-    mem = region.buffer.memory
-    assert io is not None and mem is not None
-    # A device Memory's check(offset, size) gives the device address (bounds checked).
-    device_address: Callable[[int, int], int] = mem.check  # type: ignore[attr-defined]
+    assert io is not None
+    device_address = region.buffer.device_address  # bounds checked
     pool = io.pool
     devs: list[int] = []
     places: list[tuple[int, int]] = []  # (chunk, offset): pages never straddle chunks

@@ -1,11 +1,21 @@
 """The Memory seam: where a buffer's bytes live, and what may still reference them.
 
 A :class:`Memory` is one allocation on one device: host pages (``"cpu"``), a
-memfd shared with a local client (``"shm"``), later device memory
-(``"cuda:N"``).  It knows its size, its address, a host view over its bytes
-if it has one (device memory may have none and offer :meth:`Memory.stage_in`
-/ :meth:`Memory.stage_out` instead), the pages it really holds, and how to
-give them back.
+memfd shared with a local client (``"shm"``), device memory (``"cuda:N"``).
+It knows its size, its address, the pages it really holds, how to give them
+back, and how its bytes are read and written: exactly one of
+
+- :attr:`Memory.host_view`: a host view over its bytes (sockets read into it
+  and send from it), or
+- :attr:`Memory.staging`: its staging path (a :class:`~.staging.DeviceIO`: the
+  device's stream, event waiter and pinned staging pool) with
+  :meth:`Memory.device_address` for the device address of a range.
+
+Whoever moves bytes (the handlers, the engine, a Domain) asks which one a
+Memory has; nothing finds out by trying the host view and catching an error.
+Memory a daemon-owned device makes (a GPU's group) comes from that device's
+:class:`MemorySource`, which the daemon starts and stops; no device state
+lives in module globals.
 
 A :class:`Ref` keeps a Memory alive: whoever may still touch the bytes after
 the call that produced the view has returned (a reply waiting in a
@@ -20,10 +30,12 @@ import mmap
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from transferd.copies import COUNTING, count
-from transferd.protocol.errors import BadRequest, OutOfBounds
+from transferd.protocol.errors import BadRequest
+
+if TYPE_CHECKING:
+    from .staging import DeviceIO
 
 PAGE = mmap.PAGESIZE
 # What one buffer costs beyond its pages: the mapping's kernel structures and
@@ -87,8 +99,9 @@ def release_all(refs: Iterable[Ref]) -> None:
 class Memory(ABC):
     """One allocation on one device.  Subclasses register under a device kind.
 
-    The contract (docs/memory.md): ``size`` bytes, zero filled; ``host_view``
-    covers exactly ``size`` bytes or is None; ``close()`` returns the memory
+    The contract (docs/memory.md): ``size`` bytes, zero filled; exactly one
+    of ``host_view`` (covering exactly ``size`` bytes) and ``staging`` is not
+    None while the memory is open; ``close()`` returns the memory
     at once if nothing outside still maps it, and in any case calls the
     ``gone`` callback exactly once, when the memory really is returned (which
     may be later, when the last untracked view of it is dropped).
@@ -142,27 +155,27 @@ class Memory(ABC):
         """What ALLOC_BUFFER tells the client about this memory, beyond id and size."""
         return {}
 
-    # -- staging: the way in and out for memory without a host view ------------------
+    # -- how the bytes are reached: a host view, or a staging path ------------------------
 
-    def stage_in(self, offset: int, data: memoryview) -> None:
-        """Copy ``data`` into the allocation at ``offset`` (bounds checked)."""
-        self._host(offset, len(data))[:] = data
-        if COUNTING:
-            count("memory.stage_in", len(data))
+    @property
+    def staging(self) -> DeviceIO | None:
+        """The staging path of memory with no host view (device memory), else None.
 
-    def stage_out(self, offset: int, out: memoryview) -> None:
-        """Copy ``len(out)`` bytes at ``offset`` into ``out`` (bounds checked)."""
-        out[:] = self._host(offset, len(out))
-        if COUNTING:
-            count("memory.stage_out", len(out))
+        Its stream takes the async copies to and from pinned staging chunks of
+        its pool, and its event waiter says when they completed; the pipeline
+        functions of :mod:`transferd.memory.staging` move bytes through it.
+        None: the bytes are read and written through :attr:`host_view`.
+        """
+        return None
 
-    def _host(self, offset: int, size: int) -> memoryview:
-        if offset < 0 or size < 0 or offset + size > self.size:
-            raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes")
-        view = self.host_view
-        if view is None:
-            raise BadRequest(f"{self.device} memory has no host view and no staging path")
-        return view[offset : offset + size]
+    def device_address(self, offset: int, size: int) -> int:
+        """The device address of ``[offset, offset + size)``, bounds checked.
+
+        Only memory with a staging path has one; host memory is reached
+        through its host view.
+        """
+        raise BadRequest(f"{self.device} memory is reached through its host view, "
+                         "not by device address")
 
     # -- when the memory is really gone --------------------------------------------
 
@@ -178,3 +191,26 @@ class Memory(ABC):
         fn, self._gone = self._gone, None
         if fn is not None:
             fn()
+
+
+class MemorySource(ABC):
+    """A device the daemon started and owns (a GPU's group): where its memory comes from.
+
+    The daemon makes one per device it serves at start and stops it at exit;
+    the buffer table creates that device's buffers through it (its
+    :class:`~.buffers.DeviceSpec` carries it), so a device's stream, staging
+    and worker belong to the daemon's objects, not to module globals.
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The device's name (``cuda:0``)."""
+
+    @abstractmethod
+    def create(self, size: int) -> Memory:
+        """A new zero-filled allocation of ``size`` bytes on this device (OutOfMemory)."""
+
+    def open_ipc(self, handle: bytes, offset: int, size: int) -> Memory:
+        """A client's own allocation, from its CUDA IPC handle (a GPU only)."""
+        raise BadRequest(f"{self.name} does not take client memory by CUDA IPC handle")

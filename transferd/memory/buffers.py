@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,10 @@ from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMe
 from transferd.protocol.messages import Tensor
 
 from . import registry
-from .base import PAGE, Memory, Ref, charge_of, largest_for
+from .base import PAGE, Memory, MemorySource, Ref, charge_of, largest_for
+
+if TYPE_CHECKING:
+    from .staging import DeviceIO
 
 # Buffers held at once unless told otherwise (memory.max_buffers): each is a
 # mapping, and vm.max_map_count (65530 by default) caps a process's mappings.
@@ -48,6 +51,9 @@ class Buffer:
     # The client connection that allocated it, as host:port (listings only).
     allocated_by: str = field(repr=False, default="")
     _view: memoryview | None = field(repr=False, default=None)
+    # The memory's staging path (device memory, no host view), else None:
+    # whoever moves bytes asks this, once per buffer, which way they go.
+    staging: DeviceIO | None = field(repr=False, default=None)
     _refs: int = field(repr=False, default=0)
     _freed: bool = field(repr=False, default=False)
     _lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
@@ -55,6 +61,7 @@ class Buffer:
     def __post_init__(self) -> None:
         if self.memory is not None and self._view is None:
             self._view = self.memory.host_view
+            self.staging = self.memory.staging
 
     @classmethod
     def host(cls, buffer_id: int, size: int) -> Buffer:
@@ -134,6 +141,16 @@ class Buffer:
             view = self._host()
         return view[offset : offset + size]
 
+    def device_address(self, offset: int, size: int) -> int:
+        """The device address of ``[offset, offset + size)`` of a buffer reached through
+        staging (bounds checked; NotFound once freed)."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            self.check(offset, size)
+        mem = self.memory
+        if self._freed or mem is None:
+            raise NotFound(f"buffer {self.id} was freed")
+        return mem.device_address(offset, size)
+
     def views(self, offsets: Sequence[int], size: int) -> list[memoryview]:
         """``size`` bytes at each of ``offsets``: one bounds check for the whole list."""
         if not offsets:
@@ -162,6 +179,9 @@ class DeviceSpec:
     max_size: int | None = None
     # What GET_DEVICES reports as alignment (cudaMalloc's 256 for a GPU).
     alignment: int = PAGE
+    # The daemon's object that makes this device's memory (a GPU's group);
+    # None: the device kind's Memory class makes it (host, shared memory).
+    source: MemorySource | None = None
 
 
 @dataclass(eq=False)
@@ -252,7 +272,7 @@ class BufferTable:
     def set_limit(self, device: str, limit: int, max_size: int | None = None) -> None:
         """A new limit (a reload): buffers already held keep their memory."""
         pool = self.pool(device)
-        pool.spec = DeviceSpec(device, limit, max_size, pool.spec.alignment)
+        pool.spec = DeviceSpec(device, limit, max_size, pool.spec.alignment, pool.spec.source)
 
     def used_on(self, device: str) -> int:
         return self.pool(device).used
@@ -303,7 +323,12 @@ class BufferTable:
             self._held += 1
             buffer_id = next(self._ids)
         try:
-            memory = create() if create is not None else registry.create(device, size)
+            if create is not None:
+                memory = create()
+            elif pool.spec.source is not None:
+                memory = pool.spec.source.create(size)
+            else:
+                memory = registry.create(device, size)
         except BaseException:
             with self._lock:
                 pool.used -= charge

@@ -7,15 +7,17 @@ ipcGetMemHandle / ipcOpenMemHandle, deviceGetPCIBusId, memGetInfo), and CuPy
 is imported only when a CUDA device is asked for.
 
 - :class:`CudaMemory`: ``cudaMalloc``'d memory, zero filled, no host view;
-  its way in and out is its group's staging pipeline (``io``), and
-  synchronous ``stage_in`` / ``stage_out`` for callers that need one.
+  its way in and out is its group's staging path (``staging``, a DeviceIO).
 - :class:`IpcCudaMemory`: memory a client allocated in its own process and
   exported with ``cudaIpcGetMemHandle``; opened here, closed when its buffer
   goes (the connection that registered it closed, or FREE_BUFFER).
-- :class:`CudaGroup`: what one GPU gets in the daemon: a worker thread pinned
-  to a core of the GPU's NUMA node (sysfs, through the PCI bus id CuPy
-  reports) with the GPU's context current, a non-blocking stream, the event
-  waiter, and one bounded pool of pinned staging allocated on that worker.
+- :class:`CudaGroup` (a :class:`~.base.MemorySource`): what one GPU gets in
+  the daemon: a worker thread pinned to a core of the GPU's NUMA node (sysfs,
+  through the PCI bus id CuPy reports) with the GPU's context current, a
+  non-blocking stream, the event waiter, and one bounded pool of pinned
+  staging allocated on that worker.  It makes the GPU's memory.
+- :class:`CudaDevices`: the groups of one daemon, started with it and
+  stopped with it (the daemon holds it; nothing here is a module global).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,7 @@ from transferd.workers.affinity import (
     numa_node_of_pci,
 )
 
-from .base import Memory
+from .base import Memory, MemorySource
 from .buffers import DeviceSpec
 from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
 from .streams import DeviceEvent, DeviceStream, EventWaiter
@@ -214,42 +216,31 @@ def pinned_allocator(size: int) -> tuple[memoryview, int, Any]:
 
 
 class CudaMemory(Memory):
+    """``cudaMalloc``'d memory of one GPU: no host view; its staging path is its group's."""
+
     kind = "cuda"
 
-    def __init__(self, device: str, size: int, ptr: int, owned: bool = True) -> None:
+    def __init__(self, device: str, size: int, ptr: int, group: CudaGroup) -> None:
         super().__init__(device, size)
         self.index = device_index(device)
         self.ptr = ptr
-        self._owned = owned
+        self.group = group
         self._closed = False
-        group = GROUPS.get(self.index)
-        self.io: DeviceIO | None = group.io if group is not None else None
 
     @classmethod
     def create(cls, device: str, size: int) -> CudaMemory:
-        index = device_index(device)
-        if index not in GROUPS:
-            raise NotFound(f"no device {device!r} on this daemon")
-        cupy = _cupy()
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(index):
-            try:
-                ptr = int(rt.malloc(max(size, 1)))
-            except Exception as exc:
-                if getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
-                    raise OutOfMemory(f"cannot allocate {size} bytes on {device}") from None
-                raise OutOfMemory(f"cannot allocate {size} bytes on {device}: {exc}") from None
-            try:
-                rt.memset(ptr, 0, max(size, 1))
-                rt.deviceSynchronize()
-            except Exception:
-                rt.free(ptr)
-                raise
-        return cls(device, size, ptr)
+        # Device memory comes from the group the daemon started for that GPU
+        # (its DeviceSpec's source), never from the kind alone.
+        raise NotFound(f"{device} memory is made by its device's group: no daemon serves "
+                       f"{device} here")
 
     @property
     def host_view(self) -> memoryview | None:
         return None
+
+    @property
+    def staging(self) -> DeviceIO | None:
+        return None if self._closed else self.group.io
 
     @property
     def address(self) -> int:
@@ -258,26 +249,13 @@ class CudaMemory(Memory):
     def resident(self) -> int:
         return self.size
 
-    def check(self, offset: int, size: int) -> int:
-        """The device address of ``[offset, offset + size)``, bounds checked."""
+    def device_address(self, offset: int, size: int) -> int:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise OutOfBounds(f"[{offset}, {offset + size}) is outside {self.size} bytes "
                               f"on {self.device}")
         if self._closed:
             raise NotFound(f"{self.device} memory was freed")
         return self.ptr + offset
-
-    def stage_in(self, offset: int, data: memoryview) -> None:
-        dst = self.check(offset, len(data))
-        cupy = _cupy()
-        with cupy.cuda.Device(self.index):
-            cupy.cuda.runtime.memcpy(dst, host_address(data), len(data), MEMCPY_DEFAULT)
-
-    def stage_out(self, offset: int, out: memoryview) -> None:
-        src = self.check(offset, len(out))
-        cupy = _cupy()
-        with cupy.cuda.Device(self.index):
-            cupy.cuda.runtime.memcpy(host_address(out), src, len(out), MEMCPY_DEFAULT)
 
     def describe(self) -> dict[str, Any]:
         return {"device_ptr": self.ptr}
@@ -286,11 +264,17 @@ class CudaMemory(Memory):
         if self._closed:
             return True
         self._closed = True
-        cupy = _cupy()
-        with contextlib.suppress(Exception), cupy.cuda.Device(self.index):
-            self._free()
-        self._report_gone()
+        # cudaFree waits for the whole device: on the group's worker, not the loop.
+        self.group.off_loop(self._free_and_report)
         return True
+
+    def _free_and_report(self) -> None:
+        try:
+            with self.group.current():
+                self._free()
+        except Exception:  # a broken device: the memory is gone with it
+            log.exception("freeing %d bytes on %s failed", self.size, self.device)
+        self._report_gone()
 
     def _free(self) -> None:
         _cupy().cuda.runtime.free(self.ptr)
@@ -299,8 +283,10 @@ class CudaMemory(Memory):
 def address_range(ptr: int) -> tuple[int, int] | None:
     """``(base, size)`` of the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
 
-    Through the driver library itself (CuPy does not wrap this call); None
-    where it cannot be asked.
+    Through the driver library itself (CuPy does not wrap this call).  It
+    needs a current context in the calling thread (the caller makes the
+    pointer's own device current first); None where it cannot be asked or
+    the driver does not know the pointer.
     """
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -315,6 +301,23 @@ def address_range(ptr: int) -> tuple[int, int] | None:
     return int(base.value), int(size.value)
 
 
+def ipc_span(ptr: int, nbytes: int, extent: tuple[int, int] | None) -> tuple[int, int]:
+    """``(allocation base, offset of ptr in it)`` for exporting ``[ptr, ptr + nbytes)``.
+
+    A CUDA IPC handle names a whole allocation: the range's offset in it has
+    to be known, never guessed.  BadRequest where the allocation could not be
+    found, OutOfBounds where the range does not lie inside it.
+    """
+    if extent is None:
+        raise BadRequest(f"cannot find the CUDA allocation of 0x{ptr:x} "
+                         "(cuMemGetAddressRange failed): not registering it at a guessed offset")
+    base, size = extent
+    if nbytes < 0 or ptr < base or ptr + nbytes > base + size:
+        raise OutOfBounds(f"[0x{ptr:x}, +{nbytes}) is outside its allocation "
+                          f"[0x{base:x}, +{size})")
+    return base, ptr - base
+
+
 class IpcCudaMemory(CudaMemory):
     """A client's own allocation, opened from its CUDA IPC handle.
 
@@ -323,31 +326,9 @@ class IpcCudaMemory(CudaMemory):
     allocation's real extent here before anything is touched.
     """
 
-    def __init__(self, device: str, size: int, ptr: int, base: int) -> None:
-        super().__init__(device, size, ptr, owned=False)
+    def __init__(self, device: str, size: int, ptr: int, base: int, group: CudaGroup) -> None:
+        super().__init__(device, size, ptr, group)
         self.base = base
-
-    @classmethod
-    def open(cls, device: str, handle: bytes, offset: int, size: int) -> IpcCudaMemory:
-        index = device_index(device)
-        if index not in GROUPS:
-            raise NotFound(f"no device {device!r} on this daemon")
-        if len(handle) != IPC_HANDLE_BYTES:
-            raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
-        cupy = _cupy()
-        rt = cupy.cuda.runtime
-        with cupy.cuda.Device(index):
-            try:
-                base = int(rt.ipcOpenMemHandle(bytes(handle), rt.cudaIpcMemLazyEnablePeerAccess))
-            except Exception as exc:
-                raise BadRequest(f"cannot open the CUDA IPC handle on {device}: {exc}") from None
-            extent = address_range(base)
-            if extent is not None and offset + size > extent[1]:
-                with contextlib.suppress(Exception):
-                    rt.ipcCloseMemHandle(base)
-                raise OutOfBounds(f"[{offset}, {offset + size}) is outside the client's "
-                                  f"allocation of {extent[1]} bytes")
-        return cls(device, size, base + offset, base)
 
     def describe(self) -> dict[str, Any]:
         return {"ipc": True}
@@ -360,7 +341,9 @@ class IpcCudaMemory(CudaMemory):
 
 
 @dataclass(eq=False)
-class CudaGroup:
+class CudaGroup(MemorySource):
+    """What one GPU gets in the daemon; the daemon's :class:`CudaDevices` owns it."""
+
     info: DeviceInfo
     cpu: int | None
     stream: CudaStream
@@ -373,82 +356,157 @@ class CudaGroup:
     def device(self) -> str:
         return f"cuda:{self.info.index}"
 
+    @property
+    def name(self) -> str:
+        return self.device
+
+    def current(self) -> Any:
+        """A context manager: this GPU current in the calling thread."""
+        return _cupy().cuda.Device(self.info.index)
+
+    def off_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the group's worker (it has the GPU's context), else here."""
+        worker = self.worker
+        if worker is not None and worker.loop is not None and not worker.loop.is_closed():
+            try:
+                worker.call(fn)
+                return
+            except RuntimeError:  # the worker's loop stopped meanwhile (the daemon's exit)
+                pass
+        fn()
+
+    def create(self, size: int) -> CudaMemory:
+        rt = _cupy().cuda.runtime
+        with self.current():
+            try:
+                ptr = int(rt.malloc(max(size, 1)))
+            except Exception as exc:
+                if getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise OutOfMemory(f"cannot allocate {size} bytes on {self.device}") from None
+                raise OutOfMemory(f"cannot allocate {size} bytes on {self.device}: {exc}") \
+                    from None
+        # Zero filled on the group's stream, not waited for here: every access
+        # the daemon makes to this memory (SET, GET, COPY, CLEAR, engine
+        # writes) is enqueued on that stream after the fill, so none sees the
+        # bytes before it; the loop never waits for the device.
+        try:
+            self.stream.fill(ptr, 0, max(size, 1))
+        except Exception:
+            with contextlib.suppress(Exception), self.current():
+                rt.free(ptr)
+            raise
+        return CudaMemory(self.device, size, ptr, self)
+
+    def open_ipc(self, handle: bytes, offset: int, size: int) -> IpcCudaMemory:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise BadRequest(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+        rt = _cupy().cuda.runtime
+        with self.current():
+            try:
+                base = int(rt.ipcOpenMemHandle(bytes(handle), rt.cudaIpcMemLazyEnablePeerAccess))
+            except Exception as exc:
+                raise BadRequest(f"cannot open the CUDA IPC handle on {self.device}: {exc}") \
+                    from None
+            try:
+                # The opened mapping is the client's whole allocation: the
+                # buffer must lie inside it, and its extent must be known.
+                ipc_span(base + offset, size, address_range(base))
+            except Exception:
+                with contextlib.suppress(Exception):
+                    rt.ipcCloseMemHandle(base)
+                raise
+        return IpcCudaMemory(self.device, size, base + offset, base, self)
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.device, "gpu": self.info.name, "pci_bus_id": self.info.pci_bus_id,
                 "numa_node": self.info.numa_node, "cpu": self.cpu,
                 "staging": self.pool.capacity * self.pool.chunk_size}
 
-
-GROUPS: dict[int, CudaGroup] = {}
-_groups_lock = threading.Lock()
-_taken: Counter[int] = Counter()
+    def stop(self) -> None:
+        self.waiter.close()
+        self.pool.close()
+        if self.worker is not None:
+            self.worker.stop()
 
 
 def start_group(index: int, *, chunk: int = DEFAULT_CHUNK, chunks: int = DEFAULT_CHUNKS,
-                pin: bool = True) -> CudaGroup:
-    """Bring up cuda:``index``: pinned worker, context current, stream, staging."""
+                pin: bool = True, taken: Counter[int] | None = None) -> CudaGroup:
+    """Bring up cuda:``index``: pinned worker, context current, stream, staging.
+
+    ``taken``: cores already given to other groups (the least used is chosen).
+    """
     from transferd.workers import ThreadWorker
 
-    with _groups_lock:
-        if index in GROUPS:
-            return GROUPS[index]
-        info = device_info(index)
-        cpu = None
-        if pin:
-            node_cpus = cpus_of_node(info.numa_node) if info.numa_node is not None else set()
-            cpu = choose_cpu(node_cpus, allowed_cpus(), _taken)
-            if cpu is not None:
-                _taken[cpu] += 1
-        worker = ThreadWorker(f"transferd-cuda{index}", cpu)
-        worker.start()
-        cupy = _cupy()
+    info = device_info(index)
+    cpu = None
+    if pin:
+        taken = taken if taken is not None else Counter()
+        node_cpus = cpus_of_node(info.numa_node) if info.numa_node is not None else set()
+        cpu = choose_cpu(node_cpus, allowed_cpus(), taken)
+        if cpu is not None:
+            taken[cpu] += 1
+    worker = ThreadWorker(f"transferd-cuda{index}", cpu)
+    worker.start()
+    cupy = _cupy()
 
-        def init() -> tuple[CudaStream, StagingPool]:
-            # On the pinned worker: the context is made current here, and the
-            # staging pages are first touched here, so they come from its node.
-            cupy.cuda.Device(index).use()
-            return CudaStream(index), StagingPool(chunk, chunks, pinned_allocator,
-                                                  name=f"staging of cuda:{index}")
+    def init() -> tuple[CudaStream, StagingPool]:
+        # On the pinned worker: the context is made current here, and the
+        # staging pages are first touched here, so they come from its node.
+        cupy.cuda.Device(index).use()
+        return CudaStream(index), StagingPool(chunk, chunks, pinned_allocator,
+                                              name=f"staging of cuda:{index}")
 
+    try:
         stream, pool = worker.run_sync(init, timeout=60)
-        waiter = EventWaiter(stream, name=f"transferd-cuda{index}-events")
-        group = CudaGroup(info, cpu, stream, waiter, pool, DeviceIO(stream, waiter, pool),
-                          worker)
-        GROUPS[index] = group
-        log.info("cuda:%d %s (%s, NUMA node %s): worker on cpu %s, %d MiB of pinned staging",
-                 index, info.name, info.pci_bus_id, info.numa_node, cpu,
-                 (chunk * chunks) >> 20)
-        return group
+    except BaseException:
+        worker.stop()
+        raise
+    waiter = EventWaiter(stream, name=f"transferd-cuda{index}-events")
+    group = CudaGroup(info, cpu, stream, waiter, pool, DeviceIO(stream, waiter, pool, worker),
+                      worker)
+    log.info("cuda:%d %s (%s, NUMA node %s): worker on cpu %s, %d MiB of pinned staging",
+             index, info.name, info.pci_bus_id, info.numa_node, cpu, (chunk * chunks) >> 20)
+    return group
 
 
-def stop_groups() -> None:
-    with _groups_lock:
-        groups = list(GROUPS.values())
-        GROUPS.clear()
-    for g in groups:
-        g.waiter.close()
-        g.pool.close()
-        if g.worker is not None:
-            g.worker.stop()
+class CudaDevices:
+    """The GPUs one daemon serves: a group each, started together, stopped with the daemon."""
 
+    def __init__(self) -> None:
+        self.groups: dict[int, CudaGroup] = {}
+        self.specs: list[DeviceSpec] = []
+        self._taken: Counter[int] = Counter()
 
-def start_devices(devices: list[str], *, memory_limit_mib: int = 0, staging_mib: int = 32,
-                  staging_chunk_kib: int = 4096, pin: bool = True) -> list[DeviceSpec]:
-    """Start a group per device named; the DeviceSpecs the buffer table serves them by.
+    @classmethod
+    def start(cls, devices: list[str], *, memory_limit_mib: int = 0, staging_mib: int = 32,
+              staging_chunk_kib: int = 4096, pin: bool = True) -> CudaDevices:
+        """A group per device named, and the DeviceSpecs the buffer table serves them by.
 
-    NotFound (naming the device and why) when CuPy finds no such device.
-    """
-    count, reason = availability()
-    if not count:
-        raise NotFound(f"{', '.join(devices)}: {reason}")
-    chunk = staging_chunk_kib << 10
-    chunks = max(1, (staging_mib << 20) // chunk)
-    specs = []
-    for name in devices:
-        index = device_index(name)
-        if index >= count:
-            raise NotFound(f"no device {name}: CuPy finds {count} CUDA device(s)")
-        group = start_group(index, chunk=chunk, chunks=chunks, pin=pin)
-        limit = (memory_limit_mib << 20) or int(group.info.free * 0.9)
-        specs.append(DeviceSpec(name, limit, None, ALIGNMENT))
-    return specs
+        NotFound (naming the device and why) when CuPy finds no such device.
+        """
+        count, reason = availability()
+        if not count:
+            raise NotFound(f"{', '.join(devices)}: {reason}")
+        chunk = staging_chunk_kib << 10
+        chunks = max(1, (staging_mib << 20) // chunk)
+        self = cls()
+        try:
+            for name in devices:
+                index = device_index(name)
+                if index >= count:
+                    raise NotFound(f"no device {name}: CuPy finds {count} CUDA device(s)")
+                group = self.groups.get(index)
+                if group is None:
+                    group = self.groups[index] = start_group(index, chunk=chunk, chunks=chunks,
+                                                             pin=pin, taken=self._taken)
+                limit = (memory_limit_mib << 20) or int(group.info.free * 0.9)
+                self.specs.append(DeviceSpec(name, limit, None, ALIGNMENT, group))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        groups, self.groups = list(self.groups.values()), {}
+        for g in groups:
+            g.stop()

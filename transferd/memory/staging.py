@@ -174,16 +174,21 @@ class StagingPool:
 
 
 class DeviceIO:
-    """How bytes reach a device buffer: its group's stream, event waiter and staging.
+    """The staging path of device memory: its group's stream, event waiter and staging.
 
-    A Memory without a host view that carries one of these as ``io`` (and a
-    ``check(offset, size) -> device address``) is served through the pipeline.
+    A Memory without a host view gives one of these as ``staging`` (and the
+    device address of a range by ``device_address``); the pipeline functions
+    below move its bytes.  ``worker`` (a GPU group's pinned thread, None for
+    the stand-in) is where host-side copies into and out of staging run, off
+    the daemon's loop.
     """
 
-    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool) -> None:
+    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool,
+                 worker: Any = None) -> None:
         self.stream = stream
         self.waiter = waiter
         self.pool = pool
+        self.worker = worker
 
 
 # -- the pipeline -----------------------------------------------------------------------
