@@ -21,6 +21,8 @@ from transferd.parts import MAX_MESSAGE
 from transferd.protocol import frames
 from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_PAYLOAD,
     HEADER_SIZE,
     HELLO_MAX_BODY,
     MAGIC,
@@ -32,6 +34,7 @@ from transferd.protocol.errors import (
     BadFrame,
     BadRequest,
     ConnectionLost,
+    OverLimit,
     ProtocolError,
     Timeout,
     TransferdError,
@@ -123,6 +126,13 @@ class Connection(asyncio.BufferedProtocol):
         # The URL it was opened with, and whether that transport keeps bytes private.
         self.url = ""
         self.private = False
+        # The server's limits (HELLO reply): no frame over them is sent, so a TOO_LARGE
+        # that comes back once READY is a per-request cap (OverLimit), never a frame's.
+        self.max_body = 1 << 62
+        self.max_payload = 1 << 62
+        # None until READY: an error during the handshake is what its code says (fatal
+        # where the code has a fatal class); False after (see max_body).
+        self._errors_fatal: bool | None = None
 
     @classmethod
     async def open(
@@ -163,7 +173,11 @@ class Connection(asyncio.BufferedProtocol):
         except TransferdError:
             await self.close()
             raise
-        return reply.body
+        b = reply.body
+        self.max_body = int(b.get("max_body", DEFAULT_MAX_BODY))
+        self.max_payload = int(b.get("max_payload", DEFAULT_MAX_PAYLOAD))
+        self._errors_fatal = False
+        return b
 
     def set_max_message(self, max_message: int) -> None:
         """The server's ``max_message`` (HELLO reply): payload continuation size."""
@@ -262,8 +276,8 @@ class Connection(asyncio.BufferedProtocol):
         if flags & _EVENT:
             if self.on_event is not None and self.on_event(frame):
                 return
-            if frame.is_error:
-                self.failed.append(error_from_body(frame.body, seq=frame.seq))
+            if frame.is_error:  # a one-way command's failure: never fatal
+                self.failed.append(error_from_body(frame.body, seq=frame.seq, fatal=False))
             return
         p = self.pending.pop(frame.seq, None)
         if p is None:
@@ -276,7 +290,8 @@ class Connection(asyncio.BufferedProtocol):
         if p.future.done():
             return
         if flags & _ERROR:
-            p.future.set_exception(error_from_body(frame.body, seq=frame.seq))
+            p.future.set_exception(error_from_body(frame.body, seq=frame.seq,
+                                                   fatal=self._errors_fatal))
         else:
             p.future.set_result(frame)
 
@@ -328,6 +343,12 @@ class Connection(asyncio.BufferedProtocol):
             plen = sum(map(len, views))
         else:
             views, plen = [], 0
+        if len(raw) > self.max_body or plen > self.max_payload:
+            # Refused here, not by the server (which would close the connection).
+            raise OverLimit(
+                f"a {command_name(cmd)} of {len(raw)} bytes of body and {plen} of payload is "
+                f"over the server's max_body {self.max_body} / max_payload "
+                f"{self.max_payload} (announced in HELLO): split it")
         # encode_header(), inlined: this runs once per request.
         head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
         if fds:
