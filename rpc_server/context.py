@@ -73,6 +73,8 @@ class ServerContext:
     # bounded by the daemon's descriptors.  While draining, new requests are refused.
     sessions: set[Any] = field(default_factory=set)
     draining: bool = False
+    # The commands with a handler (None: every command of the minor is tried).
+    served: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
@@ -92,6 +94,7 @@ class ServerContext:
                 max_message=self.max_message if message else None,
                 handshake_timeout=self.handshake_timeout,
                 limits={"max_tensors": self.max_tensors, "max_reply": self.max_reply},
+                served=self.served,
             )
         return st
 

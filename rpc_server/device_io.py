@@ -32,8 +32,7 @@ import numpy as np
 from transferd.copies import COUNTING, count
 from transferd.memory.base import Ref
 from transferd.memory.staging import DeviceIO, StagingChunk, device_to_wire
-from transferd.protocol import frames
-from transferd.protocol.constants import HEADER_SIZE, MAGIC, Flag
+from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadRequest, ConnectionLost
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.messages import Tensor
@@ -238,8 +237,7 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
         try:
             if transport is None or transport.is_closing():
                 raise ConnectionLost("the client went away before the GET")
-            head = frames.HEADER.pack(MAGIC, frame.cmd, int(Flag.REPLY), frame.seq & 0xFFFFFFFF,
-                                      0, 0, total)
+            head = session.stream_head(frame, total)
             transport.write(head)
 
             async def send(view: memoryview) -> None:

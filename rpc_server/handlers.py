@@ -190,9 +190,9 @@ def get_devices(session: Session, frame: Frame) -> Reply:
 
 
 def carries_fds(session: Session) -> bool:
-    """Whether this connection can pass file descriptors (unix, seqpacket)."""
-    t = session.transport
-    return bool(t is not None and t.get_extra_info("transferd_fds"))
+    """Whether this connection can pass file descriptors (unix, seqpacket): its
+    transport kind's carrier has a descriptor channel."""
+    return session.carrier is not None and session.carrier.fds is not None
 
 
 @handler(Command.ALLOC_BUFFER)

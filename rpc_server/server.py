@@ -23,6 +23,7 @@ from . import (
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
 from .context import ServerContext
+from .handlers import HANDLERS
 from .session import Session
 
 log = logging.getLogger("transferd.server")
@@ -81,6 +82,7 @@ class RpcFrontend:
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
             default_owner=cfg.memory.default_owner,
+            served=frozenset(HANDLERS),
         )
         ctx = self.ctx
         m = cfg.memory
@@ -102,7 +104,7 @@ class RpcFrontend:
                 kind = transports.get(url)
                 settings = ctx.settings_for(kind.scheme, kind.kind == "message")
                 listener = await transports.listen(
-                    url, functools.partial(Session, ctx, settings), opts
+                    url, functools.partial(Session, ctx, settings, kind), opts
                 )
                 self._listeners.append(listener)
                 urls.append(listener.url)

@@ -277,5 +277,26 @@ class Admission:
             self._decided(ticket)
         return rec[2] if rec[2] <= ticket.deadline else None
 
+    def verdicts(self, ticket: Ticket) -> TicketVerdicts:
+        """The verdict timing of ``ticket``'s connection, for its sans-IO connection
+        (``transferd.protocol.connection.Verdicts``)."""
+        return TicketVerdicts(self, ticket)
+
     def failures(self, source: str) -> int:
         return self._fails.get(source, (0, 0.0, 0.0))[0]
+
+
+class TicketVerdicts:
+    """:meth:`Admission.failed` and :meth:`Admission.success_at` bound to one ticket."""
+
+    __slots__ = ("_admission", "_ticket")
+
+    def __init__(self, admission: Admission, ticket: Ticket) -> None:
+        self._admission = admission
+        self._ticket = ticket
+
+    def failed(self, now: float) -> tuple[float | None, int]:
+        return self._admission.failed(self._ticket, now)
+
+    def success_at(self, now: float) -> float | None:
+        return self._admission.success_at(self._ticket, now)

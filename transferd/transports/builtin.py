@@ -9,12 +9,14 @@ import os
 import socket
 import ssl
 import stat
+from typing import cast
 
 from transferd.fds import AcceptGuard
 from transferd.preauth import Admission, Ticket, Why
 from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
+from .carriers import Carrier, FdChannel, MessageCarrier, StreamCarrier, TlsCarrier, no_delay
 from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
 
 log = logging.getLogger("transferd.transports")
@@ -23,6 +25,11 @@ log = logging.getLogger("transferd.transports")
 class Tcp(TransportKind):
     scheme = "tcp"
     kind = "stream"
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        no_delay(transport)
+        return StreamCarrier(cast(asyncio.Transport, transport), join_counter=join_counter)
 
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         return None
@@ -70,6 +77,15 @@ class Tcp(TransportKind):
 class Tls(Tcp):
     scheme = "tls"
     private = True
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        no_delay(transport)
+        t = cast(asyncio.Transport, transport)
+        # A server's replies go to the SSL layer a chunk at a time (its copies are bounded).
+        if server:
+            return TlsCarrier(t, join_counter=join_counter)
+        return StreamCarrier(t, join_counter=join_counter)
 
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         if opts.ssl_context is not None:
@@ -238,6 +254,20 @@ class UnixKind(TransportKind):
     def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
         pass
 
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        t = cast(SocketTransport, transport)
+        return StreamCarrier(t, FdChannel(t), join_counter=join_counter)
+
+    def identity(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        """A Unix peer is its uid (SO_PEERCRED): one local user cannot take another's
+        handshake slots or make another's token verdicts wait."""
+        cred = cast(SocketTransport, transport).peercred
+        if cred is None:
+            return "local", "local"
+        pid, uid, _gid = cred
+        return f"uid {uid}", f"local (pid {pid}, uid {uid})"
+
     async def listen(
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
     ) -> Listener:
@@ -282,6 +312,11 @@ class SeqPacket(UnixKind):
     scheme = "seqpacket"
     kind = "message"
     sock_type = socket.SOCK_SEQPACKET
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        t = cast(SocketTransport, transport)
+        return MessageCarrier(t, FdChannel(t), join_counter=join_counter)
 
     def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
         # A message must fit the send buffer whole; leave room for a few.

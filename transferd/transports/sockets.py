@@ -126,10 +126,12 @@ class SocketTransport(asyncio.Transport):
         self.max_message = max_message
         # The largest head (header + body) message accepted now.
         self.recv_limit = recv_limit if recv_limit is not None else max_message
+        # The connecting process's (pid, uid, gid) on AF_UNIX (SO_PEERCRED).
+        self.peercred = _peercred(sock)
         self._extra = {
             "socket": sock,
             "peername": _peername(sock),
-            "peercred": _peercred(sock),
+            "peercred": self.peercred,
             "sockname": sock.getsockname(),
             "transferd_fds": True,
             "transferd_message": message,
