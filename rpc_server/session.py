@@ -221,8 +221,25 @@ class Session(asyncio.BufferedProtocol):
                     self._again = self._loop.call_soon(self._pump)
                     break
             else:
-                self._on_event(cast(Ready | Refused, ev))
+                self._handshake(cast(Ready | Refused, ev))
         self._after()
+
+    def _handshake(self, ev: Ready | Refused) -> None:
+        """A handshake event, and the counts of the frames that made it (STATS, metrics)."""
+        started = time.perf_counter()
+        sent = self.ctx.stats.bytes_out
+        self._on_event(ev)
+        self._flush()
+        frames, self.conn.handshake_frames = self.conn.handshake_frames, []
+        for f in frames:
+            cmd = _COMMANDS.get(f.cmd)
+            if cmd is None:
+                continue
+            self.ctx.stats.commands[cmd] += 1
+            self.ctx.metrics.command(cmd, HEADER_SIZE + f.body_len)
+            if type(ev) is Ready or self.conn.state is ConnState.AUTH:
+                self.ctx.metrics.reply(cmd, self.ctx.stats.bytes_out - sent,
+                                       time.perf_counter() - started)
 
     def _after(self) -> None:
         """Write what is queued, and make the transport and the timer follow the
@@ -276,19 +293,22 @@ class Session(asyncio.BufferedProtocol):
 
     def _run(self, frame: Frame) -> None:
         started = time.perf_counter()
-        cmd = _COMMANDS[frame.cmd]  # the connection hands out known commands only
         ctx = self.ctx
-        ctx.stats.commands[cmd] += 1
-        ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
+        cmd = _COMMANDS.get(frame.cmd)
+        if cmd is not None:
+            ctx.stats.commands[cmd] += 1
+            ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
         try:
+            if frame.refused is not None:  # the connection's checks, or the sink's
+                raise frame.refused
             if ctx.draining and not frame.payload_len:
                 # A payload frame was judged by its sink when its header came.
                 raise _stopping()
             if frame.discarded:
                 raise Internal("payload discarded without a recorded error")
-            handler = HANDLERS.get(cmd)
-            if handler is None:
-                raise UnknownCommand(f"{cmd.name} is not served by this daemon")
+            handler = HANDLERS.get(cmd) if cmd is not None else None
+            if cmd is None or handler is None:
+                raise UnknownCommand(f"0x{frame.cmd:02x} is not served by this daemon")
             result = handler(self, frame)
         except TransferdError as exc:
             self._fail(frame, exc)

@@ -81,6 +81,7 @@ from .errors import (
     error_from_body,
 )
 from .frames import DISCARD, Frame, FrameDecoder, RawHeader, Sink, encode_head
+from .frames import Phase as _DecoderPhase
 from .messages import str_field, uint_field
 
 # The decoder's buffer before READY: a header and the largest pre-auth body.
@@ -458,6 +459,9 @@ class ServerConnection(_Machine):
         self._challenge = b""
         # The handshake frame being answered (cmd, seq): a held verdict's answer names it.
         self._hs = (_HELLO, 0)
+        # Handshake frames next_event took (HELLO, AUTH: two at most), for the I/O
+        # layer's counts; it empties the list.
+        self.handshake_frames: list[Frame] = []
         # A held verdict: the frames of its answer, when they go out (None: not before
         # the deadline, TIMEOUT then), and the Ready a held success becomes.
         self._held: list[Outgoing] | None = None
@@ -496,6 +500,15 @@ class ServerConnection(_Machine):
         if self.phase is _HELLO_P or self.phase is _AUTH_P:
             return self.deadline
         return None
+
+    def close(self) -> None:
+        """This side closes: a held verdict is not answered; what is queued still goes."""
+        self._held, self._held_at, self._held_ready = None, None, None
+        super().close()
+
+    def connection_lost(self) -> None:
+        self._held, self._held_at, self._held_ready = None, None, None
+        super().connection_lost()
 
     def output_blocked(self) -> None:
         """The I/O layer's write buffer is over its mark: no request goes out meanwhile."""
@@ -543,8 +556,9 @@ class ServerConnection(_Machine):
         """The request gate: the next request to run (a Frame), a handshake event, or None
         (nothing complete, a request running, output blocked, a verdict held, closing).
 
-        A request that fails its checks is answered here (its failure queued) and the next
-        frame is looked at; a broken stream is refused (fatal) and goes CLOSING.
+        A request that fails its checks comes out with ``refused`` set (why it may not
+        run): the caller answers it with ``fail(frame, frame.refused)``.  A broken stream
+        is refused (fatal) and goes CLOSING.
         """
         if now is not None:
             self.now = now
@@ -563,10 +577,9 @@ class ServerConnection(_Machine):
                         self._go(Input.ENDED)
                     return None
                 if f.flags & _NOT_PLAIN or f.cmd not in self._runnable or f.refused is not None:
-                    err = self._refusal(f)
-                    if err is not None:
-                        self.fail(f, err)
-                        continue
+                    # Handed out all the same, with why it may not run: the caller
+                    # answers it with fail(f, f.refused) (and counts it, logs it).
+                    f.refused = self._refusal(f)
                 self.phase = _TO_RUNNING  # SERVER_TRANSITIONS[IDLE][REQUEST]
                 return f
             if phase is _HELLO_P or phase is _AUTH_P:
@@ -577,6 +590,7 @@ class ServerConnection(_Machine):
                 if f is None:
                     return None
                 self._hs = (f.cmd, f.seq)
+                self.handshake_frames.append(f)
                 events = self._hello(f) if phase is _HELLO_P else self._auth(f)
                 if events:
                     return events[0]
@@ -929,7 +943,7 @@ class Pending(Protocol):
 
 
 _GETS = (int(Command.GET_TENSOR), int(Command.GET_TENSORS))
-_CLIENT_ROWS = CLIENT_TRANSITIONS
+_DECODER_BROKEN = _DecoderPhase.BROKEN
 
 
 class ClientConnection(_Machine):
@@ -968,6 +982,30 @@ class ClientConnection(_Machine):
         max_collect: int = 1 << 20,
     ) -> None:
         super().__init__()
+        self._seq = 0
+        self.prepare(name=name, max_minor=max_minor, secret=secret, method=method,
+                     address=address, private=private)
+        self._random = random
+        self._nonce = b""
+        self.server_hello: dict[str, Any] = {}
+        self.max_collect = max_collect
+        self.decoder = FrameDecoder(max_body=HELLO_MAX_BODY, payload_sink=self._sink)
+        # The server's limits (from its HELLO reply): no frame over them is sent.
+        self.max_body = 1 << 62
+        self.max_payload = 1 << 62
+        # seq -> what the caller registered (its cmd and sink), until the reply comes.
+        self.pending: dict[int, Any] = {}
+        self.lost: TransferdError | None = None
+
+    # -- the handshake ---------------------------------------------------------------
+
+    def prepare(self, *, name: str = "transferd-client", max_minor: int = 2,
+                secret: bytes | None = None, method: str = auth.HMAC_SHA256,
+                address: str = "", private: bool = True) -> None:
+        """Who this client is and how it authenticates; before :meth:`start` only (an I/O
+        layer that made the connection before it knew them)."""
+        if self._seq or self._out:
+            raise IllegalTransition("client connection: prepare() after start()")
         if method not in auth.METHODS:
             raise BadRequest(f"unknown auth method {method!r} (use one of {auth.METHODS})")
         # Where the server is (named in refusals), and whether its transport keeps the
@@ -981,20 +1019,6 @@ class ClientConnection(_Machine):
         self.max_minor = max_minor
         self.secret = secret or b""
         self.method = method
-        self._random = random
-        self._nonce = b""
-        self.server_hello: dict[str, Any] = {}
-        self.max_collect = max_collect
-        self.decoder = FrameDecoder(max_body=HELLO_MAX_BODY, payload_sink=self._sink)
-        self._seq = 0
-        # The server's limits (from its HELLO reply): no frame over them is sent.
-        self.max_body = 1 << 62
-        self.max_payload = 1 << 62
-        # seq -> what the caller registered (its cmd and sink), until the reply comes.
-        self.pending: dict[int, Any] = {}
-        self.lost: TransferdError | None = None
-
-    # -- the handshake ---------------------------------------------------------------
 
     def hello_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"major": PROTO_MAJOR, "minor": self.max_minor, "client": self.name}
@@ -1117,7 +1141,7 @@ class ClientConnection(_Machine):
         phase = self.phase
         if phase is _CLOSING_P or phase is _CLOSED_P:
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
-        seq = self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        seq = (self._seq + 1) & 0xFFFFFFFF or 1
         if payload_len < 0:
             payload_len = sum(map(len, payload)) if payload else 0
         head = encode_head(cmd, flags, seq, body, payload_len)
@@ -1127,6 +1151,7 @@ class ClientConnection(_Machine):
                 f"a {command_name(cmd)} of {len(head) - 24} bytes of body and {payload_len} "
                 f"of payload is over the server's max_body {self.max_body} / max_payload "
                 f"{self.max_payload} (announced in HELLO): split it")
+        self._seq = seq
         self._out.append(Outgoing(head, payload, payload_len, (), fds))
         if token is not None and not flags & _NO_REPLY:
             self.pending[seq] = token
@@ -1157,7 +1182,7 @@ class ClientConnection(_Machine):
         """The next frame that arrived, as an event (None: nothing complete).  A broken
         stream is a Refused (BAD_FRAME, TOO_LARGE) and the connection goes CLOSING."""
         while True:
-            if self.phase is _CLOSED_P:
+            if self.phase is _CLOSED_P or self.decoder.phase is _DECODER_BROKEN:
                 return None
             try:
                 f = self.decoder.next_frame()
@@ -1168,10 +1193,18 @@ class ClientConnection(_Machine):
             if f is None:
                 return None
             ev: Answer | Notice | Refused | Ready | None
-            if self.phase is _IDLE or self.phase is _CLOSING_P:
+            if self.phase is _IDLE or self.phase is _CLOSING_P or f.flags & _EVENT:
                 ev = self._data_event(f)
             else:
-                events = self.receive_frame(f)
+                try:
+                    events = self.receive_frame(f)
+                except IllegalTransition:
+                    # Not an answer to HELLO or AUTH: a server that breaks the handshake.
+                    self._go(Input.REFUSED)
+                    return Refused(BadFrame(
+                        f"{self._where}a 0x{f.cmd:02x} frame (flags 0x{f.flags:02x}) during "
+                        "the handshake, where only the HELLO and AUTH replies may come",
+                        seq=f.seq))
                 ev = events[0] if events else None
             if ev is not None:
                 return ev
