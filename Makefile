@@ -26,11 +26,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check transferd rpc_server client tests benchmarks fuzzing
+	$(VENV)/bin/ruff check transferd rpc_server client tests benchmarks fuzzing examples
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff check --fix transferd rpc_server client tests benchmarks fuzzing
+	$(VENV)/bin/ruff check --fix transferd rpc_server client tests benchmarks fuzzing examples
 
 ## fuzz: atheris fuzz targets (fuzzing/: decoder, connections, peer handshake and headers,
 ## command dispatch) for FUZZ_SECONDS in all (default 240), seeded from docs/protocol.md's

@@ -31,6 +31,10 @@ BENCHMARKS = [
     "scale_peers",
     "scale_handoff",
     "copies",
+    # The article's three systems, end to end (issue 25)
+    "workloads_kv",
+    "workloads_rl",
+    "workloads_moe",
 ]
 
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
@@ -39,4 +43,5 @@ GROUPS = {
                "engine_groups"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
+    "workloads": ["workloads_kv", "workloads_rl", "workloads_moe"],
 }

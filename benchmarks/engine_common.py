@@ -193,6 +193,7 @@ class PeerProcess:
                      *args]
         self.pinning = pinning
         self.timeout = timeout
+        self.env: dict[str, str] = {}  # added to PEER_ENV (a subclass's tuning)
         self.proc: subprocess.Popen[bytes] | None = None
         self._err: IO[str] | None = None
         self._pending = b""
@@ -207,7 +208,8 @@ class PeerProcess:
         self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-            env=clean_env(PEER_ENV), cwd=REPO, preexec_fn=self.pinning.server_preexec(),
+            env=clean_env({**PEER_ENV, **self.env}), cwd=REPO,
+            preexec_fn=self.pinning.server_preexec(),
         )
         try:
             self.ready = self._answer(self.timeout)

@@ -1,18 +1,25 @@
-"""The asyncio client: ``Client.connect(url)`` and the methods of DESIGN.md's API."""
+"""The asyncio client: ``Client.connect(url)`` and the methods of DESIGN.md's API.
+
+``Client`` holds the connection and the queue of reads and writes (its flush
+points); the rest is done by parts it holds, each taking the Client as the
+small interface of client/calls.py: ``engine`` (regions, writes, peer
+groups, messages, counts), ``copies`` (async device copies), ``cuda_ipc``,
+``leases`` and ``watchers``.  The methods of the API that belong to a part
+hand the call to it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transferd import __version__, transports
 from transferd.copies import COUNTING, count
+from transferd.discovery.records import Peer, Value
 from transferd.protocol import auth as auth_methods
 from transferd.protocol.constants import (
     DEFAULT_MAX_BODY,
@@ -25,101 +32,22 @@ from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
 from .connection import Connection
-from .copies import CopiesMixin, release_sent
-from .cuda_ipc import IpcMixin
-from .engine import EngineEvents, EngineMixin
-from .leases import LeaseMixin
+from .copies import Copies
+from .cuda_ipc import CudaIpc
+from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
+from .leases import Lease, Leases, owner_fields
+from .names import NameInfo, Names, Published, Watch
 from .queue import QueuedGet, QueuedSet, chunks, segments
-from .shared import SharedBuffer, map_shared
-from .watchers import WatcherMixin
+from .replies import lazy_sink, out_view, resolve_gets
+from .shared import SharedBuffer, map_shared, read_local
+from .switches import Switches
+from .watchers import Change, UvmWatcher, Watchers
 
+if TYPE_CHECKING:
+    from transferd.memory.staging import StagingPool
+    from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
-def _resolve_gets(gets: list[QueuedGet], fut: asyncio.Future[Frame]) -> None:
-    """Settle queued reads from their GET_TENSOR(S) reply future."""
-    if fut.cancelled():
-        for g in gets:
-            if not g.future.done():
-                g.future.cancel()
-    elif (exc := fut.exception()) is not None:
-        for g in gets:
-            if not g.future.done():
-                g.future.set_exception(exc)
-    else:
-        payload = fut.result().payload
-        if payload is not None:  # gathered whole (see _lazy_sink): cut it up
-            if len(gets) == 1:
-                gets[0].result = payload
-            else:
-                pos = 0
-                for g in gets:
-                    end = pos + g.tensor[2]
-                    # Called twice per reply (its done callback, then the flush
-                    # itself): a read already settled is not cut out again.
-                    if not g.future.done():
-                        g.result = payload[pos:end]
-                        if COUNTING:
-                            count("client.batch_cut", end - pos)
-                    pos = end
-        for g in gets:
-            f = g.future
-            if not f.done():
-                # No result yet: a zero-byte read, whose sink was never asked for.
-                r = g.result
-                f.set_result(r if r is not None else bytearray())
-
-
-# A small reply for reads without ``out=`` is received whole and cut into the
-# reads' results: cheaper than scattering it over one small buffer per read.
-GATHER_SMALL = 64 * 1024
-
-
-def _lazy_sink(gets: list[QueuedGet]) -> Callable[[Frame], list[memoryview] | None]:
-    """Where a GET reply's payload goes, decided when the reply arrives.
-
-    Reads without ``out=`` get their bytearray only then, after the server has
-    checked every tensor: a read the server refuses allocates nothing.
-    """
-
-    def sink(frame: Frame) -> list[memoryview] | None:
-        if frame.payload_len <= GATHER_SMALL and all(g.out is None for g in gets):
-            return None  # the decoder gathers the payload; _resolve_gets cuts it
-        views: list[memoryview] = []
-        append = views.append
-        for g in gets:
-            out = g.out
-            if out is None:
-                g.result = r = bytearray(g.tensor[2])
-                g.out = out = memoryview(r)
-            append(out)
-        return views
-
-    return sink
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip() not in ("", "0", "false", "no")
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The A/B switches of PROTOCOL.md, read once at connect time."""
-
-    batched_get: bool = True
-    batched_set: bool = True
-    async_copy: bool = True
-    stats_ms: int = 0
-
-    @classmethod
-    def from_env(cls) -> Switches:
-        stats_ms = 0
-        if _env_flag("TRANSFERD_STATS"):
-            stats_ms = int(os.environ.get("TRANSFERD_STATS_MS", "5000") or 5000)
-        return cls(
-            batched_get=not _env_flag("TRANSFERD_NO_BATCHED_GET"),
-            batched_set=not _env_flag("TRANSFERD_NO_BATCHED_SET"),
-            async_copy=not _env_flag("TRANSFERD_NO_ASYNC_COPY"),
-            stats_ms=stats_ms,
-        )
+__all__ = ["Client", "RemoteBuffer", "Switches"]
 
 
 def _as_view(data: Any) -> memoryview:
@@ -138,7 +66,7 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
-class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
+class Client:
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
 
     def __init__(
@@ -185,6 +113,14 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         # Shared buffers mapped here, by id: their tensors are read and
         # written in this process, not over the wire.
         self._shared: dict[int, SharedBuffer] = {}
+        # The parts: each takes this Client as the interface of client/calls.py.
+        self.engine = EngineOps(self, self._events)
+        self.copies = Copies(self)
+        self.cuda_ipc = CudaIpc(self)
+        self.leases = Leases(self, self.alloc_buffer)
+        self.watchers = Watchers(self, self._events)
+        # The names part (client/names.py), once connected.
+        self._names: Names | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -201,7 +137,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         opts = transports.TransportOptions(tls_ca=self.tls_ca or "", ssl_context=self.ssl_context)
         self._conn = await Connection.open(self.url, self.connect_timeout, opts)
         self._conn.on_event = self._on_event
-        self._conn.on_lost = self._events.lost
+        self._conn.on_lost = self._lost
         # The handshake is the sans-IO ClientConnection's: hmac-sha256 whenever
         # the server asks for authentication (the secret never crosses the
         # wire, and the server proves it knows it too); auth="token" sends it.
@@ -220,6 +156,8 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         self._conn.decoder.max_body = max(DEFAULT_MAX_BODY, self.max_body)
         if "max_message" in b:
             self._conn.set_max_message(int(b["max_message"]))
+        self._names = Names(self._conn, flush=self.flush, timeout=self.timeout,
+                            features=self.features if self.minor >= 2 else [])
         if self.switches.stats_ms:
             self._stats_task = asyncio.ensure_future(self._print_stats(self.switches.stats_ms))
 
@@ -232,7 +170,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
                     await self.flush()
             finally:
                 await self._conn.close()
-                self._close_copies()
+                self.copies.close()
                 # The daemon frees this connection's shared buffers; our
                 # mappings go too (arrays still over one keep it until they go).
                 shared, self._shared = self._shared, {}
@@ -282,6 +220,9 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         await self.flush()
         return await self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
 
+    def _queued(self) -> bool:
+        return bool(self._queue)
+
     # -- devices and buffers --------------------------------------------------------
 
     async def get_devices(self) -> list[dict[str, Any]]:
@@ -297,7 +238,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         the name of a lease that owns it; neither: the daemon's default
         (memory.default_owner; a shared buffer is the connection's).
         """
-        body = {"device": device, "size": size, **self._owner_fields(owner, lease)}
+        body = {"device": device, "size": size, **owner_fields(owner, lease)}
         r = await self._call(Command.ALLOC_BUFFER, body)
         buffer_id, got = int(r.body["buffer"]), int(r.body["size"])
         nfds = r.body.get("fds", 0)
@@ -356,13 +297,13 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         if self._shared and t.buffer in self._shared:
             if self._queue:
                 await self.flush()
-            return self._get_local(t, out)
+            return read_local(self._shared[t.buffer], t, out)
         if out is None:
             # The reply's payload is allocated when it arrives, once the server
             # has checked the tensor: a bad request costs no client memory.
             reply = await self._call(_GET_TENSOR, {"tensor": t})
             return reply.payload if reply.payload is not None else bytearray()
-        await self._call(_GET_TENSOR, {"tensor": t}, sink=[self._out_view(t, out)])
+        await self._call(_GET_TENSOR, {"tensor": t}, sink=[out_view(t, out)])
         return out
 
     async def copy_tensor(self, src: Tensor | Sequence[int], dst: Tensor | Sequence[int]) -> None:
@@ -427,28 +368,36 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         if self._shared and t.buffer in self._shared:
             # Shared memory: read now, in this process (no queue, no wire).
             try:
-                fut.set_result(self._get_local(t, out))
+                fut.set_result(read_local(self._shared[t.buffer], t, out))
             except TransferdError as exc:
                 fut.set_exception(exc)
             return fut
-        dest = self._out_view(t, out) if out is not None else None
+        dest = out_view(t, out) if out is not None else None
         self._queue.append(QueuedGet(t, fut, dest, out))
         return fut
 
     async def flush(self) -> None:
         """Send everything queued: one SET_TENSORS and one GET_TENSORS per segment."""
-        copies = self._n_copies > 0
-        if copies:  # async device copies queued: their bytes must be in staging first
-            await self._await_copies()
-            self._n_copies = 0
-        ops, self._queue = self._queue, []
-        if copies:
+        copies = self.copies
+        if copies.queued:  # async device copies queued: their bytes must be in staging first
+            ops = await copies.take_queue()
             try:
                 await self._flush_ops(ops)
             finally:
-                await release_sent(self, ops)
+                await copies.release_sent(ops)
             return
+        ops, self._queue = self._queue, []
         await self._flush_ops(ops)
+
+    def _send_now(self, ops: list[QueuedSet | QueuedGet]) -> None:
+        """Send ``ops`` now; their reads resolve when their replies come (a later flush
+        waits for them)."""
+        for seg in segments(ops):
+            self._send_sets(seg.sets)
+            for gets, fut in self._send_gets(seg.gets):
+                fut.add_done_callback(functools.partial(resolve_gets, gets))
+                self._reads_in_flight.add(fut)
+                fut.add_done_callback(self._reads_in_flight.discard)
 
     async def _flush_ops(self, ops: list[QueuedSet | QueuedGet]) -> None:
         conn = self.conn
@@ -467,7 +416,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
         earlier = [f for f in self._reads_in_flight if not f.done()]
         for gets, fut in waits:
             # Resolved by callback, so a cancelled flush orphans no read.
-            fut.add_done_callback(functools.partial(_resolve_gets, gets))
+            fut.add_done_callback(functools.partial(resolve_gets, gets))
             self._reads_in_flight.add(fut)
             fut.add_done_callback(self._reads_in_flight.discard)
         first_error: BaseException | None = None
@@ -476,7 +425,7 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
                 await fut
             except TransferdError as exc:
                 first_error = first_error or exc
-            _resolve_gets(gets, fut)  # now, not when the callback gets its turn
+            resolve_gets(gets, fut)  # now, not when the callback gets its turn
         if earlier:
             await asyncio.wait(earlier)
         self._raise_failures()
@@ -511,40 +460,120 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
                 fut = conn.request(
                     _GET_TENSORS,
                     {"tensors": [g.tensor for g in part]},
-                    sink=_lazy_sink(part),
+                    sink=lazy_sink(part),
                     timeout=self.timeout,
                 )
                 waits.append((part, fut))
         else:
             for g in gets:
                 fut = conn.request(
-                    _GET_TENSOR, {"tensor": g.tensor}, sink=_lazy_sink([g]), timeout=self.timeout
+                    _GET_TENSOR, {"tensor": g.tensor}, sink=lazy_sink([g]), timeout=self.timeout
                 )
                 waits.append(([g], fut))
         return waits
 
+    # -- the engine (client/engine.py) -------------------------------------------------
+
+    async def main_address(self) -> NetAddr:
+        return await self.engine.main_address()
+
+    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
+        return await self.engine.reg_mr(buf)
+
+    async def dereg_mr(self, mr: MrHandle) -> None:
+        await self.engine.dereg_mr(mr)
+
+    async def submit_single_write(
+        self, length: int, imm: int | None, src: tuple[MrHandle, int],
+        dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
+    ) -> Completion:
+        """See :meth:`EngineOps.submit_single_write` (``wid``: a write id)."""
+        return await self.engine.submit_single_write(length, imm, src, dst, timeout=timeout,
+                                                     wid=wid)
+
+    async def submit_paged_writes(
+        self, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
+        dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
+    ) -> Completion:
+        return await self.engine.submit_paged_writes(page_len, imm, src, dst,
+                                                     timeout=timeout, wid=wid)
+
+    async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
+        return await self.engine.add_peer_group(addrs)
+
+    async def submit_scatter(
+        self, group: PeerGroup | None, imm: int | None, src: MrHandle,
+        dsts: Sequence[ScatterDst], *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.engine.submit_scatter(group, imm, src, dsts, timeout=timeout)
+
+    async def submit_barrier(
+        self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.engine.submit_barrier(group, imm, dsts, timeout=timeout)
+
+    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None
+                          ) -> Completion:
+        return await self.engine.submit_send(addr, msg, timeout=timeout)
+
+    def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
+        self.engine.submit_recvs(length, count, callback)
+
+    async def expect_imm_count(
+        self, imm: int, count: int, callback: Callable[[], None] | None = None,
+        *, wait: bool | None = None, timeout: float | None = None,
+    ) -> Completion:
+        """See :meth:`EngineOps.expect_imm_count`."""
+        return await self.engine.expect_imm_count(imm, count, callback, wait=wait,
+                                                  timeout=timeout)
+
+    async def imm_count(self, imm: int) -> int:
+        return await self.engine.imm_count(imm)
+
+    # -- async device copies, CUDA IPC (client/copies.py, client/cuda_ipc.py) ------------
+
+    def use_copy_staging(self, pool: StagingPool) -> None:
+        """Use ``pool`` (pinned, bounded) for this client's async copies."""
+        self.copies.use_staging(pool)
+
+    async def copy_from_device(self, t: Tensor | tuple[int, int, int], src: Any, *,
+                               stream: Any = None) -> None:
+        """Device -> remote tensor ``t``: enqueued on ``stream``, sent once copied."""
+        await self.copies.copy_from_device(t, src, stream=stream)
+
+    async def copy_to_device(self, dst: Any, t: Tensor | tuple[int, int, int], *,
+                             stream: Any = None) -> None:
+        """Remote tensor ``t`` -> device: read into staging, async H2D on ``stream``."""
+        await self.copies.copy_to_device(dst, t, stream=stream)
+
+    async def register_cuda_memory(self, mem: Any, *, device: str | None = None
+                                   ) -> RemoteBuffer:
+        """Register this process's device memory (client/cuda_ipc.py)."""
+        return await self.cuda_ipc.register_cuda_memory(mem, device=device)
+
+    # -- leases and watchers (client/leases.py, client/watchers.py) -----------------------
+
+    def lease(self, name: str, ttl: float, *, end: bool = True) -> Lease:
+        """An async context manager: makes or renews lease ``name``, renews it meanwhile,
+        and ends it when the block ends (``end=False``: leaves it to run out)."""
+        return self.leases.lease(name, ttl, end=end)
+
+    async def renew_lease(self, name: str, ttl: float) -> bool:
+        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now."""
+        return await self.leases.renew_lease(name, ttl)
+
+    async def end_lease(self, name: str) -> int:
+        """END_LEASE: free the lease's buffers now; how many there were."""
+        return await self.leases.end_lease(name)
+
+    async def alloc_uvm_watcher(
+        self, callback: Change, *, buffer: RemoteBuffer | int | None = None, offset: int = 0,
+    ) -> UvmWatcher:
+        """A word the daemon watches; ``callback(old, new)`` on every change it sees."""
+        return await self.watchers.alloc_uvm_watcher(callback, buffer=buffer, offset=offset)
+
     # -- helpers ----------------------------------------------------------------------
-
-    def _get_local(self, t: Tensor, out: Any) -> Any:
-        """A shared buffer's tensor, copied out of this process's mapping."""
-        src = self._shared[t.buffer].local(t.offset, t.size)
-        if COUNTING:
-            count("client.shared_get", t.size)
-        if out is None:
-            return bytearray(src)
-        self._out_view(t, out)[:] = src
-        return out
-
-    @staticmethod
-    def _out_view(t: Tensor, out: Any) -> memoryview:
-        if out is None:
-            return memoryview(bytearray(t.size))
-        view = _as_view(out)
-        if view.readonly:
-            raise BadRequest("out= must be a writable buffer")
-        if view.nbytes != t.size:
-            raise BadRequest(f"out= holds {view.nbytes} bytes for a tensor of {t.size}")
-        return view
 
     def _raise_failures(self) -> None:
         failed = self.conn.take_failures()
@@ -558,7 +587,45 @@ class Client(EngineMixin, LeaseMixin, WatcherMixin, CopiesMixin, IpcMixin):
             raise first
 
     def _on_event(self, frame: Frame) -> bool:
+        names = self._names
+        if names is not None and names.on_event(frame):
+            return True
         return self._events.on_event(frame)
+
+    def _lost(self, exc: TransferdError) -> None:
+        self._events.lost(exc)
+        if self._names is not None:
+            self._names.lost(exc)
+
+    # -- names (the cluster's directory): delegated to the part in client/names.py ------
+
+    @property
+    def names_part(self) -> Names:
+        if self._names is None:
+            raise TransferdError("not connected: call open() or use Client.connect()")
+        return self._names
+
+    async def publish(self, name: str, value: Value, ttl: float | None = None, *,
+                      owner: str | None = None, lease: str | None = None) -> Published:
+        return await self.names_part.publish(name, value, ttl, owner=owner, lease=lease)
+
+    async def lookup(self, name: str) -> Value:
+        return await self.names_part.lookup(name)
+
+    async def unpublish(self, name: str) -> bool:
+        return await self.names_part.unpublish(name)
+
+    def watch(self, prefix: str = "", *, initial: bool = True) -> Watch:
+        return self.names_part.watch(prefix, initial=initial)
+
+    async def peers(self) -> list[Peer]:
+        return await self.names_part.peers()
+
+    async def names(self, prefix: str = "", limit: int | None = None) -> list[NameInfo]:
+        return await self.names_part.names(prefix, limit)
+
+    async def discovery_status(self) -> dict[str, Any]:
+        return await self.names_part.discovery_status()
 
     async def _print_stats(self, period_ms: int) -> None:
         while True:

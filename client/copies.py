@@ -21,31 +21,42 @@ both into the synchronous fallback for A/B runs: synchronize the stream,
 copy through host memory, a synchronous SET / GET.
 
 ``src`` / ``dst``: a contiguous CuPy array, or ``(device pointer, nbytes)``.
-``stream``: a ``cupy.cuda.Stream`` (default: the current stream), or any
+``stream``: a ``cupy.cuda.Stream`` (default: the calling thread's current
+stream, of its current device; client/devices.py), or any
 :class:`transferd.memory.streams.DeviceStream` (the tests' host stand-in).
+Events are recorded with the stream's own device current.
+
+Completions are learned by event-waiter threads: at most
+:data:`MAX_WAITERS` per client whatever the number of streams used (a stream
+shares the least busy one once there are that many).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transferd.protocol.errors import BadRequest
+from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.messages import Tensor
 
-from .queue import QueuedGet, QueuedSet, segments
+from .devices import capture_stream, device_range
+from .queue import QueuedSet
 
 if TYPE_CHECKING:
     from transferd.memory.staging import StagingChunk, StagingPool
     from transferd.memory.streams import DeviceStream, EventWaiter
 
-    from .client import Client
+    from .calls import Queue
 
-_TASKS: set[asyncio.Future[None]] = set()
 COPY_CHUNK = 4 << 20
 COPY_CHUNKS = 8
+# Event-waiter threads per client at most, and streams remembered.
+MAX_WAITERS = 4
+MAX_STREAMS = 64
 
 
 @dataclass(slots=True)
@@ -57,53 +68,82 @@ class QueuedCopy(QueuedSet):
     pool: Any = None
 
 
-def _device_range(obj: Any) -> tuple[int, int]:
-    if isinstance(obj, tuple) and len(obj) == 2:
-        return int(obj[0]), int(obj[1])
-    data = getattr(obj, "data", None)
-    if data is not None and hasattr(data, "ptr") and hasattr(obj, "nbytes"):
-        flags = getattr(obj, "flags", None)
-        if flags is not None and not flags.c_contiguous:
-            raise BadRequest("a device array for an async copy must be C-contiguous")
-        return int(data.ptr), int(obj.nbytes)
-    raise BadRequest("expected a CuPy array or (device pointer, nbytes)")
+class _Waiters:
+    """At most MAX_WAITERS event-waiter threads, shared by every stream a client uses."""
 
+    def __init__(self) -> None:
+        self._all: list[EventWaiter] = []
+        self._of: OrderedDict[int, EventWaiter] = OrderedDict()
 
-class _Copier:
-    """Per client: the pinned staging pool, and one event waiter per stream."""
+    def __len__(self) -> int:
+        return len(self._all)
 
-    def __init__(self, pool: StagingPool | None = None) -> None:
-        self.pool = pool
-        self.waiters: dict[int, EventWaiter] = {}
-        self.streams: dict[int, DeviceStream] = {}
+    def of(self, stream: DeviceStream) -> EventWaiter:
+        key = id(stream)
+        w = self._of.get(key)
+        if w is not None:
+            self._of.move_to_end(key)
+            return w
+        if len(self._all) < MAX_WAITERS:
+            from transferd.memory.streams import EventWaiter
 
-    def stream(self, stream: Any) -> DeviceStream:
-        from transferd.memory.streams import DeviceStream
-
-        if isinstance(stream, DeviceStream):
-            return stream
-        import cupy
-
-        from transferd.memory.cuda import CudaStream
-
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
-        key = int(s.ptr)
-        wrapped = self.streams.get(key)
-        if wrapped is None:
-            if len(self.streams) >= 64:
-                self.streams.clear()  # bounded: a new wrapper is cheap
-            wrapped = self.streams[key] = CudaStream(int(cupy.cuda.Device().id), s)
-        return wrapped
-
-    def waiter(self, stream: DeviceStream) -> EventWaiter:
-        from transferd.memory.streams import EventWaiter
-
-        w = self.waiters.get(id(stream))
-        if w is None:
-            w = self.waiters[id(stream)] = EventWaiter(stream, name="transferd-copies")
+            w = EventWaiter(stream, name=f"transferd-copies-{len(self._all)}")
+            self._all.append(w)
+        else:
+            # Its events queue behind another stream's: the least busy waiter's.
+            w = min(self._all, key=lambda x: x.waiting)
+        self._of[key] = w
+        if len(self._of) > MAX_STREAMS:
+            self._of.popitem(last=False)
         return w
 
-    def staging(self, stream: DeviceStream) -> StagingPool:
+    def close(self) -> None:
+        for w in self._all:
+            w.close()
+        self._all.clear()
+        self._of.clear()
+
+
+class Copies:
+    """``copy_from_device`` / ``copy_to_device`` of a Client, on the Client's queue.
+
+    Holds the client's pinned staging pool (made on first use), the stream
+    wrappers and the event waiters; ``queued`` counts the copies waiting in
+    the client's queue (a flush looks at them only when there are some).
+    """
+
+    def __init__(self, client: Queue) -> None:
+        self._client = client
+        self.pool: StagingPool | None = None
+        self.waiters = _Waiters()
+        self.queued = 0
+        self._streams: OrderedDict[tuple[int, int], DeviceStream] = OrderedDict()
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def use_staging(self, pool: StagingPool) -> None:
+        """Use ``pool`` (pinned, bounded) for this client's async copies."""
+        self.pool = pool
+
+    def close(self) -> None:
+        self.waiters.close()
+
+    def _stream(self, stream: Any) -> DeviceStream:
+        s = capture_stream(stream)
+        inner = getattr(s, "stream", None)
+        if inner is None:  # a DeviceStream of its own (the stand-in)
+            return s
+        # One wrapper per CUDA stream and device (every null stream's ptr is 0).
+        key = (int(inner.ptr), int(getattr(s, "index", 0)))
+        known = self._streams.get(key)
+        if known is not None:
+            self._streams.move_to_end(key)
+            return known
+        self._streams[key] = s
+        if len(self._streams) > MAX_STREAMS:
+            self._streams.popitem(last=False)
+        return s
+
+    def _staging(self, stream: DeviceStream) -> StagingPool:
         if self.pool is None:
             from transferd.memory.staging import StagingPool, host_allocator
 
@@ -115,48 +155,19 @@ class _Copier:
             self.pool = StagingPool(COPY_CHUNK, COPY_CHUNKS, alloc, name="client copy staging")
         return self.pool
 
-    def close(self) -> None:
-        for w in self.waiters.values():
-            w.close()
-        self.waiters.clear()
-
-
-class CopiesMixin:
-    """``copy_from_device`` / ``copy_to_device`` of :class:`client.Client`."""
-
-    # Async copies in the queue (a flush looks at the queue only when there are some).
-    _n_copies = 0
-
-    def _close_copies(self) -> None:
-        c: _Copier | None = getattr(self, "_copies", None)
-        if c is not None:
-            c.close()
-
-    def _copier(self: Client) -> _Copier:  # type: ignore[misc]
-        c: _Copier | None = getattr(self, "_copies", None)
-        if c is None:
-            c = _Copier()
-            self._copies = c
-        return c
-
-    def use_copy_staging(self: Client, pool: StagingPool) -> None:  # type: ignore[misc]
-        """Use ``pool`` (pinned, bounded) for this client's async copies."""
-        self._copier().pool = pool
-
-    async def copy_from_device(  # type: ignore[misc]
-        self: Client, t: Tensor | tuple[int, int, int], src: Any, *, stream: Any = None,
-    ) -> None:
+    async def copy_from_device(self, t: Tensor | tuple[int, int, int], src: Any, *,
+                               stream: Any = None) -> None:
         """Device -> remote tensor ``t``: enqueued on ``stream``, sent once copied."""
         t = t if type(t) is Tensor else Tensor(*t)
-        ptr, nbytes = _device_range(src)
+        ptr, nbytes = device_range(src)
         if nbytes != t.size:
             raise BadRequest(f"{nbytes} device bytes for a tensor of {t.size}")
-        cp = self._copier()
-        s = cp.stream(stream)
-        if not self.switches.async_copy:
-            await self._copy_from_device_sync(t, s, ptr)
+        s = self._stream(stream)
+        client = self._client
+        if not client.switches.async_copy:
+            await self._from_device_sync(t, s, ptr)
             return
-        pool, waiter = cp.staging(s), cp.waiter(s)
+        pool, waiter = self._staging(s), self.waiters.of(s)
         pos = 0
         while pos < t.size:
             chunk = await pool.acquire()  # back-pressure when staging is all in flight
@@ -165,15 +176,14 @@ class CopiesMixin:
             ready = waiter.wait(s.record())
             op = QueuedCopy(Tensor(t.buffer, t.offset + pos, n), chunk.view[:n], ready, chunk,
                             pool)
-            self._queue.append(op)
-            self._n_copies += 1
-            ready.add_done_callback(self._copy_ready)
+            client._queue.append(op)
+            self.queued += 1
+            ready.add_done_callback(self._ready)
             pos += n
         if t.size == 0:
-            self._queue.append(QueuedSet(t, b""))
+            client._queue.append(QueuedSet(t, b""))
 
-    async def _copy_from_device_sync(  # type: ignore[misc]
-        self: Client, t: Tensor, s: DeviceStream, ptr: int) -> None:
+    async def _from_device_sync(self, t: Tensor, s: DeviceStream, ptr: int) -> None:
         # The fallback the seed replaced: synchronize the producer, copy to
         # host memory, a synchronous SET.
         import numpy as np
@@ -183,16 +193,19 @@ class CopiesMixin:
         if t.size:
             s.copy_d2h(int(np.frombuffer(host, dtype=np.uint8).ctypes.data), ptr, t.size)
         s.synchronize()
-        await self.set_tensor(t, host)
+        await self._client.set_tensor(t, host)
 
-    def _copy_ready(self: Client, _fut: asyncio.Future[None]) -> None:  # type: ignore[misc]
-        task = asyncio.ensure_future(self._dispatch_copies())
-        _TASKS.add(task)  # kept until done (the loop holds tasks only weakly)
-        task.add_done_callback(_TASKS.discard)
+    def _ready(self, fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._drop(fut)
+        task = asyncio.ensure_future(self._dispatch())
+        self._tasks.add(task)  # kept until done (the loop holds tasks only weakly)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _dispatch_copies(self: Client) -> None:  # type: ignore[misc]
+    async def _dispatch(self) -> None:
         """Send the queue's prefix up to the last copy whose bytes are in staging."""
-        q = self._queue
+        client = self._client
+        q = client._queue
         k = 0
         last = 0
         for i, op in enumerate(q):
@@ -202,65 +215,101 @@ class CopiesMixin:
                 last = i + 1
             k = i + 1
         k = min(k, last) if last else 0
-        if not k or self._conn is None or self._conn.lost is not None:
+        if not k:
             return
-        ops, self._queue = q[:k], q[k:]
-        self._n_copies = sum(1 for op in self._queue if type(op) is QueuedCopy)
         try:
-            for seg in segments(ops):
-                self._send_sets(seg.sets)
-                for gets, fut in self._send_gets(seg.gets):
-                    fut.add_done_callback(functools.partial(_resolve, gets))
-                    self._reads_in_flight.add(fut)
-                    fut.add_done_callback(self._reads_in_flight.discard)
-            await written(self)
+            conn = client.conn
+        except Exception:
+            return
+        if conn.lost is not None:
+            return
+        ops, client._queue = q[:k], q[k:]
+        self.queued = sum(1 for op in client._queue if type(op) is QueuedCopy)
+        try:
+            client._send_now(ops)
+            await self.written()
         finally:
             _release(ops)
 
-    async def _await_copies(self: Client) -> None:  # type: ignore[misc]
-        """A flush point: every queued copy's bytes must be in staging first."""
-        pending = [op.ready for op in self._queue
+    def _drop(self, fut: asyncio.Future[None]) -> None:
+        """A copy the device failed: its SET never goes (its staging holds nothing of
+        it); the fault is raised at the next flush point, as a one-way failure is."""
+        client = self._client
+        for i, op in enumerate(client._queue):
+            if type(op) is QueuedCopy and op.ready is fut:
+                del client._queue[i]
+                self.queued -= 1
+                _release([op])
+                break
+        exc = fut.exception()
+        if isinstance(exc, TransferdError):
+            with contextlib.suppress(TransferdError):
+                client.conn.failed.append(exc)
+
+    async def take_queue(self) -> list[Any]:
+        """At a flush point: once every queued copy's bytes are in staging, the queue
+        (less the copies the device failed: the flush raises their faults)."""
+        client = self._client
+        pending = [op.ready for op in client._queue
                    if type(op) is QueuedCopy and op.ready is not None and not op.ready.done()]
         if pending:
-            await asyncio.gather(*pending)
+            await asyncio.gather(*pending, return_exceptions=True)
+        ops, client._queue = client._queue, []
+        self.queued = 0
+        return ops
 
-    async def copy_to_device(  # type: ignore[misc]
-        self: Client, dst: Any, t: Tensor | tuple[int, int, int], *, stream: Any = None,
-    ) -> None:
+    async def copy_to_device(self, dst: Any, t: Tensor | tuple[int, int, int], *,
+                             stream: Any = None) -> None:
         """Remote tensor ``t`` -> device: read into staging, async H2D on ``stream``."""
         t = t if type(t) is Tensor else Tensor(*t)
-        ptr, nbytes = _device_range(dst)
+        ptr, nbytes = device_range(dst)
         if nbytes != t.size:
             raise BadRequest(f"{nbytes} device bytes for a tensor of {t.size}")
-        cp = self._copier()
-        s = cp.stream(stream)
-        if not self.switches.async_copy:
+        s = self._stream(stream)
+        client = self._client
+        if not client.switches.async_copy:
             import numpy as np
 
-            host = await self.get_tensor(t)
+            host = await client.get_tensor(t)
             if t.size:
                 s.copy_h2d(ptr, int(np.frombuffer(host, dtype=np.uint8).ctypes.data), t.size)
             s.synchronize()
             return
-        pool, waiter = cp.staging(s), cp.waiter(s)
+        pool, waiter = self._staging(s), self.waiters.of(s)
         pos = 0
         while pos < t.size:
             chunk = await pool.acquire()
             n = min(chunk.size, t.size - pos)
             try:
-                await self.get_tensor(Tensor(t.buffer, t.offset + pos, n), out=chunk.view[:n])
+                await client.get_tensor(Tensor(t.buffer, t.offset + pos, n), out=chunk.view[:n])
             except BaseException:
                 pool.release(chunk)
                 raise
             s.copy_h2d(ptr + pos, chunk.ptr, n)
-            waiter.watch(s.record(), functools.partial(pool.release, chunk))
+            waiter.watch(s.record(), functools.partial(_back, pool, chunk))
             pos += n
 
+    async def written(self) -> None:
+        """Until the transport's write buffer is empty: the staging views in it were sent."""
+        try:
+            t = self._client.conn.transport
+        except Exception:
+            return
+        delay = 0.0
+        while t is not None and not t.is_closing() and t.get_write_buffer_size():
+            await asyncio.sleep(delay)
+            delay = min(0.002, delay * 2 or 0.00005)
 
-def _resolve(gets: list[QueuedGet], fut: asyncio.Future[Any]) -> None:
-    from .client import _resolve_gets
+    async def release_sent(self, ops: list[Any]) -> None:
+        """After a flush sent ``ops``: their staging goes back once written out."""
+        try:
+            await self.written()
+        finally:
+            _release(ops)
 
-    _resolve_gets(gets, fut)
+
+def _back(pool: StagingPool, chunk: StagingChunk, _outcome: object) -> None:
+    pool.release(chunk)
 
 
 def _release(ops: list[Any]) -> None:
@@ -269,21 +318,3 @@ def _release(ops: list[Any]) -> None:
             chunk: StagingChunk = op.chunk
             op.chunk = None
             op.pool.release(chunk)
-
-
-async def written(client: Client) -> None:
-    """Until the transport's write buffer is empty: the staging views in it were sent."""
-    conn = client._conn
-    t = conn.transport if conn is not None else None
-    delay = 0.0
-    while t is not None and not t.is_closing() and t.get_write_buffer_size():
-        await asyncio.sleep(delay)
-        delay = min(0.002, delay * 2 or 0.00005)
-
-
-async def release_sent(client: Client, ops: list[Any]) -> None:
-    """After a flush sent ``ops``: their staging goes back once written out."""
-    try:
-        await written(client)
-    finally:
-        _release(ops)

@@ -29,7 +29,8 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 if TYPE_CHECKING:
-    from .client import Client, RemoteBuffer
+    from .buffers import RemoteBuffer
+    from .calls import Calls
 
 log = logging.getLogger("transferd.client")
 
@@ -55,7 +56,7 @@ class Completion:
         self.what = what
         self._future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # CANCEL of the request this is the end of: (client, its seq).
-        self._origin: tuple[Client, int] | None = None
+        self._origin: tuple[Calls, int] | None = None
 
     async def cancel(self) -> bool:
         """Ask the daemon to end this now (CANCEL); True if that is how it ended.
@@ -146,7 +147,7 @@ class EngineEvents:
         if c is None:
             return False
         if frame.is_error:
-            c._resolve(error=error_from_body(frame.body, seq=frame.seq))
+            c._resolve(error=error_from_body(frame.body, seq=frame.seq, fatal=False))
         else:
             c._resolve(frame.body)
         return True
@@ -157,37 +158,41 @@ class EngineEvents:
             c._resolve(error=ConnectionLost(exc.message))
 
 
-class EngineMixin:
-    """Engine methods of :class:`client.Client` (kept apart to keep files small)."""
+class EngineOps:
+    """The engine operations of a Client: regions, writes, peer groups, messages, counts."""
 
-    _events: EngineEvents
+    def __init__(self, client: Calls, events: EngineEvents) -> None:
+        self._client = client
+        self._events = events
 
-    async def main_address(self: Client) -> NetAddr:  # type: ignore[misc]
-        r = await self._call(Command.MAIN_ADDRESS)
+    async def main_address(self) -> NetAddr:
+        r = await self._client._call(Command.MAIN_ADDRESS)
         return NetAddr.from_bytes(r.body["addr"])
 
-    async def reg_mr(self: Client, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:  # type: ignore[misc]
-        r = await self._call(Command.REG_MR, {"buffer": buf.id})
+    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
+        r = await self._client._call(Command.REG_MR, {"buffer": buf.id})
         return MrHandle(int(r.body["mr"]), buf), MrDesc.from_wire(r.body["desc"])
 
-    async def dereg_mr(self: Client, mr: MrHandle) -> None:  # type: ignore[misc]
-        await self._call(Command.DEREG_MR, {"mr": mr.id})
+    async def dereg_mr(self, mr: MrHandle) -> None:
+        await self._client._call(Command.DEREG_MR, {"mr": mr.id})
 
-    async def _submit(self: Client, cmd: Command, body: dict[str, Any],  # type: ignore[misc]
-                      payload: Sequence[Any] = (), timeout: float | None = None) -> Completion:
-        if self._queue:
-            await self.flush()
+    async def _submit(self, cmd: Command, body: dict[str, Any], payload: Sequence[Any] = (),
+                      timeout: float | None = None) -> Completion:
+        client = self._client
+        if client._queued():
+            await client.flush()
         if timeout is not None:
             body["timeout_ms"] = _ms(timeout)
         c = Completion(cmd.name)
-        seq = self.conn.send(cmd, body, payload, flags=Flag.NO_REPLY)
-        c._origin = (self, seq)
+        conn = client.conn
+        seq = conn.send(cmd, body, payload, flags=Flag.NO_REPLY)
+        c._origin = (client, seq)
         self._events.waiting[seq] = c
-        await self.conn.drain()
+        await conn.drain()
         return c
 
-    async def submit_single_write(  # type: ignore[misc]
-        self: Client, length: int, imm: int | None, src: tuple[MrHandle, int],
+    async def submit_single_write(
+        self, length: int, imm: int | None, src: tuple[MrHandle, int],
         dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
     ) -> Completion:
         """``wid``: a write id of your choosing (u64); a retry with the same one after a
@@ -198,8 +203,8 @@ class EngineMixin:
             body["wid"] = wid
         return await self._submit(Command.SINGLE_WRITE, body, timeout=timeout)
 
-    async def submit_paged_writes(  # type: ignore[misc]
-        self: Client, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
+    async def submit_paged_writes(
+        self, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
         dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
     ) -> Completion:
         """``wid``: as for :meth:`submit_single_write`."""
@@ -210,12 +215,13 @@ class EngineMixin:
             body["wid"] = wid
         return await self._submit(Command.PAGED_WRITES, body, timeout=timeout)
 
-    async def add_peer_group(self: Client, addrs: Sequence[NetAddr]) -> PeerGroup:  # type: ignore[misc]
-        r = await self._call(Command.ADD_PEER_GROUP, {"addrs": [a.to_bytes() for a in addrs]})
+    async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
+        r = await self._client._call(Command.ADD_PEER_GROUP,
+                                     {"addrs": [a.to_bytes() for a in addrs]})
         return PeerGroup(int(r.body["group"]), tuple(addrs))
 
-    async def submit_scatter(  # type: ignore[misc]
-        self: Client, group: PeerGroup | None, imm: int | None, src: MrHandle,
+    async def submit_scatter(
+        self, group: PeerGroup | None, imm: int | None, src: MrHandle,
         dsts: Sequence[ScatterDst], *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.SCATTER, {
@@ -223,15 +229,15 @@ class EngineMixin:
             "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]},
             timeout=timeout)
 
-    async def submit_barrier(  # type: ignore[misc]
-        self: Client, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
+    async def submit_barrier(
+        self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
         *, timeout: float | None = None,
     ) -> Completion:
         return await self._submit(Command.BARRIER, {
             "group": group.id if group else None, "imm": imm,
             "dsts": [d.to_wire() for d in dsts]}, timeout=timeout)
 
-    async def submit_send(self: Client, addr: NetAddr, msg: Any,  # type: ignore[misc]
+    async def submit_send(self, addr: NetAddr, msg: Any,
                           *, timeout: float | None = None) -> Completion:
         # The payload is written to the socket (or copied) before this returns
         # control, so the caller may reuse ``msg`` at once.
@@ -241,15 +247,14 @@ class EngineMixin:
         return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data],
                                   timeout=timeout)
 
-    def submit_recvs(self: Client, length: int, count: int,  # type: ignore[misc]
-                     callback: MessageHandler) -> None:
+    def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
         """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message."""
-        seq = self.conn.send(Command.SUBMIT_RECVS, {"len": length, "count": count},
-                             flags=Flag.NO_REPLY)
+        seq = self._client.conn.send(Command.SUBMIT_RECVS, {"len": length, "count": count},
+                                     flags=Flag.NO_REPLY)
         self._events.receivers[seq] = callback
 
-    async def expect_imm_count(  # type: ignore[misc]
-        self: Client, imm: int, count: int, callback: Callable[[], None] | None = None,
+    async def expect_imm_count(
+        self, imm: int, count: int, callback: Callable[[], None] | None = None,
         *, wait: bool | None = None, timeout: float | None = None,
     ) -> Completion:
         """Fires once immediate ``imm`` has counted ``count`` (which it then consumes).
@@ -264,9 +269,10 @@ class EngineMixin:
         body: dict[str, Any] = {"imm": imm, "count": count}
         if timeout is not None:
             body["timeout_ms"] = _ms(timeout)
-        r = self.conn.request(Command.EXPECT_IMM_COUNT, body)
-        c._origin = (self, self.conn.last_seq)
-        self._events.waiting[self.conn.last_seq] = c
+        conn = self._client.conn
+        r = conn.request(Command.EXPECT_IMM_COUNT, body)
+        c._origin = (self._client, conn.last_seq)
+        self._events.waiting[conn.last_seq] = c
         if callback is not None:
             c.add_done_callback(lambda done: None if done.exception() else callback())
         await r
@@ -274,6 +280,6 @@ class EngineMixin:
             await c
         return c
 
-    async def imm_count(self: Client, imm: int) -> int:  # type: ignore[misc]
+    async def imm_count(self, imm: int) -> int:
         """The current, unconsumed count of an immediate (for polling)."""
-        return int((await self._call(Command.IMM_COUNT, {"imm": imm})).body["value"])
+        return int((await self._client._call(Command.IMM_COUNT, {"imm": imm})).body["value"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from transferd.protocol.constants import Command
@@ -25,7 +26,9 @@ from transferd.protocol.errors import NotFound, TransferdError
 
 if TYPE_CHECKING:
     from .buffers import RemoteBuffer
-    from .client import Client
+    from .calls import Calls
+
+    AllocBuffer = Callable[..., Awaitable[RemoteBuffer]]
 
 log = logging.getLogger("transferd.client")
 
@@ -37,8 +40,8 @@ def _ttl_ms(ttl: float) -> int:
 class Lease:
     """A named lease this client renews until the block ends (or :meth:`detach`)."""
 
-    def __init__(self, client: Client, name: str, ttl: float, *, end: bool = True) -> None:
-        self.client = client
+    def __init__(self, leases: Leases, name: str, ttl: float, *, end: bool = True) -> None:
+        self.leases = leases
         self.name = name
         self.ttl = ttl
         # End the lease (free its buffers) when the block ends.
@@ -49,15 +52,15 @@ class Lease:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Lease:
-        self.created = await self.client.renew_lease(self.name, self.ttl)
+        self.created = await self.leases.renew_lease(self.name, self.ttl)
         self._task = asyncio.ensure_future(self._renew_forever())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._stop()
-        if self.end_on_exit and self.client.conn.lost is None:
+        if self.end_on_exit and self.leases.client.conn.lost is None:
             with contextlib.suppress(NotFound):  # expired meanwhile: nothing left to end
-                await self.client.end_lease(self.name)
+                await self.leases.end_lease(self.name)
 
     def detach(self) -> None:
         """Stop renewing; the lease lives on until its ttl runs out or another renews it."""
@@ -70,11 +73,11 @@ class Lease:
             self._task = None
 
     async def renew(self) -> None:
-        await self.client.renew_lease(self.name, self.ttl)
+        await self.leases.renew_lease(self.name, self.ttl)
 
     async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
         """A buffer this lease owns."""
-        return await self.client.alloc_buffer(size, device, lease=self.name)
+        return await self.leases.alloc(size, device, lease=self.name)
 
     async def _renew_forever(self) -> None:
         # A third of the ttl: two renewals may be lost (or late) before it runs out.
@@ -82,42 +85,48 @@ class Lease:
         while True:
             await asyncio.sleep(period)
             try:
-                await self.client.renew_lease(self.name, self.ttl)
+                await self.leases.renew_lease(self.name, self.ttl)
             except TransferdError as exc:
                 self.error = exc
                 log.warning("lease %r: renewal failed: %s", self.name, exc)
-                if self.client.conn.lost is not None or isinstance(exc, NotFound):
+                if self.leases.client.conn.lost is not None or isinstance(exc, NotFound):
                     return  # nothing more to renew on (or with)
 
 
-class LeaseMixin:
-    """Lease methods of :class:`client.Client`."""
+class Leases:
+    """The lease operations of a Client; ``alloc`` is its ``alloc_buffer``."""
 
-    def lease(self: Client, name: str, ttl: float, *, end: bool = True) -> Lease:  # type: ignore[misc]
+    def __init__(self, client: Calls, alloc: AllocBuffer) -> None:
+        self.client = client
+        self.alloc = alloc
+
+    def lease(self, name: str, ttl: float, *, end: bool = True) -> Lease:
         """An async context manager: makes or renews lease ``name``, renews it meanwhile,
         and ends it when the block ends (``end=False``: leaves it to run out)."""
         return Lease(self, name, ttl, end=end)
 
-    async def renew_lease(self: Client, name: str, ttl: float) -> bool:  # type: ignore[misc]
+    async def renew_lease(self, name: str, ttl: float) -> bool:
         """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now.
 
         Not a flush point: sent at once, beside whatever is queued (a lease
         orders nothing).
         """
-        r = await self.conn.request(Command.LEASE, {"lease": name, "ttl_ms": _ttl_ms(ttl)},
-                                    timeout=self.timeout)
+        client = self.client
+        r = await client.conn.request(Command.LEASE, {"lease": name, "ttl_ms": _ttl_ms(ttl)},
+                                      timeout=client.timeout)
         return bool(r.body.get("created"))
 
-    async def end_lease(self: Client, name: str) -> int:  # type: ignore[misc]
+    async def end_lease(self, name: str) -> int:
         """END_LEASE: free the lease's buffers now; how many there were."""
-        r = await self._call(Command.END_LEASE, {"lease": name})
+        r = await self.client._call(Command.END_LEASE, {"lease": name})
         return int(r.body.get("buffers", 0))
 
-    @staticmethod
-    def _owner_fields(owner: str | None, lease: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {}
-        if owner is not None:
-            body["owner"] = owner
-        if lease is not None:
-            body["lease"] = lease
-        return body
+
+def owner_fields(owner: str | None, lease: str | None) -> dict[str, Any]:
+    """ALLOC_BUFFER's owner fields: ``owner`` and/or ``lease`` where given."""
+    body: dict[str, Any] = {}
+    if owner is not None:
+        body["owner"] = owner
+    if lease is not None:
+        body["lease"] = lease
+    return body

@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadFrame, BadRequest, OutOfBounds
+from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
+from .replies import out_view
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,14 @@ def map_shared(buffer_id: int, size: int, device: str, body: dict[str, Any],
             with contextlib.suppress(OSError):
                 os.close(fd)
     return SharedBuffer(buffer_id, size, device, mapping)
+
+
+def read_local(buf: SharedBuffer, t: Tensor, out: Any) -> Any:
+    """A shared buffer's tensor, copied out of this process's mapping (into ``out``)."""
+    src = buf.local(t.offset, t.size)
+    if COUNTING:
+        count("client.shared_get", t.size)
+    if out is None:
+        return bytearray(src)
+    out_view(t, out)[:] = src
+    return out

@@ -2,6 +2,12 @@
 
 It runs a private event loop in a daemon thread and forwards each call to the
 async :class:`Client` there.  Queued reads return ``concurrent.futures.Future``.
+
+What CuPy keeps per thread (the current device and stream) is resolved in the
+caller's thread before a call is handed over: an async copy without
+``stream=`` goes on the caller's current stream of the caller's current
+device, and CUDA IPC registration exports the memory from the caller's
+thread (client/devices.py).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .client import Client
+from .devices import CudaExport, capture_stream, export_cuda
 from .engine import Completion
+from .names import SyncWatch
 
 T = TypeVar("T")
 
@@ -65,6 +73,22 @@ class SyncClient:
         self._call_soon(queue)
         return cf
 
+    def copy_from_device(self, t: Any, src: Any, *, stream: Any = None) -> None:
+        """:meth:`Client.copy_from_device` on the caller's stream (this thread's current
+        one when ``stream`` is None)."""
+        s = capture_stream(stream)
+        self._run(self._client.copy_from_device(t, src, stream=s))
+
+    def copy_to_device(self, dst: Any, t: Any, *, stream: Any = None) -> None:
+        """:meth:`Client.copy_to_device` on the caller's stream (as copy_from_device)."""
+        s = capture_stream(stream)
+        self._run(self._client.copy_to_device(dst, t, stream=s))
+
+    def register_cuda_memory(self, mem: Any, *, device: str | None = None) -> Any:
+        """:meth:`Client.register_cuda_memory`, exported in the caller's thread."""
+        export = mem if isinstance(mem, CudaExport) else export_cuda(mem)
+        return self._run(self._client.register_cuda_memory(export, device=device))
+
     def wait(self, completion: Completion, timeout: float | None = None) -> Any:
         """Block until a submit's Completion (or an immediate count) is done.
 
@@ -75,6 +99,11 @@ class SyncClient:
     def cancel(self, completion: Completion) -> bool:
         """CANCEL a submit or expectation; True if that is how it ended (see Completion.cancel)."""
         return self._run(completion.cancel())
+
+    def watch(self, prefix: str = "", *, initial: bool = True) -> SyncWatch:
+        """``for change in sc.watch(prefix)``, blocking; ``with`` ends it on the daemon."""
+        return SyncWatch(self._run, self._call_soon(
+            lambda: self._client.watch(prefix, initial=initial)))
 
     def close(self) -> None:
         try:

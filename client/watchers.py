@@ -28,7 +28,9 @@ from transferd.protocol.frames import Frame
 if TYPE_CHECKING:
     import numpy as np
 
-    from .client import Client, RemoteBuffer
+    from .buffers import RemoteBuffer
+    from .calls import Calls
+    from .engine import EngineEvents
 
 Change = Callable[[int, int], None]
 
@@ -132,12 +134,15 @@ class UvmWatcher:
         return f"<UvmWatcher {self.id} value={self.value} changes={self.changes}>"
 
 
-class WatcherMixin:
-    """``alloc_uvm_watcher`` of :class:`client.Client`."""
+class Watchers:
+    """``alloc_uvm_watcher`` of a Client: its EVENTs are routed by ``events``."""
 
-    async def alloc_uvm_watcher(  # type: ignore[misc]
-        self: Client, callback: Change, *, buffer: RemoteBuffer | int | None = None,
-        offset: int = 0,
+    def __init__(self, client: Calls, events: EngineEvents) -> None:
+        self._client = client
+        self._events = events
+
+    async def alloc_uvm_watcher(
+        self, callback: Change, *, buffer: RemoteBuffer | int | None = None, offset: int = 0,
     ) -> UvmWatcher:
         """A word the daemon watches; ``callback(old, new)`` on every change it sees.
 
@@ -145,13 +150,15 @@ class WatcherMixin:
         ``device_pointer()``); with one it is the 8-byte aligned word at
         ``offset`` of that daemon buffer.
         """
+        client = self._client
         body: dict[str, Any] = {}
         if buffer is not None:
             body = {"buffer": getattr(buffer, "id", buffer), "offset": offset}
-        if self._queue or self.conn.failed:
-            await self.flush()  # a flush point, like every synchronous call
-        fut = self.conn.request(Command.ALLOC_UVM_WATCHER, body, timeout=self.timeout)
-        seq = self.conn.last_seq
+        if client._queued() or client.conn.failed:
+            await client.flush()  # a flush point, like every synchronous call
+        conn = client.conn
+        fut = conn.request(Command.ALLOC_UVM_WATCHER, body, timeout=client.timeout)
+        seq = conn.last_seq
         box: list[UvmWatcher] = []
         early: list[Frame] = []
 

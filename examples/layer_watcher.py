@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import os
-import re
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,36 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from client import Client, Pages  # noqa: E402
 from client.watchers import BUMP_KERNEL  # noqa: E402
+from examples.local_daemons import local_daemons  # noqa: E402
 
 IMM0 = 0x1A7E0000
-
-
-@contextlib.contextmanager
-def daemon(host: str = "127.0.0.1") -> Iterator[str]:
-    """An rpc-server of this checkout on a free port; yields its tcp:// URL."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "rpc_server.cli", "-H", host, "-p", "0", "--metrics-port", "-1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
-    try:
-        url = None
-        assert p.stdout is not None
-        deadline = time.monotonic() + 30
-        for line in p.stdout:
-            if m := re.match(r"transferd: listening on (tcp://\S+)", line):
-                url = m.group(1)
-            if line.strip() == "transferd: ready" or time.monotonic() > deadline:
-                break
-        if url is None:
-            raise SystemExit("the daemon did not start")
-        yield url
-    finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 class KernelBump:
@@ -89,7 +58,7 @@ class KernelBump:
 
 async def run(layers: int, pages: int, page_len: int, use_cuda: bool) -> dict[str, object]:
     layer_bytes = pages * page_len
-    with daemon() as url_a, daemon() as url_b:
+    with local_daemons(2) as (url_a, url_b):
         a = await Client.connect(url_a)       # the prefill node's engine client
         b = await Client.connect(url_b)       # the decode node's
         model = await Client.connect(url_a)   # the "model": writes each layer's KV

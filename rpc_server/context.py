@@ -75,6 +75,12 @@ class ServerContext:
     draining: bool = False
     # The commands with a handler (None: every command of the minor is tried).
     served: frozenset[int] | None = None
+    # Releases of a gone owner's buffers still waiting for admitted writes to land
+    # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
+    background: set[Any] = field(default_factory=set)
+    # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
+    # embedded (rpc_server/name_handlers.py).
+    discovery: Any = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
@@ -133,4 +139,5 @@ class ServerContext:
         feats = ["batched_get", "batched_set", "no_reply_events"]
         if self.engine is not None:
             feats.append("engine")
+        feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

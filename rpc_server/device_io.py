@@ -15,23 +15,33 @@ buffer; host tensors never come here, so the host path is unchanged.
   they lie, device ranges by the pipeline (the D2H of chunk k+1 overlaps the
   send of chunk k); the staging chunk goes back once the transport drained.
 - COPY: device to device on the device (one D2D copy, any GPU pair under
-  unified addressing); host to device and back by one async copy.
+  unified addressing); host to device and back through pinned staging, the
+  host-side copies on the device's worker (never a copy from pageable memory
+  that would hold the loop).
+
+Staging goes back to its pool only once the device is done with it, however
+the operation ended (staging.Claim); a copy the device failed (DeviceFault)
+fails its command, and a GET it fails mid-reply closes the connection.
+Per-connection state (the staged SET frames) is the session's ``landings``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import weakref
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from transferd.copies import COUNTING, count
 from transferd.memory.base import Ref
-from transferd.memory.staging import DeviceIO, StagingChunk, device_to_wire
+from transferd.memory.staging import (
+    Claim,
+    DeviceIO,
+    StagingChunk,
+    device_to_host,
+    device_to_wire,
+    host_to_device,
+)
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadRequest, ConnectionLost
 from transferd.protocol.frames import Frame, Sink
@@ -45,22 +55,6 @@ if TYPE_CHECKING:
 Pair = tuple["Buffer", Tensor]
 
 
-def io_of(buf: Buffer) -> DeviceIO | None:
-    return buf.staging
-
-
-def any_device(pairs: Sequence[Pair]) -> bool:
-    return any(io_of(b) is not None for b, _ in pairs)
-
-
-def _dev_ptr(buf: Buffer, t: Tensor) -> int:
-    return buf.device_address(t.offset, t.size)
-
-
-def _host_ptr(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
-
 # -- SET ----------------------------------------------------------------------------------
 
 
@@ -69,16 +63,30 @@ class _Landing:
     """A SET frame's device pieces, staged by its sink, waiting for its handler."""
 
     pieces: list[tuple[DeviceIO, int, StagingChunk, int, int]] = field(default_factory=list)
-    chunks: list[tuple[DeviceIO, StagingChunk]] = field(default_factory=list)
+    # The staging it holds, per device: back once the copies on it ended.
+    claims: dict[int, Claim] = field(default_factory=dict)
     refs: list[Ref] = field(default_factory=list)
     collected: list[tuple[Pair, int]] = field(default_factory=list)  # (pair, payload offset)
     done: bool = False
 
+    def claim(self, io: DeviceIO) -> Claim:
+        c = self.claims.get(id(io))
+        if c is None:
+            c = self.claims[id(io)] = Claim(io)
+        return c
+
+    def unstage(self) -> None:
+        """Give back staging nothing was enqueued on (the sink found too little)."""
+        for c in self.claims.values():
+            c.release()
+        self.claims.clear()
+        self.pieces.clear()
+
     def release(self) -> None:
         if not self.done:
             self.done = True
-            for io, chunk in self.chunks:
-                io.pool.release(chunk)
+            for c in self.claims.values():
+                c.release()
             for r in self.refs:
                 r.release()
 
@@ -87,7 +95,29 @@ class _Landing:
         self.release()
 
 
-LANDINGS: weakref.WeakKeyDictionary[Session, dict[int, _Landing]] = weakref.WeakKeyDictionary()
+class Landings:
+    """One connection's SET frames whose payload went to staging, by seq, until their
+    handler runs; it goes with the connection (ownership.session_closed closes it)."""
+
+    def __init__(self) -> None:
+        self._by_seq: dict[int, _Landing] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_seq)
+
+    def put(self, seq: int, landing: _Landing) -> None:
+        old = self._by_seq.pop(seq, None)
+        if old is not None:
+            old.release()
+        self._by_seq[seq] = landing
+
+    def take(self, seq: int) -> _Landing | None:
+        return self._by_seq.pop(seq, None)
+
+    def close(self) -> None:
+        landings, self._by_seq = self._by_seq, {}
+        for landing in landings.values():
+            landing.release()
 
 
 def set_sink(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Sink:
@@ -102,11 +132,7 @@ def set_sink(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Sink:
     except BaseException:
         landing.release()
         raise
-    table = LANDINGS.setdefault(session, {})
-    old = table.pop(frame.seq, None)
-    if old is not None:
-        old.release()
-    table[frame.seq] = landing
+    session.landings.put(frame.seq, landing)
     if staged:
         return views
     # Not enough staging free now: the payload is collected (its size is the
@@ -121,26 +147,23 @@ def set_sink(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Sink:
 def _stage(landing: _Landing, pairs: Sequence[Pair], views: list[memoryview]) -> bool:
     """Views for the payload, device parts in free staging chunks; False if too few."""
     chunk: StagingChunk | None = None
+    last: DeviceIO | None = None
     used = 0
     for buf, t in pairs:
-        io = io_of(buf)
+        io = buf.staging
         if io is None:
             views.append(buf.view(t.offset, t.size))
             continue
-        dev = _dev_ptr(buf, t)
+        dev = buf.device_address(t.offset, t.size)
         left, pos = t.size, 0
         while left:
-            if chunk is None or used == chunk.size or landing.chunks[-1][0] is not io:
-                chunk = io.pool.try_acquire()
+            if chunk is None or used == chunk.size or last is not io:
+                chunk = landing.claim(io).try_take()
                 if chunk is None:
-                    for cio, c in landing.chunks:
-                        cio.pool.release(c)
-                    landing.chunks.clear()
-                    landing.pieces.clear()
+                    landing.unstage()
                     views.clear()
                     return False
-                landing.chunks.append((io, chunk))
-                used = 0
+                last, used = io, 0
             n = min(left, chunk.size - used)
             views.append(chunk.view[used : used + n])
             landing.pieces.append((io, dev + pos, chunk, used, n))
@@ -152,8 +175,7 @@ def _stage(landing: _Landing, pairs: Sequence[Pair], views: list[memoryview]) ->
 
 def finish_set(session: Session, frame: Frame) -> Awaitable[None] | None:
     """The SET's handler half: copy staged bytes to their devices, finish when there."""
-    table = LANDINGS.get(session)
-    landing = table.pop(frame.seq, None) if table else None
+    landing = session.landings.take(frame.seq) if session.landings else None
     if landing is None:
         return None
     return _land(landing, frame.payload)
@@ -164,43 +186,24 @@ async def _land(landing: _Landing, payload: bytearray | None) -> None:
         waits: list[Awaitable[None]] = []
         for io, dev, chunk, off, n in landing.pieces:
             io.stream.copy_h2d(dev, chunk.ptr + off, n)
-        by_io = {id(io): io for io, *_ in landing.pieces}
-        for dio in by_io.values():
-            waits.append(dio.waiter.wait(dio.stream.record()))
+        for claim in landing.claims.values():
+            waits.append(claim.settle())
         if landing.collected and payload is not None:
             src = memoryview(payload)
             for (buf, t), pos in landing.collected:
-                bio = io_of(buf)
+                bio = buf.staging
                 if bio is None:
                     buf.view(t.offset, t.size)[:] = src[pos : pos + t.size]
                     if COUNTING:
                         count("device_io.collected", t.size)
                     continue
-                waits.append(_push(bio, _dev_ptr(buf, t), src[pos : pos + t.size]))
+                waits.append(host_to_device(bio, buf.device_address(t.offset, t.size),
+                                            src[pos : pos + t.size]))
         if waits:
+            # A failed copy (DeviceFault) fails the SET: it is never answered ok.
             await asyncio.gather(*waits)
     finally:
-        landing.release()
-
-
-def _back(io: DeviceIO, chunk: StagingChunk, _done: object) -> None:
-    io.pool.release(chunk)
-
-
-async def _push(io: DeviceIO, dev: int, data: memoryview) -> None:
-    """Bytes in host memory to the device, chunk by chunk through staging (it may wait)."""
-    pos, waits = 0, []
-    while pos < len(data):
-        chunk = await io.pool.acquire()
-        n = min(chunk.size, len(data) - pos)
-        chunk.view[:n] = data[pos : pos + n]
-        io.stream.copy_h2d(dev + pos, chunk.ptr, n)
-        done = io.waiter.wait(io.stream.record())
-        done.add_done_callback(functools.partial(_back, io, chunk))
-        waits.append(done)
-        pos += n
-    if waits:
-        await asyncio.gather(*waits)
+        landing.release()  # the staging goes back once its copies ended
 
 
 # -- GET ----------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
     total = sum(t.size for _, t in pairs)
 
     # Every range is checked before the first byte goes out.
-    ptrs = [None if io_of(b) is None else _dev_ptr(b, t) for b, t in pairs]
+    ptrs = [None if b.staging is None else b.device_address(t.offset, t.size)
+            for b, t in pairs]
     for (b, t), p in zip(pairs, ptrs, strict=True):
         if p is None:
             b.view(t.offset, t.size)
@@ -245,11 +249,12 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
                 await _drained(session)
 
             for (buf, t), ptr in zip(pairs, ptrs, strict=True):
-                io = io_of(buf)
+                io = buf.staging
                 if io is None or ptr is None:
                     await send(buf.view(t.offset, t.size))
                 else:
-                    await device_to_wire(io.stream, io.waiter, io.pool, ptr, t.size, send)
+                    # A failed device copy raises here: the reply is cut (closed) below.
+                    await device_to_wire(io, ptr, t.size, send)
             session.ctx.stats.bytes_out += HEADER_SIZE + total
         except ConnectionLost:
             pass  # nobody to answer
@@ -271,36 +276,61 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
 
 
 def copy(src: Pair, dst: Pair) -> Awaitable[None]:
+    """COPY_TENSOR with a device side: on the device, or through pinned staging.
+
+    Device to device is one copy on the destination's stream
+    (cudaMemcpyDefault: any GPU pair under unified addressing).  Host to
+    device and back go through the device's pinned staging, chunk by chunk,
+    the host-side copies on the device's worker: the loop never waits on a
+    copy from or into pageable memory.
+    """
     (sb, st), (db, dt) = src, dst
     if st.size != dt.size:
         raise BadRequest(f"copy of {st.size} bytes into a tensor of {dt.size}")
-    sio, dio = io_of(sb), io_of(db)
-    io = dio or sio
-    assert io is not None
-    s = _dev_ptr(sb, st) if sio is not None else _host_ptr(sb.view(st.offset, st.size))
-    d = _dev_ptr(db, dt) if dio is not None else _host_ptr(db.view(dt.offset, dt.size))
+    sio, dio = sb.staging, db.staging
+    # Every range is checked before anything is enqueued.
+    s = sb.device_address(st.offset, st.size) if sio is not None else None
+    d = db.device_address(dt.offset, dt.size) if dio is not None else None
+    sview = sb.view(st.offset, st.size) if sio is None else None
+    dview = db.view(dt.offset, dt.size) if dio is None else None
+    if (sb is db and st.offset < dt.offset + dt.size and dt.offset < st.offset + st.size
+            and st.size):
+        # An async device copy between overlapping ranges has no defined result.
+        raise BadRequest(f"copy between overlapping ranges of device buffer {sb.id}: "
+                         "copy through a second buffer")
     refs = [sb.ref(), db.ref()]
-    # One stream orders it (the destination's); cudaMemcpyDefault finds the direction.
-    io.stream.copy_d2d(d, s, st.size)
-    done = io.waiter.wait(io.stream.record())
 
-    async def wait() -> None:
+    async def run() -> None:
         try:
-            await done
+            if s is not None and d is not None:
+                assert sio is not None and dio is not None
+                if sio is not dio:
+                    # The source's device may still have work queued on its own
+                    # stream (a new buffer's zero fill): that goes first.
+                    await sio.waiter.wait(sio.stream.record())
+                dio.stream.copy_d2d(d, s, st.size)
+                await dio.waiter.wait(dio.stream.record())
+            elif d is not None:
+                assert dio is not None and sview is not None
+                await host_to_device(dio, d, sview)
+            else:
+                assert sio is not None and s is not None and dview is not None
+                await device_to_host(sio, dview, s)
         finally:
             for r in refs:
                 r.release()
 
-    return wait()
+    return run()
 
 
 def clear(buf: Buffer, value: int) -> Awaitable[None]:
     if not 0 <= value <= 255:
         raise BadRequest(f"clear value {value} is not a byte (0-255)")
-    io = io_of(buf)
+    io = buf.staging
     assert io is not None
+    dev = buf.device_address(0, buf.size)
     ref = buf.ref()
-    io.stream.fill(_dev_ptr(buf, Tensor(buf.id, 0, buf.size)), value, buf.size)
+    io.stream.fill(dev, value, buf.size)
     done = io.waiter.wait(io.stream.record())
 
     async def wait() -> None:

@@ -11,7 +11,6 @@ says the submit was accepted.  docs/protocol.md has every body field.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -105,9 +104,9 @@ def _submit(
         # This connection's own share first (its frames wait meanwhile, others'
         # do not), then a slot of the worker shared by all.
         while len(session.pending) >= cap:
-            room = _room.get(session)
+            room = session.room
             if room is None or room.done():
-                room = _room[session] = asyncio.get_running_loop().create_future()
+                room = session.room = asyncio.get_running_loop().create_future()
             await room
         await engine.wait_slot()
         return go()
@@ -115,13 +114,9 @@ def _submit(
     return later()
 
 
-# A connection at its max_inflight_per_client waits on this for one of its own to finish.
-_room: weakref.WeakKeyDictionary[Session, asyncio.Future[None]] = weakref.WeakKeyDictionary()
-
-
 def _completed(session: Session, frame: Frame, fut: asyncio.Future[None], op: Op) -> None:
     session.pending.discard(fut)
-    room = _room.pop(session, None)
+    room, session.room = session.room, None
     if room is not None and not room.done():
         room.set_result(None)
     if fut.cancelled():  # a write from device memory stopped while staging: nothing sent

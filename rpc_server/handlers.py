@@ -98,6 +98,8 @@ def _fast_views(
             return None
         if b != buf_id:
             buf = table.get(b)
+            if buf.staging is not None:
+                return None  # device memory: batch_views says so
             whole = buf.view(0, buf.size)
             buf_id = b
             if used is not None:
@@ -110,8 +112,10 @@ def _fast_views(
 
 def batch_views(
     session: Session, frame: Frame, used: dict[int, Buffer] | None = None
-) -> list[memoryview]:
-    """The views of a GET_TENSORS / SET_TENSORS body's ``tensors``, checked.
+) -> list[memoryview] | None:
+    """The views of a GET_TENSORS / SET_TENSORS body's ``tensors``, checked; None
+    when a tensor lies in memory reached through staging (device memory), whose
+    batch the caller hands to device_io instead.
 
     A batch of many small tensors is the hot case, so it is looked up in one
     pass; anything unusual (or failing) is redone the checked way, so a bad
@@ -135,6 +139,8 @@ def batch_views(
         views = []
         for t in tensors_field(frame.body):
             buf = table.get(t.buffer)
+            if buf.staging is not None:
+                return None
             views.append(buf.view(t.offset, t.size))
             if used is not None:
                 used[t.buffer] = buf
@@ -151,13 +157,9 @@ def _set_views(session: Session, frame: Frame, views: list[memoryview]) -> list[
 def _set_tensor_sink(session: Session, frame: Frame) -> Sink:
     t = tensor_field(frame.body, "tensor")
     buf = session.ctx.buffers.get(t.buffer)
-    try:
-        view = buf.view(t.offset, t.size)
-    except BadRequest:
-        if device_io.io_of(buf) is None:
-            raise
+    if buf.staging is not None:
         return device_io.set_sink(session, frame, [(buf, t)])
-    return _set_views(session, frame, [view])
+    return _set_views(session, frame, [buf.view(t.offset, t.size)])
 
 
 def _pairs(session: Session, frame: Frame) -> list[tuple[Buffer, Tensor]]:
@@ -166,13 +168,10 @@ def _pairs(session: Session, frame: Frame) -> list[tuple[Buffer, Tensor]]:
 
 
 def _set_tensors_sink(session: Session, frame: Frame) -> Sink:
-    try:
-        return _set_views(session, frame, batch_views(session, frame))
-    except BadRequest:
-        pairs = _pairs(session, frame)
-        if not device_io.any_device(pairs):
-            raise
-        return device_io.set_sink(session, frame, pairs)
+    views = batch_views(session, frame)
+    if views is None:
+        return device_io.set_sink(session, frame, _pairs(session, frame))
+    return _set_views(session, frame, views)
 
 
 SINKS[Command.SET_TENSOR] = _set_tensor_sink
@@ -283,7 +282,7 @@ async def _sliced(refs: Sequence[Ref], steps: Sequence[Callable[[], None]]) -> N
 def buffer_clear(session: Session, frame: Frame) -> Awaitable[None] | None:
     buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
     value = uint_field(frame.body, "value", 255)
-    if device_io.io_of(buf) is not None:
+    if buf.staging is not None:
         return device_io.clear(buf, value)
     if buf.size <= SLICE:
         buf.clear(value)
@@ -320,7 +319,7 @@ def set_tensors(session: Session, frame: Frame) -> Awaitable[None] | None:
     # payload never met the sink, so its (zero-size) tensors are checked here.
     if frame.payload_len == 0:
         payload_sink(session, frame)
-    if device_io.LANDINGS:  # bytes for device memory wait in staging
+    if session.landings:  # bytes for device memory wait in staging
         return device_io.finish_set(session, frame)
     return None
 
@@ -331,12 +330,9 @@ def get_tensor(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     # whose errors name what is wrong.
     t = fast_tensor(frame.body.get("tensor")) or tensor_field(frame.body, "tensor")
     buf = session.ctx.buffers.get(t.buffer)
-    try:
-        view = buf.view(t.offset, t.size)
-    except BadRequest:
-        if device_io.io_of(buf) is None:
-            raise
+    if buf.staging is not None:
         return device_io.get_reply(session, frame, [(buf, t)])
+    view = buf.view(t.offset, t.size)
     _check_reply(session, t.size)
     return Reply(None, [view], [buf.ref()])
 
@@ -350,13 +346,9 @@ def _check_reply(session: Session, nbytes: int) -> None:
 @handler(Command.GET_TENSORS)
 def get_tensors(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     used: dict[int, Buffer] = {}
-    try:
-        views = batch_views(session, frame, used)
-    except BadRequest:
-        pairs = _pairs(session, frame)
-        if not device_io.any_device(pairs):
-            raise
-        return device_io.get_reply(session, frame, pairs)
+    views = batch_views(session, frame, used)
+    if views is None:
+        return device_io.get_reply(session, frame, _pairs(session, frame))
     _check_reply(session, sum(map(len, views)))
     return Reply(None, views, [b.ref() for b in used.values()])
 
@@ -366,20 +358,16 @@ def copy_tensor(session: Session, frame: Frame) -> Awaitable[None] | None:
     src = tensor_field(frame.body, "src")
     dst = tensor_field(frame.body, "dst")
     table = session.ctx.buffers
-    try:
-        if src.size > SLICE and src.size == dst.size:
-            sb, db = table.get(src.buffer), table.get(dst.buffer)
-            s, d = sb.array(src.offset, src.size), db.array(dst.offset, dst.size)
-            # Overlapping ranges of one buffer: a slice must not overwrite
-            # source bytes a later slice reads, so copy towards the overlap.
-            backward = sb is db and dst.offset > src.offset
-            return _sliced([sb.ref(), db.ref()], _copy_steps(s, d, src.size, backward))
-        table.copy(src, dst)
-    except BadRequest:
-        pairs = [(table.get(src.buffer), src), (table.get(dst.buffer), dst)]
-        if not device_io.any_device(pairs):
-            raise
-        return device_io.copy(pairs[0], pairs[1])
+    sb, db = table.get(src.buffer), table.get(dst.buffer)
+    if sb.staging is not None or db.staging is not None:
+        return device_io.copy((sb, src), (db, dst))
+    if src.size > SLICE and src.size == dst.size:
+        s, d = sb.array(src.offset, src.size), db.array(dst.offset, dst.size)
+        # Overlapping ranges of one buffer: a slice must not overwrite
+        # source bytes a later slice reads, so copy towards the overlap.
+        backward = sb is db and dst.offset > src.offset
+        return _sliced([sb.ref(), db.ref()], _copy_steps(s, d, src.size, backward))
+    table.copy(src, dst)
     return None
 
 
@@ -402,6 +390,10 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.copies import snapshot
 
         body["copies"] = snapshot()
+    if frame.body.get("discovery") is True:  # where the names live, whether it is up
+        from .name_handlers import discovery_of
+
+        body["discovery"] = discovery_of(session.ctx).status()
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 

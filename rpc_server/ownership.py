@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from transferd.memory.leases import Lease
@@ -36,8 +36,9 @@ log = logging.getLogger("transferd.session")
 
 OWNERS = ("daemon", "connection", "lease")
 
-# Releases still waiting for admitted writes to land (kept so they are not collected).
-_draining: set[asyncio.Future[None]] = set()
+# Other tables whose entries an owner holds (names: rpc_server/name_handlers.py), each
+# told when that owner is gone (a connection closed, a lease ended or expired).
+OWNER_GONE: list[Callable[[ServerContext, Hashable], None]] = []
 
 
 def owner_for(session: Session, body: dict[str, Any], default: str) -> Hashable | None:
@@ -114,6 +115,8 @@ def release_owned(ctx: ServerContext, owner: Hashable) -> tuple[int, Awaitable[N
     Returns how many buffers went, and an awaitable until the writes admitted
     into their regions before the revocation have landed (None: none in flight).
     """
+    for gone in OWNER_GONE:
+        gone(ctx, owner)
     table = ctx.buffers
     engine = ctx.engine
     regions: list[Region] = []
@@ -138,13 +141,13 @@ def release_in_background(ctx: ServerContext, owner: Hashable, why: str) -> int:
         log.info("%s: %d buffer(s) freed", why, n)
     if drained is not None:
         task = asyncio.ensure_future(drained)
-        _draining.add(task)
-        task.add_done_callback(functools.partial(_drained, why))
+        ctx.background.add(task)
+        task.add_done_callback(functools.partial(_drained, ctx, why))
     return n
 
 
-def _drained(why: str, task: asyncio.Future[None]) -> None:
-    _draining.discard(task)
+def _drained(ctx: ServerContext, why: str, task: asyncio.Future[None]) -> None:
+    ctx.background.discard(task)
     exc = task.exception() if not task.cancelled() else None
     if exc is not None:
         log.warning("%s: %s", why, exc)
@@ -153,6 +156,7 @@ def _drained(why: str, task: asyncio.Future[None]) -> None:
 def session_closed(session: Session) -> None:
     """The connection is gone: free what it owned; leases it made stay theirs."""
     ops.session_closed(session)
+    session.landings.close()  # staged SETs that never reached their handler
     ctx = session.ctx
     release_in_background(ctx, session, f"connection {session.peer} closed")
     if ctx.leases is not None:

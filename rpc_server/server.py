@@ -19,6 +19,7 @@ from . import (
     drain,
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
+    name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
     ownership,
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
@@ -83,6 +84,7 @@ class RpcFrontend:
             engine=getattr(daemon, "engine", None),
             default_owner=cfg.memory.default_owner,
             served=frozenset(HANDLERS),
+            discovery=getattr(daemon, "discovery", None),
         )
         ctx = self.ctx
         m = cfg.memory

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from transferd.logs import log_client_error
@@ -51,6 +51,7 @@ from transferd.transports.builtin import Tcp
 from transferd.transports.carriers import Carrier
 
 from .context import ServerContext
+from .device_io import Landings
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
 
 log = logging.getLogger("transferd.session")
@@ -110,9 +111,15 @@ class Session(asyncio.BufferedProtocol):
         # Engine operations this connection submitted and that have not
         # finished; SYNCHRONIZE waits for them.
         self.pending: set[asyncio.Future[Any]] = set()
+        # SET frames whose payload went to device staging, until their handler runs.
+        self.landings = Landings()
+        # Resolved when one of this connection's submits ends (it waits at its share).
+        self.room: asyncio.Future[None] | None = None
         # Per-connection engine state (receive pools, watchers) hangs here.
         self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
+        # Called once the write buffer has drained (WATCH streams send what waited).
+        self.drained_hooks: set[Callable[[], None]] = set()
 
     @property
     def state(self) -> ConnState:
@@ -190,6 +197,9 @@ class Session(asyncio.BufferedProtocol):
         if self.ctx.engine is not None:
             # Peer messages handed to this connection are out: their senders' ACKs.
             self.ctx.engine.session_drained(self)
+        if self.drained_hooks:
+            for hook in list(self.drained_hooks):
+                hook()
         if self.conn.state is _READY:
             self._loop.call_soon(self._pump)
 

@@ -33,12 +33,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gpu_defects import DEFECT_LIMITS, DEFECTS  # noqa: E402 - the checkout on the path first
+
 KiB, MiB = 1024, 1 << 20
 # Seconds each section may take at most; the whole run also has a budget, so
 # that it ends (report written) well under 8 minutes whatever hangs.
 BUDGET = 440
 LIMITS = {"env": 60, "tests": 240, "roundtrip": 60, "engine": 60, "ipc": 40,
-          "copies": 60, "watcher": 40, "bandwidth": 40}
+          "copies": 60, "watcher": 40, "bandwidth": 40, **DEFECT_LIMITS}
 SECTIONS = list(LIMITS)
 
 
@@ -366,7 +368,8 @@ def cupyx_pinned(size: int) -> Any:
 
 
 RUN = {"env": sec_env, "tests": sec_tests, "roundtrip": sec_roundtrip, "engine": sec_engine,
-       "ipc": sec_ipc, "copies": sec_copies, "watcher": sec_watcher, "bandwidth": sec_bandwidth}
+       "ipc": sec_ipc, "copies": sec_copies, "watcher": sec_watcher, "bandwidth": sec_bandwidth,
+       **DEFECTS}
 
 
 # -- the driver ----------------------------------------------------------------------------------

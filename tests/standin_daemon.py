@@ -12,7 +12,10 @@ product: only this test entry point registers it.
 
 Environment: ``STANDIN_CHUNK`` / ``STANDIN_CHUNKS`` (staging), ``STANDIN_DELAY_S``
 (a slow device), ``STANDIN_LIMIT_MIB``, ``STANDIN_HOLD_FILE`` (the stream is held
-while that file exists: a test holds the device of another process).
+while that file exists: a test holds the device of another process),
+``STANDIN_FAULT_FILE`` (every copy fails while that file exists: a broken device).
+The stream is strict: a copy from or into host memory that is not its pinned
+staging is refused, as a GPU would have run it synchronously on the caller.
 """
 
 from __future__ import annotations
@@ -74,10 +77,11 @@ class StandinGroup(MemorySource):
     def __init__(self) -> None:
         self.stream = StandinStream(
             "standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
-            hold_path=os.environ.get("STANDIN_HOLD_FILE") or None)
-        pool = StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
-                           int(os.environ.get("STANDIN_CHUNKS", "4")),
-                           name="staging of standin:0")
+            hold_path=os.environ.get("STANDIN_HOLD_FILE") or None,
+            fault_path=os.environ.get("STANDIN_FAULT_FILE") or None, strict=True)
+        pool = self.stream.pin(StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
+                                           int(os.environ.get("STANDIN_CHUNKS", "4")),
+                                           name="staging of standin:0"))
         self.io = DeviceIO(self.stream, EventWaiter(self.stream), pool)
 
     @property

@@ -31,6 +31,7 @@ from typing import Any
 
 # The sections and their helpers live in a leaf module; they are part of this
 # module's API too.
+from transferd.config_discovery import DiscoveryConfig, discovery_problems
 from transferd.config_engine import EngineConfig, _rail_problems
 from transferd.config_sections import (
     ENV_PREFIX,
@@ -55,6 +56,7 @@ __all__ = [
     "TOKEN_REFUSED",
     "Config",
     "ConfigError",
+    "DiscoveryConfig",
     "EngineConfig",
     "GpuConfig",
     "LogConfig",
@@ -78,6 +80,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def problems(self) -> list[str]:
         """Every problem of this configuration (per-key bounds, then across keys)."""
@@ -99,6 +102,7 @@ class Config:
             out.append("engine.secret: set engine.secret_file or engine.secret "
                        "(TRANSFERD_ENGINE_SECRET), not both")
         out += _rail_problems(e)
+        out += discovery_problems(self.discovery)
         if e.expect_timeout_s > e.max_expect_timeout_s:
             out.append(f"engine.expect_timeout_s: {e.expect_timeout_s:g} s is over "
                        f"engine.max_expect_timeout_s ({e.max_expect_timeout_s:g} s)")

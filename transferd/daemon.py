@@ -28,6 +28,7 @@ from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
 
 if TYPE_CHECKING:
+    from transferd.discovery.service import Discovery
     from transferd.engine import TransferEngine
     from transferd.memory.cuda import CudaDevices
 
@@ -90,6 +91,8 @@ class Daemon:
                 functools.partial(self.buffers.lingering_on, name))
         self.metrics_url: str | None = None
         self.engine: TransferEngine | None = None
+        # The cluster's names and nodes ([discovery]); made before the front ends start.
+        self.discovery: Discovery | None = None
         self._stop: asyncio.Event | None = None
         # A second SIGTERM/SIGINT during the drain ends it early.
         self._hurry: asyncio.Event | None = None
@@ -123,6 +126,9 @@ class Daemon:
                         raise StartError(f"engine.domain = {e.domain!r}: {exc.message}",
                                          Exit.CONFIG) from exc
                 self.metrics.watch_engine(self.engine)
+            from transferd.discovery.service import Discovery
+
+            self.discovery = Discovery(self.config.discovery, self.metrics)
             urls: list[str] = []
             s = self.config.server
             for fe in frontends:
@@ -148,6 +154,7 @@ class Daemon:
                 rails = " ".join(r.decode(errors="backslashreplace") for r in addr.rails)
                 print(f"transferd: engine {addr.node:016x} rails {rails} "
                       f"address {addr.to_bytes().hex()}", flush=True)
+            await self._start_discovery(urls)
             # Everything built at start-up lives as long as the daemon: move it
             # out of the collector's sight so its passes stay short on the data path.
             gc.collect()
@@ -164,6 +171,7 @@ class Daemon:
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            await self._close_discovery()
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
@@ -200,6 +208,8 @@ class Daemon:
         started = loop.time()
         deadline = started + drain_s
         drainers: list[Any] = [fe for fe in self.frontends if hasattr(fe, "drain_begin")]
+        # Out of peers() and lookup at once: nobody should pick a daemon that is leaving.
+        await self._close_discovery()
         for fe in drainers:
             with contextlib.suppress(Exception):
                 await fe.drain_begin()
@@ -228,6 +238,34 @@ class Daemon:
             log.info("drained in %.2f s", took)
         if aborted:
             log.warning("%d connections did not read their last replies: aborted", aborted)
+
+    async def _start_discovery(self, urls: list[str]) -> None:
+        from transferd import __version__
+
+        disc = self.discovery
+        assert disc is not None
+        features: list[str] = []
+        for fe in self.frontends:
+            ctx = getattr(fe, "ctx", None)
+            features += ctx.features() if ctx is not None else []
+        caps: dict[str, Any] = {"devices": sorted(self.buffers.devices)}
+        addr = None
+        if self.engine is not None:
+            e = self.config.engine
+            addr = self.engine.main_address()
+            caps.update(domain=e.domain, host_groups=e.host_groups,
+                        authenticated=self.engine.secret is not None)
+        await disc.start(urls=urls, server=f"transferd/{__version__}",
+                         minor=self.config.server.protocol_minor, features=features,
+                         addr=addr, capabilities=caps)
+        d = disc.directory
+        where = self.config.discovery.url or "this daemon (embedded)"
+        print(f"transferd: names in {where} as node {d.node_name}", flush=True)
+
+    async def _close_discovery(self) -> None:
+        if self.discovery is not None:
+            with contextlib.suppress(Exception):
+                await self.discovery.close()
 
     def workers(self) -> list[Any]:
         """The workers the watchdog watches (the engine's: every host group's)."""

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The examples register themselves when imported: the core protocol's first, then the engine's.
 import capture.core
 import capture.engine
-import capture.leases  # noqa: F401
+import capture.leases
+import capture.names  # noqa: F401
 from capture import DOC
 from capture.blocks import BLOCK, parse, render, rewrite, same, signature
 from capture.live import Zygote

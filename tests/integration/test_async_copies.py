@@ -161,3 +161,78 @@ async def test_no_async_copy_switch_synchronizes(
         back = StandinDeviceMemory(len(data))
         await c.copy_to_device((back.ptr, back.size), buf.tensor(), stream=stream)
         assert _sha(back.host_array().tobytes()) == _sha(data)  # done when it returns
+
+
+def test_sync_client_copies_on_the_callers_current_stream(
+        daemon: DaemonProcess, stream: StandinStream) -> None:
+    """Issue 24.5: SyncClient runs calls on its own thread; the stream a copy without
+    ``stream=`` goes on is the caller's current one, taken in the caller's thread (the
+    client's thread has none: there the copy would go elsewhere)."""
+    from client import SyncClient
+
+    data = os.urandom(100 * KiB)
+    dev = _dev(data)
+    back = StandinDeviceMemory(len(data))
+    with SyncClient.connect(daemon.url) as c:
+        c.use_copy_staging(StagingPool(64 * KiB, 4))
+        buf = c.alloc_buffer(len(data))
+        with stream:  # this thread's current stream
+            c.copy_from_device(buf.tensor(), (dev.ptr, dev.size))
+            c.synchronize()
+            c.copy_to_device((back.ptr, back.size), buf.tensor())
+        assert _sha(c.get_tensor(buf.tensor())) == _sha(data)
+    stream.synchronize()
+    assert _sha(back.host_array().tobytes()) == _sha(data)
+    ops = [e.op for e in stream.log]
+    assert ops.count("d2h") == 2 and ops.count("h2d") == 2  # both copies, on that stream
+
+
+@async_test(timeout=60)
+async def test_event_waiter_threads_are_bounded_whatever_the_streams(
+        daemon: DaemonProcess) -> None:
+    """Issue 24.10: one waiter thread per stream ever used grew without bound."""
+    from client.copies import MAX_WAITERS
+
+    def waiters() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("transferd-copies"))
+
+    before = waiters()
+    streams = [StandinStream(f"producer-{i}") for i in range(3 * MAX_WAITERS)]
+    try:
+        async with await Client.connect(daemon.url) as c:
+            c.use_copy_staging(StagingPool(64 * KiB, 4))
+            buf = await c.alloc_buffer(len(streams) * KiB)
+            for i, s in enumerate(streams):
+                dev = _dev(bytes([i]) * KiB)
+                await c.copy_from_device(buf.tensor(i * KiB, KiB), (dev.ptr, dev.size),
+                                         stream=s)
+                await c.synchronize()
+            assert waiters() - before <= MAX_WAITERS
+            got = bytes(await c.get_tensor(buf.tensor()))
+            assert got == b"".join(bytes([i]) * KiB for i in range(len(streams)))
+    finally:
+        for s in streams:
+            s.close()
+
+
+@async_test(timeout=60)
+async def test_a_copy_the_producer_failed_is_never_sent(
+        daemon: DaemonProcess, stream: StandinStream) -> None:
+    """Issue 24.2 on the client: its staging holds nothing of the device's bytes, so its
+    SET must not go; the fault is raised at the next flush point, once."""
+    from transferd.protocol.errors import Internal
+
+    dev = _dev(os.urandom(64 * KiB))
+    async with await Client.connect(daemon.url) as c:
+        c.use_copy_staging(StagingPool(64 * KiB, 2))
+        buf = await c.alloc_buffer(dev.size)
+        await c.set_tensor(buf.tensor(), b"\x01" * dev.size)
+        stream.fail()
+        await c.copy_from_device(buf.tensor(), (dev.ptr, dev.size), stream=stream)
+        with pytest.raises(Internal, match="fault"):
+            await c.synchronize()
+        assert bytes(await c.get_tensor(buf.tensor())) == b"\x01" * dev.size
+        stream.heal()
+        await c.copy_from_device(buf.tensor(), (dev.ptr, dev.size), stream=stream)
+        await c.synchronize()
+        assert bytes(await c.get_tensor(buf.tensor())) == bytes(dev.host_array())

@@ -5,7 +5,9 @@ reached only through a stand-in stream and staging, as a GPU's is).  Writes go
 device to device, host to device and device to host over the tcp Domain; the
 bytes are compared by checksum.  Daemon b's stream can be held from here (its
 ``STANDIN_HOLD_FILE``): while it is, a write into b's device memory is in b's
-staging but not on its device, and nothing is counted nor acknowledged.
+staging but not on its device, and nothing is counted nor acknowledged.  Its
+device can be broken too (``STANDIN_FAULT_FILE``): every copy fails while it
+is, and what waited on one fails with it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from client import Client, Pages
+from client import Client, MrHandle, Pages
 from tests.helpers import DaemonProcess, async_test, digest
 from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
-from transferd.protocol.errors import BadRequest, Cancelled, OutOfBounds, Timeout
+from transferd.protocol.errors import BadRequest, Cancelled, Internal, OutOfBounds, Timeout
 
 KiB = 1024
 WAIT = 20.0
@@ -36,12 +38,17 @@ def hold_file() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def pair(hold_file: str) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+def fault_file(hold_file: str) -> str:
+    return hold_file + ".fault"
+
+
+@pytest.fixture(scope="module")
+def pair(hold_file: str, fault_file: str) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
     daemons = []
-    for rail, hold in (("127.0.0.10", ""), ("127.0.0.11", hold_file)):
+    for rail, hold, fault in (("127.0.0.10", "", ""), ("127.0.0.11", hold_file, fault_file)):
         env = engine_env([rail], secret_file=secret_file())
         env.update({"STANDIN_CHUNK": str(CHUNK), "STANDIN_CHUNKS": str(CHUNKS),
-                    "STANDIN_HOLD_FILE": hold})
+                    "STANDIN_HOLD_FILE": hold, "STANDIN_FAULT_FILE": fault})
         daemons.append(DaemonProcess(
             command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1",
                      "-p", "0", "--metrics-port", "-1"], env=env))
@@ -75,6 +82,14 @@ async def _device_region(c: Client, size: int, data: bytes | None = None,
         await c.set_tensor(buf.tensor(0, len(data)), data)
     mr, desc = await c.reg_mr(buf)
     return buf, mr, desc
+
+
+async def _host_source(c: Client, data: bytes) -> MrHandle:
+    """A host region on ``c``'s daemon holding ``data``."""
+    buf = await c.alloc_buffer(len(data))
+    await c.set_tensor(buf.tensor(), data)
+    mr, _ = await c.reg_mr(buf)
+    return mr
 
 
 @async_test(timeout=90)
@@ -151,9 +166,7 @@ async def test_counted_only_after_the_device_copy_completed(
         pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
     async with _clients(pair) as (a, b):
         data = os.urandom(64 * KiB)
-        hbuf = await a.alloc_buffer(len(data))
-        await a.set_tensor(hbuf.tensor(), data)
-        hmr, _ = await a.reg_mr(hbuf)
+        hmr = await _host_source(a, data)
         dbuf, _, ddesc = await _device_region(b, len(data))
         imm = fresh_imm()
         with open(hold_file, "w"):
@@ -202,4 +215,76 @@ async def test_a_write_from_device_memory_held_in_staging_is_cancelled_or_times_
         await w.wait(WAIT)
         assert digest(bytes(await a.get_tensor(hbuf.tensor()))) == digest(data)
         await a.free_buffer(hbuf)
+        await b.free_buffer(dbuf)
+
+
+@contextlib.contextmanager
+def _present(path: str) -> Iterator[None]:
+    with open(path, "w"):
+        pass
+    try:
+        yield
+    finally:
+        os.unlink(path)
+
+
+@async_test(timeout=90)
+async def test_a_timed_out_device_write_keeps_its_staging_from_the_next_user(
+        pair: tuple[DaemonProcess, DaemonProcess], hold_file: str) -> None:
+    """Issue 24.1: a write from device memory that times out while its D2H copies are
+    queued (b's stream held) must not give its staging back then: the next user (a SET
+    whose payload lands straight in free staging) would have its bytes overwritten by
+    those copies when the stream goes on, and land the write's source bytes instead."""
+    async with _clients(pair) as (a, b):
+        src = b"A" * (CHUNK * CHUNKS)
+        dbuf, dmr, _ = await _device_region(b, len(src), src)
+        target = await b.alloc_buffer(CHUNK, device="standin:0")
+        hbuf = await a.alloc_buffer(len(src))
+        _, hdesc = await a.reg_mr(hbuf)
+        pages = Pages(list(range(CHUNKS)), CHUNK, 0)  # one page per chunk: all of b's staging
+        with _present(hold_file):
+            w = await b.submit_paged_writes(CHUNK, None, (dmr, pages), (hdesc, pages),
+                                            timeout=0.3)
+            with pytest.raises(Timeout):
+                await w.wait(5)
+            # The next user of b's staging: a SET of other bytes into device memory.
+            setter = asyncio.ensure_future(b.set_tensor(target.tensor(), b"B" * CHUNK))
+            await asyncio.sleep(0.3)
+        await asyncio.wait_for(setter, WAIT)
+        got = bytes(await b.get_tensor(target.tensor()))
+        assert got == b"B" * CHUNK, f"the SET landed {got[:8]!r}...: its staging was reused"
+        assert bytes(await a.get_tensor(hbuf.tensor(0, 64))) == bytes(64)  # nothing sent
+        for buf in (dbuf, target):
+            await b.free_buffer(buf)
+        await a.free_buffer(hbuf)
+
+
+@async_test(timeout=90)
+async def test_a_device_fault_fails_writes_and_counts_nothing(
+        pair: tuple[DaemonProcess, DaemonProcess], fault_file: str) -> None:
+    """Issue 24.2: while b's device fails its copies, a write into b's device memory is
+    neither counted nor acknowledged ok (its initiator gets the failure), and a write
+    from it sends nothing; once the device works again both land and count."""
+    async with _clients(pair) as (a, b):
+        data = os.urandom(64 * KiB)
+        hmr = await _host_source(a, data)
+        dbuf, dmr, ddesc = await _device_region(b, len(data))
+        sink = await a.alloc_buffer(len(data))
+        _, sdesc = await a.reg_mr(sink)
+        imm = fresh_imm()
+        with _present(fault_file):
+            w = await a.submit_single_write(len(data), imm, (hmr, 0), (ddesc, 0))
+            with pytest.raises(Internal, match="fault"):
+                await w.wait(WAIT)
+            assert await b.imm_count(imm) == 0
+            out = await b.submit_single_write(len(data), None, (dmr, 0), (sdesc, 0))
+            with pytest.raises(Internal, match="fault"):
+                await out.wait(WAIT)
+        assert bytes(await a.get_tensor(sink.tensor(0, 64))) == bytes(64)
+        w = await a.submit_single_write(len(data), imm, (hmr, 0), (ddesc, 0))
+        await w.wait(WAIT)
+        assert await b.imm_count(imm) == 1
+        out = await b.submit_single_write(len(data), None, (dmr, 0), (sdesc, 0))
+        await out.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(sink.tensor()))) == digest(data)
         await b.free_buffer(dbuf)

@@ -21,7 +21,7 @@ import pytest
 from client import Client
 from tests.helpers import DaemonProcess, async_test
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import OutOfBounds
+from transferd.protocol.errors import BadRequest, ConnectionLost, Internal, OutOfBounds
 
 KiB, MiB = 1024, 1 << 20
 
@@ -31,11 +31,17 @@ def _sha(b: bytes | bytearray | memoryview) -> str:
 
 
 @pytest.fixture(scope="module")
-def standin() -> Iterator[DaemonProcess]:
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("standin") / "fault")
+
+
+@pytest.fixture(scope="module")
+def standin(fault_file: str) -> Iterator[DaemonProcess]:
     d = DaemonProcess(
         command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1", "-p", "0",
                  "--metrics-port", "-1"],
-        env={"STANDIN_CHUNK": str(256 * KiB), "STANDIN_CHUNKS": "4", "STANDIN_DELAY_S": "0.001"},
+        env={"STANDIN_CHUNK": str(256 * KiB), "STANDIN_CHUNKS": "4", "STANDIN_DELAY_S": "0.001",
+             "STANDIN_FAULT_FILE": fault_file},
     )
     with d:
         yield d
@@ -80,6 +86,8 @@ async def test_batches_mix_host_and_device_tensors_in_order(standin: DaemonProce
 
 @async_test(timeout=60)
 async def test_copy_and_clear_on_the_device(standin: DaemonProcess) -> None:
+    # The stand-in is strict: a copy from or into host memory that is not pinned staging
+    # fails (a GPU would have run it synchronously on the daemon's loop, issue 24.7).
     async with await Client.connect(standin.url) as c:
         a = await c.alloc_buffer(MiB, device="standin:0")
         b = await c.alloc_buffer(MiB, device="standin:0")
@@ -139,3 +147,49 @@ async def test_reg_mr_of_device_memory(standin: DaemonProcess) -> None:
         assert desc.size == 64 * KiB
         await c.dereg_mr(mr)
         assert await c.get_tensor(buf.tensor(0, 4)) == bytes(4)
+
+
+@async_test(timeout=60)
+async def test_copy_against_host_memory_goes_through_staging_in_pieces(
+        standin: DaemonProcess) -> None:
+    # Larger than the whole staging pool (4 x 256 KiB), at odd offsets, both ways.
+    async with await Client.connect(standin.url) as c:
+        size = 3 * MiB + 12345
+        dev = await c.alloc_buffer(size + 8192, device="standin:0")
+        host = await c.alloc_buffer(size + 8192)
+        data = os.urandom(size)
+        await c.set_tensor(host.tensor(7, size), data)
+        await c.copy_tensor(host.tensor(7, size), dev.tensor(4096, size))
+        assert _sha(await c.get_tensor(dev.tensor(4096, size))) == _sha(data)
+        await c.copy_tensor(dev.tensor(4096, size), host.tensor(8192, size))
+        assert _sha(await c.get_tensor(host.tensor(8192, size))) == _sha(data)
+        with pytest.raises(BadRequest, match="overlapping"):
+            await c.copy_tensor(dev.tensor(0, 8192), dev.tensor(4096, 8192))
+
+
+@async_test(timeout=60)
+async def test_a_device_fault_fails_the_command_never_answers_ok(
+        standin: DaemonProcess, fault_file: str) -> None:
+    """Issue 24.2: while the device fails its copies, a SET, COPY or CLEAR is answered
+    with the typed error, and a GET is cut (its header is out): never stale staging."""
+    async with await Client.connect(standin.url) as c:
+        buf = await c.alloc_buffer(64 * KiB, device="standin:0")
+        await c.set_tensor(buf.tensor(0, 8), b"original")
+        with open(fault_file, "w"):
+            pass
+        try:
+            with pytest.raises(Internal, match="fault"):
+                await c.set_tensor(buf.tensor(0, 8), b"newbytes")
+            with pytest.raises(Internal, match="fault"):
+                await c.buffer_clear(buf, 1)
+            host = await c.alloc_buffer(8)
+            with pytest.raises(Internal, match="fault"):
+                await c.copy_tensor(host.tensor(), buf.tensor(0, 8))
+            with pytest.raises(ConnectionLost):
+                await c.get_tensor(buf.tensor(0, 8))
+        finally:
+            os.unlink(fault_file)
+    async with await Client.connect(standin.url) as c:
+        assert bytes(await c.get_tensor(buf.tensor(0, 8))) == b"original"
+        await c.set_tensor(buf.tensor(0, 8), b"newbytes")
+        assert bytes(await c.get_tensor(buf.tensor(0, 8))) == b"newbytes"

@@ -16,12 +16,14 @@ import pytest
 from tests.standin_stream import StandinDeviceMemory, StandinStream
 from transferd.engine.immcounter import ImmCounter
 from transferd.memory.staging import (
+    Claim,
+    DeviceIO,
     GatedLanding,
     StagingPool,
     device_to_wire,
     wire_to_device,
 )
-from transferd.memory.streams import EventWaiter
+from transferd.memory.streams import DeviceFault, EventWaiter
 from transferd.protocol.errors import BadRequest
 
 CHUNK = 64 * 1024
@@ -141,7 +143,7 @@ def test_get_pipeline_overlaps_copy_and_send(waiter: EventWaiter) -> None:
             await asyncio.sleep(0.015)  # a slow wire
             sends.append((start, time.monotonic(), copies_enqueued))
 
-        return await device_to_wire(stream, waiter, pool, dev.ptr, len(data), send)
+        return await device_to_wire(DeviceIO(stream, waiter, pool), dev.ptr, len(data), send)
 
     n = _run(main())
     a.close()
@@ -172,7 +174,8 @@ def test_get_pipeline_waits_for_staging_never_grows(waiter: EventWaiter) -> None
 
     async def main() -> list[int]:
         return list(await asyncio.gather(*(
-            device_to_wire(waiter.stream, waiter, pool, d.ptr, d.size, sender(o), depth=4)
+            device_to_wire(DeviceIO(waiter.stream, waiter, pool), d.ptr, d.size, sender(o),
+                           depth=4)
             for d, o in zip(devs, outs, strict=True))))
 
     assert _run(main()) == [5, 4]
@@ -189,7 +192,8 @@ def test_get_pipeline_failed_send_returns_every_chunk(waiter: EventWaiter) -> No
 
     async def main() -> None:
         with pytest.raises(ConnectionResetError):
-            await device_to_wire(waiter.stream, waiter, pool, dev.ptr, dev.size, send, depth=3)
+            await device_to_wire(DeviceIO(waiter.stream, waiter, pool), dev.ptr, dev.size, send,
+                                 depth=3)
         for _ in range(100):
             if pool.free == pool.capacity:
                 return
@@ -218,7 +222,8 @@ def test_set_pipeline_lands_on_the_device(waiter: EventWaiter) -> None:
                 assert n, "sender closed early"
                 got += n
 
-        return await wire_to_device(waiter.stream, waiter, pool, dev.ptr, len(data), receive)
+        return await wire_to_device(DeviceIO(waiter.stream, waiter, pool), dev.ptr, len(data),
+                                    receive)
 
     n = _run(main())
     t.join(10)
@@ -241,8 +246,8 @@ def test_immediate_counted_only_after_the_device_copy(waiter: EventWaiter) -> No
     assert chunk is not None
     chunk.view[:100] = b"k" * 100  # the peer's bytes reached staging
     stream.hold()
-    landing = GatedLanding(stream, waiter, pool)
-    landing.land(chunk, [(dev.ptr + 10, 0, 100)], lambda: counter.add(7))
+    landing = GatedLanding(DeviceIO(stream, waiter, pool))
+    landing.land(chunk, [(dev.ptr + 10, 0, 100)], lambda fault: counter.add(7))
     time.sleep(0.05)
     # In staging, not on the device: nothing is counted, the chunk is still held.
     assert counter.value(7) == 0 and not fired.is_set() and pool.free == 0
@@ -262,15 +267,164 @@ def test_gated_landing_checks_pieces_against_the_chunk(waiter: EventWaiter) -> N
     chunk = pool.try_acquire()
     assert chunk is not None
     with pytest.raises(BadRequest):
-        GatedLanding(waiter.stream, waiter, pool).land(chunk, [(0, CHUNK - 4, 8)], lambda: None)
+        GatedLanding(DeviceIO(waiter.stream, waiter, pool)).land(
+            chunk, [(0, CHUNK - 4, 8)], lambda fault: None)
 
 
 def test_event_waiter_survives_a_failing_callback(waiter: EventWaiter) -> None:
     done = threading.Event()
 
-    def boom() -> None:
+    def boom(_fault: object) -> None:
         raise RuntimeError("callback bug")
 
     waiter.watch(waiter.stream.record(), boom)
-    waiter.watch(waiter.stream.record(), done.set)
+    waiter.watch(waiter.stream.record(), lambda _fault: done.set())
     assert done.wait(5)
+
+
+def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def test_a_cancelled_get_keeps_its_staging_until_the_copies_ended(waiter: EventWaiter) -> None:
+    # Issue 24.1: a GET cancelled while its D2H copies are queued must not hand
+    # their chunks to the next user: the device would still write into them.
+    stream = waiter.stream
+    assert isinstance(stream, StandinStream)
+    dev = _device_with(os.urandom(CHUNK * 4))
+    pool = StagingPool(CHUNK, 2)
+    io = DeviceIO(stream, waiter, pool)
+
+    async def send(view: memoryview) -> None:
+        pass
+
+    async def main() -> None:
+        stream.hold()  # the copies are on the stream, not done
+        task = asyncio.ensure_future(device_to_wire(io, dev.ptr, dev.size, send, depth=2))
+        for _ in range(200):
+            if pool.free == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert pool.free == 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        assert pool.free == 0, "staging went back while its copies were still queued"
+        assert pool.try_acquire() is None
+        stream.resume()
+
+    _run(main())
+    assert _until(lambda: pool.free == pool.capacity)
+
+
+def test_a_cancelled_set_keeps_its_staging_until_the_copy_ended(waiter: EventWaiter) -> None:
+    stream = waiter.stream
+    assert isinstance(stream, StandinStream)
+    dev = StandinDeviceMemory(CHUNK)
+    pool = StagingPool(CHUNK, 1)
+    io = DeviceIO(stream, waiter, pool)
+
+    async def receive(view: memoryview) -> None:
+        view[:] = b"s" * len(view)
+
+    async def main() -> None:
+        stream.hold()
+        task = asyncio.ensure_future(wire_to_device(io, dev.ptr, CHUNK, receive))
+        await asyncio.sleep(0.05)  # received, its H2D copy queued and waited on
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        assert pool.free == 0, "staging went back while the device still read it"
+        stream.resume()
+
+    _run(main())
+    assert _until(lambda: pool.free == 1)
+    assert bytes(dev.host_array()) == b"s" * CHUNK
+
+
+def test_a_claim_goes_back_after_its_fence_only(waiter: EventWaiter) -> None:
+    stream = waiter.stream
+    assert isinstance(stream, StandinStream)
+    pool = StagingPool(CHUNK, 2)
+    claim = Claim(DeviceIO(stream, waiter, pool))
+
+    async def main() -> None:
+        await claim.take(2)
+        stream.hold()
+        claim.fence()
+        claim.release()
+        claim.release()  # idempotent
+        await asyncio.sleep(0.05)
+        assert pool.free == 0
+        stream.resume()
+
+    _run(main())
+    assert _until(lambda: pool.free == 2)
+    # Ended before its fence (a copy may be on the stream already): the event recorded
+    # at release covers it.
+    unfenced = Claim(DeviceIO(stream, waiter, pool))
+    assert unfenced.try_take() is not None
+    stream.hold()
+    unfenced.release()
+    time.sleep(0.05)
+    assert pool.free == 1
+    stream.resume()
+    assert _until(lambda: pool.free == 2)
+
+
+def test_a_device_fault_fails_the_wait_and_lands_nothing(waiter: EventWaiter) -> None:
+    # Issue 24.2: a failed device copy is never counted, acknowledged or sent.
+    stream = waiter.stream
+    assert isinstance(stream, StandinStream)
+    pool = StagingPool(CHUNK, 2)
+    io = DeviceIO(stream, waiter, pool)
+    counter = ImmCounter()
+    told: list[object] = []
+    got = threading.Event()
+    dev = _device_with(b"d" * CHUNK)
+    chunk = pool.try_acquire()
+    assert chunk is not None
+    chunk.view[:8] = b"k" * 8
+    stream.fail()
+
+    def then(fault: object) -> None:
+        told.append(fault)
+        if fault is None:
+            counter.add(9)
+        got.set()
+
+    GatedLanding(io).land(chunk, [(dev.ptr, 0, 8)], then)
+    assert got.wait(5)
+    assert isinstance(told[0], DeviceFault) and counter.value(9) == 0
+    assert bytes(dev.host_array()[:8]) == b"d" * 8  # the copy never ran
+    assert _until(lambda: pool.free == 2)
+    sent: list[bytes] = []
+
+    async def send(view: memoryview) -> None:
+        sent.append(bytes(view))
+
+    async def main() -> None:
+        stream.fill(dev.ptr, 0, 8)
+        with pytest.raises(DeviceFault):
+            await waiter.wait(stream.record())
+        with pytest.raises(DeviceFault):
+            await device_to_wire(io, dev.ptr, CHUNK, send)
+
+    _run(main())
+    assert sent == []  # stale staging was never sent for it
+    assert _until(lambda: pool.free == 2)
+    stream.heal()
+
+    async def healed() -> None:
+        await waiter.wait(stream.record())
+        await device_to_wire(io, dev.ptr, CHUNK, send)
+
+    _run(healed())
+    assert sent == [b"d" * CHUNK]

@@ -241,3 +241,31 @@ def test_make_worker_knows_the_kinds_and_nothing_else() -> None:
     assert isinstance(make_worker("thread", "x", None), ThreadWorker)
     with pytest.raises(ValueError, match="unknown worker kind 'auto'"):
         make_worker("auto", "x", None)  # the engine resolves auto first
+
+
+def test_a_missing_uvloop_is_its_own_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 24.11: it was imported in the worker's thread, so the start waited 10 s
+    # and said only "worker ... failed to start".
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    w = ThreadWorker("test-no-uvloop", None)
+    t0 = time.monotonic()
+    with pytest.raises(ImportError, match="uvloop"):
+        w.start()
+    assert time.monotonic() - t0 < 2
+
+
+def test_a_worker_that_fails_in_its_thread_says_why_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import transferd.workers.worker as wmod
+
+    def broken(cpu: int) -> bool:
+        raise OSError("no such core")
+
+    monkeypatch.setattr(wmod, "pin_current_thread", broken)
+    w = ThreadWorker("test-broken", 0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no such core"):
+        w.start()
+    assert time.monotonic() - t0 < 2

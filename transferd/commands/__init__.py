@@ -11,8 +11,8 @@ import click
 
 
 def register(group: click.Group) -> None:
-    from . import bench, doctor, remote
+    from . import bench, doctor, names, remote
 
     for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers,
-                bench.bench):
+                bench.bench, names.peers, names.names):
         group.add_command(cmd)

@@ -62,6 +62,9 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
                     "and server.token is empty: anyone there can use the daemon"))
     else:
         out.append(("ok", "secrets", "token set" if s.token else "loopback only, no token"))
+    from transferd.discovery.check import discovery_checks
+
+    out += discovery_checks(cfg)
     # For another node this machine's devices say nothing about the config's needs.
     for sec in probes.run_all(None if other_node else cfg):
         for n in sec.needed:

@@ -119,7 +119,8 @@ def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool)
 async def _sample(c: Any) -> dict[str, Any]:
     from transferd.protocol.constants import Command
 
-    stats = dict(await c.server_stats())
+    # With where the daemon's names live and whether that store is up (docs/discovery.md).
+    stats = dict((await c.conn.request(Command.STATS, {"discovery": True})).body)
     devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
     stats["devices"] = list(devices)
     stats["t"] = time.monotonic()
@@ -137,6 +138,13 @@ def _table(now: dict[str, Any], before: dict[str, Any] | None, url: str) -> str:
 
     lines.append(f"{'bytes in':<22}{now['bytes_in']:>18,}  {rate('bytes_in'):>14}")
     lines.append(f"{'bytes out':<22}{now['bytes_out']:>18,}  {rate('bytes_out'):>14}")
+    disc = now.get("discovery")
+    if disc:
+        where = disc.get("url") or "this daemon (embedded)"
+        lines.append(f"{'names':<22}{disc.get('state', '?')} in {where}: "
+                     f"{disc.get('names', 0)} here, {disc.get('mirrored', 0)} mirrored, "
+                     f"{disc.get('peers', 0)} peers" + (f" ({disc['error']})"
+                                                         if disc.get("error") else ""))
     lines.append("")
     lines.append(f"{'device':<10}{'used':>14}{'free':>14}{'total':>14}")
     for d in now["devices"]:

@@ -220,7 +220,7 @@ class InboundLink:
         assert self._staged is not None
         io, chunks, pages = self._staged
         self._staged = None
-        gate = GatedLanding(io.stream, io.waiter, io.pool)
+        gate = GatedLanding(io)
         per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
         step = io.pool.chunk_size
         pos = 0
@@ -235,7 +235,11 @@ class InboundLink:
         peer = self.peer
         assert peer is not None
 
-        def copied() -> None:  # on the event waiter's thread, once per chunk
+        faults: list[TransferdError] = []
+
+        def copied(fault: TransferdError | None) -> None:  # on the event waiter's thread
+            if fault is not None:
+                faults.append(fault)
             left[0] -= 1
             if left[0]:
                 return
@@ -244,11 +248,14 @@ class InboundLink:
         def done() -> None:
             if landing is not None:
                 landing.release()
-            error: TransferdError | None = None
-            try:
-                g.landed_once(peer, write, nbytes)
-            except TransferdError as exc:
-                error = exc
+            error: TransferdError | None = faults[0] if faults else None
+            if error is not None:  # the device failed a copy: nothing counts
+                g.write_failed(peer, write)
+            else:
+                try:
+                    g.landed_once(peer, write, nbytes)
+                except TransferdError as exc:
+                    error = exc
             self._unhold()
             self._ack(body, error)
 

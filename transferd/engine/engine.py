@@ -35,6 +35,7 @@ from transferd.domains.base import Ack, DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
+from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
@@ -291,24 +292,23 @@ class TransferEngine:
         """
         assert self.loop is not None
         io, devs, places, need = plan_staging(region, pages)
-        pool = io.pool
         held = region.buffer.ref()
         if self._staging_lock is None:
             self._staging_lock = asyncio.Lock()
         lock = self._staging_lock
 
         async def run() -> None:
-            chunks: list[Any] = []
+            # Back to the pool only once its copies ended, however this ends.
+            claim = Claim(io)
             try:
                 # One transfer takes its chunks at a time: two never hold half each.
                 async with lock:
-                    for _ in range(need):
-                        chunks.append(await pool.acquire())
+                    chunks = await claim.take(need)
                 views = []
                 for dev, (c, off), (_, n) in zip(devs, places, pages, strict=True):
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
-                await io.waiter.wait(io.stream.record())
+                await io.waiter.wait(claim.fence())
                 sending = self._submit(op, plan(views), None, self.group_of(region))
                 # From now on cancel() of this task fails the transfer itself (a
                 # cancelled task would let go of its worker slot before the transfer ended).
@@ -322,8 +322,7 @@ class TransferEngine:
                         self._transfers.pop(me, None)
             finally:
                 held.release()
-                for chunk in chunks:
-                    pool.release(chunk)
+                claim.release()
 
         return asyncio.ensure_future(run())
 

@@ -42,8 +42,9 @@ from transferd.workers.affinity import (
 
 from .base import Memory, MemorySource
 from .buffers import DeviceSpec
+from .cuda_extent import address_range, ipc_span
 from .staging import DEFAULT_CHUNK, DEFAULT_CHUNKS, DeviceIO, StagingPool
-from .streams import DeviceEvent, DeviceStream, EventWaiter
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter
 
 log = logging.getLogger("transferd.memory.cuda")
 
@@ -52,7 +53,9 @@ log = logging.getLogger("transferd.memory.cuda")
 MEMCPY_DEFAULT = 4
 # cudaMalloc aligns to at least 256 bytes on every CUDA GPU.
 ALIGNMENT = 256
+CUDA_SUCCESS = 0
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_ERROR_NOT_READY = 600
 IPC_HANDLE_BYTES = 64
 
 
@@ -121,21 +124,48 @@ class CudaEvent(DeviceEvent):
 
     ``cudaEventSynchronize`` is called without the GIL (CuPy's runtime
     wrapper releases it), so the waiter thread never stalls the event loops.
+    ``cudaEventQuery`` returns ``cudaErrorNotReady`` while pending and another
+    non-zero status when the device failed work before the event; a failure
+    of either call is a :class:`DeviceFault`, never taken for completion.
     """
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, index: int) -> None:
         self.event = event
-        self._rt = _cupy().cuda.runtime
+        self.index = index
+        self._cupy = _cupy()
 
     def done(self) -> bool:
-        return int(self._rt.eventQuery(self.event.ptr)) == 0  # cudaSuccess
+        status = int(self._cupy.cuda.runtime.eventQuery(self.event.ptr))
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_ERROR_NOT_READY:
+            return False
+        raise DeviceFault(f"cuda:{self.index}: {_status_text(self._cupy, status)}")
 
     def synchronize(self) -> None:
-        self._rt.eventSynchronize(self.event.ptr)
+        rt = self._cupy.cuda.runtime
+        try:
+            # The event's own device current (a shared waiter serves several).
+            with self._cupy.cuda.Device(self.index):
+                rt.eventSynchronize(self.event.ptr)
+        except rt.CUDARuntimeError as exc:
+            raise DeviceFault(f"cuda:{self.index}: {exc}") from None
+
+
+def _status_text(cupy: Any, status: int) -> str:
+    """A runtime status as CuPy's CUDARuntimeError words it."""
+    try:
+        return str(cupy.cuda.runtime.CUDARuntimeError(status))
+    except Exception:  # pragma: no cover - a status the runtime cannot name
+        return f"CUDA error {status}"
 
 
 class CudaStream(DeviceStream):
-    """A non-blocking CuPy stream of one device; every call with that device current."""
+    """A CuPy stream of one device; every call with that device current.
+
+    ``CudaStream(index)`` makes a non-blocking stream on device ``index``;
+    :meth:`of` wraps a stream the caller made, on the device it was made on.
+    """
 
     def __init__(self, index: int, stream: Any = None) -> None:
         cupy = _cupy()
@@ -147,10 +177,30 @@ class CudaStream(DeviceStream):
         with self._device:
             self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
 
+    @classmethod
+    def of(cls, stream: Any) -> CudaStream:
+        """A CuPy stream as a DeviceStream, on its own device.
+
+        CuPy records the device a stream was created on (``device_id``); the
+        null and per-thread streams have none (-1) and belong to whichever
+        device is current, so those take the calling thread's current device:
+        call this in the thread that uses the stream.
+        """
+        index = int(getattr(stream, "device_id", -1))
+        if index < 0:
+            index = int(_cupy().cuda.runtime.getDevice())
+        return cls(index, stream)
+
+    def _fault(self, exc: Exception) -> DeviceFault:
+        return DeviceFault(f"{self.name}: {exc}")
+
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:  # a sticky error of the context
+                raise self._fault(exc) from None
 
     def copy_d2h(self, host_ptr: int, dev_ptr: int, nbytes: int) -> None:
         self._copy(host_ptr, dev_ptr, nbytes)
@@ -163,15 +213,21 @@ class CudaStream(DeviceStream):
 
     def fill(self, dev_ptr: int, value: int, nbytes: int) -> None:
         if nbytes:
-            with self._device:
-                self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            try:
+                with self._device:
+                    self._rt.memsetAsync(dev_ptr, value, nbytes, self.stream.ptr)
+            except self._rt.CUDARuntimeError as exc:
+                raise self._fault(exc) from None
 
     def record(self) -> CudaEvent:
-        with self._device:
-            # block=True: a waiting thread sleeps in the driver instead of spinning.
-            ev = self._cupy.cuda.Event(block=True, disable_timing=True)
-            ev.record(self.stream)
-        return CudaEvent(ev)
+        try:
+            with self._device:
+                # block=True: a waiting thread sleeps in the driver instead of spinning.
+                ev = self._cupy.cuda.Event(block=True, disable_timing=True)
+                ev.record(self.stream)
+        except self._rt.CUDARuntimeError as exc:
+            raise self._fault(exc) from None
+        return CudaEvent(ev, self.index)
 
     def synchronize(self) -> None:
         with self._device:
@@ -183,6 +239,16 @@ class CudaStream(DeviceStream):
 
     def waiter_init(self) -> None:
         self._device.use()
+
+    def __enter__(self) -> CudaStream:
+        # CuPy's own current stream too, for whatever else this thread launches.
+        self.stream.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.stream.__exit__(*exc)
 
 
 # -- pinned staging ----------------------------------------------------------------------
@@ -278,44 +344,6 @@ class CudaMemory(Memory):
 
     def _free(self) -> None:
         _cupy().cuda.runtime.free(self.ptr)
-
-
-def address_range(ptr: int) -> tuple[int, int] | None:
-    """``(base, size)`` of the allocation ``ptr`` lies in (``cuMemGetAddressRange``).
-
-    Through the driver library itself (CuPy does not wrap this call).  It
-    needs a current context in the calling thread (the caller makes the
-    pointer's own device current first); None where it cannot be asked or
-    the driver does not know the pointer.
-    """
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
-        return None
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
-    if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
-        return None
-    return int(base.value), int(size.value)
-
-
-def ipc_span(ptr: int, nbytes: int, extent: tuple[int, int] | None) -> tuple[int, int]:
-    """``(allocation base, offset of ptr in it)`` for exporting ``[ptr, ptr + nbytes)``.
-
-    A CUDA IPC handle names a whole allocation: the range's offset in it has
-    to be known, never guessed.  BadRequest where the allocation could not be
-    found, OutOfBounds where the range does not lie inside it.
-    """
-    if extent is None:
-        raise BadRequest(f"cannot find the CUDA allocation of 0x{ptr:x} "
-                         "(cuMemGetAddressRange failed): not registering it at a guessed offset")
-    base, size = extent
-    if nbytes < 0 or ptr < base or ptr + nbytes > base + size:
-        raise OutOfBounds(f"[0x{ptr:x}, +{nbytes}) is outside its allocation "
-                          f"[0x{base:x}, +{size})")
-    return base, ptr - base
 
 
 class IpcCudaMemory(CudaMemory):

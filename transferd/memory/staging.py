@@ -12,9 +12,17 @@ The pipeline functions here move bytes between a device and the wire:
 - :func:`wire_to_device` (a SET): a payload received into staging goes to
   the device by an async H2D copy; the caller learns when it is in place
   through the copy's event.
+- :func:`host_to_device` / :func:`device_to_host` (a COPY against host
+  memory): the same pipelines with a host-side copy into or out of staging,
+  on the device's worker; the loop never waits on a copy from pageable memory.
 - :class:`GatedLanding` (the engine): an immediate is counted only after the
   device copy that lands its bytes completed (its event), never when the
-  bytes reached staging.
+  bytes reached staging, and never if the device failed it.
+
+Staging goes back to its pool only once the device is done with it: every
+path releases its chunks through :class:`Claim` / :func:`release_after`,
+after the event that follows its last copy on them, whatever ended the
+operation (a cancel, a deadline, a client gone mid-GET).
 
 They talk to a :class:`~transferd.memory.streams.DeviceStream` only, so they
 are tested on any machine with the host stand-in of ``tests/``.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
+import contextlib
 import mmap
 import threading
 from collections.abc import Awaitable, Callable
@@ -33,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest
 
-from .streams import DeviceStream, EventWaiter
+from .streams import DeviceEvent, DeviceFault, DeviceStream, EventWaiter, Outcome, settle
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_CHUNKS = 8
@@ -191,25 +200,129 @@ class DeviceIO:
         self.worker = worker
 
 
-# -- the pipeline -----------------------------------------------------------------------
+# -- holding staging while the device may still touch it ---------------------------------
 
-def _release(pool: StagingPool, chunk: StagingChunk, _done: object) -> None:
-    pool.release(chunk)
+
+def release_after(io: DeviceIO, chunks: list[StagingChunk], event: DeviceEvent | None) -> None:
+    """Give ``chunks`` back to ``io``'s pool once ``event`` ended (at once if it has).
+
+    ``event`` is the last one recorded after every copy enqueued on these
+    chunks: until it completed the device may still read or write them, so
+    nobody else may have them.  Whatever ended the operation (done, failed,
+    cancelled, timed out, the client gone), this is how its staging goes back.
+    """
+    if not chunks:
+        return
+    pool = io.pool
+    if event is None or event.outcome() is not False:
+        for c in chunks:
+            pool.release(c)
+        return
+
+    def back(_outcome: Outcome) -> None:
+        # A failed copy is over too: the device no longer touches the chunk.
+        for c in chunks:
+            pool.release(c)
+
+    io.waiter.watch(event, back)
+
+
+class Claim:
+    """Staging chunks one operation holds, and the event after its last copy on them.
+
+    :meth:`fence` records an event after the copies enqueued so far and
+    remembers it; :meth:`release` (idempotent; call it in a ``finally``)
+    gives the chunks back once that event ended (one it records then if none
+    was), never while a copy on them may still run.  Chunks taken by
+    :meth:`take` are the claim's as soon as they are acquired, so a cancelled
+    take loses none.
+    """
+
+    def __init__(self, io: DeviceIO) -> None:
+        self.io = io
+        self.chunks: list[StagingChunk] = []
+        self._fence: DeviceEvent | None = None
+        self._released = False
+
+    async def take(self, n: int) -> list[StagingChunk]:
+        for _ in range(n):
+            self.chunks.append(await self.io.pool.acquire())
+        return self.chunks
+
+    def try_take(self) -> StagingChunk | None:
+        chunk = self.io.pool.try_acquire()
+        if chunk is not None:
+            self.chunks.append(chunk)
+        return chunk
+
+    def fence(self) -> DeviceEvent:
+        """An event after every copy enqueued so far; the chunks stay until it ended."""
+        self._fence = event = self.io.stream.record()
+        return event
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        chunks, self.chunks = self.chunks, []
+        fence = self._fence
+        if fence is None and chunks:
+            # Ended before its fence (a copy that raised, a cancel between two
+            # enqueues): copies may be on the stream already; an event now covers them.
+            try:
+                fence = self.io.stream.record()
+            except DeviceFault:
+                fence = None  # a dead device runs nothing more: they are free
+        release_after(self.io, chunks, fence)
+
+    def settle(self) -> asyncio.Future[None]:
+        """Fence the copies enqueued so far and let the chunks go once it ended.
+
+        A future of the running loop that resolves (or fails with the
+        DeviceFault) once the chunks are back in the pool: whoever awaits it
+        finds the staging free again.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        event = self.fence()
+        self._released = True
+        chunks, self.chunks = self.chunks, []
+        pool = self.io.pool
+
+        def back(outcome: Outcome) -> None:
+            for c in chunks:
+                pool.release(c)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(settle, fut, outcome)
+
+        ended = event.outcome()
+        if ended is False:
+            self.io.waiter.watch(event, back)
+        else:
+            back(ended)
+        return fut
+
+
+# -- the pipeline -----------------------------------------------------------------------
 
 
 SendChunk = Callable[[memoryview], Awaitable[None]]
 
 
-async def device_to_wire(stream: DeviceStream, waiter: EventWaiter, pool: StagingPool,
-                         dev_ptr: int, size: int, send: SendChunk, depth: int = 2) -> int:
+async def device_to_wire(io: DeviceIO, dev_ptr: int, size: int, send: SendChunk,
+                         depth: int = 2) -> int:
     """Copy ``size`` device bytes out through staging, chunk by chunk, to ``send``.
 
     ``send(view)`` must resolve once ``view`` may be reused (the bytes left
     it).  Up to ``depth`` chunks are in flight: the D2H copy of chunk k+1 is
-    on the stream while chunk k is sent.  Returns the number of chunks.
+    on the stream while chunk k is sent.  Returns the number of chunks.  A
+    failed copy raises its DeviceFault before its chunk is sent; a chunk goes
+    back to the pool only once its copy ended, however this ends.
     """
+    stream, waiter, pool = io.stream, io.waiter, io.pool
     step = pool.chunk_size
-    pending: collections.deque[tuple[Any, asyncio.Future[None], int]] = collections.deque()
+    pending: collections.deque[
+        tuple[StagingChunk, DeviceEvent, asyncio.Future[None], int]] = collections.deque()
     pos = 0
     n = 0
     try:
@@ -223,48 +336,54 @@ async def device_to_wire(stream: DeviceStream, waiter: EventWaiter, pool: Stagin
                     break
                 chunk = got
                 k = min(step, size - pos)
-                stream.copy_d2h(chunk.ptr, dev_ptr + pos, k)
-                pending.append((chunk, waiter.wait(stream.record()), k))
+                try:
+                    stream.copy_d2h(chunk.ptr, dev_ptr + pos, k)
+                    event = stream.record()
+                except BaseException:
+                    pool.release(chunk)  # nothing was enqueued on it
+                    raise
+                pending.append((chunk, event, waiter.wait(event), k))
                 pos += k
-            chunk, done, k = pending.popleft()
-            try:
-                await done
-                await send(chunk.view[:k])
-            finally:
-                pool.release(chunk)
+            chunk, event, done, k = pending[0]
+            await done
+            await send(chunk.view[:k])
+            pending.popleft()
+            pool.release(chunk)  # its copy completed and its bytes were sent
             n += 1
     finally:
-        for chunk, done, _ in pending:
-            # A failed send: the copies still in flight own their chunks until done.
-            done.add_done_callback(functools.partial(_release, pool, chunk))
+        for chunk, event, done, _ in pending:
+            if done.done():
+                if not done.cancelled():
+                    done.exception()  # seen: its fault (if any) went up already
+            else:
+                done.cancel()  # nobody awaits it now
+            release_after(io, [chunk], event)
     return n
 
 
-async def wire_to_device(stream: DeviceStream, waiter: EventWaiter, pool: StagingPool,
-                         dev_ptr: int, size: int,
+async def wire_to_device(io: DeviceIO, dev_ptr: int, size: int,
                          receive: Callable[[memoryview], Awaitable[None]]) -> int:
     """Fill staging chunk by chunk with ``receive(view)``, then H2D each chunk.
 
     The H2D copy of chunk k runs while chunk k+1 is received; resolves once
-    the last copy completed (every byte is on the device).
+    the last copy completed (every byte is on the device), or raises the
+    DeviceFault of one that failed.
     """
-    step = pool.chunk_size
+    step = io.pool.chunk_size
     pos = 0
     n = 0
     inflight: list[asyncio.Future[None]] = []
     while pos < size:
-        chunk = await pool.acquire()
-        k = min(step, size - pos)
+        claim = Claim(io)
         try:
+            chunk = (await claim.take(1))[0]
+            k = min(step, size - pos)
             await receive(chunk.view[:k])
-        except BaseException:
-            pool.release(chunk)
-            raise
-        stream.copy_h2d(dev_ptr + pos, chunk.ptr, k)
-        done = waiter.wait(stream.record())
-        done.add_done_callback(functools.partial(_release, pool, chunk))
-        inflight.append(done)
-        inflight = [f for f in inflight if not f.done()]
+            io.stream.copy_h2d(dev_ptr + pos, chunk.ptr, k)
+            inflight.append(claim.settle())
+        finally:
+            claim.release()  # back once its copy ended
+        inflight = [f for f in inflight if not f.done() or f.exception() is not None]
         pos += k
         n += 1
     if inflight:
@@ -272,41 +391,106 @@ async def wire_to_device(stream: DeviceStream, waiter: EventWaiter, pool: Stagin
     return n
 
 
+async def host_to_device(io: DeviceIO, dev_ptr: int, data: memoryview) -> None:
+    """Bytes in (pageable) host memory to the device, through staging chunk by chunk.
+
+    The host-side copy into each pinned chunk runs on the device's worker
+    (off the daemon's loop) where there is one; the H2D copies are async on
+    the device's stream.  Resolves once every byte is on the device (or
+    raises the DeviceFault of a copy that failed); staging goes back as each
+    copy ends, however this ends.
+    """
+    pos, waits = 0, []
+    while pos < len(data):
+        claim = Claim(io)
+        try:
+            chunk = (await claim.take(1))[0]
+            n = min(chunk.size, len(data) - pos)
+            await host_copy(io, chunk.view[:n], data[pos : pos + n])
+            io.stream.copy_h2d(dev_ptr + pos, chunk.ptr, n)
+            waits.append(claim.settle())
+        finally:
+            claim.release()
+        pos += n
+    if waits:
+        await asyncio.gather(*waits)
+
+
+async def device_to_host(io: DeviceIO, out: memoryview, dev_ptr: int, depth: int = 2) -> None:
+    """Device bytes into (pageable) host memory ``out``, through staging.
+
+    The D2H copy of chunk k+1 is on the stream while chunk k is copied out
+    of staging (on the device's worker where there is one).
+    """
+    pos = 0
+
+    async def into_host(view: memoryview) -> None:
+        nonlocal pos
+        await host_copy(io, out[pos : pos + len(view)], view)
+        pos += len(view)
+
+    await device_to_wire(io, dev_ptr, len(out), into_host, depth)
+
+
+async def host_copy(io: DeviceIO, dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` between host memory and staging, on the device's worker if any."""
+    worker = io.worker
+    if worker is None or len(dst) < HOST_COPY_OFF_LOOP:
+        dst[:] = src
+    else:
+        # numpy copies without the GIL: the loop serves others meanwhile.
+        def run() -> None:
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+        await asyncio.wrap_future(worker.run(_call(run)))
+    if COUNTING:
+        count("staging.host_copy", len(dst))
+
+
+# A host-side copy of less than this is done on the loop (the hand-off costs more).
+HOST_COPY_OFF_LOOP = 256 * 1024
+
+
+async def _call(fn: Callable[[], None]) -> None:
+    fn()
+
+
 class GatedLanding:
     """Bytes that reached staging go to the device; ``then`` runs once they are there.
 
     For the engine on device regions: a peer's WRITE is received into a
     staging chunk, :meth:`land` enqueues its H2D copy and records an event,
-    and only when that event completed does ``then`` run (count the
-    immediate, acknowledge the write) and the chunk go back to the pool.
-    ``then`` runs on the event waiter's thread; the ImmCounter is thread safe.
+    and only when that event ended does ``then(outcome)`` run: None, the bytes
+    are in place (count the immediate, acknowledge the write); a DeviceFault,
+    they are not (count nothing, fail the write).  The chunk goes back to the
+    pool then either way.  ``then`` runs on the event waiter's thread; the
+    ImmCounter is thread safe.
     """
 
-    def __init__(self, stream: DeviceStream, waiter: EventWaiter, pool: StagingPool) -> None:
-        self.stream = stream
-        self.waiter = waiter
-        self.pool = pool
+    def __init__(self, io: DeviceIO) -> None:
+        self.io = io
         self._lock = threading.Lock()
         self.landing = 0  # copies enqueued whose event has not completed
 
     def land(self, chunk: StagingChunk, pieces: list[tuple[int, int, int]],
-             then: Callable[[], None]) -> None:
+             then: Callable[[Outcome], None]) -> None:
         """``pieces``: (device address, offset in the chunk, length), bounds checked."""
         for _dev, off, n in pieces:
             if off < 0 or n < 0 or off + n > chunk.size:
                 raise BadRequest(f"[{off}, +{n}) is outside a staging chunk of {chunk.size}")
+        stream = self.io.stream
         for dev_ptr, off, n in pieces:
-            self.stream.copy_h2d(dev_ptr, chunk.ptr + off, n)
+            stream.copy_h2d(dev_ptr, chunk.ptr + off, n)
         with self._lock:
             self.landing += 1
-        event = self.stream.record()
+        event = stream.record()
 
-        def completed() -> None:
+        def completed(outcome: Outcome) -> None:
             with self._lock:
                 self.landing -= 1
             try:
-                then()
+                then(outcome)
             finally:
-                self.pool.release(chunk)
+                self.io.pool.release(chunk)
 
-        self.waiter.watch(event, completed)
+        self.io.waiter.watch(event, completed)

@@ -64,6 +64,14 @@ class Command(enum.IntEnum):
     LEASE = 0x2D
     END_LEASE = 0x2E
     CANCEL = 0x2F
+    # Names (discovery, docs/protocol.md): served with or without the engine; HELLO
+    # lists "names".
+    PUBLISH = 0x30
+    LOOKUP = 0x31
+    UNPUBLISH = 0x32
+    WATCH = 0x33
+    PEERS = 0x34
+    NAMES = 0x35
     EVENT = 0x3F
 
 

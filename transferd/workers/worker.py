@@ -97,23 +97,37 @@ class ThreadWorker(Worker):
         super().__init__(name, cpu)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._failed: BaseException | None = None
+        self._new_loop: Callable[[], asyncio.AbstractEventLoop] | None = None
 
     def start(self) -> None:
-        self._thread.start()
-        self._ready.wait(10)
-        if self.loop is None:
-            raise RuntimeError(f"worker {self.name} failed to start")
-
-    def _main(self) -> None:
+        # Imported here, in the caller's thread: a missing uvloop is its own
+        # ImportError at once, not a worker that "failed to start" 10 s later.
         import uvloop
 
-        if self.cpu is not None:
-            # Pin before the loop and its structures exist, so their memory
-            # comes from the node this core belongs to.
-            self.pinned = pin_current_thread(self.cpu)
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self.loop = loop
+        self._new_loop = uvloop.new_event_loop
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"worker {self.name} did not start in 10 s")
+        if self._failed is not None:
+            raise RuntimeError(f"worker {self.name} failed to start: "
+                               f"{type(self._failed).__name__}: {self._failed}") \
+                from self._failed
+
+    def _main(self) -> None:
+        try:
+            if self.cpu is not None:
+                # Pin before the loop and its structures exist, so their memory
+                # comes from the node this core belongs to.
+                self.pinned = pin_current_thread(self.cpu)
+            assert self._new_loop is not None
+            loop = self._new_loop()
+            asyncio.set_event_loop(loop)
+            self.loop = loop
+        except BaseException as exc:
+            self._failed = exc
+            self._ready.set()
+            return
         self._ready.set()
         try:
             loop.run_forever()

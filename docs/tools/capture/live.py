@@ -46,6 +46,17 @@ def _token_config() -> str:
         f.write(f'[server]\ntoken_file = "{secret}"\n'
                 'token_transports = ["tcp", "unix", "seqpacket", "tls"]\n')
     return cfg
+
+
+def _names_config() -> str:
+    """A config for the "names" daemon: a node name that is the same on every machine."""
+    d = tempfile.mkdtemp(prefix="td-capture-")
+    cfg = os.path.join(d, "names.toml")
+    with open(cfg, "w") as f:
+        f.write('[discovery]\nnode_name = "node-a"\n')
+    return cfg
+
+
 HELLO_BODY = {"major": PROTO_MAJOR, "minor": PROTO_MINOR, "client": CLIENT_NAME}
 
 
@@ -320,6 +331,7 @@ class Daemons:
         "minor1": ("--protocol-minor", "1"),
         "token": ("-c", _token_config()),
         "b": (),
+        "names": ("-c", _names_config()),
     }
     HOSTS: ClassVar[dict[str, str]] = {"b": "127.0.0.2"}
 

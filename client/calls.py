@@ -1,0 +1,65 @@
+"""What a part of the client may ask of its Client.
+
+``Client`` is built from parts, each a small class holding what it needs:
+engine operations (:mod:`.engine`), async device copies (:mod:`.copies`),
+CUDA IPC registration (:mod:`.cuda_ipc`), leases (:mod:`.leases`) and UVM
+watchers (:mod:`.watchers`).  A part is given the Client as one of the
+protocols below, never the class itself: this module is a leaf, the parts
+import it, client.py imports the parts, and nothing imports client.py back.
+
+- :class:`Calls`: the connection, the client's request timeout, and calls
+  that are flush points (queued reads and writes go first, one-way failures
+  reported meanwhile are raised there).
+- :class:`Queue`: that, plus the client's queue itself, for the async
+  copies, whose SETs wait in it for their device copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transferd.protocol.constants import Command
+    from transferd.protocol.frames import Frame
+
+    from .connection import Connection
+    from .queue import QueuedGet, QueuedSet
+    from .switches import Switches
+
+
+class Calls(Protocol):
+    """The Client as its parts see it."""
+
+    timeout: float | None
+
+    @property
+    def conn(self) -> Connection:
+        """The connection (TransferdError when not connected)."""
+        ...
+
+    def _call(self, cmd: Command, body: dict[str, Any] | None = None, payload: Sequence[Any] = (),
+              sink: Any = None) -> Awaitable[Frame]:
+        """A synchronous command: a flush point, then one round trip."""
+        ...
+
+    async def flush(self) -> None:
+        """Send everything queued and wait for its reads."""
+
+    def _queued(self) -> bool:
+        """Whether reads or writes wait in the queue (a flush would send them)."""
+        ...
+
+
+class Queue(Calls, Protocol):
+    """The Client with its queue of reads and writes (for the async copies)."""
+
+    switches: Switches
+    _queue: list[QueuedSet | QueuedGet]
+
+    def _send_now(self, ops: list[QueuedSet | QueuedGet]) -> None:
+        """Send ``ops`` now (their reads resolve when their replies come)."""
+
+    async def set_tensor(self, t: Any, data: Any) -> None: ...
+
+    async def get_tensor(self, t: Any, out: Any = None) -> Any: ...
