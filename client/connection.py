@@ -28,6 +28,7 @@ from transferd.protocol.connection import (
     Answer,
     ClientConnection,
     Notice,
+    Outgoing,
     Ready,
     Refused,
 )
@@ -228,39 +229,35 @@ class Connection(asyncio.BufferedProtocol):
         m = self.machine
         m.decoder.buffer_updated(nbytes)
         self.stats.bytes_in += nbytes
+        ev: Any
         while True:
             ev = m.next_event()
             if ev is None:
                 break
-            if type(ev) is _ANSWER:
-                self._answered(cast(Answer, ev))
+            if type(ev) is _ANSWER:  # the usual event: resolve its request (inlined)
+                p = ev.token
+                if p.timer is not None:
+                    p.timer.cancel()
+                fut = p.future
+                if not fut.done():
+                    if ev.error is None:
+                        fut.set_result(ev.frame)
+                    else:
+                        fut.set_exception(ev.error)
             elif type(ev) is _NOTICE:
-                ev = cast(Notice, ev)
                 if self.on_event is not None and self.on_event(ev.frame):
                     continue
                 if ev.error is not None:
                     self.failed.append(ev.error)
             elif type(ev) is Ready:
                 if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(cast(Ready, ev))
+                    self._ready.set_result(ev)
             else:
-                self._refused(cast(Refused, ev))
+                self._refused(ev)
                 if m.decoder.phase is _BROKEN:
                     return
-        if m._out:
+        if m.out:
             self._flush()  # the handshake's AUTH
-
-    def _answered(self, ev: Answer) -> None:
-        p = cast(Pending, ev.token)
-        if p.timer is not None:
-            p.timer.cancel()
-        fut = p.future
-        if fut.done():
-            return
-        if ev.error is not None:
-            fut.set_exception(ev.error)
-        else:
-            fut.set_result(ev.frame)
 
     def _refused(self, ev: Refused) -> None:
         if self._ready is not None and not self._ready.done():
@@ -324,28 +321,26 @@ class Connection(asyncio.BufferedProtocol):
         return self.machine.last_seq
 
     def _flush(self) -> None:
-        carrier, t = self.carrier, self.transport
-        out = self.machine.take_output()
-        if carrier is None or t is None or t.is_closing():
-            if out:
-                raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
-            return
-        n = 0
-        cmds = self.stats.commands
+        """Write the frames the connection queued itself (HELLO, AUTH)."""
+        m = self.machine
+        out, m.out = m.out, []
         for o in out:
-            if o.fds:
-                assert carrier.fds is not None  # send() refuses descriptors elsewhere
-                carrier.fds.send(o.fds)
-            carrier.write(o.head, o.payload, o.payload_len)
-            n += len(o.head) + o.payload_len
-            cmd = o.head[2]  # the header's cmd byte
-            name = _NAMES.get(cmd) or command_name(cmd)
-            cmds[name] = cmds.get(name, 0) + 1
-        self.stats.bytes_out += n
+            self._write(o)
 
-    def _views(self, payload: Sequence[Any]) -> tuple[list[Any], int]:
-        views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]
-        return views, sum(map(len, views))
+    def _write(self, o: Outgoing) -> None:
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
+        if o.fds:
+            assert carrier.fds is not None  # send() refuses descriptors elsewhere
+            carrier.fds.send(o.fds)
+        carrier.write(o.head, o.payload, o.payload_len)
+        stats = self.stats
+        stats.bytes_out += len(o.head) + o.payload_len
+        cmd = o.head[2]  # the header's cmd byte
+        name = _NAMES.get(cmd) or command_name(cmd)
+        cmds = stats.commands
+        cmds[name] = cmds.get(name, 0) + 1
 
     def send(
         self,
@@ -359,15 +354,9 @@ class Connection(asyncio.BufferedProtocol):
         """Write one request frame without waiting for a reply; its seq.  Payload objects
         are sent from where they lie; ``fds`` (unix and seqpacket only) go with the
         frame's first byte."""
-        if self.transport is None or self.transport.is_closing():
-            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         if fds and not self.carries_fds:
             raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
-        views, plen = self._views(payload) if payload else ((), 0)
-        seq = self.machine.request(cmd, body, views, flags=int(flags), fds=fds,
-                                   payload_len=plen)
-        self._flush()
-        return seq
+        return self._send(cmd, body, payload, int(flags), fds, None)
 
     def request(
         self,
@@ -379,17 +368,49 @@ class Connection(asyncio.BufferedProtocol):
         timeout: float | None = None,
     ) -> asyncio.Future[Frame]:
         """Send a request; the future resolves with its reply frame or raises."""
-        if self.transport is None or self.transport.is_closing():
-            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         p = Pending(cmd, fut, sink)
-        views, plen = self._views(payload) if payload else ((), 0)
-        seq = self.machine.request(cmd, body, views, token=p, payload_len=plen)
-        self._flush()
+        seq = self._send(cmd, body, payload, 0, (), p)
         if timeout is not None:
             p.timer = loop.call_later(timeout, self._time_out, seq, timeout)
         return fut
+
+    def send_views(self, cmd: int, body: dict[str, Any] | None, views: Sequence[Any],
+                   payload_len: int | None = None, *, oneway: bool = False) -> int:
+        """:meth:`send` of a payload that is already bytes or byte views (the queue's
+        columns), of ``payload_len`` bytes when the caller knows it: no pass over it."""
+        return self._send(cmd, body, views, _NO_REPLY if oneway else 0, (), None,
+                          ready=True, payload_len=payload_len)
+
+    def _send(self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any],
+              flags: int, fds: Sequence[int], token: Pending | None, *,
+              ready: bool = False, payload_len: int | None = None) -> int:
+        """Make the request (ClientConnection.request) and write it; its seq."""
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
+        views: Sequence[Any]
+        if not payload:
+            views, plen = (), 0
+        elif ready:
+            views = payload
+            plen = sum(map(len, views)) if payload_len is None else payload_len
+        else:
+            views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]
+            plen = sum(map(len, views))
+        m = self.machine
+        o = m.request(cmd, body, views, flags=flags, fds=fds, token=token, payload_len=plen)
+        if fds:
+            assert carrier.fds is not None  # send() checked
+            carrier.fds.send(fds)
+        carrier.write(o.head, views, plen)
+        stats = self.stats
+        stats.bytes_out += len(o.head) + plen
+        name = _NAMES.get(cmd) or command_name(cmd)
+        cmds = stats.commands
+        cmds[name] = cmds.get(name, 0) + 1
+        return m._seq
 
     def send_oneway(
         self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any] = ()

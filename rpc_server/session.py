@@ -32,6 +32,9 @@ from transferd.preauth import Ticket, Why
 from transferd.protocol.connection import (
     ConnState,
     Flow,
+    Inbound,
+    Outgoing,
+    Phase,
     Ready,
     Refused,
     ServerConnection,
@@ -75,6 +78,9 @@ State = ConnState
 _READY = ConnState.READY
 _CLOSED = ConnState.CLOSED
 _BLOCKED = Flow.BLOCKED
+_OPEN_F = Flow.OPEN
+_IDLE_P = Phase.IDLE
+_IN_OPEN = Inbound.OPEN
 _FRAME = Frame
 _REPLY_T = Reply
 _TCP = Tcp()
@@ -217,13 +223,14 @@ class Session(asyncio.BufferedProtocol):
         self._again = None
         conn = self.conn
         budget = PUMP_FRAMES
+        ev: Any
         while True:
             ev = conn.next_event() if conn.state is _READY else conn.next_event(
                 self._loop.time())
             if ev is None:
                 break
             if type(ev) is _FRAME:
-                self._run(cast(Frame, ev))
+                self._run(ev)
                 budget -= 1
                 if budget == 0:
                     # Bounded work per turn: other connections' frames run before this
@@ -231,7 +238,7 @@ class Session(asyncio.BufferedProtocol):
                     self._again = self._loop.call_soon(self._pump)
                     break
             else:
-                self._handshake(cast(Ready | Refused, ev))
+                self._handshake(ev)
         self._after()
 
     def _handshake(self, ev: Ready | Refused) -> None:
@@ -254,15 +261,19 @@ class Session(asyncio.BufferedProtocol):
     def _after(self) -> None:
         """Write what is queued, and make the transport and the timer follow the
         connection: reading while it wants bytes, closed once it should close."""
-        self._flush()
         conn = self.conn
+        if conn.out:
+            self._flush()
         t = self.transport
         if t is None:
             return
-        if conn.should_close:
-            self.close()
-            return
-        want = conn.wants_read and self._again is None
+        if conn.phase is _IDLE_P and conn.flow is _OPEN_F and conn.inbound is _IN_OPEN:
+            want = self._again is None  # conn.wants_read, the usual case inlined
+        else:
+            if conn.should_close:
+                self.close()
+                return
+            want = conn.wants_read and self._again is None
         if want is not self._reading:
             self._reading = want
             if want:
@@ -273,21 +284,27 @@ class Session(asyncio.BufferedProtocol):
             self._arm_timer()
 
     def _flush(self) -> int:
-        out = self.conn.take_output()
-        if not out:
+        """Write the frames the connection queued itself (the handshake, refusals)."""
+        conn = self.conn
+        if not conn.out:
             return 0
-        carrier, t = self.carrier, self.transport
+        out, conn.out = conn.out, []
         n = 0
-        if carrier is None or t is None or t.is_closing():
-            for o in out:
-                release_all(cast(Sequence[Ref], o.hold))
-            return 0
         for o in out:
-            if o.fds:
-                assert carrier.fds is not None  # handlers refuse descriptors elsewhere
-                carrier.fds.send(o.fds)
-            carrier.write(o.head, o.payload, o.payload_len, o.hold)
-            n += len(o.head) + o.payload_len
+            n += self._write(o)
+        return n
+
+    def _write(self, o: Outgoing) -> int:
+        """Write one frame (payload views from where they lie); the bytes written."""
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            release_all(o.hold)
+            return 0
+        if o.fds:
+            assert carrier.fds is not None  # _answer refuses descriptors elsewhere
+            carrier.fds.send(o.fds)
+        carrier.write(o.head, o.payload, o.payload_len, o.hold)
+        n = len(o.head) + o.payload_len
         self.ctx.stats.bytes_out += n
         if carrier.busy:
             self.conn.output_blocked()  # TLS chunks wait: resume_writing pumps them
@@ -327,7 +344,29 @@ class Session(asyncio.BufferedProtocol):
             log.exception("internal error on cmd 0x%02x", frame.cmd)
             self._fail(frame, Internal(f"{type(exc).__name__}: {exc}"))
             return
-        if result is None or type(result) is _REPLY_T:
+        if result is None or (type(result) is _REPLY_T and not result.fds and not result.sent):
+            # The usual answer, written here (_answer and _write, inlined: per frame).
+            conn = self.conn
+            if result is None:
+                o = conn.answer(frame)
+            else:
+                o = conn.answer(frame, result.body, result.payload, result.hold)
+                if o is None:
+                    release_all(result.hold)
+            if o is None:
+                return
+            carrier, t = self.carrier, self.transport
+            if carrier is None or t is None or t.is_closing():
+                release_all(o.hold)
+                return
+            carrier.write(o.head, o.payload, o.payload_len, o.hold)
+            n = len(o.head) + o.payload_len
+            ctx.stats.bytes_out += n
+            if carrier.busy:
+                conn.output_blocked()
+            if cmd is not None:
+                ctx.metrics.reply(cmd, n, time.perf_counter() - started)
+        elif type(result) is _REPLY_T:
             self._answer(frame, result, started)
         elif isinstance(result, Awaitable):
             task = asyncio.ensure_future(self._finish_async(frame, result, started))
@@ -356,7 +395,7 @@ class Session(asyncio.BufferedProtocol):
     def _answer(self, frame: Frame, result: Reply | None, started: float) -> None:
         conn = self.conn
         if result is None:
-            conn.answer(frame)
+            o = conn.answer(frame)
         elif result.sent:  # written by the handler itself (streamed from a device)
             conn.answered(frame)
             return
@@ -366,18 +405,20 @@ class Session(asyncio.BufferedProtocol):
                 self._fail(frame, UnknownCommand(
                     "file descriptors travel only over unix:// and seqpacket://"))
                 return
-            if not conn.answer(frame, result.body, result.payload, result.hold, result.fds):
+            o = conn.answer(frame, result.body, result.payload, result.hold, result.fds)
+            if o is None:
                 release_all(result.hold)
-        n = self._flush()
-        if n:
+        if o is not None:
+            n = self._write(o)
             self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
     def _fail(self, frame: Frame, exc: TransferdError) -> None:
         self.ctx.metrics.error(exc.code)
         # At INFO with the client's address (rate-limited by the log handler).
         log_client_error(self.peer, exc, frame.cmd, frame.seq)
-        self.conn.fail(frame, exc)
-        self._flush()
+        o = self.conn.fail(frame, exc)
+        if o is not None:
+            self._write(o)
 
     # -- the handshake -----------------------------------------------------------------------
 
@@ -454,11 +495,12 @@ class Session(asyncio.BufferedProtocol):
         they lie and ``hold`` released once they are out."""
         if not int(flags) & _EVENT:
             raise Internal(f"send_frame is for EVENT frames (flags 0x{int(flags):02x})")
-        if not self.conn.event(cmd, seq, body, error=bool(int(flags) & _ERROR),
-                               payload=payload, hold=hold, fds=fds):
+        o = self.conn.event(cmd, seq, body, error=bool(int(flags) & _ERROR),
+                            payload=payload, hold=hold, fds=fds)
+        if o is None:
             release_all(hold)
             return 0
-        return self._flush()
+        return self._write(o)
 
     def stream_head(self, frame: Frame, payload_len: int) -> bytes:
         """The header of a reply a handler writes itself (streamed from device memory)."""

@@ -27,6 +27,7 @@ from transferd.protocol.connection import (
     IllegalTransition,
     Input,
     Notice,
+    Outgoing,
     Phase,
     Ready,
     Refused,
@@ -78,20 +79,35 @@ class Toy:
         return [memoryview(self.memory)[o:o + n]]
 
     def run(self, conn: ServerConnection, f: Frame) -> bool:
-        """Run one request; False when it is left running (SYNCHRONIZE)."""
+        """Run one request (what it answers is written: queued in ``conn.out`` here);
+        False when it is left running (SYNCHRONIZE)."""
         self.ran.append(f.seq)
         if f.cmd == Command.SET_TENSOR:
-            conn.answer(f)
+            written(conn, conn.answer(f))
         elif f.cmd == Command.GET_TENSOR:
             _, o, n = f.body["tensor"]
-            conn.answer(f, payload=[memoryview(self.memory)[o:o + n]])
+            written(conn, conn.answer(f, payload=[memoryview(self.memory)[o:o + n]]))
         elif f.cmd == Command.SYNCHRONIZE:
             return False
         elif f.cmd == Command.FREE_BUFFER:
-            conn.fail(f, NotFound("no such buffer"))
+            written(conn, conn.fail(f, NotFound("no such buffer")))
         else:
-            conn.answer(f, {"cmd": f.cmd})
+            written(conn, conn.answer(f, {"cmd": f.cmd}))
         return True
+
+
+def written(conn: ServerConnection | ClientConnection, out: Outgoing | None) -> bool:
+    """What the I/O layer does with a frame a method returns: write it (here: queue it
+    with the connection's own frames, for take_output)."""
+    if out is None:
+        return False
+    conn.out.append(out)
+    return True
+
+
+def req(c: ClientConnection, *args: Any, **kw: Any) -> int:
+    written(c, c.request(*args, **kw))
+    return c.last_seq
 
 
 def server(toy: Toy, **kw: Any) -> ServerConnection:
@@ -121,7 +137,7 @@ def pump(srv: ServerConnection, toy: Toy, *, now: float = 0.0) -> list[Any]:
     events = []
     while (ev := srv.next_event(now)) is not None:
         if isinstance(ev, Frame) and ev.refused is not None:
-            srv.fail(ev, ev.refused)
+            written(srv, srv.fail(ev, ev.refused))
             continue
         events.append(ev)
         if isinstance(ev, Frame) and not toy.run(srv, ev):
@@ -159,10 +175,10 @@ def test_requests_pipeline_and_run_one_at_a_time_in_order() -> None:
     tokens = []
     for i in range(6):  # SET i, then GET of what it wrote, three times over
         t = Token(int(Command.SET_TENSOR))
-        c.request(Command.SET_TENSOR, {"tensor": [1, 8 * i, 4]}, [bytes([i]) * 4], token=t)
+        req(c, Command.SET_TENSOR, {"tensor": [1, 8 * i, 4]}, [bytes([i]) * 4], token=t)
         tokens.append(t)
         g = Token(int(Command.GET_TENSOR))
-        c.request(Command.GET_TENSOR, {"tensor": [1, 8 * i, 4]}, token=g)
+        req(c, Command.GET_TENSOR, {"tensor": [1, 8 * i, 4]}, token=g)
         tokens.append(g)
     feed(s.decoder, wire(c.take_output()))  # all twelve in the server's buffer at once
     pump(s, toy)
@@ -181,15 +197,15 @@ def test_a_running_request_holds_the_frames_behind_it_and_their_payloads() -> No
     payload's sink is not even asked (it may overwrite what an earlier command reads)."""
     toy = Toy()
     c, s = ready_pair(toy)
-    c.request(Command.SYNCHRONIZE, token=Token(int(Command.SYNCHRONIZE)))
-    c.request(Command.SET_TENSOR, {"tensor": [1, 0, 8]}, [b"x" * 8],
+    req(c, Command.SYNCHRONIZE, token=Token(int(Command.SYNCHRONIZE)))
+    req(c, Command.SET_TENSOR, {"tensor": [1, 0, 8]}, [b"x" * 8],
               token=Token(int(Command.SET_TENSOR)))
     feed(s.decoder, wire(c.take_output()))
     (sync,) = pump(s, toy)
     assert isinstance(sync, Frame) and sync.cmd == Command.SYNCHRONIZE
     assert s.phase is Phase.RUNNING and not s.wants_read
     assert s.next_event() is None and s.next_event() is None and toy.sunk == []
-    assert s.answer(sync)  # it finished
+    assert written(s, s.answer(sync))  # it finished
     assert s.phase is Phase.IDLE and s.wants_read
     (set_,) = pump(s, toy)
     assert set_.cmd == Command.SET_TENSOR and toy.sunk == [set_.seq]
@@ -200,7 +216,7 @@ def test_blocked_output_stops_the_gate_until_it_drains() -> None:
     toy = Toy()
     c, s = ready_pair(toy)
     for _ in range(3):
-        c.request(Command.STATS, token=Token(int(Command.STATS)))
+        req(c, Command.STATS, token=Token(int(Command.STATS)))
     feed(s.decoder, wire(c.take_output()))
     f = s.next_event()
     assert isinstance(f, Frame)
@@ -271,20 +287,27 @@ def test_limits_both_ways() -> None:
     c, s = ready_pair(toy, max_body=4096, max_payload=1024)
     # The client never sends a frame over the announced limits (the server would close).
     with pytest.raises(OverLimit, match="max_payload"):
-        c.request(Command.SET_TENSOR, {"tensor": [1, 0, 1025]}, [bytes(1025)])
+        req(c, Command.SET_TENSOR, {"tensor": [1, 0, 1025]}, [bytes(1025)])
     with pytest.raises(OverLimit, match="max_body"):
-        c.request(Command.STATS, {"x": "y" * 5000})
+        req(c, Command.STATS, {"x": "y" * 5000})
     assert c.take_output() == [] and c.pending == {} and c.state is ConnState.READY
     # A per-request cap (max_tensors 4, enforced by the decoder): refused, the connection
     # goes on, and the client raises it as OverLimit.
     t = Token(int(Command.GET_TENSORS))
-    c.request(Command.GET_TENSORS, {"tensors": [[1, 0, 1]] * 5}, token=t)
-    c.request(Command.STATS, token=Token(int(Command.STATS)))
+    req(c, Command.GET_TENSORS, {"tensors": [[1, 0, 1]] * 5}, token=t)
+    req(c, Command.STATS, token=Token(int(Command.STATS)))
     feed(s.decoder, wire(c.take_output()))
     assert [e.seq for e in pump(s, toy)] == [3]
     feed(c.decoder, wire(s.take_output()))
     refused, ok = client_events(c)
     assert refused.token is t and type(refused.error) is OverLimit and ok.error is None
+    # The same cap on a SET_TENSORS with its payload: refused before its sink is asked,
+    # the payload read and dropped, the next frame served.
+    feed(s.decoder, encode_frame(Command.SET_TENSORS, 0, 7, {"tensors": [[1, 0, 1]] * 5}, 5)
+         + b"xxxxx" + encode_frame(Command.STATS, 0, 8))
+    assert [e.seq for e in pump(s, toy)] == [8] and toy.sunk == []
+    over, _ = FrameDecoder().feed(wire(s.take_output()))
+    assert over.seq == 7 and over.body["code"] == "TOO_LARGE" and s.state is ConnState.READY
     # A raw frame over max_body: TOO_LARGE from its header, and the connection closes.
     feed(s.decoder, encode_header(Command.STATS, 0, 9, 4097, 0))
     (ev,) = pump(s, toy)
@@ -297,8 +320,8 @@ def test_limits_both_ways() -> None:
 def test_no_reply_answers_nothing_and_its_failure_is_an_event() -> None:
     toy = Toy()
     c, s = ready_pair(toy)
-    c.request(Command.SET_TENSOR, {"tensor": [1, 0, 2]}, [b"ok"], flags=_NR)
-    c.request(Command.FREE_BUFFER, {"buffer": 9}, flags=_NR)
+    req(c, Command.SET_TENSOR, {"tensor": [1, 0, 2]}, [b"ok"], flags=_NR)
+    req(c, Command.FREE_BUFFER, {"buffer": 9}, flags=_NR)
     assert c.pending == {}  # one-way: nothing to wait for
     feed(s.decoder, wire(c.take_output()))
     pump(s, toy)
@@ -308,11 +331,11 @@ def test_no_reply_answers_nothing_and_its_failure_is_an_event() -> None:
     (n,) = client_events(c)
     assert isinstance(n, Notice) and isinstance(n.error, NotFound) and not n.error.fatal
     # A fatal failure of a one-way command is a REPLY|ERROR and closes.
-    c.request(Command.FREE_BUFFER, {"buffer": 9}, flags=_NR)
+    req(c, Command.FREE_BUFFER, {"buffer": 9}, flags=_NR)
     feed(s.decoder, wire(c.take_output()))
     f = s.next_event()
     assert isinstance(f, Frame)
-    assert s.fail(f, BadFrame("that was not a frame")) is True
+    assert written(s, s.fail(f, BadFrame("that was not a frame")))
     assert s.state is ConnState.CLOSING
     (r,) = FrameDecoder().feed(wire(s.take_output()))
     assert int(r.flags) == int(Flag.REPLY | Flag.ERROR)
@@ -321,24 +344,26 @@ def test_no_reply_answers_nothing_and_its_failure_is_an_event() -> None:
 def test_event_frames_go_out_only_while_ready() -> None:
     toy = Toy()
     pre = server(toy)
-    assert not pre.event(Command.EVENT, 0, {"x": 1})
+    assert pre.event(Command.EVENT, 0, {"x": 1}) is None
     c, s = ready_pair(toy)
-    assert s.event(Command.SUBMIT_RECVS, 42, {"len": 3}, payload=[memoryview(b"abc")])
-    assert s.event(Command.SINGLE_WRITE, 43, {"code": "TIMEOUT", "message": "m"}, error=True)
+    assert written(s, s.event(Command.SUBMIT_RECVS, 42, {"len": 3},
+                              payload=[memoryview(b"abc")]))
+    assert written(s, s.event(Command.SINGLE_WRITE, 43, {"code": "TIMEOUT", "message": "m"},
+                              error=True))
     feed(c.decoder, wire(s.take_output()))
     a, b = client_events(c)
     assert isinstance(a, Notice) and a.error is None and a.frame.payload == b"abc"
     assert isinstance(b, Notice) and b.error is not None and b.error.code is ErrorCode.TIMEOUT
     s.close()
-    assert not s.event(Command.EVENT, 0) and s.take_output() == []
+    assert s.event(Command.EVENT, 0) is None and s.take_output() == []
 
 
 def test_the_client_matches_replies_and_loses_what_waits() -> None:
     toy = Toy()
     c, s = ready_pair(toy)
     t1, t2 = Token(int(Command.STATS)), Token(int(Command.STATS))
-    seq1 = c.request(Command.STATS, token=t1)
-    c.request(Command.STATS, token=t2)
+    seq1 = req(c, Command.STATS, token=t1)
+    req(c, Command.STATS, token=t2)
     assert c.forget(seq1) is t1  # timed out: its late reply is dropped
     feed(s.decoder, wire(c.take_output()))
     pump(s, toy)
@@ -351,10 +376,10 @@ def test_the_client_matches_replies_and_loses_what_waits() -> None:
     (r,) = client_events(c)
     assert isinstance(r, Refused) and isinstance(r.error, NotFound)
     t3 = Token(int(Command.STATS))
-    c.request(Command.STATS, token=t3)
+    req(c, Command.STATS, token=t3)
     assert c.lose(ConnectionLost("gone")) == [t3] and c.state is ConnState.CLOSED
     with pytest.raises(ConnectionLost, match="gone"):
-        c.request(Command.STATS)
+        req(c, Command.STATS)
 
 
 def test_a_broken_stream_is_refused_once() -> None:
@@ -372,13 +397,13 @@ def test_a_broken_stream_is_refused_once() -> None:
 def test_a_half_close_runs_what_was_sent_then_closes() -> None:
     toy = Toy()
     c, s = ready_pair(toy)
-    c.request(Command.SYNCHRONIZE, token=Token(int(Command.SYNCHRONIZE)))
-    c.request(Command.STATS, token=Token(int(Command.STATS)))
+    req(c, Command.SYNCHRONIZE, token=Token(int(Command.SYNCHRONIZE)))
+    req(c, Command.STATS, token=Token(int(Command.STATS)))
     feed(s.decoder, wire(c.take_output()))
     assert s.eof()
     (sync,) = pump(s, toy)
     assert not s.should_close  # SYNCHRONIZE runs, the STATS behind it is still due
-    s.answer(sync)
+    written(s, s.answer(sync))
     assert [e.cmd for e in pump(s, toy)] == [Command.STATS]
     assert s.state is ConnState.CLOSING and s.should_close
     assert len(FrameDecoder().feed(wire(s.take_output()))) == 2
@@ -420,8 +445,8 @@ def test_close_and_loss_in_every_phase(phase: Phase) -> None:
     s.close()
     assert s.state is ConnState.CLOSING and s.next_event() is None and not s.wants_read
     # A request that was running may still end: its answer is dropped.
-    assert not s.answer(Frame(int(Command.SYNCHRONIZE), 0, 2, {}))
-    assert not s.event(Command.EVENT, 0)
+    assert s.answer(Frame(int(Command.SYNCHRONIZE), 0, 2, {})) is None
+    assert s.event(Command.EVENT, 0) is None
     s.connection_lost()
     assert s.state is ConnState.CLOSED
     assert s.next_event() is None and s.handle_timeout(1e9) == []

@@ -245,8 +245,7 @@ class Request:
     frame: Frame
 
 
-@dataclass(slots=True)
-class Answer:
+class Answer(NamedTuple):
     """Client side: the reply to a request (``error`` set for an error reply)."""
 
     token: Any  # what the caller registered with the request
@@ -254,8 +253,7 @@ class Answer:
     error: TransferdError | None
 
 
-@dataclass(slots=True)
-class Notice:
+class Notice(NamedTuple):
     """Client side: an EVENT frame (``error`` set for EVENT|ERROR: a one-way failure)."""
 
     frame: Frame
@@ -309,7 +307,9 @@ class _Machine:
     def __init__(self) -> None:
         self.phase = Phase.HELLO
         self.state = ConnState.HELLO
-        self._out: list[Outgoing] = []
+        # The frames this side queued itself (the handshake, refusals, timeouts); the
+        # answers to requests are returned by the methods that make them instead.
+        self.out: list[Outgoing] = []
 
     def _go(self, inp: Input) -> None:
         nxt = self.table[self.phase].get(inp)
@@ -322,7 +322,7 @@ class _Machine:
 
     def take_output(self) -> list[Outgoing]:
         """The frames to write, in order (the I/O layer writes each and releases its hold)."""
-        out, self._out = self._out, []
+        out, self.out = self.out, []
         return out
 
     def frames_to_send(self) -> list[bytes]:
@@ -402,6 +402,8 @@ _NO_REPLY = int(Flag.NO_REPLY)
 _REPLY_ERROR = int(Flag.REPLY | Flag.ERROR)
 _NOT_REQUEST = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
 _NOT_PLAIN = 0xFF & ~_NO_REPLY  # any flag but NO_REPLY: the checked path
+# A NamedTuple made without its Python __new__ (once per frame on the hot path).
+_mk = tuple.__new__
 _BATCHES = (int(Command.GET_TENSORS), int(Command.SET_TENSORS))
 _COMMANDS: dict[int, Command] = {int(c): c for c in Command}
 
@@ -630,10 +632,13 @@ class ServerConnection(_Machine):
         """Where a payload goes: checked first, then the dispatcher's sink; a refusal is
         recorded on the frame (``refused``) and its payload read and dropped."""
         try:
-            err = self._refusal(frame) if self.state is _READY_S else NoHello(
-                "the first frame of a connection must be HELLO")
-            if err is not None:
-                raise err
+            if self.state is not _READY_S:
+                raise NoHello("the first frame of a connection must be HELLO")
+            if frame.flags & _NOT_PLAIN or frame.cmd not in self._runnable or \
+                    frame.refused is not None:
+                err = self._refusal(frame)
+                if err is not None:
+                    raise err
             if self._dispatch_sink is None:
                 return None
             return self._dispatch_sink(frame)
@@ -685,7 +690,7 @@ class ServerConnection(_Machine):
             if self._held_at is not None and now >= self._held_at:
                 held, ready = self._held, self._held_ready
                 self._held, self._held_at, self._held_ready = None, None, None
-                self._out += held
+                self.out += held
                 if ready is not None:
                     self._go(Input.RELEASED)
                     self._promote()
@@ -715,7 +720,7 @@ class ServerConnection(_Machine):
         else:
             exc = Timeout(f"{name} did not arrive within "
                           f"{self.settings.handshake_timeout:g} s")
-        self._out.append(Outgoing(encode_head(cmd, _REPLY_ERROR, seq if held or why else 0,
+        self.out.append(Outgoing(encode_head(cmd, _REPLY_ERROR, seq if held or why else 0,
                                               exc.to_body(), 0)))
         self._go(Input.TIMED_OUT)
         return [Refused(exc)]
@@ -739,7 +744,7 @@ class ServerConnection(_Machine):
             ev.answer_at = at
             self._held, self._held_at = [out], at
         else:
-            self._out.append(out)
+            self.out.append(out)
         self._go(Input.REFUSED)
         return [ev]
 
@@ -843,7 +848,7 @@ class ServerConnection(_Machine):
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
 
     def _send_reply(self, frame: Frame, body: dict[str, Any] | None) -> None:
-        self._out.append(Outgoing(encode_head(frame.cmd, _REPLY, frame.seq, body, 0)))
+        self.out.append(Outgoing(encode_head(frame.cmd, _REPLY, frame.seq, body, 0)))
 
     def _ready(self, inp: Input, method: str | None) -> list[HandshakeEvent]:
         self._go(inp)
@@ -862,25 +867,23 @@ class ServerConnection(_Machine):
 
     def answer(self, frame: Frame, body: dict[str, Any] | None = None,
                payload: Sequence[Any] = (), hold: Sequence[Any] = (),
-               fds: Sequence[int] = (), payload_len: int = -1) -> bool:
-        """The request ran: its reply (REPLY, with ``payload`` views sent from where they
-        lie), or nothing for a NO_REPLY command.  True when a frame was queued (its
-        ``hold`` goes with it); False when nothing goes out (the caller releases ``hold``):
-        a one-way command, or a connection that began to close meanwhile."""
+               fds: Sequence[int] = (), payload_len: int = -1) -> Outgoing | None:
+        """The request ran: its reply to write (REPLY, with ``payload`` views sent from
+        where they lie, ``hold`` going with it), or None when nothing goes out (the caller
+        releases ``hold``): a one-way command, or a connection that began to close."""
         phase = self.phase
         if phase is _RUNNING:
             self.phase = _TO_IDLE  # SERVER_TRANSITIONS[RUNNING][ANSWERED]
         elif phase is not _IDLE:
             if phase is _CLOSING_P:
                 self._go(Input.ANSWERED)
-            return False
+            return None
         if frame.flags & _NO_REPLY:
-            return False
+            return None
         if payload_len < 0:
             payload_len = sum(map(len, payload)) if payload else 0
-        self._out.append(Outgoing(encode_head(frame.cmd, _REPLY, frame.seq, body, payload_len),
-                                  payload, payload_len, hold, fds))
-        return True
+        return _mk(Outgoing, (encode_head(frame.cmd, _REPLY, frame.seq, body, payload_len),
+                              payload, payload_len, hold, fds))
 
     def answered(self, frame: Frame) -> None:
         """The request ran and its reply was written by the caller itself (a reply streamed
@@ -894,36 +897,41 @@ class ServerConnection(_Machine):
         """The header of a reply whose payload the caller writes itself, piece by piece."""
         return encode_head(frame.cmd, _REPLY, frame.seq, None, payload_len)
 
-    def fail(self, frame: Frame, exc: TransferdError) -> bool:
-        """The request failed: REPLY|ERROR, or EVENT|ERROR for a one-way command
-        (``failure_frame``); True when the connection closes (a fatal error: CLOSING)."""
+    def fail(self, frame: Frame, exc: TransferdError) -> Outgoing | None:
+        """The request failed: the frame to write, REPLY|ERROR, or EVENT|ERROR for a
+        one-way command (``failure_frame``); a fatal error goes CLOSING.  None once the
+        connection began to close."""
         phase = self.phase
         if phase is _RUNNING:
             self.phase = _TO_IDLE
         elif phase is not _IDLE:
             if phase is _CLOSING_P:
                 self._go(Input.ANSWERED)
-            return phase is _CLOSING_P
+            return None
         flags, close = failure_frame(int(frame.flags), exc)
-        self._out.append(Outgoing(encode_head(frame.cmd, flags, frame.seq, exc.to_body(), 0)))
         if close:
             self._go(Input.REFUSED)
-        return close
+        return _mk(Outgoing, (encode_head(frame.cmd, flags, frame.seq, exc.to_body(), 0),
+                              (), 0, (), ()))
 
-    # The name the first version of this API had (tests use it).
-    request_failed = fail
+    def request_failed(self, frame: Frame, exc: TransferdError) -> bool:
+        """:meth:`fail`, its frame queued (for :meth:`data_to_send`); True when the
+        connection closes (the first version of this API; tests use it)."""
+        out = self.fail(frame, exc)
+        if out is not None:
+            self.out.append(out)
+        return self.phase is _CLOSING_P or self.phase is _CLOSED_P
 
     def event(self, cmd: int, seq: int, body: dict[str, Any] | None = None, *,
               error: bool = False, payload: Sequence[Any] = (), hold: Sequence[Any] = (),
-              fds: Sequence[int] = ()) -> bool:
-        """An EVENT frame, sent unasked (EVENT|ERROR with ``error``); only once READY and
-        until the connection closes.  True when queued."""
+              fds: Sequence[int] = ()) -> Outgoing | None:
+        """An EVENT frame to write, sent unasked (EVENT|ERROR with ``error``); only once
+        READY and until the connection closes (None then)."""
         if self.state is not _READY_S:
-            return False
+            return None
         plen = sum(map(len, payload)) if payload else 0
-        self._out.append(Outgoing(encode_head(cmd, _EVENT | _ERROR if error else _EVENT, seq,
-                                              body, plen), payload, plen, hold, fds))
-        return True
+        return _mk(Outgoing, (encode_head(cmd, _EVENT | _ERROR if error else _EVENT, seq,
+                                          body, plen), payload, plen, hold, fds))
 
 
 # The HELLO reply's limits (uints where present).
@@ -943,6 +951,7 @@ class Pending(Protocol):
 
 
 _GETS = (int(Command.GET_TENSOR), int(Command.GET_TENSORS))
+_EVENT_OR_ERROR = int(Flag.EVENT | Flag.ERROR)
 _DECODER_BROKEN = _DecoderPhase.BROKEN
 
 
@@ -1004,7 +1013,7 @@ class ClientConnection(_Machine):
                 address: str = "", private: bool = True) -> None:
         """Who this client is and how it authenticates; before :meth:`start` only (an I/O
         layer that made the connection before it knew them)."""
-        if self._seq or self._out:
+        if self._seq or self.out:
             raise IllegalTransition("client connection: prepare() after start()")
         if method not in auth.METHODS:
             raise BadRequest(f"unknown auth method {method!r} (use one of {auth.METHODS})")
@@ -1121,19 +1130,21 @@ class ClientConnection(_Machine):
     def start(self) -> None:
         """Queue HELLO (its reply, and AUTH where due, are handled as frames arrive)."""
         self._seq += 1
-        self._out.append(Outgoing(encode_head(_HELLO, 0, self._seq, self.hello_body(), 0)))
+        self.out.append(Outgoing(encode_head(_HELLO, 0, self._seq, self.hello_body(), 0)))
 
     # -- the data phase ------------------------------------------------------------
 
     @property
     def last_seq(self) -> int:
+        """The seq of the request made last (what its reply or event will carry)."""
         return self._seq
 
     def request(self, cmd: int, body: dict[str, Any] | None = None,
                 payload: Sequence[Any] = (), *, flags: int = 0, fds: Sequence[int] = (),
-                token: Any = None, payload_len: int = -1) -> int:
-        """Queue a request; its seq.  Unless NO_REPLY, ``token`` (with ``cmd`` and ``sink``:
-        :class:`Pending`) is registered under the seq and comes back in its Answer.
+                token: Any = None, payload_len: int = -1) -> Outgoing:
+        """A request: the frame to write (its seq is :attr:`last_seq`).  Unless NO_REPLY,
+        ``token`` (with ``cmd`` and ``sink``: :class:`Pending`) is registered under the seq
+        and comes back in its Answer.
 
         Nothing over the server's announced limits is sent (OverLimit, the connection
         untouched); nothing at all once the connection closes (ConnectionLost).
@@ -1152,10 +1163,9 @@ class ClientConnection(_Machine):
                 f"of payload is over the server's max_body {self.max_body} / max_payload "
                 f"{self.max_payload} (announced in HELLO): split it")
         self._seq = seq
-        self._out.append(Outgoing(head, payload, payload_len, (), fds))
         if token is not None and not flags & _NO_REPLY:
             self.pending[seq] = token
-        return seq
+        return _mk(Outgoing, (head, payload, payload_len, (), fds))
 
     def forget(self, seq: int) -> Any:
         """Stop waiting for ``seq``'s reply (a timeout): its token, or None."""
@@ -1181,19 +1191,28 @@ class ClientConnection(_Machine):
     def next_event(self) -> Answer | Notice | Refused | Ready | None:
         """The next frame that arrived, as an event (None: nothing complete).  A broken
         stream is a Refused (BAD_FRAME, TOO_LARGE) and the connection goes CLOSING."""
+        d = self.decoder
         while True:
-            if self.phase is _CLOSED_P or self.decoder.phase is _DECODER_BROKEN:
+            phase = self.phase
+            if phase is _CLOSED_P or d.phase is _DECODER_BROKEN:
                 return None
             try:
-                f = self.decoder.next_frame()
+                f = d.next_frame()
             except ProtocolError as exc:
                 if self.phase is not _CLOSING_P:
                     self._go(Input.REFUSED)
                 return Refused(exc)
             if f is None:
                 return None
+            flags = f.flags
+            if phase is _IDLE and not flags & _EVENT_OR_ERROR:
+                # The usual frame: a plain reply.  (_data_event, inlined.)
+                p = self.pending.pop(f.seq, None)
+                if p is not None:
+                    return _mk(Answer, (p, f, None))
+                continue  # a reply to a seq given up on
             ev: Answer | Notice | Refused | Ready | None
-            if self.phase is _IDLE or self.phase is _CLOSING_P or f.flags & _EVENT:
+            if phase is _IDLE or phase is _CLOSING_P or flags & _EVENT:
                 ev = self._data_event(f)
             else:
                 try:
@@ -1212,8 +1231,8 @@ class ClientConnection(_Machine):
     def _data_event(self, f: Frame) -> Answer | Notice | Refused | None:
         flags = f.flags
         if flags & _EVENT:  # unasked; a one-way command's failure is never fatal
-            return Notice(f, error_from_body(f.body, seq=f.seq, fatal=False)
-                          if flags & _ERROR else None)
+            return _mk(Notice, (f, error_from_body(f.body, seq=f.seq, fatal=False)
+                                if flags & _ERROR else None))
         p = self.pending.pop(f.seq, None)
         err = None
         if flags & _ERROR:
@@ -1224,7 +1243,7 @@ class ClientConnection(_Machine):
         if p is None:
             # A reply to a seq given up on (or a fatal error before any request).
             return Refused(err) if err is not None else None
-        return Answer(p, f, err)
+        return _mk(Answer, (p, f, err))
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Bytes in, without decoding them (a copying convenience; :meth:`next_event` then
@@ -1263,7 +1282,7 @@ class ClientConnection(_Machine):
                 if mac is None:
                     return [self._ready_event()]
                 self._seq += 1
-                self._out.append(Outgoing(encode_head(_AUTH, 0, self._seq, mac, 0)))
+                self.out.append(Outgoing(encode_head(_AUTH, 0, self._seq, mac, 0)))
                 return []
             if frame.cmd == _AUTH and self.phase is _AUTH_P:
                 self.auth_reply()

@@ -296,11 +296,15 @@ class FrameDecoder:
         return out
 
     def _goes_direct(self) -> bool:
+        # Straight into the sink only where the piece it lands in is large: a payload
+        # of many small tensors is received into the buffer and copied (a receive per
+        # small tensor would cost a system call each).
         return (
             self.phase is _PAYLOAD
             and not self._discard
             and self._start == self._end
-            and (self.exact or self._payload_left >= STREAM_THRESHOLD)
+            and (self.exact or len(self._segments[self._seg_index]) - self._seg_pos
+                 >= STREAM_THRESHOLD)
         )
 
     def _wanted(self) -> int:
