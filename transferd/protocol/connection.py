@@ -570,6 +570,10 @@ class ServerConnection(_Machine):
             if phase is _IDLE:
                 if self.flow is _BLOCKED:
                     return None
+                if d._start == d._end and d.phase is _D_HEADER:  # nothing buffered
+                    if self.inbound is _ENDED:
+                        self._go(Input.ENDED)
+                    return None
                 try:
                     f = d.next_frame()
                 except ProtocolError as exc:
@@ -953,6 +957,7 @@ class Pending(Protocol):
 _GETS = (int(Command.GET_TENSOR), int(Command.GET_TENSORS))
 _EVENT_OR_ERROR = int(Flag.EVENT | Flag.ERROR)
 _DECODER_BROKEN = _DecoderPhase.BROKEN
+_D_HEADER = _DecoderPhase.HEADER
 
 
 class ClientConnection(_Machine):
@@ -1194,6 +1199,8 @@ class ClientConnection(_Machine):
         d = self.decoder
         while True:
             phase = self.phase
+            if d._start == d._end and d.phase is _D_HEADER:
+                return None  # nothing buffered (checked without a call)
             if phase is _CLOSED_P or d.phase is _DECODER_BROKEN:
                 return None
             try:
