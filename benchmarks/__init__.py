@@ -31,6 +31,8 @@ BENCHMARKS = [
     "scale_peers",
     "scale_handoff",
     "copies",
+    # Security (issue 16)
+    "watchers",
     # The article's three systems, end to end (issue 25)
     "workloads_kv",
     "workloads_rl",

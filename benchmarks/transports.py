@@ -116,6 +116,7 @@ def run(opts: Options) -> BenchResult:
     secret_file = os.path.join(where, "secret")
     with open(secret_file, "w") as f:
         f.write(SECRET)
+    os.chmod(secret_file, 0o600)  # the daemon refuses a secret others can read
     try:
         with (
             ServerProcess(daemon_command("--unix", f"{where}/u.sock",

@@ -582,18 +582,21 @@ class Client:
 
     # -- leases and watchers (client/leases.py, client/watchers.py) -----------------------
 
-    def lease(self, name: str, ttl: float, *, end: bool = True) -> Lease:
-        """An async context manager: makes or renews lease ``name``, renews it meanwhile,
-        and ends it when the block ends (``end=False``: leaves it to run out)."""
-        return self.leases.lease(name, ttl, end=end)
+    def lease(self, name: str, ttl: float, *, end: bool = True, join: bool = False) -> Lease:
+        """An async context manager: makes lease ``name`` (``join=True``: or joins the one
+        another connection made), renews it meanwhile, and ends it when the block ends
+        (``end=False``: leaves it to run out)."""
+        return self.leases.lease(name, ttl, end=end, join=join)
 
-    async def renew_lease(self, name: str, ttl: float) -> bool:
-        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now."""
-        return await self.leases.renew_lease(name, ttl)
+    async def renew_lease(self, name: str, ttl: float, *, join: bool = False) -> bool:
+        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now;
+        one another connection made is refused (BadRequest) unless ``join``."""
+        return await self.leases.renew_lease(name, ttl, join=join)
 
-    async def end_lease(self, name: str) -> int:
-        """END_LEASE: free the lease's buffers now; how many there were."""
-        return await self.leases.end_lease(name)
+    async def end_lease(self, name: str, *, join: bool = False) -> int:
+        """END_LEASE: free the lease's buffers now; how many there were (``join``: one
+        this connection neither made nor joined)."""
+        return await self.leases.end_lease(name, join=join)
 
     async def alloc_uvm_watcher(
         self, callback: Change, *, buffer: RemoteBuffer | int | None = None, offset: int = 0,

@@ -9,8 +9,11 @@
 
 ``lease.detach()`` inside the block stops renewing without ending it: the
 buffers then stay until the ttl runs out, unless another connection (another
-process) renews the same name with ``client.renew_lease(name, ttl)`` or
-``client.lease(name, ttl)``.  docs/engine.md ("Owners and leases") has the model.
+process) joins the lease and renews it: ``client.lease(name, ttl, join=True)`` or
+``client.renew_lease(name, ttl, join=True)``.  Without ``join`` a name another
+connection made is refused (BadRequest), so two clients that picked one name never
+share and free each other's buffers.  docs/engine.md ("Owners and leases") has the
+model.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ def _ttl_ms(ttl: float) -> int:
 class Lease:
     """A named lease this client renews until the block ends (or :meth:`detach`)."""
 
-    def __init__(self, leases: Leases, name: str, ttl: float, *, end: bool = True) -> None:
+    def __init__(self, leases: Leases, name: str, ttl: float, *, end: bool = True,
+                 join: bool = False) -> None:
         self.leases = leases
         self.name = name
         self.ttl = ttl
+        # Take part in a lease another connection made (else that is refused).
+        self.join = join
         # End the lease (free its buffers) when the block ends.
         self.end_on_exit = end
         self.created = False
@@ -52,7 +58,7 @@ class Lease:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Lease:
-        self.created = await self.leases.renew_lease(self.name, self.ttl)
+        self.created = await self.leases.renew_lease(self.name, self.ttl, join=self.join)
         self._task = asyncio.ensure_future(self._renew_forever())
         return self
 
@@ -73,7 +79,7 @@ class Lease:
             self._task = None
 
     async def renew(self) -> None:
-        await self.leases.renew_lease(self.name, self.ttl)
+        await self.leases.renew_lease(self.name, self.ttl, join=self.join)
 
     async def alloc_buffer(self, size: int, device: str = "cpu") -> RemoteBuffer:
         """A buffer this lease owns."""
@@ -85,7 +91,7 @@ class Lease:
         while True:
             await asyncio.sleep(period)
             try:
-                await self.leases.renew_lease(self.name, self.ttl)
+                await self.leases.renew_lease(self.name, self.ttl, join=self.join)
             except TransferdError as exc:
                 self.error = exc
                 log.warning("lease %r: renewal failed: %s", self.name, exc)
@@ -100,26 +106,36 @@ class Leases:
         self.client = client
         self.alloc = alloc
 
-    def lease(self, name: str, ttl: float, *, end: bool = True) -> Lease:
-        """An async context manager: makes or renews lease ``name``, renews it meanwhile,
-        and ends it when the block ends (``end=False``: leaves it to run out)."""
-        return Lease(self, name, ttl, end=end)
+    def lease(self, name: str, ttl: float, *, end: bool = True, join: bool = False) -> Lease:
+        """An async context manager: makes lease ``name`` (``join=True``: or joins the one
+        another connection made), renews it meanwhile, and ends it when the block ends
+        (``end=False``: leaves it to run out)."""
+        return Lease(self, name, ttl, end=end, join=join)
 
-    async def renew_lease(self, name: str, ttl: float) -> bool:
-        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now.
+    async def renew_lease(self, name: str, ttl: float, *, join: bool = False) -> bool:
+        """LEASE: make ``name`` (True) or renew it (False) for ``ttl`` seconds from now;
+        one another connection made is refused (BadRequest) unless ``join``.
 
         Not a flush point: sent at once, beside whatever is queued (a lease
         orders nothing).
         """
         client = self.client
-        r = await client.conn.request(Command.LEASE, {"lease": name, "ttl_ms": _ttl_ms(ttl)},
+        r = await client.conn.request(Command.LEASE, _body(name, join, ttl_ms=_ttl_ms(ttl)),
                                       timeout=client.timeout)
         return bool(r.body.get("created"))
 
-    async def end_lease(self, name: str) -> int:
-        """END_LEASE: free the lease's buffers now; how many there were."""
-        r = await self.client._call(Command.END_LEASE, {"lease": name})
+    async def end_lease(self, name: str, *, join: bool = False) -> int:
+        """END_LEASE: free the lease's buffers now; how many there were.  A lease this
+        connection neither made nor joined is refused (BadRequest) unless ``join``."""
+        r = await self.client._call(Command.END_LEASE, _body(name, join))
         return int(r.body.get("buffers", 0))
+
+
+def _body(name: str, join: bool, **more: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"lease": name, **more}
+    if join:
+        body["join"] = True
+    return body
 
 
 def owner_fields(owner: str | None, lease: str | None) -> dict[str, Any]:

@@ -61,6 +61,8 @@ class ServerContext:
     # The shared secret clients prove (b"": none required), the transports on
     # which the token method is offered, and the handshake's deadline.
     secret: bytes = b""
+    # During a rotation, the secret clients proved before (also accepted; b"": none).
+    previous_secret: bytes = b""
     token_transports: tuple[str, ...] = ("unix", "seqpacket", "tls")
     handshake_timeout: float = 5.0
     admission: Admission = field(default_factory=Admission)
@@ -96,6 +98,7 @@ class ServerContext:
                 max_body=self.max_body,
                 max_payload=self.max_payload,
                 secret=self.secret,
+                previous_secret=self.previous_secret,
                 token_allowed=scheme in self.token_transports,
                 max_message=self.max_message if message else None,
                 handshake_timeout=self.handshake_timeout,
@@ -104,11 +107,11 @@ class ServerContext:
             )
         return st
 
-    def set_secret(self, secret: bytes) -> None:
+    def set_secret(self, secret: bytes, previous: bytes = b"") -> None:
         """A new secret (SIGHUP): the next handshakes use it; open connections stay."""
-        self.secret = secret
+        self.secret, self.previous_secret = secret, previous
         for st in self._settings.values():
-            st.secret = secret
+            st.secret, st.previous_secret = secret, previous
 
     def note_refused_connection(self, source: str, why: str) -> None:
         # One line per 5 s at most: a flood must not become a flood of logs.

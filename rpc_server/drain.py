@@ -5,8 +5,8 @@
    whose payload had begun to land before runs to its end (its bytes are in
    place: refusing it then would report undone what was done).
 2. :func:`in_flight`: what is still running: engine transfers this daemon's
-   clients submitted and not yet acknowledged, and asynchronous handlers
-   (SYNCHRONIZE, a submit waiting for a slot).
+   clients submitted and not yet acknowledged, asynchronous handlers
+   (SYNCHRONIZE, a submit waiting for a slot), and payloads still arriving.
 3. :func:`fail_in_flight`: once the drain time ran out (and the engine is
    closed: nothing more can be acknowledged), every transfer still pending
    fails with TIMEOUT (outcome unknown, as the peer may have placed it) through
@@ -31,7 +31,7 @@ def begin(ctx: ServerContext) -> None:
 
 
 def in_flight(ctx: ServerContext) -> int:
-    return sum(len(s.pending) + len(s._tasks) for s in list(ctx.sessions))
+    return sum(len(s.pending) + len(s._tasks) + s.receiving for s in list(ctx.sessions))
 
 
 def fail_in_flight(ctx: ServerContext, drain_s: float) -> int:

@@ -409,6 +409,8 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.copies import snapshot
 
         body["copies"] = snapshot()
+    if frame.body.get("summary") is True:  # uptime, connections, errors (docs/protocol.md)
+        body.update(session.ctx.metrics.summary())
     if frame.body.get("discovery") is True:  # where the names live, whether it is up
         from .name_handlers import discovery_of
 
@@ -416,5 +418,5 @@ def stats(session: Session, frame: Frame) -> Reply:
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
         from transferd.inventory import buffer_listing
 
-        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine))
+        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine, viewer=session))
     return Reply(body)

@@ -6,8 +6,10 @@ deadline becomes ``n`` ms from now.  Reply ``{"lease", "ttl_ms", "created",
 the deadline passes unrenewed, or END_LEASE ``{"lease": name}`` ends it, its
 buffers are freed and their regions' rkeys revoked; END_LEASE replies
 ``{"buffers": n}`` once the writes admitted into those regions have landed.
-Any connection that knows the name may renew or end it.  Served on every
-minor-2 daemon, with or without the engine.  docs/protocol.md has the reference.
+The connection that made a lease holds it; another is refused (BAD_REQUEST)
+unless its LEASE (or END_LEASE) carries ``"join": true``, which makes it a
+holder too.  Served on every minor-2 daemon, with or without the engine.
+docs/protocol.md has the reference.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from transferd.memory.leases import LeaseTable
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import UnknownCommand
+from transferd.protocol.errors import BadRequest, UnknownCommand
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import str_field, uint_field
 
@@ -38,19 +40,28 @@ def _leases(session: Session) -> LeaseTable:
     return leases
 
 
+def _join(body: dict[str, object]) -> bool:
+    join = body.get("join", False)
+    if type(join) is not bool:
+        raise BadRequest(f"field 'join' must be a boolean, not {type(join).__name__}")
+    return join
+
+
 @handler(Command.LEASE)
 def lease(session: Session, frame: Frame) -> Reply:
     leases = _leases(session)
     name = str_field(frame.body, "lease")
     ttl_ms = uint_field(frame.body, "ttl_ms", MAX_TTL_MS)
-    got, created = leases.renew(name, ttl_ms / 1000.0, session)
+    got, created = leases.renew(name, ttl_ms / 1000.0, session, join=_join(frame.body),
+                                source=session.source)
     return Reply({"lease": got.name, "ttl_ms": ttl_ms, "created": created,
                   "buffers": len(session.ctx.buffers.owned_by(got))})
 
 
 @handler(Command.END_LEASE)
 def end_lease(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
-    ended = _leases(session).end(str_field(frame.body, "lease"))
+    ended = _leases(session).end(str_field(frame.body, "lease"), session,
+                                 join=_join(frame.body))
     n, drained = release_owned(session.ctx, ended)
     reply = Reply({"buffers": n})
     if drained is None:

@@ -27,6 +27,7 @@ from transferd.discovery.names import check_name, check_prefix
 from transferd.discovery.records import Change, check_kind, decode_value, encode_value
 from transferd.discovery.records import Op as ChangeOp
 from transferd.discovery.service import Discovery, record_to_wire
+from transferd.memory.leases import Lease
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
 from transferd.protocol.frames import Frame
@@ -170,11 +171,14 @@ def unpublish(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     name = check_name(frame.body.get("name"))
 
     def may(e: Entry) -> None:
-        # A connection's name is that connection's alone; a lease's or the daemon's,
-        # anybody's who knows it (as a lease is).
+        # A connection's name is that connection's alone; a lease's, its holders' (as
+        # the lease is: docs/protocol.md LEASE); the daemon's, anybody's who knows it.
         if e.owner is not None and e.owner is not session and hasattr(e.owner, "transport"):
             raise BadRequest(f"name {name!r} is owned by another connection "
                              f"({getattr(e.owner, 'peer', '?')}): only it can unpublish it")
+        if isinstance(e.owner, Lease) and session not in e.owner.holders:
+            raise BadRequest(f"name {name!r} is owned by lease {e.owner.name!r}, which this "
+                             "connection has not joined (LEASE with join: true)")
 
     disc.directory.unpublish(name, may)
     return _confirmed(disc, name, {"name": name})

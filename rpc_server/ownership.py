@@ -53,7 +53,7 @@ def owner_for(session: Session, body: dict[str, Any], default: str) -> Hashable 
         leases = session.ctx.leases
         if leases is None:  # pragma: no cover - every RPC front end makes its table
             raise BadRequest("this daemon serves no leases")
-        return leases.get(lease)
+        return leases.held(lease, session)  # another connection's lease: refused
     if owner == "lease":
         raise BadRequest("owner 'lease' needs the field 'lease' (the lease's name)")
     chosen = owner or default
@@ -161,6 +161,9 @@ def session_closed(session: Session) -> None:
     release_in_background(ctx, session, f"connection {session.peer} closed")
     if ctx.leases is not None:
         ctx.leases.connection_closed(session)
+    from .watcher_handlers import session_closed as watchers_closed  # imports handlers
+
+    watchers_closed(session)  # at once: the sweep would free the slots 0.5 s later
 
 
 def lease_expired(ctx: ServerContext, lease: Lease) -> None:

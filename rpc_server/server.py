@@ -12,8 +12,6 @@ from transferd import transports
 from transferd.config import ServerConfig
 from transferd.memory.leases import LeaseTable
 from transferd.preauth import Admission
-from transferd.protocol import auth
-from transferd.protocol.errors import BadRequest
 
 from . import (
     drain,
@@ -21,7 +19,7 @@ from . import (
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
     ownership,
-    watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
+    watcher_handlers,  # registers ALLOC_UVM_WATCHER
 )
 from .context import ServerContext
 from .handlers import HANDLERS
@@ -46,32 +44,26 @@ def listen_urls(s: ServerConfig) -> list[str]:
     return urls
 
 
-def load_secret(s: ServerConfig) -> bytes:
-    """The shared secret: server.token_file's contents, else server.token (stripped)."""
-    if s.token_file:
-        with open(s.token_file, "rb") as f:
-            secret = auth.secret_from_text(f.read(4096))
-        if not secret:
-            raise BadRequest(f"server.token_file: {s.token_file} is empty")
-        return secret
-    return auth.secret_from_text(s.token)
-
-
 class RpcFrontend:
     """The RPC server as a daemon front end (entry point ``transferd.frontends``)."""
 
     def __init__(self) -> None:
         self.ctx: ServerContext | None = None
+        self._daemon: Daemon | None = None
         self._listeners: list[transports.Listener] = []
 
     async def start(self, daemon: Daemon) -> list[str]:
         cfg = daemon.config
         s = cfg.server
+        self._daemon = daemon
+        # Read by the daemon (transferd.secret_files), once, and swapped by its reload.
+        keys = daemon.secrets.client
         self.ctx = ServerContext(
             buffers=daemon.buffers,
             metrics=daemon.metrics,
             minor=s.protocol_minor,
-            secret=load_secret(s),
+            secret=keys.current,
+            previous_secret=keys.previous,
             token_transports=tuple(s.token_transports),
             handshake_timeout=s.handshake_timeout_s,
             admission=Admission(s.max_handshakes, s.max_handshakes_per_source,
@@ -83,16 +75,18 @@ class RpcFrontend:
             max_message=s.max_message,
             engine=getattr(daemon, "engine", None),
             default_owner=cfg.memory.default_owner,
-            served=frozenset(HANDLERS),
             discovery=getattr(daemon, "discovery", None),
+            served=frozenset(HANDLERS),
         )
         ctx = self.ctx
         m = cfg.memory
         ctx.leases = LeaseTable(
             asyncio.get_running_loop(), functools.partial(ownership.lease_expired, ctx),
             max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
+            max_per_source=m.max_leases_per_source,
             max_ttl_s=m.max_lease_ttl_s)
         daemon.metrics.leases.set_function(ctx.leases.__len__)
+        watcher_handlers.configure(ctx, cfg.engine)
         if ctx.secret:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")
@@ -116,12 +110,11 @@ class RpcFrontend:
         return urls
 
     def reload(self, config: Config) -> None:
-        """SIGHUP: a new secret applies to the next handshake (open connections stay)."""
-        if self.ctx is not None:
-            try:
-                self.ctx.set_secret(load_secret(config.server))
-            except (OSError, BadRequest) as exc:
-                log.error("reload: keeping the current secret: %s", exc)
+        """SIGHUP: the secrets the daemon read apply to the next handshake (open
+        connections stay)."""
+        if self.ctx is not None and self._daemon is not None:
+            keys = self._daemon.secrets.client
+            self.ctx.set_secret(keys.current, keys.previous)
 
     # -- the drain at SIGTERM (rpc_server/drain.py; Daemon.drain runs the steps) --
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
+from transferd import authlog
 from transferd.logs import log_client_error
 from transferd.memory import Ref, release_all
 from transferd.preauth import Ticket, Why
@@ -49,6 +50,7 @@ from transferd.protocol.errors import (
     UnknownCommand,
 )
 from transferd.protocol.frames import Frame, Sink
+from transferd.protocol.frames import Phase as DecoderPhase
 from transferd.transports import TransportKind
 from transferd.transports.builtin import Tcp
 from transferd.transports.carriers import Carrier
@@ -81,6 +83,7 @@ _BLOCKED = Flow.BLOCKED
 _OPEN_F = Flow.OPEN
 _IDLE_P = Phase.IDLE
 _IN_OPEN = Inbound.OPEN
+_PAYLOAD = DecoderPhase.PAYLOAD
 _FRAME = Frame
 _REPLY_T = Reply
 _TCP = Tcp()
@@ -132,6 +135,13 @@ class Session(asyncio.BufferedProtocol):
         return self.conn.state
 
     @property
+    def receiving(self) -> bool:
+        """A frame's payload has begun to arrive and is not all in: the drain waits for
+        it (a SET that began to land runs to its end; one refused is read to its end and
+        answered, not cut off under its payload)."""
+        return self.conn.decoder.phase is _PAYLOAD
+
+    @property
     def write_blocked(self) -> bool:
         """Unsent bytes wait in the transport or the TLS chunks (resume_writing will say
         when they are out)."""
@@ -163,6 +173,12 @@ class Session(asyncio.BufferedProtocol):
         log.debug("connection from %s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn.phase is Phase.AUTH:
+            # It had the server's proof and went: a client checks the proof and hangs
+            # up when it does not match its own secret (PROTOCOL.md, Authentication).
+            authlog.client_failed(self.peer, "wrong_secret", "the client hung up after the "
+                                  "server's proof (hmac-sha256): its token differs from "
+                                  "this daemon's server.token (or it dialled another daemon)")
         if self.conn.state is not _CLOSED:
             self.conn.connection_lost()
         self._end_handshake()
@@ -435,13 +451,13 @@ class Session(asyncio.BufferedProtocol):
         assert type(ev) is Refused
         ctx.metrics.error(ev.error.code)
         if ev.guess:
-            log.warning(
-                "authentication failed from %s: %s (%d in the last minute; %s)",
-                self.peer, ev.error.message, ev.failures,
-                "no answer before the handshake timeout: closed at it"
-                if ev.answer_at is None and self.conn.verdicts is not None else
-                f"answering in {max(0.0, (ev.answer_at or 0) - self._loop.time()):.2f} s",
-            )
+            when = ("no answer before the handshake timeout: closed at it"
+                    if ev.answer_at is None and self.conn.verdicts is not None else
+                    f"answering in {max(0.0, (ev.answer_at or 0) - self._loop.time()):.2f} s")
+            authlog.client_failed(self.peer, ev.reason, f"{ev.error.message} ({ev.failures} in "
+                                  f"the last minute; {when})")
+        elif ev.reason:  # no secret given, an AUTH that never came: as a failed authentication
+            authlog.client_failed(self.peer, ev.reason, ev.error.message)
         else:
             log_client_error(self.peer, ev.error, self.conn.decoder.current_cmd, ev.error.seq)
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from transferd.engine.watchers import Watcher, Watchers, WordPage, buffer_word
+from transferd.engine.watchers import WORD, Watcher, Watchers, WordPage, buffer_words
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
@@ -32,6 +33,8 @@ from transferd.protocol.messages import uint_field
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
+    from transferd.config import EngineConfig
+
     from .context import ServerContext
     from .session import Session
 
@@ -46,12 +49,31 @@ def _alive(owner: object) -> bool:
     return getattr(owner, "state", None) is not State.CLOSED
 
 
+def configure(ctx: ServerContext, engine: EngineConfig) -> None:
+    """The daemon's watcher set, with its configured caps and idle pace."""
+    w = Watchers(alive=_alive, idle_poll_s=engine.watcher_idle_poll_ms / 1000.0,
+                 max_watchers=engine.max_watchers,
+                 max_per_owner=engine.max_watchers_per_connection)
+    setattr(ctx, _ATTR, w)
+    ctx.metrics.registry.register(w)
+
+
 def watchers_of(ctx: ServerContext) -> Watchers:
     w: Watchers | None = getattr(ctx, _ATTR, None)
     if w is None:
         w = Watchers(alive=_alive)
         setattr(ctx, _ATTR, w)
     return w
+
+
+def session_closed(session: Session) -> None:
+    """The connection is gone: its watchers and its page go now."""
+    w: Watchers | None = getattr(session.ctx, _ATTR, None)
+    if w is not None:
+        w.owner_closed(session)
+    page = _PAGES.pop(session, None)
+    if page is not None:
+        page.close()
 
 
 @handler(Command.ALLOC_UVM_WATCHER)
@@ -64,6 +86,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
     watchers = watchers_of(session.ctx)
     reply: dict[str, object] = {}
     keep: Any
+    watchers.check_room(session)  # before a word of the page is taken
     if body.get("buffer") is not None:
         buf = session.ctx.buffers.get(uint_field(body, "buffer"))
         offset = uint_field(body, "offset") if "offset" in body else 0
@@ -71,7 +94,8 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             view = buf.view(0, buf.size)
         except (AttributeError, TypeError):
             raise BadRequest(f"buffer {buf.id} has no host view to watch") from None
-        word, keep = buffer_word(view, offset), view
+        (words, index), keep = buffer_words(view, offset), view
+        key: Hashable = ("buffer", buf.id)
     else:
         page = _PAGES.get(session)
         if page is None or page.closed:
@@ -80,7 +104,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             except OSError as exc:
                 raise BadRequest(f"cannot make a shared word page: {exc}") from None
         offset = page.take()
-        word, keep = page.word(offset), page
+        words, index, keep, key = page.words, offset // WORD, page, page
         reply.update(path=str(page.path), offset=offset, page_size=len(page.words) * 8)
     box: list[Watcher] = []
 
@@ -94,7 +118,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         with contextlib.suppress(RuntimeError):  # the daemon's loop is gone
             loop.call_soon_threadsafe(deliver, old, new)
 
-    w = watchers.add(session, word, changed, keep, handoff=True)
+    w = watchers.add(session, key, words, index, changed, keep, handoff=True)
     box.append(w)
     reply.update(watcher=w.id, value=w.last)
     return Reply(reply)

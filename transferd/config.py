@@ -83,10 +83,16 @@ class Config:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def problems(self) -> list[str]:
-        """Every problem of this configuration (per-key bounds, then across keys)."""
+        """Every problem of this configuration (per-key bounds, then across keys; a check
+        across keys that names a key out of its own bounds says nothing more)."""
         out: list[str] = []
         for name, _f, value in self.items():
             out += _check_value(name, _f.metadata, value)
+        bad = {p.split(":", 1)[0] for p in out}
+        return out + [p for p in self._across() if not any(k in p for k in bad)]
+
+    def _across(self) -> list[str]:
+        out: list[str] = []
         if not 1 <= max(1, len(self.engine.host_rails)) <= 4:
             out.append("engine.host_rails: a domain group holds 1 to 4 rails")
         eng = self.engine
@@ -102,6 +108,13 @@ class Config:
             out.append("engine.secret: set engine.secret_file or engine.secret "
                        "(TRANSFERD_ENGINE_SECRET), not both")
         out += _rail_problems(e)
+        if e.previous_secret_file and not e.has_secret():
+            out.append("engine.previous_secret_file: set without engine.secret_file or "
+                       "engine.secret (the secret in use now)")
+        if self.server.previous_token_file and not (self.server.token_file
+                                                    or self.server.token):
+            out.append("server.previous_token_file: set without server.token_file or "
+                       "server.token (the secret in use now)")
         out += discovery_problems(self.discovery)
         if e.expect_timeout_s > e.max_expect_timeout_s:
             out.append(f"engine.expect_timeout_s: {e.expect_timeout_s:g} s is over "
@@ -177,7 +190,9 @@ def _check_value(name: str, meta: Mapping[str, Any], value: Any) -> list[str]:
         return [f"{name}: must be a finite number, got {value}"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if name.endswith("port") and not 0 <= value <= 65535:
-            return [f"{name}: {value} is not a TCP port (0-65535)"]
+            off = meta.get("off")
+            return [f"{name}: {value} is not a TCP port (0-65535)"
+                    + (f"; to turn it off set {off}" if off and value < 0 else "")]
         if lo is not None and hi is not None and not lo <= value <= hi:
             return [f"{name}: must be {_num(lo)} to {_num(hi)}, got {value}"]
         if lo is not None and value < lo:
@@ -235,6 +250,12 @@ def _unknown(name: str, candidates: list[str]) -> str:
     return f" (did you mean {near[0]}?)" if near else ""
 
 
+def _from(problem: str, source: str) -> str:
+    """A problem of a value a variable gave names the variable (the file's and the
+    flags' are plain: their line says where)."""
+    return f"{problem} (from {source[4:]})" if source.startswith("env ") else problem
+
+
 class _Loader:
     """Applies one source after another, collecting every problem."""
 
@@ -255,13 +276,14 @@ class _Loader:
             return
         fields = {f.name: f for f in dataclasses.fields(sec)}
         if name not in fields:
-            self.errors.append(f"{dotted}: unknown key{_unknown(dotted, all_keys())}")
+            self.errors.append(_from(f"{dotted}: unknown key{_unknown(dotted, all_keys())}",
+                                     source))
             return
         try:
             setattr(sec, name, _coerce(dotted, fields[name], getattr(sec, name), value,
                                        from_text=from_text))
         except ConfigError as exc:
-            self.errors += exc.errors
+            self.errors += [_from(e, source) for e in exc.errors]
             return
         self.sources[dotted] = source
 
@@ -323,7 +345,8 @@ def load_with_sources(
     ld.flags(overrides or {})
     # Values that failed to parse kept their default; report bounds only for the rest.
     bad = {e.split(":", 1)[0] for e in ld.errors}
-    problems = [p for p in ld.cfg.problems() if p.split(":", 1)[0] not in bad]
+    problems = [_from(p, ld.sources.get(p.split(":", 1)[0], "")) for p in ld.cfg.problems()
+                if p.split(":", 1)[0] not in bad]
     if ld.errors or problems:
         raise ConfigError(ld.errors + problems)
     return ld.cfg, ld.sources

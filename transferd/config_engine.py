@@ -111,18 +111,52 @@ class EngineConfig:
         "in both directions (HMAC-SHA256 over fresh nonces) before any byte or rkey "
         'crosses. "" (and no engine.secret): links are not authenticated, the rails bind '
         "to loopback only, and a non-loopback rail is refused unless engine.insecure is "
-        "set. Never a command-line flag.",
+        "set. Never a command-line flag. Refused when another user could read or rewrite "
+        "it (chmod 600; server.insecure_secret_files). SIGHUP re-reads it: new links "
+        "prove the new contents, open links stay.",
+        reload=True,
     )
     secret: str = key(
         "",
         "The cluster secret itself, for a service manager that injects secrets into the "
         "environment (TRANSFERD_ENGINE_SECRET); prefer engine.secret_file. Not both.",
-        secret=True,
+        secret=True, reload=True,
+    )
+    previous_secret_file: str = key(
+        "",
+        "During a rotation of the cluster secret: a file holding the secret in use "
+        "before. Links proving either are accepted, and this daemon proves both, so "
+        "daemons that have the new secret and daemons that still have the old one link "
+        "while the fleet is reloaded one by one; then empty the file (or the key) and "
+        "reload again (docs/security.md, Rotating a secret). An empty file: no rotation "
+        "in progress. Same rules as engine.secret_file otherwise.",
+        reload=True,
     )
     insecure: bool = key(
         False,
         "Without a cluster secret, allow rails beyond loopback anyway: any host that "
         "reaches a rail port can then act as a peer. Only on a network you trust.",
+    )
+    max_watchers: int = key(
+        4096,
+        "Most UVM watchers (ALLOC_UVM_WATCHER) the daemon holds, all connections together; "
+        "one more is refused with OUT_OF_MEMORY.",
+        min=1, max=1 << 16,
+    )
+    max_watchers_per_connection: int = key(
+        64,
+        "Most UVM watchers one client connection may hold; one more is refused with "
+        "OUT_OF_MEMORY. Each connection's page holds 512 words.",
+        min=1, max=512,
+    )
+    watcher_idle_poll_ms: float = key(
+        10.0,
+        "Longest sleep of the thread that polls UVM watchers once their words stop "
+        "changing (it polls every 50 us while they change and for 40 polls after): the "
+        "first change after a quiet spell is seen within this, and an idle daemon's "
+        "watchers wake it 1000/this times a second, however many there are. Lower it for "
+        "a quicker first change at more CPU (1 ms: about 3% of a core).",
+        min=0.05, max=1000, unit="ms",
     )
     handshake_timeout_s: float = key(
         5.0,

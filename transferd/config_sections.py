@@ -46,6 +46,7 @@ def key(
     reload: bool = False,
     secret: bool = False,
     unit: str = "",
+    off: str = "",
 ) -> Any:
     """Declare a config key.
 
@@ -54,7 +55,8 @@ def key(
     ``choices``: the allowed strings (matched case-insensitively, stored lower
     case).  ``flag``: the command-line flags that set it, as documented.
     ``reload``: SIGHUP applies a change without a restart.  ``secret``: masked
-    by ``check-config --print``.
+    by ``check-config --print``.  ``off``: for a port, the setting that turns its
+    listener off (named when a negative port is given, as ``--metrics-port -1`` is).
     """
     meta = {
         "doc": " ".join(doc.split()),
@@ -65,6 +67,7 @@ def key(
         "reload": reload,
         "secret": secret,
         "unit": unit,
+        "off": off,
     }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -124,9 +127,29 @@ class ServerConfig:
     token_file: str = key(
         "",
         "File holding the shared secret clients prove (its contents, outer whitespace "
-        "removed); wins over server.token. Keep it readable by the daemon's user only. "
-        "SIGHUP re-reads it.",
+        "removed); wins over server.token. Refused when another user could read or "
+        "rewrite it (chmod 600, owned by the daemon's user or root; "
+        "server.insecure_secret_files). SIGHUP re-reads it: the next handshakes use the "
+        "new contents, open connections stay.",
         flag="--token-file", reload=True,
+    )
+    previous_token_file: str = key(
+        "",
+        "During a rotation of the client secret: a file holding the secret clients "
+        "proved before. Clients proving either are accepted, and the daemon proves both "
+        "in its HELLO reply, so clients that have the new secret and clients that still "
+        "have the old one connect while they are updated; then empty the file (or the "
+        "key) and reload again (docs/security.md, Rotating a secret). An empty file: no "
+        "rotation in progress. Same rules as server.token_file otherwise.",
+        reload=True,
+    )
+    insecure_secret_files: bool = key(
+        False,
+        "Accept secret files (server.token_file, server.previous_token_file, "
+        "engine.secret_file, engine.previous_secret_file) that another user could read "
+        "or rewrite. Without it such a file stops the start, check-config, doctor and a "
+        "reload, as ssh refuses an exposed private key.",
+        reload=True,
     )
     token_transports: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
         ["unix", "seqpacket", "tls"],
@@ -262,8 +285,17 @@ class MemoryConfig:
     )
     max_leases_per_connection: int = key(
         64,
-        "Most live leases one client connection may have created; one more is refused "
-        "with TOO_LARGE. Leases outlive their creator, which then no longer counts them.",
+        "Most leases one open client connection may hold (made or joined); one more is "
+        "refused with TOO_LARGE. Leases outlive their connection, which then no longer "
+        "counts them (memory.max_leases_per_source still does).",
+        min=1, max=1 << 20,
+    )
+    max_leases_per_source: int = key(
+        256,
+        "Most live leases made from one source (a client's IP address; every Unix-socket "
+        "client is one source), counted until each ends or expires, so a client that "
+        "reconnects cannot take every one of memory.max_leases; one more is refused "
+        "with TOO_LARGE.",
         min=1, max=1 << 20,
     )
     max_lease_ttl_s: float = key(
@@ -328,7 +360,7 @@ class MetricsConfig:
         "daemons started with different RPC ports never collide; a node's service sets a "
         "fixed port for Prometheus to scrape (18516 in deploy/ and config/examples/). A port "
         "given that is taken is an error naming metrics.port.",
-        min=0, max=65535, flag="--metrics-port",
+        min=0, max=65535, flag="--metrics-port", off="metrics.enabled = false",
     )
     timeout_s: float = key(
         10.0,
@@ -381,13 +413,18 @@ def _listen_problems(s: ServerConfig) -> list[str]:
             continue
         if kind.scheme == "tls" and not (s.tls_cert and s.tls_key):
             out.append(f"server.listen: {url} needs server.tls_cert and server.tls_key")
-    if s.token_file:
-        try:
-            with open(s.token_file, "rb") as f:
-                if not f.read(4096).strip():
-                    out.append(f"server.token_file: {s.token_file} is empty")
-        except OSError as exc:
-            out.append(f"server.token_file: cannot read {s.token_file}: {exc.strerror}")
+    from transferd.secret_files import read_secret
+
+    # Readable and not empty (wherever it runs); who else can read it is the
+    # preflight's to judge (transferd.secret_files.problems), on the machine itself.
+    for key_name, path in (("server.token_file", s.token_file),
+                           ("server.previous_token_file", s.previous_token_file)):
+        if path:
+            try:
+                read_secret(path, key_name, insecure=True,
+                            may_be_empty=key_name == "server.previous_token_file")
+            except ConfigError as exc:
+                out += exc.errors
     if not s.tcp_listener and not s.listen and not s.unix_socket:
         out.append("server.tcp_listener: false leaves nothing to listen on")
     return out

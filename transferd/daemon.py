@@ -19,13 +19,23 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from transferd import secret_files
 from transferd.config import Config, ConfigError
 from transferd.exits import Exit
-from transferd.lifecycle import Watchdog, diff, sd_notify, watchdog_interval
-from transferd.logs import hostport
+from transferd.lifecycle import (
+    ReloadOutcome,
+    Watchdog,
+    diff,
+    reload_began,
+    reload_ended,
+    sd_notify,
+    watchdog_interval,
+)
+from transferd.logs import fatal, hostport
 from transferd.memory import BufferTable
 from transferd.metrics import Metrics
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.keyring import Keyring
 
 if TYPE_CHECKING:
     from transferd.discovery.service import Discovery
@@ -72,6 +82,9 @@ def _starting(what: str) -> Iterator[None]:
 class Daemon:
     def __init__(self, config: Config, loader: Callable[[], Config] | None = None) -> None:
         self.config = config
+        # Every secret, read once here (ConfigError: a file refused) and again, and
+        # compared, on each SIGHUP.
+        self.secrets = secret_files.load(config)
         # Re-reads the configuration (same file, variables and flags) on SIGHUP.
         self.loader = loader
         self.frontends: list[Frontend] = []
@@ -106,7 +119,7 @@ class Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_stop_signal)
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         started = self.frontends
         try:
             # A minor-1 server cannot be asked engine commands: no engine then.
@@ -114,8 +127,8 @@ class Daemon:
                 from transferd.engine import TransferEngine
 
                 self.engine = TransferEngine(
-                    self.config.engine, self.buffers, self.metrics, self.config.server.host
-                )
+                    self.config.engine, self.buffers, self.metrics, self.config.server.host,
+                    secret=self.secrets.cluster or Keyring())
                 e = self.config.engine
                 rails = ", ".join(e.host_rails) or self.config.server.host
                 with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
@@ -271,22 +284,54 @@ class Daemon:
         """The workers the watchdog watches (the engine's: every host group's)."""
         return list(getattr(self.engine, "workers", None) or [])
 
-    def reload(self) -> None:
+    def _on_sighup(self) -> None:
+        """systemd and a waiting ``transferd reload`` hear when the reload began and
+        how it ended; the metrics keep the last outcome."""
+        reload_began()
+        try:
+            outcome = self.reload()
+        except Exception as exc:  # a bug in a reload hook: the daemon goes on
+            log.exception("SIGHUP: the reload failed")
+            outcome = ReloadOutcome(False, f"the reload failed: {exc}")
+        self.metrics.reload_ok.set(1 if outcome.ok else 0)
+        if outcome.ok:
+            self.metrics.reload_time.set_to_current_time()
+        reload_ended(outcome)
+
+    def reload(self) -> ReloadOutcome:
         """SIGHUP: re-read the configuration; apply what can change, log the rest."""
         if self.loader is None:
             log.warning("SIGHUP: nothing to reload from (no configuration loader)")
-            return
+            return ReloadOutcome(False, "nothing to reload from (no configuration loader)")
         try:
             new = self.loader()
         except ConfigError as exc:
             log.error("SIGHUP: the configuration is invalid, the running one stays: %s",
                       "; ".join(exc.errors))
-            return
+            return ReloadOutcome(False, "the configuration is invalid, the running one "
+                                 "stays: " + "; ".join(exc.errors))
+        try:
+            secrets = secret_files.load(new)
+        except ConfigError as exc:
+            log.error("SIGHUP: a secret file is refused, the running configuration and "
+                      "secrets stay: %s", "; ".join(exc.errors))
+            return ReloadOutcome(False, "a secret file is refused, the running "
+                                 "configuration and secrets stay: " + "; ".join(exc.errors))
         applied, restart = diff(self.config, new)
-        if not applied and not restart:
+        if self.secrets.cluster and not secrets.cluster and self.engine is not None:
+            # Rails past loopback would then take links nobody authenticated.
+            restart.append("removing the cluster secret (the running one stays)")
+            secrets = secret_files.Secrets(secrets.client, self.secrets.cluster)
+        swapped = secret_files.changes(self.secrets, secrets, new)
+        if not applied and not restart and not swapped:
             log.info("SIGHUP: configuration unchanged")
-            return
+            return ReloadOutcome(True, "configuration unchanged")
+        applied += swapped
         old = self.config
+        if self.engine is not None and secrets.cluster != self.secrets.cluster:
+            assert secrets.cluster is not None  # a removal was refused above
+            self.engine.set_secret(secrets.cluster)
+        self.secrets = secrets
         if new.log.level != old.log.level:
             from transferd import logs
 
@@ -308,7 +353,9 @@ class Daemon:
             log.info("SIGHUP: applied %s", "; ".join(applied))
         if restart:
             log.warning("SIGHUP: not applied, needs a restart: %s", "; ".join(restart))
-        sd_notify("STATUS=serving (reloaded)")
+        return ReloadOutcome(True, "; ".join(
+            ([f"applied {'; '.join(applied)}"] if applied else [])
+            + ([f"not applied, needs a restart: {'; '.join(restart)}"] if restart else [])))
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
@@ -332,7 +379,7 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
     problems = preflight.check(config)
     if problems:
         for p in problems:
-            print(f"transferd: cannot start: {p}", file=sys.stderr, flush=True)
+            fatal(f"transferd: cannot start: {p}")
         sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
     try:
@@ -340,14 +387,14 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
         uvloop.run(daemon.run(frontends))
     except StartError as exc:
         # A race with the checks above (a port taken since): say which, no traceback.
-        print(f"transferd: cannot start: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: cannot start: {exc}")
         sys.exit(exc.status)
     except ConfigError as exc:
         # Found only once the engine starts: a secret file that cannot be read.
-        print(f"transferd: configuration error: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: configuration error: {exc}")
         sys.exit(Exit.CONFIG)
     except OSError as exc:
-        print(f"transferd: failed: {exc}", file=sys.stderr, flush=True)
+        fatal(f"transferd: failed: {exc}")
         sys.exit(Exit.FAILURE)
 
 

@@ -11,15 +11,21 @@ from typing import Any
 MAX_LISTED = 10_000
 
 
-def _owner(owner: Any) -> str | None:
-    """The owning connection's peer address (``host:port``, or "local")."""
+def _owner(owner: Any, viewer: Any) -> str | None:
+    """The owning connection's peer address (``host:port``, or "local"); a lease as its
+    holders see it (``lease:NAME``) or, to anybody else, just ``lease``."""
     if owner is None:
         return None
+    shown = getattr(owner, "shown_to", None)
+    if shown is not None:
+        return str(shown(viewer))
     return str(getattr(owner, "peer", None) or type(owner).__name__)
 
 
-def buffer_listing(buffers: Any, engine: Any = None, limit: int = MAX_LISTED) -> dict[str, Any]:
-    """``{"buffers": [...], "truncated": bool}`` for a STATS reply."""
+def buffer_listing(buffers: Any, engine: Any = None, limit: int = MAX_LISTED,
+                   viewer: Any = None) -> dict[str, Any]:
+    """``{"buffers": [...], "truncated": bool}`` for a STATS reply to ``viewer`` (the
+    asking connection: lease names are shown only to their holders)."""
     listed = buffers.snapshot(limit + 1)
     truncated = len(listed) > limit
     listed = listed[:limit]
@@ -33,7 +39,7 @@ def buffer_listing(buffers: Any, engine: Any = None, limit: int = MAX_LISTED) ->
         "buffers": [
             {"id": b.id, "device": b.device, "size": b.size,
              "allocated_by": getattr(b, "allocated_by", "") or None,
-             "owner": _owner(b.owner), "regions": by_buffer.get(b.id, [])}
+             "owner": _owner(b.owner, viewer), "regions": by_buffer.get(b.id, [])}
             for b in listed
         ],
         "truncated": truncated,

@@ -1,5 +1,11 @@
 """systemd's watchdog, and SIGHUP: what a running daemon changes without a restart.
 
+A reload tells systemd it begins (``RELOADING=1`` with ``MONOTONIC_USEC``, the
+``Type=notify-reload`` protocol) and that it ended (``READY=1``), and tells whoever
+waits for it (``transferd reload PID``, the unit's ``ExecReload=``) how it went, over
+a datagram to the abstract socket ``transferd-reload-PID``: so ``systemctl reload``
+returns once the reload is done, and fails when the configuration was refused.
+
 :class:`Watchdog` sends ``WATCHDOG=1`` every half ``WATCHDOG_USEC`` from the
 daemon's event loop (the loop that would hang), and only while every worker
 thread has answered its last heartbeat: a hung engine worker stops the pings as
@@ -19,6 +25,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from transferd.config import Config
@@ -102,6 +109,39 @@ class Watchdog:
                 self.notify("WATCHDOG=1")
                 self.pings += 1
             await asyncio.sleep(self.interval)
+
+
+# -- reloads ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    """How a SIGHUP's reload went: applied (or nothing to apply), or refused."""
+
+    ok: bool
+    text: str
+
+
+def reload_socket(pid: int) -> bytes:
+    """The abstract socket a waiter for ``pid``'s next reload binds."""
+    return f"\0transferd-reload-{pid}".encode()
+
+
+def reload_began(notify: Callable[[str], None] = sd_notify) -> None:
+    """Before the configuration is read again (systemd: the reload has begun)."""
+    usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    notify(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS=reloading the configuration")
+
+
+def reload_ended(outcome: ReloadOutcome, notify: Callable[[str], None] = sd_notify) -> None:
+    """After it: systemd hears READY=1 (serving, whatever the outcome: a refused file
+    leaves the running configuration), the waiter hears the outcome."""
+    status = "serving (reloaded)" if outcome.ok else "serving (the last reload was refused)"
+    notify(f"READY=1\nSTATUS={status}")
+    word = b"ok " if outcome.ok else b"failed "
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        # Nobody waiting (ECONNREFUSED): a plain `kill -HUP` or systemd's own signal.
+        s.sendto(word + outcome.text.encode()[:60000], reload_socket(os.getpid()))
 
 
 def diff(old: Config, new: Config) -> tuple[list[str], list[str]]:

@@ -1,6 +1,10 @@
 """The daemon's log: text or JSON lines on stderr, and a flood guard.
 
-``configure(level, fmt)`` installs one handler on the root logger.  Its
+``configure(level, fmt)`` installs one handler on the root logger.  Under
+journald (``JOURNAL_STREAM`` names stderr's device and inode, as systemd sets it)
+every line starts with its syslog priority, ``<N>`` (journald strips it and files
+the line at that priority, so ``journalctl -p err`` finds the errors), and the
+text lines carry no timestamp of their own (the journal has one).  Its
 :class:`RateLimit` filter lets through at most ``burst`` records of the same
 kind (logger, level, message template) per ``window_s``; the next one let
 through after a window where some were dropped says how many were.  Nothing a
@@ -12,12 +16,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
 from typing import Any
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Under journald: the journal stamps each line itself.
+JOURNAL_FORMAT = "%(levelname)s %(name)s: %(message)s"
+# syslog priorities (sd-daemon(3)): a record's level, rounded down to the nearest.
+PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4),
+              (logging.INFO, 6), (logging.DEBUG, 7))
 # Attributes every LogRecord has; anything else was passed with extra= and is a field.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -38,6 +48,45 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
+
+
+def priority(levelno: int) -> int:
+    """The syslog priority of a logging level (CRITICAL 2 ... DEBUG 7)."""
+    for level, prio in PRIORITIES:
+        if levelno >= level:
+            return prio
+    return 7
+
+
+class JournalPrefix(logging.Formatter):
+    """Wraps a formatter: ``<N>`` before every line of the record (a traceback's lines
+    too, which journald would otherwise file at the default priority)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        tag = f"<{priority(record.levelno)}>"
+        return tag + self.inner.format(record).replace("\n", "\n" + tag)
+
+
+def under_journald(stream: Any = None, environ: Any = None) -> bool:
+    """Whether ``stream`` (stderr) is the journal's: JOURNAL_STREAM is its ``dev:inode``
+    (systemd.exec(5)); a stream redirected elsewhere keeps plain lines."""
+    env = os.environ if environ is None else environ
+    dev, _, ino = (env.get("JOURNAL_STREAM") or "").partition(":")
+    try:
+        st = os.fstat((stream or sys.stderr).fileno())
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def fatal(text: str) -> None:
+    """A line on stderr that ends the process (cannot start, configuration error): at
+    priority err under journald, so ``journalctl -p err`` finds why it stopped."""
+    print(("<3>" if under_journald(sys.stderr) else "") + text, file=sys.stderr, flush=True)
 
 
 class RateLimit(logging.Filter):
@@ -86,7 +135,10 @@ def configure(level: str, fmt: str = "text", *, burst: int = 20, window_s: float
             root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
     handler._transferd = True  # type: ignore[attr-defined]
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    journal = under_journald(sys.stderr)
+    inner = JsonFormatter() if fmt == "json" else logging.Formatter(
+        JOURNAL_FORMAT if journal else TEXT_FORMAT)
+    handler.setFormatter(JournalPrefix(inner) if journal else inner)
     handler.addFilter(RateLimit(burst, window_s))
     root.addHandler(handler)
     set_level(level)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +93,25 @@ class _RequestSeconds:
         yield fam
 
 
+class _AuthFailures:
+    """``transferd_auth_failures_total``: failed handshakes by plane and reason
+    (transferd/authlog.py), every pair exported from the start at 0."""
+
+    name = "transferd_auth_failures"
+    doc = "Failed handshakes, by plane (client, peer) and reason."
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.doc, labels=["plane", "reason"])]
+
+    def collect(self) -> Iterator[Metric]:
+        from transferd import authlog
+
+        fam = CounterMetricFamily(self.name, self.doc, labels=["plane", "reason"])
+        for plane, reason, n in authlog.FAILURES.counts():
+            fam.add_metric([plane, reason], n)
+        yield fam
+
+
 class Metrics:
     """The daemon's metrics.
 
@@ -104,6 +124,7 @@ class Metrics:
     """
 
     def __init__(self) -> None:
+        self.started = time.monotonic()
         self.registry = CollectorRegistry(auto_describe=True)
         self.http: Any = None  # the endpoint's server (serve())
         r = self.registry
@@ -154,8 +175,19 @@ class Metrics:
             "transferd_leases_expired", "Leases that expired unrenewed (their buffers were "
             "freed).", registry=r
         )
+        self.reload_ok = Gauge(
+            "transferd_config_last_reload_successful",
+            "1 when the last SIGHUP's configuration was applied (or at start), 0 when it "
+            "was refused.", registry=r)
+        self.reload_ok.set(1)
+        self.reload_time = Gauge(
+            "transferd_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last configuration applied: the start, or a SIGHUP.",
+            registry=r)
+        self.reload_time.set_to_current_time()
         self.request_seconds = _RequestSeconds()
         r.register(self.request_seconds)
+        r.register(_AuthFailures())
         self.transfer_bytes = Counter(
             "transferd_engine_bytes",
             "Bytes moved by the transfer engine, by direction.",
@@ -212,6 +244,38 @@ class Metrics:
 
     def error(self, code: ErrorCode) -> None:
         self._errors[code].inc()
+
+    def summary(self) -> dict[str, Any]:
+        """What STATS ``{"summary": true}`` adds (``transferd stats``): the uptime, the
+        connections, errors by code, failed handshakes, the engine's transfers.  Read
+        from the registry itself, so it says what a scrape would."""
+        values: dict[tuple[str, tuple[str, ...]], float] = {}
+        for fam in self.registry.collect():
+            for sample in fam.samples:
+                values[(sample.name, tuple(sample.labels.values()))] = sample.value
+
+        def one(name: str, *labels: str) -> int:
+            return int(values.get((name, labels), 0))
+
+        out: dict[str, Any] = {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "connections": {"open": one("transferd_open_connections"),
+                            "accepted": one("transferd_connections_accepted_total")},
+            "errors": {e.value: one("transferd_errors_total", e.value) for e in ErrorCode},
+            "auth_failures": {f"{k[1][0]} {k[1][1]}": int(v) for k, v in values.items()
+                              if k[0] == "transferd_auth_failures_total" and v},
+        }
+        if ("transferd_engine_landed_bytes_total", ()) in values:
+            out["engine"] = {
+                "bytes_out": one("transferd_engine_bytes_total", "out"),
+                "bytes_landed": one("transferd_engine_landed_bytes_total"),
+                "transfers_ok": one("transferd_engine_transfers_total", "ok"),
+                "transfers_error": one("transferd_engine_transfers_total", "error"),
+                "in_flight": one("transferd_engine_transfers_in_flight"),
+                "refused_writes": sum(int(v) for k, v in values.items()
+                                      if k[0] == "transferd_engine_refused_writes_total"),
+            }
+        return out
 
     def watch_engine(self, engine: Any) -> None:
         """Export the engine's state when scraped (both the initiator and the receiver)."""

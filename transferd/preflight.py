@@ -122,6 +122,12 @@ def _bind(addr: str, port: int) -> OSError | None:
     return None
 
 
+def is_local_address(addr: str) -> bool:
+    """Whether this machine can bind ``addr`` (what every listener needs of it)."""
+    err = _bind(addr, 0)
+    return err is None or err.errno != errno.EADDRNOTAVAIL
+
+
 def machine_memory() -> int | None:
     """Bytes of physical memory, or None where it cannot be told."""
     try:
@@ -148,8 +154,7 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
         resolved[li.host] = addrs
         if this_machine:
             for a in addrs:
-                err = _bind(a, 0)
-                if err is not None and err.errno == errno.EADDRNOTAVAIL:
+                if not is_local_address(a):
                     problems.append(Problem(
                         li.host_key, f"{li.host} is not an address of this machine "
                         "(check a config meant for another node with --other-node)",
@@ -177,6 +182,11 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
             problems.append(Problem(
                 "memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more than this "
                 f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
+        # Secret files another user could read or rewrite (transferd.secret_files).
+        from transferd.secret_files import problems as secret_problems
+
+        problems += [Problem(key, message, Kind.MACHINE)
+                     for key, message in secret_problems(cfg)]
     # Local sockets: one path per listener, each free to take.
     paths = [("server.unix_socket", cfg.server.unix_socket, socket.SOCK_STREAM)]
     for i, (_, ep) in enumerate(_listen_endpoints(cfg)):

@@ -14,6 +14,7 @@ import click
 
 from transferd import config as cfgmod
 from transferd.exits import Exit
+from transferd.logs import fatal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,6 +48,9 @@ _SHARED: tuple[Callable[[Any], Any], ...] = (
     click.option("--log-format", default=None,
                  type=click.Choice(cfgmod.LOG_FORMATS, case_sensitive=False),
                  help="Log format (log.format): text, or json lines for log shippers."),
+    click.option("-d", "--device", default=None,
+                 help="Devices to serve buffers from: cpu (always served), or CUDA devices "
+                      "as cuda:0 or cuda:0,cuda:1 (needs CuPy; sets gpu.devices) [cpu]."),
 )
 
 
@@ -66,11 +70,17 @@ def metrics_port_overrides(port: int | None) -> dict[str, object]:
     return {"metrics.port": port}
 
 
+def device_overrides(device: str | None) -> list[str] | None:
+    """``-d``: the CUDA devices named (cpu is always served), or None (no override)."""
+    gpus = [d.strip() for d in (device or "").split(",") if d.strip() and d.strip() != "cpu"]
+    return gpus or None
+
+
 def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str | None,
           host: str | None, port: int | None, mem: int | None, protocol_minor: int | None,
           metrics_port: int | None, token: str | None, token_file: str | None,
           unix_socket: str | None, listen: tuple[str, ...], log_level: str | None,
-          log_format: str | None, extra: dict[str, object] | None = None) -> None:
+          log_format: str | None, device: str | None) -> None:
     """Load the configuration the flags override and run the daemon until it stops.
 
     Flags beat TRANSFERD_* variables, which beat the file, which beats the defaults.
@@ -79,7 +89,7 @@ def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str
     from transferd.daemon import run_daemon
 
     if token is not None:
-        click.echo(f"{prog}: {cfgmod.TOKEN_REFUSED}", err=True)
+        fatal(f"{prog}: {cfgmod.TOKEN_REFUSED}")
         sys.exit(Exit.CONFIG)
     overrides = {
         "server.host": host,
@@ -92,17 +102,17 @@ def serve(prog: str, frontends: Callable[[], Sequence[Any]], *, config_path: str
         "log.level": log_level,
         "log.format": log_format,
         **metrics_port_overrides(metrics_port),
-        **(extra or {}),
+        "gpu.devices": device_overrides(device),
     }
     try:
         config = cfgmod.load(config_path, overrides=overrides)
     except cfgmod.ConfigError as exc:
         for line in exc.errors:
-            click.echo(f"{prog}: configuration error: {line}", err=True)
+            fatal(f"{prog}: configuration error: {line}")
         sys.exit(Exit.CONFIG)
     found = list(frontends())
     if not found:
-        click.echo(f"{prog}: no front end installed (is rpc_server installed?)", err=True)
+        fatal(f"{prog}: no front end installed (is rpc_server installed?)")
         sys.exit(Exit.INSTALL)
     # SIGHUP re-reads the same file, variables and flags.
     run_daemon(config, found, loader=lambda: cfgmod.load(config_path, overrides=overrides))

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from transferd.config import Config, load  # noqa: E402
+from transferd.engine.watchers import Watchers  # noqa: E402
 from transferd.metrics import Metrics  # noqa: E402
 
 SERIES = re.compile(r"\btransferd_[a-z_]+\b")
@@ -46,6 +47,7 @@ def exported() -> tuple[set[str], set[str]]:
     rail = SimpleNamespace(_links={}, _inbound=set())
     m.watch_engine(SimpleNamespace(group=SimpleNamespace(domains=[rail]), _expectations={},
                                    worker=None, receives=None))
+    m.registry.register(Watchers())  # the RPC front end registers the daemon's watcher set
     for metric in m.registry.collect():
         families.add(metric.name)
         names.add(metric.name)

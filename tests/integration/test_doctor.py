@@ -20,8 +20,12 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60, cwd=REPO, env=clean_env(**env))
 
 
-def test_doctor_passes_the_defaults_here() -> None:
-    r = cli("doctor", "-c", str(REPO / "config" / "examples" / "service.toml"))
+def test_doctor_passes_the_defaults_here(tmp_path: Path) -> None:
+    token = tmp_path / "token"  # the example's /etc/transferd/token, here
+    token.write_text("a-token")
+    token.chmod(0o600)
+    r = cli("doctor", "-c", str(REPO / "config" / "examples" / "service.toml"),
+            TRANSFERD_SERVER_TOKEN_FILE=str(token))
     assert r.returncode in (Exit.OK, Exit.FAILURE), r.stderr
     lines = r.stdout.splitlines()
     assert all(line.split()[0] in ("ok", "warn", "FAIL") for line in lines[:-1]), lines
@@ -96,3 +100,91 @@ def test_devices_lists_numa_nodes_nics_gpus_and_rdma() -> None:
     text = cli("devices").stdout
     for head in ("rdma:", "numa:", "nics:", "gpus:"):
         assert head in text
+
+
+# -- on a live node ------------------------------------------------------------------
+
+
+def _live_config(tmp_path: Path, token: str) -> Path:
+    from tests.integration.test_startup import free_port
+
+    tok = tmp_path / "token"
+    tok.write_text(token)
+    tok.chmod(0o600)
+    cfg = tmp_path / "live.toml"
+    cfg.write_text(f'[server]\nport = {free_port()}\ntoken_file = "{tok}"\n'
+                   f"[metrics]\nport = {free_port()}\n[engine]\npeer_port = {free_port()}\n")
+    return cfg
+
+
+def test_doctor_right_after_the_start_finds_the_daemon_not_a_problem(tmp_path: Path) -> None:
+    """The getting-started order: restart, then doctor. Its ports are taken by it."""
+    from tests.helpers import DaemonProcess, scrape
+    from tests.integration.test_cli import SERVE
+
+    cfg = _live_config(tmp_path, "live-token")
+    with DaemonProcess(command=[*SERVE, "-c", str(cfg)]) as d:
+        r = cli("doctor", "-c", str(cfg), "--json")
+        assert r.returncode == Exit.OK, r.stdout + r.stderr
+        checks = {(c["level"], c["check"], c["detail"]) for c in json.loads(r.stdout)}
+        running = [d for lv, c, d in checks if c == "running" and lv == "ok"]
+        assert any(x.startswith("server.port: transferd/") and "accepts this configuration's "
+                   "token" in x for x in running), checks
+        assert any(x.startswith("metrics.port: ") for x in running), checks
+        assert any(x.startswith("engine.peer_port: the running daemon's rails are")
+                   for x in running), checks
+        assert ("ok", "secrets", "clients prove the token of server.token_file") in checks
+        # Asking cost the daemon no failed authentication, and no log line.
+        assert d.metrics_url is not None
+        m = scrape(d.metrics_url)
+        assert sum(v for k, v in m.items() if k.startswith("transferd_auth_failures")) == 0
+        assert "transferd.auth" not in d.stderr
+
+
+def test_doctor_says_when_the_running_daemon_has_another_token(tmp_path: Path) -> None:
+    from tests.helpers import DaemonProcess
+    from tests.integration.test_cli import SERVE
+
+    cfg = _live_config(tmp_path, "the-old-token")
+    with DaemonProcess(command=[*SERVE, "-c", str(cfg)]):
+        (tmp_path / "token").write_text("a-new-token")  # rotated, not yet reloaded
+        r = cli("doctor", "-c", str(cfg))
+    assert r.returncode == Exit.FAILURE
+    assert "refuses this configuration's token" in r.stdout and "systemctl reload" in r.stdout
+
+
+def test_a_port_held_by_another_program_stays_a_failure(tmp_path: Path) -> None:
+    from tests.integration.test_startup import held_port
+
+    with held_port() as s:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f"[server]\nport = {s.getsockname()[1]}\n")
+        r = cli("doctor", "-c", str(cfg))
+    assert r.returncode == Exit.FAILURE
+    assert "FAIL  start-up: server.port: cannot listen on" in r.stdout
+    assert "does not answer as transferd" in r.stdout
+
+
+def test_an_address_the_start_up_check_takes_is_on_an_interface(tmp_path: Path) -> None:
+    # 127.0.0.2: no interface lists it (lo has 127.0.0.1/8), every check must agree.
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[engine]\nhost_rails = ["127.0.0.2"]\n')
+    assert cli("check-config", str(cfg)).returncode == Exit.OK
+    r = cli("doctor", "-c", str(cfg), "--json")
+    checks = json.loads(r.stdout)
+    assert not [c for c in checks if c["level"] == "FAIL"], checks
+    r = cli("devices", "-c", str(cfg), "--json")
+    nics = json.loads(r.stdout)["nics"]
+    assert {"config": "engine.host_rails[0]", "address": "127.0.0.2", "nic": "lo"} \
+        in nics["items"], nics
+
+
+def test_no_example_carries_a_secret() -> None:
+    """A TOML file is world-readable (0644 as installed): secrets go in files of their own."""
+    import tomllib
+
+    for path in sorted((REPO / "config").rglob("*.toml")):
+        cfg = tomllib.loads(path.read_text())
+        for section in cfg.values():
+            for key in ("token", "secret"):
+                assert not section.get(key), f"{path.name}: {key} in the file"

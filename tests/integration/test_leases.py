@@ -151,8 +151,9 @@ async def test_a_client_that_disconnects_with_writes_queued(tcp_cluster: Cluster
 async def test_a_lease_outlives_its_connection_renewed_from_another_then_expires(
     daemon_factory: DaemonFactory,
 ) -> None:
-    """Made and filled on one connection, which closes; renewed from a second past several
-    ttls; then left alone, it expires: its buffer is freed and its region's rkey refused."""
+    """Made and filled on one connection, which closes; joined and renewed from a second
+    past several ttls; then left alone, it expires: its buffer is freed and its region's
+    rkey refused."""
     d = daemon_factory(["-m", "64"])
     ctl = RawConn.to(d)
     ctl.hello()
@@ -168,7 +169,7 @@ async def test_a_lease_outlives_its_connection_renewed_from_another_then_expires
     async with await Client.connect(d.url) as c2:
         t0 = loop.time()
         while loop.time() - t0 < 3 * ttl:  # three ttls: it would have expired twice
-            assert await c2.renew_lease("kv/req-1", ttl) is False  # renewed, not made
+            assert await c2.renew_lease("kv/req-1", ttl, join=True) is False  # not made
             renewed = loop.time()
             await asyncio.sleep(ttl / 3)
         assert _sha(await c2.get_tensor(buf.tensor())) == _sha(data)
@@ -230,7 +231,9 @@ async def test_lease_and_owner_limits_exceeded_by_one(daemon_factory: DaemonFact
         await c2.renew_lease("l3", 30)
         with pytest.raises(TooLarge, match=r"\(memory\.max_leases\)"):
             await c2.renew_lease("l4", 30)
-        assert await c2.end_lease("l1") == 0  # any connection that knows the name
+        with pytest.raises(BadRequest, match="join"):  # c1's: c2 must ask to join
+            await c2.end_lease("l1")
+        assert await c2.end_lease("l1", join=True) == 0
         await c2.renew_lease("l4", 30)
         # Bad requests, each refused and the connection kept.
         for bad in (0, 60.001):
@@ -247,8 +250,8 @@ async def test_lease_and_owner_limits_exceeded_by_one(daemon_factory: DaemonFact
         assert await c2.imm_count(1) >= 0  # still served
     # c1 is gone: l2 is counted against nobody; a new connection may make its own two.
     async with await Client.connect(d.url) as c3:
-        await c3.end_lease("l3")
-        await c3.end_lease("l4")
+        await c3.end_lease("l3", join=True)
+        await c3.end_lease("l4", join=True)
         await c3.renew_lease("m1", 30)
         await c3.renew_lease("m2", 30)  # l2 + m1 + m2 = 3, the daemon's cap
         with pytest.raises(TooLarge):

@@ -87,7 +87,9 @@ async def test_owners_connection_daemon_and_lease(daemon: DaemonProcess) -> None
             await asyncio.sleep(0.2)
             assert {n.name for n in await b.names("t2/")} == {"t2/daemon", "t2/lease"}
             a = await Client.connect(daemon.url)
-            await a.end_lease("t2-lease")
+            with pytest.raises(BadRequest, match="has not joined"):  # the lease's holders'
+                await a.unpublish("t2/lease")
+            await a.end_lease("t2-lease", join=True)
             lease.detach()
         assert [n.name for n in await b.names("t2/")] == ["t2/daemon"]
         await b.unpublish("t2/daemon")  # the daemon's: whoever knows the name

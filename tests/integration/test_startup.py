@@ -108,6 +108,7 @@ def test_a_unix_socket_in_use_is_not_taken_over(tmp_path: Path) -> None:
 def test_serve_takes_rpc_servers_flags(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sock")
     (tmp_path / "tok").write_text("tok\n")
+    (tmp_path / "tok").chmod(0o600)
     with DaemonProcess(command=[*SERVE, "-p", "0", "-m", "24", "--metrics-port", "-1",
                                 "--unix", path, "--token-file", str(tmp_path / "tok"),
                                 "--log-level", "WARNING",

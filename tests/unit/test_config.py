@@ -242,9 +242,17 @@ def test_shipped_config_mentions_every_key() -> None:
             assert key.name in data[sec.name], f"{sec.name}.{key.name} missing from {SHIPPED}"
 
 
+def node_files(tmp_path: Path) -> dict[str, str]:
+    """The files an example names on its node (the service's token), made here."""
+    tok = tmp_path / "token"
+    tok.write_text("a-token")
+    tok.chmod(0o600)
+    return {"TRANSFERD_SERVER_TOKEN_FILE": str(tok)}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_configs_validate(path: Path) -> None:
-    load(path, env={})
+def test_example_configs_validate(path: Path, tmp_path: Path) -> None:
+    load(path, env=node_files(tmp_path) if "token_file" in path.read_text() else {})
 
 
 # -- transferd check-config ---------------------------------------------------------------
@@ -379,10 +387,11 @@ def test_sources_say_where_each_value_came_from(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_check_config_passes_the_shipped_examples(path: Path) -> None:
+def test_check_config_passes_the_shipped_examples(path: Path, tmp_path: Path) -> None:
     # An example for another node says so, and shows the flag to check it with.
-    flags = ["--other-node"] if "--other-node" in path.read_text() else []
-    r = check_config(path, None, *flags)
+    text = path.read_text()
+    flags = ["--other-node"] if "--other-node" in text else []
+    r = check_config(path, node_files(tmp_path) if "token_file" in text else None, *flags)
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr or "in use" in r.stderr
 

@@ -158,7 +158,7 @@ def test_a_mac_from_another_connection_does_not_replay() -> None:
     second._random = lambda k: b"\x07" * k  # another connection, another challenge
     assert _to_auth(second, nonce)["challenge"] != c1
     (ev,) = second.receive_data(encode_frame(Command.AUTH, 0, 2, {"mac": mac}))
-    assert isinstance(ev, Refused) and ev.error.message == "wrong mac"
+    assert isinstance(ev, Refused) and ev.error.message.startswith("wrong mac")
 
 
 @pytest.mark.parametrize("nonce", [b"short", "str", None])

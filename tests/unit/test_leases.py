@@ -63,11 +63,11 @@ def test_limits_per_daemon_and_per_connection_by_one() -> None:
         t.renew("x3", 1, "c2")
         with pytest.raises(OverLimit, match=r"\(memory\.max_leases\)"):
             t.renew("x4", 1, "c2")
-        t.end("x1")  # frees a place in the daemon and in c1's count
+        t.end("x1", "c1")  # frees a place in the daemon and in c1's count
         t.renew("x4", 1, "c1")
-        t.connection_closed("c1")  # its leases stay, counted against nobody
+        t.connection_closed("c1")  # its leases stay, held by nobody
         assert len(t) == 3
-        t.end("x2")
+        t.end("x2", "c2", join=True)
         t.renew("y", 1, "c1")  # c1 (a new connection by the same key) starts from 0
         for bad in (0.0, -1.0, 5.001):
             with pytest.raises(BadRequest, match="ttl"):
@@ -139,3 +139,47 @@ def test_waiting_for_admitted_writes_is_bounded_even_when_one_cannot_be_cut_shor
     assert stuck.drained().done()
     assert wait_drained([stuck, cut]) is None  # nothing in flight: no wait at all
     table.free_buffer(buf.id)
+
+
+def test_a_lease_is_held_by_who_made_or_joined_it() -> None:
+    async def main() -> None:
+        t = _table(asyncio.get_running_loop(), [], max_leases=10, max_per_connection=2)
+        lease, _ = t.renew("l", 1, "a")
+        for act in (lambda: t.renew("l", 1, "b"), lambda: t.end("l", "b"),
+                    lambda: t.held("l", "b")):
+            with pytest.raises(BadRequest, match="join"):
+                act()
+        assert lease.shown_to("a") == "lease:l" and lease.shown_to("b") == "lease"
+        assert t.renew("l", 1, "b", join=True) == (lease, False)
+        assert t.held("l", "b") is lease and lease.shown_to("b") == "lease:l"
+        t.renew("m", 1, "b")
+        t.renew("n", 1, "a")
+        for act in (lambda: t.renew("l2", 1, "b"),  # b holds two (made or joined): its cap
+                    lambda: t.renew("n", 1, "b", join=True)):
+            with pytest.raises(OverLimit, match="made or joined"):
+                act()
+        t.connection_closed("a")
+        t.connection_closed("b")
+        assert lease.holders == set() and len(t) == 3  # outlives its holders
+        with pytest.raises(BadRequest, match="join"):
+            t.renew("l", 1, "c")
+        t.close()
+
+    asyncio.run(main())
+
+
+def test_leases_made_from_one_source_are_capped_until_they_end() -> None:
+    async def main() -> None:
+        t = _table(asyncio.get_running_loop(), [], max_leases=10, max_per_connection=10,
+                   max_per_source=3)
+        for i in range(3):  # a client that reconnects for each lease
+            t.renew(f"h{i}", 1, f"conn{i}", source="10.0.0.1")
+            t.connection_closed(f"conn{i}")
+        with pytest.raises(OverLimit, match="max_leases_per_source"):
+            t.renew("h3", 1, "conn3", source="10.0.0.1")
+        t.renew("v", 1, "victim", source="10.0.0.2")  # another source is served
+        t.end("h0", "conn3", join=True)
+        t.renew("h3", 1, "conn3", source="10.0.0.1")  # one ended: one more
+        t.close()
+
+    asyncio.run(main())

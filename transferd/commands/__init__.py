@@ -11,8 +11,8 @@ import click
 
 
 def register(group: click.Group) -> None:
-    from . import bench, doctor, names, remote
+    from . import bench, doctor, names, reload, remote
 
     for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers,
-                bench.bench, names.peers, names.names):
+                bench.bench, names.peers, names.names, reload.reload):
         group.add_command(cmd)

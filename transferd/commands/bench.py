@@ -1,34 +1,52 @@
-"""``transferd bench``: one-sided writes between two daemons, timed.
+"""``transferd bench``: one-sided transfers between two daemons, timed, size by size.
 
-Without ``--peer`` it starts two daemons on loopback (``rpc-server`` processes it
-stops afterwards); with ``--peer URL`` the destination is that daemon (another node)
-and the source a daemon it starts here, or ``--source URL``.  It keeps ``--window``
-writes of ``--size`` bytes in flight for ``--duration`` seconds, checks the bytes
-that landed against the source (sha256), and prints a table: writes, bytes,
-throughput, and latency percentiles.  ``--plot FILE`` writes a PNG of throughput over
-time (matplotlib, the ``plot`` extra).
+Without ``--peer`` it starts two daemons on loopback (``rpc-server`` processes it stops
+afterwards); with ``--peer URL`` the destination is that daemon (another node) and the
+source a daemon it starts here (on the address that reaches the peer, with the cluster
+secret of ``--secret-file`` or the ``TRANSFERD_ENGINE_SECRET*`` variables), or
+``--source URL``.  For each size of ``--sizes`` it keeps ``--window`` transfers in flight
+for ``--duration`` seconds after ``--warmup`` untimed ones, checks that the two regions
+then hold the same bytes (sha256), and prints a row: transfers, bandwidth, latency
+percentiles.  What it allocated and registered on either daemon is given back on every
+way out (done, an error, SIGINT, SIGTERM).  ``--json`` for scripts; ``--plot FILE`` a PNG
+of throughput over time (matplotlib, the ``plot`` extra).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import functools
+import ipaddress
 import itertools
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
-import time
-from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
 
 from transferd.exits import Exit
 
+from .bench_run import (
+    OPERATIONS,
+    PERCENTILES,
+    BenchError,
+    Pair,
+    SizeResult,
+    Stopped,
+    daemon,
+    local_address_towards,
+    run_size,
+)
+from .remote import TOKEN, check_url
+
 SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?)?\s*$", re.I)
+MAX_SIZE = 16 << 30
+STEPS = 100  # progress-bar steps per size
 
 
 def parse_size(text: str) -> int:
@@ -36,146 +54,188 @@ def parse_size(text: str) -> int:
     if not m:
         raise click.BadParameter(f"{text!r}: a size like 4096, 64KiB, 4MiB or 1GiB")
     unit = (m.group(2) or "").upper()[:1]
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[unit]
+    n = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[unit]
+    if not 1 <= n <= MAX_SIZE:
+        raise click.BadParameter(f"{text!r}: a transfer is 1 byte to 16 GiB")
+    return n
 
 
-@contextlib.contextmanager
-def _daemon(host: str, mem_mib: int) -> Iterator[str]:
-    """An rpc-server on ``host`` (engine on), stopped on the way out; yields its URL."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    p = subprocess.Popen([sys.executable, "-m", "rpc_server.cli", "-H", host, "-p", "0",
-                          "--metrics-port", "-1", "-m", str(mem_mib)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         stdin=subprocess.DEVNULL)
-    try:
-        url = None
-        assert p.stdout is not None
-        deadline = time.monotonic() + 30
-        for line in p.stdout:
-            if line.startswith("transferd: listening on tcp://") and url is None:
-                url = line.split()[-1]
-            if line.strip() == "transferd: ready" or time.monotonic() > deadline:
-                break
-        if url is None or p.poll() is not None:
-            err = p.stderr.read() if p.stderr else ""
-            raise click.ClickException(f"a bench daemon did not start: {err.strip()}")
-        yield url
-    finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+def _sizes(_ctx: Any, _param: Any, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise click.BadParameter("give at least one size, e.g. 4K,64K,1M,64M")
+    return sizes
 
 
-async def _run(src_url: str, dst_url: str, size: int, window: int, duration: float,
-               token: str | None, tick: Any) -> dict[str, Any]:
+def _size_text(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _secret(path: str | None) -> dict[str, str]:
+    """The variable that gives the daemons the bench starts the cluster secret."""
+    if path is not None:
+        return {"TRANSFERD_ENGINE_SECRET_FILE": os.path.abspath(path)}
+    for name in ("TRANSFERD_ENGINE_SECRET_FILE", "TRANSFERD_ENGINE_SECRET"):
+        if os.environ.get(name):
+            return {name: os.environ[name]}
+    return {}
+
+
+def _is_loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+# -- signals: Stopped where the bench waits, a stop event where it runs ----------------
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise Stopped(signum)
+
+
+async def _main(src: str, dst: str, op_name: str, sizes: list[int], window: int,
+                duration: float, warmup: int, timeout: float, token: str | None,
+                progress: Any) -> list[SizeResult]:
     from client import Client
 
-    a = await Client.connect(src_url, token=token)
-    b = await Client.connect(dst_url, token=token)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():  # a second one: leave now, whatever is held
+            click.echo(f"\ntransferd bench: {signal.Signals(signum).name} again: leaving "
+                       f"without giving back what the bench holds on {src} and {dst}",
+                       err=True)
+            os._exit(128 + signum)
+        stop.signum = signum  # type: ignore[attr-defined]
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    clients: list[Any] = []
+    pair: Pair | None = None
     try:
-        src, dst = await a.alloc_buffer(size), await b.alloc_buffer(size)
-        data = os.urandom(size)
-        await a.set_tensor(src.tensor(), data)
-        (src_mr, _), (_, dst_desc) = await a.reg_mr(src), await b.reg_mr(dst)
-        lat: list[float] = []
-        series: list[tuple[float, int]] = []  # (seconds since start, bytes done)
-        done = 0
-        t0 = time.perf_counter()
-        end = t0 + duration
-        inflight: set[asyncio.Task[None]] = set()
-
-        async def one() -> None:
-            nonlocal done
-            s = time.perf_counter()
-            w = await a.submit_single_write(size, None, (src_mr, 0), (dst_desc, 0))
-            await w.wait(30)
-            lat.append(time.perf_counter() - s)
-            done += size
-
-        last_tick = t0
-        while time.perf_counter() < end:
-            while len(inflight) < window:
-                t = asyncio.ensure_future(one())
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-            await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-            for t in [t for t in list(inflight) if t.done()]:
-                t.result()
-            now = time.perf_counter()
-            if now - last_tick >= 0.1:
-                series.append((now - t0, done))
-                tick(now - last_tick)
-                last_tick = now
-        if inflight:
-            await asyncio.gather(*inflight)
-        elapsed = time.perf_counter() - t0
-        series.append((elapsed, done))
-        got = bytes(await b.get_tensor(dst.tensor()))
-        verified = hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
-        lat.sort()
-
-        def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
-
-        return {"source": src_url, "destination": dst_url, "size": size, "window": window,
-                "writes": len(lat), "bytes": done, "seconds": elapsed,
-                "gbps": done * 8 / elapsed / 1e9 if elapsed else 0.0,
-                "gib_per_s": done / elapsed / (1 << 30) if elapsed else 0.0,
-                "p50_ms": pct(0.5) * 1e3, "p99_ms": pct(0.99) * 1e3,
-                "max_ms": (lat[-1] if lat else 0.0) * 1e3, "verified": verified,
-                "series": series}
+        for url in (src, dst):
+            clients.append(await Client.connect(url, token=token, timeout=timeout,
+                                                connect_timeout=timeout))
+        op = OPERATIONS[op_name]
+        why = op.missing(clients[0])
+        if why is not None:
+            raise BenchError(f"--op {op_name}: {why}")
+        pair = Pair(clients[0], clients[1])
+        await pair.take(max(sizes))
+        results = []
+        for i, size in enumerate(sizes):
+            progress(i, size, 0.0)
+            results.append(await run_size(
+                pair, op, size, window, duration, warmup, stop,
+                functools.partial(progress, i, size), timeout))
+        return results
     finally:
-        await a.close()
-        await b.close()
+        problems = await pair.close() if pair is not None else []
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _raise_stopped)
+        for p in problems:
+            click.echo(f"transferd bench: could not give back a buffer or region: {p}",
+                       err=True)
 
 
-def _plot(path: str, result: dict[str, Any]) -> None:
+def _plot(path: str, results: list[dict[str, Any]], op: str, window: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = result["series"]
-    xs, ys = [], []
-    for (t0, b0), (t1, b1) in itertools.pairwise(pts):
-        if t1 > t0:
-            xs.append(t1)
-            ys.append((b1 - b0) / (t1 - t0) / (1 << 30))
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(xs, ys)
+    for r in results:
+        xs, ys = [], []
+        for (t0, b0), (t1, b1) in itertools.pairwise(r["series"]):
+            if t1 > t0:
+                xs.append(t1)
+                ys.append((b1 - b0) / (t1 - t0) / (1 << 30))
+        ax.plot(xs, ys, label=_size_text(r["size"]))
     ax.set_xlabel("seconds")
     ax.set_ylabel("GiB/s")
-    ax.set_title(f"transferd bench: {result['size']} B writes, window {result['window']}")
+    ax.set_title(f"transferd bench: {op}, window {window}")
+    ax.legend()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
 
 
-@click.command(short_help="Time one-sided writes between two daemons.")
-@click.option("--peer", default=None, metavar="URL",
+def _table(out: dict[str, Any]) -> list[str]:
+    lines = [f"transferd bench: {out['op']}, window {out['window']}, "
+             f"{out['duration_s']:g} s per size",
+             f"source       {out['source']}", f"destination  {out['destination']}", ""]
+    cols = ["size", "transfers", "GiB/s", "Gbit/s"] + \
+        [f"{n[0]}{n[1:3]}{'.' + n[3:] if len(n) > 3 else ''} ms" for n, _ in PERCENTILES] + \
+        ["max ms", "bytes"]
+    rows = []
+    for r in out["results"]:
+        rows.append([_size_text(r["size"]), f"{r['transfers']:,}", f"{r['gib_per_s']:.2f}",
+                     f"{r['gbps']:.1f}"] + [f"{r[n + '_ms']:.2f}" for n, _ in PERCENTILES]
+                    + [f"{r['max_ms']:.2f}", "match" if r["verified"] else "DIFFER"])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    for row in rows:
+        lines.append("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+    return lines
+
+
+@click.command(short_help="Time one-sided transfers between two daemons, size by size.")
+@click.option("--peer", default=None, metavar="URL", callback=check_url,
               help="Destination daemon (another node); default: one started here.")
-@click.option("--source", default=None, metavar="URL",
-              help="Source daemon; default: one started here.")
-@click.option("--size", default="4MiB", show_default=True, help="Bytes per write.")
+@click.option("--source", default=None, metavar="URL", callback=check_url,
+              help="Source daemon; default: one started here (next to the peer's route).")
+@click.option("--op", "op_name", type=click.Choice(sorted(OPERATIONS)), default="write",
+              show_default=True, help="write: one-sided writes; read: one-sided reads "
+              "(where the build and the daemons have them).")
+@click.option("--size", default=None, metavar="SIZE",
+              callback=lambda _c, _p, v: None if v is None else parse_size(v),
+              help="Bytes per transfer (4096, 64KiB, 4MiB, 1GiB) [4MiB].")
+@click.option("--sizes", default=None, metavar="LIST", callback=_sizes,
+              help="A sweep, one row each: e.g. 4K,64K,1M,64M (instead of --size).")
 @click.option("--window", type=click.IntRange(1, 1024), default=8, show_default=True,
-              help="Writes in flight at once.")
+              help="Transfers in flight at once.")
 @click.option("--duration", type=click.FloatRange(0.2, 3600), default=5.0, show_default=True,
-              help="Seconds to run.")
+              help="Seconds to time, per size.")
+@click.option("--warmup", type=click.IntRange(0, 100_000), default=8, show_default=True,
+              help="Untimed transfers before each size's timing.")
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=30.0, show_default=True,
+              help="Seconds one transfer (or a request) may take before the bench fails.")
+@click.option("--secret-file", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="The cluster secret for the daemons the bench starts (else "
+                   "TRANSFERD_ENGINE_SECRET_FILE or TRANSFERD_ENGINE_SECRET): needed with a "
+                   "--peer that has one.")
+@TOKEN
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of throughput over time (needs matplotlib: transferd[plot]).")
-@click.option("--json", "as_json", is_flag=True, help="The summary as JSON.")
-def bench(peer: str | None, source: str | None, size: str, window: int, duration: float,
-          plot_path: str | None, as_json: bool) -> None:
-    """Keep WINDOW writes of SIZE in flight from the source daemon to the destination
-    daemon for DURATION seconds; check what landed; print throughput and latency.
+@click.option("--json", "as_json", is_flag=True, help="The results as one JSON object.")
+def bench(peer: str | None, source: str | None, op_name: str, size: int | None,
+          sizes: list[int] | None, window: int, duration: float, warmup: int, timeout: float,
+          secret_file: str | None, token: str | None, plot_path: str | None,
+          as_json: bool) -> None:
+    """Keep WINDOW transfers of each size in flight from the source daemon to the
+    destination daemon for DURATION seconds; check what landed; print bandwidth and
+    latency percentiles (p50, p90, p99, p99.9, max) per size.
 
-    A daemon's token comes from TRANSFERD_TOKEN.  Exit 1 when the bytes that landed
-    differ from the source's, 5 when --plot is asked for and matplotlib is missing.
+    A daemon's token comes from --token-file or TRANSFERD_TOKEN.  Exit 0 when every
+    size's bytes matched, 1 when some differ or the bench failed, 2 for a usage error,
+    5 when --plot is asked for and matplotlib is missing, 128 + N after signal N (what
+    the bench held on the daemons given back first).
     """
-    nbytes = parse_size(size)
+    if size is not None and sizes is not None:
+        raise click.UsageError("give --size or --sizes, not both")
+    todo = sizes or [size or 4 << 20]
     if plot_path is not None:
         try:
             import matplotlib  # noqa: F401
@@ -183,39 +243,58 @@ def bench(peer: str | None, source: str | None, size: str, window: int, duration
             click.echo("transferd bench: --plot needs matplotlib, which is not installed: "
                        "pip install 'transferd[plot]' (or pip install matplotlib)", err=True)
             sys.exit(Exit.INSTALL)
-    token = os.environ.get("TRANSFERD_TOKEN") or None
-    mem = max(64, (nbytes >> 20) * 2 + 16)
-    with contextlib.ExitStack() as stack:
-        src = source or stack.enter_context(_daemon("127.0.0.1", mem))
-        dst = peer or stack.enter_context(_daemon("127.0.0.1", mem))
-        steps = int(duration * 10)
-        with click.progressbar(length=steps, label="bench", file=sys.stderr,
-                               show_eta=True) as bar:
-            def tick(dt: float) -> None:
-                bar.update(max(1, round(dt * 10)))
+    secret = _secret(secret_file)
+    # The daemon the bench starts puts its rail where the other daemon reaches it.
+    other = peer if not source else source if not peer else None
+    try:
+        host = local_address_towards(other) if other else "127.0.0.1"
+    except BenchError as exc:
+        click.echo(f"transferd bench: {exc}", err=True)
+        sys.exit(Exit.FAILURE)
+    if not _is_loopback(host) and not secret:
+        raise click.UsageError(
+            f"{other} is on another host: the daemon the bench starts on {host} needs the "
+            "cluster secret it has (--secret-file FILE, or TRANSFERD_ENGINE_SECRET_FILE)")
+    mem = max(64, (max(todo) >> 20) + 16)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stopped)
+    with click.progressbar(length=len(todo) * STEPS, label="bench", file=sys.stderr,
+                           show_eta=False) as bar:
 
-            try:
-                result = asyncio.run(_run(src, dst, nbytes, window, duration, token, tick))
-            except Exception as exc:
-                click.echo(f"transferd bench: {exc}", err=True)
-                sys.exit(Exit.FAILURE)
+        def progress(i: int, n: int, frac: float) -> None:
+            bar.label = f"bench {op_name} {_size_text(n)}"
+            bar.update(max(0, i * STEPS + round(frac * STEPS) - bar.pos))
+
+        try:
+            with contextlib.ExitStack() as stack:
+                src = source or stack.enter_context(daemon(host, mem, secret))
+                dst = peer or stack.enter_context(daemon(host, mem, secret))
+                results = asyncio.run(_main(src, dst, op_name, todo, window, duration,
+                                            warmup, timeout, token, progress))
+        except Stopped as exc:
+            click.echo(f"\ntransferd bench: stopped by {exc}", err=True)
+            sys.exit(128 + exc.signum)
+        except (BenchError, OSError, TimeoutError) as exc:
+            click.echo(f"\ntransferd bench: {exc or type(exc).__name__}", err=True)
+            sys.exit(Exit.FAILURE)
+        except Exception as exc:
+            from transferd.protocol.errors import TransferdError
+
+            if not isinstance(exc, TransferdError):
+                raise
+            click.echo(f"\ntransferd bench: {exc}", err=True)
+            sys.exit(Exit.FAILURE)
+    out: dict[str, Any] = {"op": op_name, "source": src, "destination": dst, "window": window,
+           "duration_s": duration, "warmup": warmup,
+           "results": [r.to_dict() for r in results]}
     if plot_path is not None:
-        _plot(plot_path, result)
+        _plot(plot_path, out["results"], op_name, window)
     if as_json:
-        click.echo(json.dumps(result))
+        click.echo(json.dumps(out))
     else:
-        rows = [("source", result["source"]), ("destination", result["destination"]),
-                ("write size", f"{nbytes:,} B"), ("window", str(window)),
-                ("writes", f"{result['writes']:,}"), ("bytes", f"{result['bytes']:,}"),
-                ("seconds", f"{result['seconds']:.2f}"),
-                ("throughput", f"{result['gib_per_s']:.2f} GiB/s ({result['gbps']:.1f} Gbit/s)"),
-                ("latency p50", f"{result['p50_ms']:.2f} ms"),
-                ("latency p99", f"{result['p99_ms']:.2f} ms"),
-                ("latency max", f"{result['max_ms']:.2f} ms"),
-                ("bytes landed", "match the source" if result["verified"] else "DIFFER")]
-        width = max(len(k) for k, _ in rows)
-        for k, v in rows:
-            click.echo(f"{k:<{width}}  {v}")
+        for line in _table(out):
+            click.echo(line)
         if plot_path:
-            click.echo(f"{'plot':<{width}}  {plot_path}")
-    sys.exit(Exit.OK if result["verified"] else Exit.FAILURE)
+            click.echo(f"plot         {Path(plot_path)}")
+    ok = all(r["verified"] for r in out["results"])
+    sys.exit(Exit.OK if ok else Exit.FAILURE)

@@ -1,10 +1,13 @@
 """``transferd doctor``: can this machine run this configuration? And ``devices``.
 
 Doctor checks, in order: the configuration loads; what ``serve`` would check
-before starting (addresses, ports free now, memory, the Unix socket); the
-memlock limit RDMA needs; files holding secrets or keys (readable by us, by
-nobody else); a token where the RPC port is reachable from other hosts; and
-every device probe (:mod:`transferd.commands.probes`).  One line per check:
+before starting (addresses, ports free now, memory, the Unix socket), where a
+port or socket taken by this configuration's running daemon is no problem
+(:mod:`transferd.commands.live` asks who holds it: the daemon that answers with
+this configuration's token); the memlock limit RDMA needs; files holding secrets
+or keys (readable by us, by nobody else); a token where the RPC port is reachable
+from other hosts; and every device probe (:mod:`transferd.commands.probes`).  One
+line per check:
 ``ok``, ``warn`` or ``FAIL``.  Exit 1 when something the configuration needs
 is missing, 3 when the configuration itself is invalid, 0 otherwise.
 """
@@ -35,12 +38,23 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
     """``(level, check, detail)`` for every check; level is ok, warn or FAIL."""
     from transferd import preflight
 
+    from .live import probe
+
     out: list[tuple[str, str, str]] = []
     problems = preflight.check(cfg, this_machine=not other_node, bind=not other_node)
+    live = probe(cfg, problems)
     for p in problems:
-        out.append(("FAIL", "start-up", str(p)))
-    if not problems:
-        out.append(("ok", "start-up", "addresses, ports, memory and socket paths are usable"))
+        held = live.held.get(p.key)
+        if live.explains(p):
+            continue
+        out.append(("FAIL", "start-up", f"{p}" + (f" ({held[1]})" if held and held[1] else "")))
+    if not [p for p in problems if not live.explains(p)]:
+        out.append(("ok", "start-up", "addresses, memory and socket paths are usable"
+                    + ("; the ports taken are the running daemon's" if live.held
+                       else ", the ports free")))
+    for key, (ok, what) in live.held.items():
+        if ok:
+            out.append(("ok", "running", f"{key}: {what}"))
     # RDMA pins registered memory: the lock limit must cover what can be registered.
     limit = probes.memlock_limit()
     verbs = cfg.engine.enabled and "verbs" in cfg.engine.domain
@@ -57,11 +71,14 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
         out.append(("FAIL" if (why and "cannot read" in why) or (why and "not readable" in why)
                     else "warn" if why else "ok", f"permissions {key}", why or path))
     s = cfg.server
-    if not _is_loopback(s.host) and not s.token:
+    token = "server.token_file" if s.token_file else "server.token" if s.token else ""
+    if not _is_loopback(s.host) and not token:
         out.append(("warn", "secrets", f"server.host {s.host} is reachable from other hosts "
-                    "and server.token is empty: anyone there can use the daemon"))
+                    "and there is no token (server.token_file): anyone there can use the "
+                    "daemon"))
     else:
-        out.append(("ok", "secrets", "token set" if s.token else "loopback only, no token"))
+        out.append(("ok", "secrets", f"clients prove the token of {token}" if token
+                    else "loopback only, no token"))
     from transferd.discovery.check import discovery_checks
 
     out += discovery_checks(cfg)

@@ -17,7 +17,6 @@ import ipaddress
 import json
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,24 +93,52 @@ def numa(config: Config | None) -> Section:
 # -- NICs -------------------------------------------------------------------------------
 
 
-def _addresses() -> dict[str, list[str]]:
-    """Interface name -> its IP addresses (from `ip -j addr`; empty where there is no ip)."""
+def _ip_addr() -> list[dict[str, Any]]:
+    """`ip -j addr`, parsed (empty where there is no ip)."""
     ip = shutil.which("ip")
     if ip is None:
-        return {}
+        return []
     try:
         out = subprocess.run([ip, "-j", "addr"], capture_output=True, text=True, timeout=5)
         data = json.loads(out.stdout or "[]")
     except (OSError, subprocess.SubprocessError, ValueError):
-        return {}
+        return []
+    return [i for i in data if isinstance(i, dict) and "ifname" in i]
+
+
+def _addresses(data: list[dict[str, Any]] | None = None) -> dict[str, list[str]]:
+    """Interface name -> its IP addresses."""
     return {i["ifname"]: [a["local"] for a in i.get("addr_info", []) if "local" in a]
-            for i in data if "ifname" in i}
+            for i in (_ip_addr() if data is None else data)}
+
+
+def _interface_of(host: str, data: list[dict[str, Any]]) -> str | None:
+    """The interface ``host`` is on: one that has it, else one whose network holds it on
+    a loopback interface (all of 127.0.0.0/8 is lo's, though `ip` lists 127.0.0.1/8)."""
+    try:
+        want = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    for i in data:
+        for a in i.get("addr_info", []):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                if ipaddress.ip_address(a["local"]) == want:
+                    return str(i["ifname"])
+    for i in data:
+        if "LOOPBACK" not in i.get("flags", []):
+            continue
+        for a in i.get("addr_info", []):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                if want in ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False):
+                    return str(i["ifname"])
+    return None
 
 
 @register("nics")
 def nics(config: Config | None) -> Section:
     sec = Section("nics")
-    addrs = _addresses()
+    data = _ip_addr()
+    addrs = _addresses(data)
     base = Path("/sys/class/net")
     for dev in sorted(base.iterdir()) if base.is_dir() else []:
         speed = _read(dev / "speed")
@@ -128,17 +155,24 @@ def nics(config: Config | None) -> Section:
     if not addrs:
         sec.note = (sec.note + "; " if sec.note else "") + "addresses unknown (no `ip`)"
     if config is not None:
-        where = {a: i["name"] for i in sec.items for a in i["addresses"]}
         e = config.engine
         if e.enabled:
+            from transferd.preflight import is_local_address
+
             rails = list(e.host_rails) or [config.server.host]
             for i, host in enumerate(rails):
                 key = f"engine.host_rails[{i}]" if e.host_rails else "server.host"
-                nic = where.get(host)
+                nic = _interface_of(host, data)
                 if nic is not None:
                     sec.items.append({"config": key, "address": host, "nic": nic})
-                elif addrs and not _wildcard(host) and _is_ip(host):
-                    sec.needed.append(f"{key}: {host} is on no interface of this machine")
+                elif not _wildcard(host) and _is_ip(host):
+                    # The same test as the start-up check's: can this machine bind it?
+                    if is_local_address(host):
+                        sec.items.append({"config": key, "address": host,
+                                          "nic": "(a local address no interface lists: an "
+                                                 "AnyIP route or ip_nonlocal_bind)"})
+                    else:
+                        sec.needed.append(f"{key}: {host} is not an address of this machine")
     return sec
 
 
@@ -224,9 +258,6 @@ def memlock_limit() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
-
-def local_addresses() -> set[str]:
-    return {a for v in _addresses().values() for a in v} | {socket.gethostname()}
 
 
 def env_secret_files(cfg: Config) -> list[tuple[str, str]]:

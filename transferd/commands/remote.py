@@ -23,7 +23,23 @@ from transferd.exits import Exit
 
 T = TypeVar("T")
 
-URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False)
+def check_url(_ctx: Any, _param: Any, url: str | None) -> str | None:
+    """A daemon's URL, checked as the client will read it: a malformed one is a usage
+    error (exit 2), not a failure to reach a daemon."""
+    if url is None:
+        return None
+    from transferd import transports
+    from transferd.protocol.errors import TransferdError
+
+    try:
+        transports.parse(url)
+    except TransferdError as exc:
+        raise click.BadParameter(exc.message) from None
+    return url
+
+
+URL = click.argument("url", default="tcp://127.0.0.1:18515", required=False,
+                     callback=check_url)
 TOKEN = click.option("--token-file", "token", default=None, type=click.Path(dir_okay=False),
                      callback=lambda _ctx, _p, v: _read_token(v),
                      help="File holding the daemon's token (else TRANSFERD_TOKEN, if set); "
@@ -67,9 +83,74 @@ def _with_client(url: str, token: str | None, timeout: float,
     try:
         return asyncio.run(go())
     except (OSError, TimeoutError, TransferdError) as exc:
-        why = str(exc) or type(exc).__name__
-        click.echo(f"transferd: {url}: {why}", err=True)
+        click.echo(f"transferd: {url}: {explain(url, exc, token, timeout)}", err=True)
         sys.exit(Exit.FAILURE)
+
+
+def explain(url: str, exc: BaseException, token: str | None, timeout: float) -> str:
+    """What went wrong reaching ``url``, in words: what answers there instead of a
+    transferd RPC port, and where the token comes from when it was refused."""
+    from transferd import transports
+    from transferd.protocol.constants import ErrorCode
+    from transferd.protocol.errors import TransferdError
+
+    ep = transports.parse(url)
+    where = f"{ep.host}:{ep.port}" if not ep.path else ep.path
+    rpc = "the daemon prints its RPC URL at start: 'transferd: listening on ...'"
+    code = exc.code if isinstance(exc, TransferdError) else None
+    if code is ErrorCode.NO_HELLO:
+        # An RPC server answers HELLO; a peer port speaks the same frames, not HELLO.
+        return (f"{where} is a transferd peer port (the engine's rails, daemon to daemon), "
+                f"not an RPC port: {rpc}")
+    if code is ErrorCode.UNAUTHORIZED:
+        return f"{exc} ({_token_hint(token)})"
+    if isinstance(exc, TimeoutError) or code is ErrorCode.BAD_FRAME:
+        other = _what_answers(ep, timeout) if not ep.path else None
+        if other is not None:
+            return f"{other} on {where}, not a transferd RPC port: {rpc}"
+        if isinstance(exc, TimeoutError):
+            return (f"no HELLO reply within {timeout:g} s: {where} accepts connections but "
+                    f"does not answer as transferd ({rpc})" if _connects(ep, timeout) else
+                    f"cannot connect to {where} within {timeout:g} s (no host there, a "
+                    "firewall that drops it, or a listener that accepts nothing)")
+    return str(exc) or type(exc).__name__
+
+
+def _token_hint(token: str | None) -> str:
+    if token is not None:
+        return "the token given (--token-file, or TRANSFERD_TOKEN) is not the daemon's"
+    hint = "the daemon requires a token: --token-file FILE, or TRANSFERD_TOKEN"
+    if os.environ.get("TRANSFERD_SERVER_TOKEN") or os.environ.get("TRANSFERD_SERVER_TOKEN_FILE"):
+        hint += ("; TRANSFERD_SERVER_TOKEN(_FILE) is set, but that is the daemon's own "
+                 "setting: the commands read TRANSFERD_TOKEN")
+    return hint
+
+
+def _connects(ep: Any, timeout: float) -> bool:
+    import socket
+
+    with contextlib.suppress(OSError), socket.create_connection((ep.host, ep.port),
+                                                                timeout=timeout):
+        return True
+    return False
+
+
+def _what_answers(ep: Any, timeout: float) -> str | None:
+    """"an HTTP server answers" (the metrics endpoint, often) when one does, else None."""
+    import socket
+
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=min(timeout, 2.0)) as s:
+            s.settimeout(min(timeout, 2.0))
+            s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            head = s.recv(4096)
+    except OSError:
+        return None
+    if not head.startswith(b"HTTP/"):
+        return None
+    if b"transferd_" in head or b"text/plain; version=0.0.4" in head:
+        return "transferd's metrics endpoint (HTTP) answers"
+    return "an HTTP server answers"
 
 
 # -- ping -------------------------------------------------------------------------------
@@ -119,12 +200,29 @@ def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool)
 async def _sample(c: Any) -> dict[str, Any]:
     from transferd.protocol.constants import Command
 
-    # With where the daemon's names live and whether that store is up (docs/discovery.md).
-    stats = dict((await c.conn.request(Command.STATS, {"discovery": True})).body)
+    # summary: uptime, connections, errors, the engine; discovery: where the daemon's
+    # names live and whether that store is up (a daemon before them ignores them).
+    stats = dict((await c.conn.request(Command.STATS, {"summary": True,
+                                                       "discovery": True})).body)
     devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
     stats["devices"] = list(devices)
     stats["t"] = time.monotonic()
     return stats
+
+
+def _duration(s: float) -> str:
+    d, rest = divmod(int(s), 86400)
+    h, rest = divmod(rest, 3600)
+    m, sec = divmod(rest, 60)
+    return (f"{d} d {h} h" if d else f"{h} h {m} min" if h else f"{m} min {sec} s" if m
+            else f"{s:.1f} s")
+
+
+def _rate_of(now: dict[str, Any], before: dict[str, Any] | None, dt: float, group: str,
+             key: str) -> str:
+    if not before or dt <= 0 or group not in before:
+        return ""
+    return f"{(now[group][key] - before[group][key]) / dt:,.0f}/s"
 
 
 def _table(now: dict[str, Any], before: dict[str, Any] | None, url: str) -> str:
@@ -136,8 +234,32 @@ def _table(now: dict[str, Any], before: dict[str, Any] | None, url: str) -> str:
             return ""
         return f"{(now[key] - before[key]) / dt:,.0f}/s"
 
+    if "uptime_s" in now:
+        lines.append(f"{'up':<22}{_duration(now['uptime_s']):>18}")
+        conns = now["connections"]
+        lines.append(f"{'connections open':<22}{conns['open']:>18,}")
+        lines.append(f"{'connections accepted':<22}{conns['accepted']:>18,}  "
+                     f"{_rate_of(now, before, dt, 'connections', 'accepted'):>14}")
     lines.append(f"{'bytes in':<22}{now['bytes_in']:>18,}  {rate('bytes_in'):>14}")
     lines.append(f"{'bytes out':<22}{now['bytes_out']:>18,}  {rate('bytes_out'):>14}")
+    if "errors" in now:
+        errs = {k: v for k, v in now["errors"].items() if v}
+        lines.append(f"{'errors':<22}{sum(errs.values()):>18,}  "
+                     + (", ".join(f"{k} {v:,}" for k, v in sorted(errs.items(),
+                                                                  key=lambda kv: -kv[1]))))
+        fails = now.get("auth_failures") or {}
+        lines.append(f"{'failed handshakes':<22}{sum(fails.values()):>18,}  "
+                     + ", ".join(f"{k} {v:,}" for k, v in sorted(fails.items())))
+    eng = now.get("engine")
+    if eng:
+        lines.append(f"{'engine bytes out':<22}{eng['bytes_out']:>18,}  "
+                     f"{_rate_of(now, before, dt, 'engine', 'bytes_out'):>14}")
+        lines.append(f"{'engine bytes landed':<22}{eng['bytes_landed']:>18,}  "
+                     f"{_rate_of(now, before, dt, 'engine', 'bytes_landed'):>14}")
+        lines.append(f"{'engine transfers':<22}{eng['transfers_ok']:>18,}  "
+                     f"{_rate_of(now, before, dt, 'engine', 'transfers_ok'):>14}  "
+                     f"{eng['transfers_error']:,} failed, {eng['in_flight']:,} in flight, "
+                     f"{eng['refused_writes']:,} peer writes refused")
     disc = now.get("discovery")
     if disc:
         where = disc.get("url") or "this daemon (embedded)"

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer import WriteHeader
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.values import NetAddr
@@ -100,7 +101,7 @@ class Receiver(Protocol):
     """What a Domain may ask of its group (the receiving side's rules, and who we are)."""
 
     loop: asyncio.AbstractEventLoop
-    secret: bytes | None
+    secret: Keyring | None
     handshake_timeout_s: float
 
     @property

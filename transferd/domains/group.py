@@ -21,6 +21,7 @@ from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import BadRequest, OutOfBounds, Timeout, TransferdError
 from transferd.protocol.frames import DISCARD
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer import WriteHeader
 from transferd.protocol.peer_handshake import DEFAULT_TIMEOUT as DEFAULT_HANDSHAKE_TIMEOUT
 from transferd.protocol.peer_handshake import PeerIdentity
@@ -61,7 +62,7 @@ class DomainGroup:
         timeout_s: float = 30.0,
         domain: str = "tcp",
         options: DomainOptions | None = None,
-        secret: bytes | None = None,
+        secret: bytes | Keyring | None = None,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
         self.index = index
@@ -76,8 +77,9 @@ class DomainGroup:
         self.domain = domain
         self.options = options or DomainOptions()
         # The cluster secret every link proves (None: links can only be held
-        # to the addresses they claim; see peer_handshake).
-        self.secret = secret or None
+        # to the addresses they claim; see peer_handshake).  The engine swaps it on a
+        # reload; each handshake keeps the one it started with.
+        self.secret: Keyring | None = Keyring.of(secret) or None
         self.handshake_timeout_s = handshake_timeout_s
         self.domains: list[Domain] = []
         # One descriptor per peer link, every rail's and group's together (transferd.fds).

@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from transferd import authlog
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning
 from transferd.parts import SendPart, Transfer, WritePart
@@ -439,6 +440,8 @@ class PeerLink:
         try:
             step(hs)
         except TransferdError as exc:
+            # Counted; the broken link's own WARNING names it.
+            authlog.peer_failed(hs, self.dst.rails[0], self.domain.rail, emit=False)
             # A configuration mismatch stays a BAD_REQUEST; the rest is a link
             # that could not be made.
             kind = BadRequest if type(exc) is BadRequest else PeerUnreachable

@@ -14,6 +14,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
+from transferd import authlog
 from transferd.copies import COUNTING, count
 from transferd.logs import peer_warning
 from transferd.memory.staging import GatedLanding
@@ -92,6 +93,8 @@ class InboundLink:
         # A write into device memory being received: (DeviceIO, staging chunks, pages).
         self._staged: tuple[Any, list[Any], list[tuple[int, int]]] | None = None
         g = domain.group
+        self.addr = _peername(sock)  # for the handshake's failures (authlog)
+        self._closed_here = False
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, ACK_SNDBUF)
         self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
@@ -124,11 +127,12 @@ class InboundLink:
         if not self.hs.done:
             try:
                 self.hs.tick(self.domain.loop.time())
-            except TransferdError as exc:
-                log.info("rail %d: %s", self.domain.rail, exc.message)
+            except TransferdError:
+                authlog.peer_failed(self.hs, self.addr, self.domain.rail)
                 self.close()
 
     def close(self) -> None:
+        self._closed_here = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -352,8 +356,8 @@ class InboundLink:
             return
         try:
             self.hs.receive(frame, d.loop.time())
-        except TransferdError as exc:
-            log.info("rail %d: peer handshake refused: %s", d.rail, exc.message)
+        except TransferdError:
+            authlog.peer_failed(self.hs, self.addr, d.rail)
             self.stream.send_raw(self.hs.data_to_send())
             self.close()
             return
@@ -385,6 +389,8 @@ class InboundLink:
                                               PeerUnreachable("region deregistered"))
 
     def _on_close(self, exc: BaseException | None) -> None:
+        if not self._closed_here:
+            authlog.peer_hung_up(self.hs, self.addr, self.domain.rail)
         staged, self._staged = self._staged, None
         if staged is not None:  # closed mid-payload: the chunks go back unused
             for chunk in staged[1]:

@@ -38,6 +38,7 @@ from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
 from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
+from transferd.protocol.keyring import Keyring
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
@@ -63,7 +64,7 @@ log = logging.getLogger("transferd.engine")
 
 class TransferEngine:
     def __init__(self, config: EngineConfig, buffers: BufferTable, metrics: Metrics | None,
-                 default_host: str = "127.0.0.1") -> None:
+                 default_host: str = "127.0.0.1", *, secret: Keyring | None = None) -> None:
         self.config = config
         self.buffers = buffers
         self.metrics = metrics
@@ -72,7 +73,8 @@ class TransferEngine:
         self._counted: tuple[Any, Any, Any] | None = None if metrics is None else (
             metrics.transfers.labels("ok"), metrics.transfers.labels("error"),
             metrics.transfer_bytes.labels("out"))
-        self.secret = load_secret(config)
+        # The daemon passes what it read (an empty Keyring: none); else read it here.
+        self.secret = (secret or None) if secret is not None else load_secret(config)
         self.hosts = list(config.host_rails) or [default_host]
         if self.secret is None and not config.insecure and not config.host_rails \
                 and not loopback(default_host):
@@ -176,6 +178,15 @@ class TransferEngine:
         # A fixed engine.peer_port is the first group's; the others' are the system's pick.
         g.bind(self.hosts, self.config.peer_port if index == 0 else 0)
         return g
+
+    def set_secret(self, secret: Keyring) -> None:
+        """A reloaded cluster secret: links made from now on prove it (open ones stay).
+
+        Each handshake takes its group's keyring when it starts, so swapping the
+        reference (atomic) needs no call onto the workers' loops."""
+        self.secret = secret
+        for group in self.groups:
+            group.secret = secret
 
     async def close(self) -> None:
         for worker, group in zip(self.workers, self.groups, strict=False):

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 
-from transferd.config import ConfigError, EngineConfig
+from transferd.config import EngineConfig
+from transferd.protocol.keyring import Keyring
+from transferd.secret_files import cluster_keyring
 
 
-def load_secret(config: EngineConfig) -> bytes | None:
-    """The cluster secret: the file's contents (or engine.secret), whitespace stripped."""
-    if config.secret_file:
-        try:
-            with open(config.secret_file, "rb") as f:
-                data = f.read(65536).strip()
-        except OSError as exc:
-            raise ConfigError(f"engine.secret_file: cannot read {config.secret_file}: "
-                              f"{exc.strerror}") from None
-        if not data:
-            raise ConfigError(f"engine.secret_file: {config.secret_file} is empty")
-        return data
-    if config.secret.strip():
-        return config.secret.strip().encode()
-    return None
+def load_secret(config: EngineConfig, insecure: bool = False) -> Keyring | None:
+    """The cluster secret: engine.secret_file's contents (or engine.secret), whitespace
+    stripped, with engine.previous_secret_file during a rotation; None without one.
+    ConfigError for a file that cannot be read or that another user could read."""
+    return cluster_keyring(config, insecure)
 
 
 def loopback(host: str) -> bool:

@@ -8,11 +8,22 @@ and the client reads and writes its tensors without a byte on the wire.
 The memfd is sealed against shrinking and growing before the fd leaves the
 daemon: a client that truncated it would make the daemon's next access to
 the missing pages a SIGBUS.
+
+When the daemon lets go of the buffer (FREE_BUFFER, its connection or lease
+gone, once nothing holds a Ref) it first punches the whole memfd out
+(``MADV_REMOVE`` on its mapping: ``fallocate(PUNCH_HOLE)``, which the seals
+allow).  The pages are freed there and then, whoever still has the
+descriptor or a mapping: a client that kept them reads zeros, and a page it
+touches afterwards (a read too) is a new page, charged to the client's memory
+cgroup, not the daemon's.  Without it a client that kept the descriptor kept every page
+the daemon had filled alive, outside ``memory.shm_limit_mib`` (240 MiB past a
+64 MiB limit in issue 16) and charged to the daemon's cgroup.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 from typing import Any
@@ -21,6 +32,8 @@ from transferd.protocol.errors import OutOfMemory
 
 from .base import pages
 from .host import MappedMemory
+
+log = logging.getLogger("transferd.memory")
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -69,6 +82,19 @@ class SharedMemory(MappedMemory):
         return {"shared": True, "map_size": self.mapped_size}
 
     def close(self) -> bool:
-        # The pages live on while a mapping (ours, the client's) remains.
+        self.release_pages()
         self.close_fd()
         return super().close()
+
+    def release_pages(self) -> None:
+        """Free every page of the memfd now, mapped or not by anyone else (see above)."""
+        mem = self._mmap
+        if mem is None or mem.closed:
+            return
+        try:
+            mem.madvise(mmap.MADV_REMOVE)
+        except OSError as exc:  # pragma: no cover - every kernel with memfd has it
+            # The pages then live as long as the client's mapping or descriptor.
+            log.warning("shared buffer of %d bytes: cannot release its pages (%s); they "
+                        "stay while a client keeps its descriptor or mapping",
+                        self.size, exc)

@@ -82,6 +82,7 @@ from .errors import (
 )
 from .frames import DISCARD, Frame, FrameDecoder, RawHeader, Sink, encode_head
 from .frames import Phase as _DecoderPhase
+from .keyring import Keyring
 from .messages import str_field, uint_field
 
 # The decoder's buffer before READY: a header and the largest pre-auth body.
@@ -229,6 +230,10 @@ class Refused:
     answers it at ``answer_at`` (None: not before the deadline, so TIMEOUT then;
     ``failures``: its source's in the window).  A HELLO without credentials, or
     with a malformed mac, tells a guesser nothing about the secret: answered at once.
+    ``reason`` says why, for the log and the metrics (``no_secret``,
+    ``wrong_secret``, ``timeout``, ``protocol``: transferd.authlog.REASONS); it is
+    set for every failure of the authentication step, ``auth`` or not (an AUTH
+    that never came is closed at once, not slowed down).
     """
 
     error: TransferdError
@@ -236,6 +241,7 @@ class Refused:
     guess: bool = False
     answer_at: float | None = None
     failures: int = 0
+    reason: str = ""
 
 
 @dataclass
@@ -373,8 +379,10 @@ class ServerSettings:
     features: list[str] = field(default_factory=list)
     max_body: int = 4 * 1024 * 1024
     max_payload: int = 1 << 34
-    # The shared secret (b"": no authentication required).
+    # The shared secret (b"": no authentication required), and during a rotation
+    # the one clients proved before (accepted too, and proved as ``previous_proof``).
     secret: bytes = b""
+    previous_secret: bytes = b""
     # Whether this listener offers the token method (the token crosses the wire).
     token_allowed: bool = False
     # Message transports announce their continuation size in HELLO.
@@ -459,6 +467,9 @@ class ServerConnection(_Machine):
         self.method: str | None = None
         self._nonce = b""
         self._challenge = b""
+        # The secrets of this handshake, taken at HELLO: a reload meanwhile
+        # changes the next handshake, not this one.
+        self._keys = Keyring()
         # The handshake frame being answered (cmd, seq): a held verdict's answer names it.
         self._hs = (_HELLO, 0)
         # Handshake frames next_event took (HELLO, AUTH: two at most), for the I/O
@@ -727,7 +738,7 @@ class ServerConnection(_Machine):
         self.out.append(Outgoing(encode_head(cmd, _REPLY_ERROR, seq if held or why else 0,
                                               exc.to_body(), 0)))
         self._go(Input.TIMED_OUT)
-        return [Refused(exc)]
+        return [Refused(exc, reason="timeout" if cmd == _AUTH and not why else "")]
 
     def give_way(self, why: str) -> list[HandshakeEvent]:
         """The pre-auth slot was taken back (a newer connection needed it): TIMEOUT saying
@@ -739,10 +750,12 @@ class ServerConnection(_Machine):
         return self._time_out(why)
 
     def refuse(self, exc: TransferdError, cmd: int, seq: int, *, is_auth: bool = False,
-               guess: bool = False) -> list[HandshakeEvent]:
+               guess: bool = False, reason: str = "") -> list[HandshakeEvent]:
         """Send a fatal error and go CLOSING (a wrong guess: when its turn comes)."""
         out = Outgoing(encode_head(cmd, _REPLY_ERROR, seq, exc.to_body(), 0))
-        ev = Refused(exc, auth=is_auth or guess, guess=guess)
+        auth_ = is_auth or guess
+        ev = Refused(exc, auth=auth_, guess=guess,
+                     reason=reason or ("protocol" if auth_ else ""))
         if guess and self.verdicts is not None:
             at, ev.failures = self.verdicts.failed(self.now)
             ev.answer_at = at
@@ -781,6 +794,7 @@ class ServerConnection(_Machine):
                 self._send_reply(frame, reply)
                 return self._ready(Input.HELLO_ACCEPTED, None)
             reply["auth"] = s.methods
+            keys = self._keys = Keyring(s.secret, s.previous_secret)
             method = body.get("auth")
             if method == auth.HMAC_SHA256:
                 nonce = body.get("nonce")
@@ -791,7 +805,10 @@ class ServerConnection(_Machine):
                 self._nonce = nonce
                 self._challenge = self._random(auth.NONCE_SIZE)
                 reply["challenge"] = self._challenge
-                reply["proof"] = auth.server_proof(s.secret, nonce, self._challenge)
+                reply["proof"] = auth.server_proof(keys.current, nonce, self._challenge)
+                if keys.previous:
+                    reply["previous_proof"] = auth.server_proof(keys.previous, nonce,
+                                                                self._challenge)
                 self.method = auth.HMAC_SHA256
                 self._send_reply(frame, reply)
                 self._go(Input.CHALLENGED)
@@ -807,19 +824,22 @@ class ServerConnection(_Machine):
                         "cross the wire in clear): use hmac-sha256"
                     )
                 token = body.get("token")
-                if not isinstance(token, str) or not auth.same(token.encode(), s.secret):
+                if not isinstance(token, str) or keys.match(token.encode(), bytes) is None:
                     return self.refuse(
-                        Unauthorized("a valid token is required" if token else "token missing"),
+                        Unauthorized("the client's token is wrong: it is not this daemon's "
+                                     "server.token" if token else "token missing"),
                         frame.cmd, frame.seq, is_auth=True,
                         guess=isinstance(token, str) and bool(token),
+                        reason="wrong_secret" if token else "no_secret",
                     )
                 self.method = auth.TOKEN
                 return self._token_accepted(frame, reply)
             return self.refuse(
                 Unauthorized(
-                    f"authentication required: this listener offers {', '.join(s.methods)}"
+                    "authentication required: this daemon has a token (server.token_file) "
+                    f"and the client gave none; this listener offers {', '.join(s.methods)}"
                 ),
-                frame.cmd, frame.seq, is_auth=True,
+                frame.cmd, frame.seq, is_auth=True, reason="no_secret",
             )
         except TransferdError as exc:
             return self.refuse(exc, frame.cmd, frame.seq, is_auth=isinstance(exc, Unauthorized))
@@ -845,9 +865,12 @@ class ServerConnection(_Machine):
                 Unauthorized(f"AUTH needs a mac of {auth.MAC_SIZE} bytes (bin)"),
                 frame.cmd, frame.seq, is_auth=True,
             )
-        want = auth.client_mac(self.settings.secret, self._challenge, self._nonce)
-        if not auth.same(mac, want):
-            return self.refuse(Unauthorized("wrong mac"), frame.cmd, frame.seq, guess=True)
+        if self._keys.match(mac, lambda k: auth.client_mac(k, self._challenge,
+                                                           self._nonce)) is None:
+            return self.refuse(
+                Unauthorized("wrong mac: the client's token is not this daemon's server.token"),
+                frame.cmd, frame.seq, guess=True, reason="wrong_secret",
+            )
         self._send_reply(frame, None)
         return self._ready(Input.AUTH_ACCEPTED, auth.HMAC_SHA256)
 
@@ -1100,16 +1123,22 @@ class ClientConnection(_Machine):
             raise Unauthorized(
                 f"{self._where}the server lists auth {offered} but sends no challenge and "
                 "proof: it does not prove it knows the secret, so it is not trusted")
+        # During a rotation the server proves the secret in use before as well.
+        proofs = [p for p in (proof, body.get("previous_proof")) if isinstance(p, bytes)]
         if (
             not self._nonce
             or not isinstance(challenge, bytes)
             or len(challenge) != auth.NONCE_SIZE
-            or not isinstance(proof, bytes)
-            or not auth.same(proof, auth.server_proof(self.secret, self._nonce, challenge))
+            or not proofs
+            or not any([auth.same(p, auth.server_proof(self.secret, self._nonce, challenge))
+                        for p in proofs])
         ):
             self._go(Input.REFUSED)
-            raise Unauthorized(f"{self._where}the server's proof is wrong: it does not know "
-                               "the secret")
+            # Nearly always this client's token, not the server: say so first.
+            raise Unauthorized(
+                f"{self._where}the token is wrong: the server's proof does not match this "
+                "client's token (it differs from the daemon's server.token, or this is not "
+                "the daemon meant)")
         self._go(Input.CHALLENGED)
         return {"mac": auth.client_mac(self.secret, challenge, self._nonce)}
 

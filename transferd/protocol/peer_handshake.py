@@ -21,6 +21,13 @@ PROTOCOL.md does)::
 address), so neither end's claimed addresses can be changed in flight.  A
 replayed HELLO or AUTH fails: the other end's nonce is new on every link.
 
+During a rotation of the secret (``engine.previous_secret_file``) an end
+holds a :class:`~.keyring.Keyring` of two: the responder adds
+``previous_proof`` (the same HMAC under the secret in use before), the
+initiator takes whichever proof one of its own secrets makes and proves that
+secret in AUTH, and the responder accepts a mac under either.  So a daemon
+that has the new secret links with one that still has only the old, both ways.
+
 Without a secret nothing can be proven, but an initiator can still be held
 to the addresses it claims: the responder sends a random token in a PROBE
 frame, on a connection of its own, to the initiator's listener for this rail
@@ -56,6 +63,7 @@ from .errors import (
     error_from_body,
 )
 from .frames import Frame, encode_frame
+from .keyring import Keyring
 from .peer import PeerCommand
 
 VERSION = 1
@@ -203,7 +211,7 @@ class PeerHandshake:
         role: Role,
         me: PeerIdentity,
         rail: int,
-        secret: bytes | None,
+        secret: bytes | Keyring | None,
         now: float,
         *,
         timeout: float = DEFAULT_TIMEOUT,
@@ -216,7 +224,9 @@ class PeerHandshake:
         self.role = role
         self.me = me
         self.rail = rail
-        self.secret = secret or None
+        # Taken once: a reload swaps the group's keyring for the next links, not this one.
+        self.keys = Keyring.of(secret)
+        self.secret = self.keys.current or None
         self.deadline = now + timeout
         self.timeout = timeout
         self.expect = expect
@@ -233,6 +243,8 @@ class PeerHandshake:
         self._out: list[bytes] = []
         self._events: list[Event] = []
         self.error: TransferdError | None = None
+        # Why it failed, one of transferd.authlog.REASONS (logged and counted there).
+        self.reason = ""
 
     # -- the I/O side's calls -----------------------------------------------------
 
@@ -312,6 +324,7 @@ class PeerHandshake:
         if self.state is State.CLOSED:
             self.error = self.error or exc
             return
+        self.reason = self.reason or _reason(exc)
         if self.role is Role.RESPONDER and cmd is not None:
             # Tell the initiator why, so its operator reads the cause, not a reset.
             self._out.append(encode_frame(cmd, _REPLY | _ERROR, 0, exc.to_body()))
@@ -332,16 +345,22 @@ class PeerHandshake:
                 self._on_hello(frame.body)
             else:
                 if cmd != PeerCommand.AUTH or reply:
-                    raise Unauthorized(f"peer frame 0x{cmd:02x} where AUTH is due")
+                    raise self._deny("protocol", f"peer frame 0x{cmd:02x} where AUTH is due")
                 self._on_auth(frame.body)
             return
         if frame.is_error and reply:
-            raise _refused(frame.body)
+            err = _refused(frame.body)
+            if isinstance(err, Unauthorized):
+                # What a receiving daemon refuses: a secret one side lacks (at HELLO),
+                # or, after our AUTH, the probe's echo.
+                self.reason = ("no_secret" if self.state is State.HELLO_SENT
+                               else "wrong_secret" if self.secret is not None else "identity")
+            raise err
         if self.state is State.HELLO_SENT and cmd == PeerCommand.HELLO and reply:
             self._on_reply(frame.body)
         elif self.state is State.AUTH_SENT and cmd == PeerCommand.AUTH and reply:
             assert self.peer is not None
-            self._admit(self.peer)
+            self._admit_peer(self.peer)
             self._move(Input.AUTH_REPLY)
             self._events.append(Ready(self.peer))
         else:
@@ -356,12 +375,15 @@ class PeerHandshake:
         if rail != self.rail:
             raise BadRequest(f"peer dialled rail {rail} on this daemon's rail {self.rail}")
         offered = body.get("auth")
+        # Sent to the dialling daemon too: the text names each side by its role.
         if self.secret is not None and offered != METHOD:
-            raise Unauthorized("this daemon requires the cluster secret (engine.secret_file) "
-                               "and the peer offers none")
+            raise self._deny("no_secret", "the receiving daemon requires the cluster secret "
+                             "(engine.secret_file) and the dialling daemon has none: give "
+                             "both the same secret")
         if self.secret is None and offered is not None:
-            raise Unauthorized("this daemon has no cluster secret (engine.secret_file) and "
-                               "the peer offers one: configure the same secret on both")
+            raise self._deny("no_secret", "the receiving daemon has no cluster secret "
+                             "(engine.secret_file) and the dialling daemon has one: give "
+                             "both the same secret")
         self._move(Input.HELLO)
         self.peer = peer
         self.nonce = nonce
@@ -372,6 +394,9 @@ class PeerHandshake:
             reply["challenge"] = self._challenge
             reply["proof"] = _mac(self.secret, RESPONDER_LABEL, nonce, self._challenge,
                                   self._transcript)
+            if self.keys.previous:
+                reply["previous_proof"] = _mac(self.keys.previous, RESPONDER_LABEL, nonce,
+                                               self._challenge, self._transcript)
         else:
             probe = {"nonce": nonce, "token": self._challenge}
             self._events.append(Probe(peer.addrs[rail],
@@ -380,16 +405,17 @@ class PeerHandshake:
 
     def _on_auth(self, body: dict[str, Any]) -> None:
         if self.secret is not None:
-            want = _mac(self.secret, INITIATOR_LABEL, self._challenge, self.nonce,
-                        self._transcript)
-            if not hmac.compare_digest(_bin(body, "mac", MAC_LEN), want):
-                raise Unauthorized("the peer did not prove the cluster secret: is its "
-                                   "engine.secret_file the same as this daemon's?")
+            mac = _bin(body, "mac", MAC_LEN)
+            if self.keys.match(mac, lambda k: _mac(k, INITIATOR_LABEL, self._challenge,
+                                                   self.nonce, self._transcript)) is None:
+                raise self._deny("wrong_secret", "the dialling daemon did not prove the "
+                                 "cluster secret: its engine.secret_file differs from the "
+                                 "receiving daemon's")
         elif not hmac.compare_digest(_bin(body, "token", NONCE_LEN), self._challenge):
-            raise Unauthorized("the peer did not echo the probe sent to the address it "
-                               "claims")
+            raise self._deny("identity", "the dialling daemon did not echo the probe sent to "
+                             "the address it claims")
         assert self.peer is not None
-        self._admit(self.peer)
+        self._admit_peer(self.peer)
         self._move(Input.AUTH)
         self._out.append(encode_frame(PeerCommand.AUTH, _REPLY, 0, {}))
         self._events.append(Ready(self.peer))
@@ -401,7 +427,7 @@ class PeerHandshake:
         assert self.expect is not None
         node, group, addr = self.expect
         if peer.key != (node, group) or rail != self.rail or peer.addrs[rail] != addr:
-            raise Unauthorized(
+            raise self._deny("identity",
                 f"the daemon at {_show(addr)} answers as node {peer.node:016x}/{peer.group} "
                 f"rail {rail} at {_show(peer.addrs[rail])}, not as node {node:016x}/{group} "
                 f"rail {self.rail}")
@@ -409,26 +435,44 @@ class PeerHandshake:
         self._transcript = _transcript(self.me, peer, rail)
         if self.secret is not None:
             if "proof" not in body:
-                raise Unauthorized(f"the daemon at {_show(addr)} has no cluster secret "
-                                   "(engine.secret_file) and this one has")
+                raise self._deny("no_secret", f"the daemon at {_show(addr)} has no cluster "
+                                 "secret (engine.secret_file) and this one has")
             challenge = _bin(body, "challenge", NONCE_LEN)
-            want = _mac(self.secret, RESPONDER_LABEL, self.nonce, challenge, self._transcript)
-            if not hmac.compare_digest(_bin(body, "proof", MAC_LEN), want):
-                raise Unauthorized(f"the daemon at {_show(addr)} did not prove the cluster "
-                                   "secret: is its engine.secret_file the same as this "
-                                   "daemon's?")
+            proofs = [_bin(body, "proof", MAC_LEN)]
+            if "previous_proof" in body:
+                proofs.append(_bin(body, "previous_proof", MAC_LEN))
+            shared = [self.keys.match(p, lambda k: _mac(k, RESPONDER_LABEL, self.nonce,
+                                                        challenge, self._transcript))
+                      for p in proofs]
+            found = next((k for k in shared if k is not None), None)
+            if found is None:
+                raise self._deny("wrong_secret", f"the daemon at {_show(addr)} did not prove "
+                                 "the cluster secret: its engine.secret_file differs from "
+                                 "this daemon's")
             self._move(Input.HELLO_REPLY)
             self._challenge = challenge
+            self.secret = found  # AUTH proves the secret both ends hold
             self._send_auth()
             return
         if "proof" in body:
-            raise Unauthorized(f"the daemon at {_show(addr)} requires a cluster secret "
-                               "(engine.secret_file) and this one has none")
+            raise self._deny("no_secret", f"the daemon at {_show(addr)} requires a cluster "
+                             "secret (engine.secret_file) and this one has none")
         if self._token is not None:
             self._move(Input.HELLO_REPLY)
             self._send_auth()
         else:
             self._move(Input.REPLY_BEFORE_TOKEN)
+
+    def _deny(self, reason: str, message: str) -> Unauthorized:
+        self.reason = reason
+        return Unauthorized(message)
+
+    def _admit_peer(self, peer: PeerIdentity) -> None:
+        try:
+            self._admit(peer)
+        except TransferdError:
+            self.reason = "identity"  # it contradicts what the peer book holds
+            raise
 
     def _send_auth(self) -> None:
         if self.secret is not None:
@@ -453,6 +497,15 @@ def _transcript(initiator: PeerIdentity, responder: PeerIdentity, rail: int) -> 
     return bytes(msgpack.packb([VERSION, initiator.node, initiator.group,
                                 list(initiator.addrs), rail, responder.node,
                                 responder.group, list(responder.addrs)]))
+
+
+def _reason(exc: TransferdError) -> str:
+    """The reason of a failure that did not name one (transferd.authlog.REASONS)."""
+    if isinstance(exc, Timeout):
+        return "timeout"
+    if type(exc) is BadRequest:
+        return "config"  # rail counts, a rail dialled on another
+    return "protocol"
 
 
 def _refused(body: dict[str, Any]) -> TransferdError:

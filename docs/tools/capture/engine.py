@@ -324,6 +324,7 @@ def _secret_config() -> str:
     config = os.path.join(_SECRET_DIR, "b.toml")
     with open(secret, "wb") as f:
         f.write(PEER_SECRET + b"\n")
+    os.chmod(secret, 0o600)  # the daemon refuses a secret others can read
     with open(config, "w") as f:
         f.write(f'[engine]\nsecret_file = "{secret}"\n')
     return config

@@ -41,6 +41,7 @@ def _token_config() -> str:
     secret = os.path.join(d, "token")
     with open(secret, "w") as f:
         f.write(TOKEN + "\n")
+    os.chmod(secret, 0o600)  # the daemon refuses a secret others can read
     cfg = os.path.join(d, "token.toml")
     with open(cfg, "w") as f:
         f.write(f'[server]\ntoken_file = "{secret}"\n'

@@ -21,12 +21,14 @@ choice; the queue pair numbers come from a peer that authenticated).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import socket
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from transferd import authlog
 from transferd.parts import SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
@@ -49,6 +51,7 @@ from transferd.protocol.values import NetAddr
 
 from ..rails import parse_rail
 from ..stream import FramedStream
+from ..tcp_inbound import _peername
 from .exchange import RailSetup, check_pair
 
 if TYPE_CHECKING:
@@ -178,6 +181,8 @@ class OutLink(_SetupLink):
         try:
             step(hs)
         except TransferdError as exc:
+            # Counted; the broken link's own WARNING names it.
+            authlog.peer_failed(hs, self.dst.rails[0], self.domain.rail, emit=False)
             kind = BadRequest if type(exc) is BadRequest else PeerUnreachable
             self.close(kind(f"verbs link to {self.dst} rail {self.domain.rail}: "
                             f"{exc.message}"))
@@ -300,6 +305,7 @@ class InLink(_SetupLink):
         self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
                                 domain.loop.time(), timeout=g.handshake_timeout_s,
                                 admit=g.bind_peer)
+        self.addr = _peername(sock)  # for the handshake's failures (authlog)
         self.stream = FramedStream(domain.loop, sock, on_frame=self._on_frame,
                                    on_close=self._on_close, max_body=MAX_HANDSHAKE_BODY,
                                    max_payload=0)
@@ -308,6 +314,11 @@ class InLink(_SetupLink):
     def _tick(self) -> None:
         self._timer = None
         if self.state is LinkState.CONNECTING:
+            hs = self.hs
+            if hs is not None and not hs.done:
+                with contextlib.suppress(TransferdError):
+                    hs.tick(self.domain.loop.time())
+                authlog.peer_failed(hs, self.addr, self.domain.rail)
             self.close(PeerUnreachable("verbs set-up not finished in time"))
 
     def _on_frame(self, frame: Frame) -> None:
@@ -329,6 +340,7 @@ class InLink(_SetupLink):
             try:
                 self.hs.receive(frame, d.loop.time())
             except TransferdError as exc:
+                authlog.peer_failed(self.hs, self.addr, d.rail)
                 self.stream.send_raw(self.hs.data_to_send())
                 self.close(exc)
                 return
@@ -380,6 +392,8 @@ class InLink(_SetupLink):
             self.close(exc)
 
     def _on_close(self, exc: BaseException | None) -> None:
+        if self.state is not LinkState.CLOSED:  # the peer's close, not ours
+            authlog.peer_hung_up(self.hs, self.addr, self.domain.rail)
         self.close(PeerUnreachable("set-up connection closed"))
 
     def close(self, error: TransferdError) -> None:
