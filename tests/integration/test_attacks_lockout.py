@@ -27,22 +27,14 @@ import pytest
 
 from client import SyncClient
 from tests.conftest import DaemonFactory
-from tests.helpers import digest, pattern, wait_until
+from tests.helpers import wait_until
+from tests.integration.test_attacks_handshake import _can_bind, still_works
 from transferd.protocol import auth
 from transferd.protocol.constants import PROTO_MAJOR, Command, ErrorCode, Flag
 from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 
 SECRET = "lockout-attacks-secret"
 NOBODY = 65534
-
-
-def _can_bind(host: str) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, 0))
-        except OSError:
-            return False
-    return True
 
 
 needs_loopback_aliases = pytest.mark.skipif(
@@ -102,14 +94,6 @@ def _closed(s: socket.socket, timeout: float) -> bool:
         return False
     except OSError:
         return True
-
-
-def still_works(c: SyncClient, seed: int) -> None:
-    buf = c.alloc_buffer(16 * 1024)
-    data = pattern(16 * 1024, seed)
-    c.set_tensor(buf.tensor(), data)
-    assert digest(c.get_tensor(buf.tensor())) == digest(data)
-    c.free_buffer(buf)
 
 
 @pytest.fixture
