@@ -13,7 +13,8 @@ Reply: ``watcher`` (id), ``value`` (the word now), and for the page form
 ``path``, ``offset``, ``page_size``.  Every change the watcher thread sees is
 an EVENT with the request's cmd and seq: ``{"watcher", "old", "new"}``.  At
 most one EVENT per watcher is in flight; changes seen meanwhile are merged.
-Watchers end with their connection.  docs/protocol.md has the reference.
+Watchers end with their connection, and one on a buffer's word also with that buffer
+(within the sweep, 0.5 s).  docs/protocol.md has the reference.
 """
 
 from __future__ import annotations
@@ -76,6 +77,24 @@ def session_closed(session: Session) -> None:
         page.close()
 
 
+# Per connection: watchers whose last EVENT still waits in its write buffer.
+_UNSENT: weakref.WeakKeyDictionary[Session, list[Watcher]] = weakref.WeakKeyDictionary()
+
+
+def _when_drained(session: Session, w: Watcher) -> None:
+    waiting = _UNSENT.get(session)
+    if waiting is None:
+        waiting = _UNSENT[session] = []
+
+        def drained() -> None:
+            session.drained_hooks.discard(drained)
+            for x in _UNSENT.pop(session, ()):
+                x.delivered()
+
+        session.drained_hooks.add(drained)
+    waiting.append(w)
+
+
 @handler(Command.ALLOC_UVM_WATCHER)
 def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
     if session.ctx.minor < 2:  # pragma: no cover - the session refuses minor-2 commands first
@@ -96,6 +115,8 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             raise BadRequest(f"buffer {buf.id} has no host view to watch") from None
         (words, index), keep = buffer_words(view, offset), view
         key: Hashable = ("buffer", buf.id)
+        # Ends once the buffer is freed: its view would hold the memory and the charge.
+        gone: Any = lambda: buf.freed
     else:
         page = _PAGES.get(session)
         if page is None or page.closed:
@@ -104,7 +125,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
             except OSError as exc:
                 raise BadRequest(f"cannot make a shared word page: {exc}") from None
         offset = page.take()
-        words, index, keep, key = page.words, offset // WORD, page, page
+        words, index, keep, key, gone = page.words, offset // WORD, page, page, None
         reply.update(path=str(page.path), offset=offset, page_size=len(page.words) * 8)
     box: list[Watcher] = []
 
@@ -112,13 +133,18 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         w = box[0]
         session.send_frame(Command.ALLOC_UVM_WATCHER, Flag.EVENT, seq,
                            {"watcher": w.id, "old": old, "new": new})
-        w.delivered()
+        if session.write_blocked:
+            # Not out yet (a client that does not read): the next change waits, merged,
+            # until this one is, so a connection holds one EVENT per watcher at most.
+            _when_drained(session, w)
+        else:
+            w.delivered()
 
     def changed(old: int, new: int) -> None:  # on the watcher thread
         with contextlib.suppress(RuntimeError):  # the daemon's loop is gone
             loop.call_soon_threadsafe(deliver, old, new)
 
-    w = watchers.add(session, key, words, index, changed, keep, handoff=True)
+    w = watchers.add(session, key, words, index, changed, keep, handoff=True, gone=gone)
     box.append(w)
     reply.update(watcher=w.id, value=w.last)
     return Reply(reply)

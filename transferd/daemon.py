@@ -317,11 +317,21 @@ class Daemon:
                       "secrets stay: %s", "; ".join(exc.errors))
             return ReloadOutcome(False, "a secret file is refused, the running "
                                  "configuration and secrets stay: " + "; ".join(exc.errors))
-        applied, restart = diff(self.config, new)
+        kept: list[str] = []
+        if self.secrets.client and not secrets.client:
+            # Every client that reaches a port would then be served unauthenticated.
+            kept.append("removing the client secret (the running one stays)")
+            secrets = secret_files.Secrets(self.secrets.client, secrets.cluster)
+            new.server.token_file, new.server.token = (self.config.server.token_file,
+                                                       self.config.server.token)
         if self.secrets.cluster and not secrets.cluster and self.engine is not None:
             # Rails past loopback would then take links nobody authenticated.
-            restart.append("removing the cluster secret (the running one stays)")
+            kept.append("removing the cluster secret (the running one stays)")
             secrets = secret_files.Secrets(secrets.client, self.secrets.cluster)
+            new.engine.secret_file, new.engine.secret = (self.config.engine.secret_file,
+                                                         self.config.engine.secret)
+        applied, restart = diff(self.config, new)
+        restart += kept
         swapped = secret_files.changes(self.secrets, secrets, new)
         if not applied and not restart and not swapped:
             log.info("SIGHUP: configuration unchanged")

@@ -86,7 +86,9 @@ def under_journald(stream: Any = None, environ: Any = None) -> bool:
 def fatal(text: str) -> None:
     """A line on stderr that ends the process (cannot start, configuration error): at
     priority err under journald, so ``journalctl -p err`` finds why it stopped."""
-    print(("<3>" if under_journald(sys.stderr) else "") + text, file=sys.stderr, flush=True)
+    if under_journald(sys.stderr):  # every line: journald files each on its own
+        text = "<3>" + text.replace("\n", "\n<3>")
+    print(text, file=sys.stderr, flush=True)
 
 
 class RateLimit(logging.Filter):

@@ -10,7 +10,8 @@ reload compares what the files hold now with what is in use, not their paths
 
 A secret file is refused, as ssh refuses a private key, when a user other than
 the daemon's could read it (any group or other permission bit) or rewrite it
-(owned by someone other than the daemon's user or root), unless
+(owned by someone other than the daemon's user or root), or replace it (a directory
+on its way that another user owns, or can write without the sticky bit), unless
 ``server.insecure_secret_files`` is set.  The file is opened once and judged
 by what was opened (a symlink is followed, and its target judged), so it
 cannot be swapped between the check and the read.  Anything but a regular
@@ -53,14 +54,17 @@ def read_secret(path: str, key: str, *, insecure: bool = False,
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{key}: {path} is not a regular file")
         if not insecure:
-            why, fix = _exposed(st, os.path.realpath(path))
+            target = os.path.realpath(path)
+            why, fix = _exposed(st, target)
+            rule = "a secret must be readable by this daemon's user only"
+            if not why:
+                why, fix = _replaceable(path, target)
+                rule = "nobody but this daemon's user (or root) may replace a secret"
             if why:
-                target = os.path.realpath(path)
                 via = f" (a symlink to {target})" if target != os.path.abspath(path) else ""
                 raise ConfigError(
-                    f"{key}: {path}{via} {why}: a secret must be readable by this daemon's "
-                    f"user only. Fix it with: {fix} (or set {INSECURE_KEY} = true to accept "
-                    "the risk)")
+                    f"{key}: {path}{via} {why}: {rule}. Fix it with: {fix} (or set "
+                    f"{INSECURE_KEY} = true to accept the risk)")
         data = b""
         while len(data) <= limit:
             chunk = os.read(fd, limit + 1 - len(data))
@@ -89,6 +93,37 @@ def _exposed(st: os.stat_result, target: str) -> tuple[str, str]:
     if st.st_mode & 0o077:
         return (f"can be read by other users (mode {stat.S_IMODE(st.st_mode):04o})",
                 f"chmod 600 {target}")
+    return "", ""
+
+
+def _replaceable(path: str, target: str) -> tuple[str, str]:
+    """(why another user could put another file in the secret's place, the fix); ("", "")
+    when none could.  As ssh's StrictModes: every directory from the root to the file
+    (and to the symlink naming it) must belong to this user or root and be writable by
+    no one else, unless it is sticky (/tmp): there nobody can replace another's file."""
+    me = os.geteuid()
+    seen: set[str] = set()
+    for start in (target, os.path.realpath(os.path.dirname(os.path.abspath(path)) or "/")
+                  + "/."):
+        d = os.path.dirname(start)
+        while d not in seen:
+            seen.add(d)
+            try:
+                st = os.stat(d)
+            except OSError:
+                break  # the file was read through it: the open judged it enough
+            if st.st_uid not in (me, 0):
+                return (f"is under {d}, which belongs to uid {st.st_uid}, who can put "
+                        "another file in its place",
+                        f"chown {_user(me)} {d}, or move the secret elsewhere")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return (f"is under {d}: {d} can be written by other users (mode "
+                        f"{stat.S_IMODE(st.st_mode):04o}), who can put another file in its "
+                        "place", f"chmod go-w {d}")
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
     return "", ""
 
 
@@ -181,13 +216,15 @@ def changes(old: Secrets, new: Secrets, config: Config) -> list[str]:
         if a.current != b.current:
             out.append(f"{key}: the {what} {_change(a.current, b.current)}")
         if a.previous != b.previous:
-            out.append(f"{prev_key}: the previous {what} {_change(a.previous, b.previous)}")
+            out.append(f"{prev_key}: the previous {what} "
+                       f"{_change(a.previous, b.previous, previous=True)}")
     return out
 
 
-def _change(a: bytes, b: bytes) -> str:
+def _change(a: bytes, b: bytes, previous: bool = False) -> str:
     if not a:
-        return "set (new handshakes require it)"
+        return ("set (accepted beside the current one until this file is emptied)"
+                if previous else "set (new handshakes require it)")
     if not b:
         return "removed (no longer accepted)"
     return "replaced (new handshakes use the new contents)"

@@ -158,6 +158,25 @@ def test_a_signal_gives_back_what_it_holds(daemon_factory: DaemonFactory,
     assert _listing(d, None) == 0
 
 
+def test_sigkill_leaves_nothing_on_the_peer(daemon_factory: DaemonFactory) -> None:
+    """No clean-up runs under SIGKILL (the OOM killer, a CI timeout): what the bench
+    takes on the peer is its connection's, so the peer frees it when the connection
+    drops.  Before, the peer kept a buffer of --size (and its region) per killed run,
+    until someone freed it by id or restarted the daemon."""
+    d = daemon_factory()
+    p = subprocess.Popen([*BENCH, "--peer", d.url, "--duration", "60", "--size", "1MiB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=REPO, env=clean_env())
+    try:
+        assert wait_until(lambda: _listing(d, None) == 1, 30)
+        p.kill()
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert wait_until(lambda: _listing(d, None) == 0, 10), "the killed bench's buffer stayed"
+
+
 def test_op_read_says_what_is_missing() -> None:
     r = bench("--op", "read", "--duration", "0.3", "--size", "4K")
     assert r.returncode == Exit.FAILURE

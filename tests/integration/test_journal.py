@@ -120,6 +120,20 @@ def test_why_it_did_not_start_is_an_error_in_the_journal(tmp_path: Path) -> None
     assert log.read_text().startswith("<3>transferd: cannot start: server.port: ")
 
 
+def test_every_line_of_a_fatal_message_is_an_error(tmp_path: Path) -> None:
+    """A ConfigError of two problems is two lines ("transferd: configuration error: ..."):
+    the second had no priority, so journald filed it at info and `journalctl -p err`
+    showed half of why the daemon stopped."""
+    log = tmp_path / "journal"
+    log.touch()
+    code = ("from transferd.config import ConfigError; from transferd.logs import fatal; "
+            "fatal(f'transferd: configuration error: {ConfigError([\"a.b: one\", \"c.d: two\"])}')")
+    subprocess.run([sys.executable, "-c", code], stderr=log.open("a"), env=_journal_env(log),
+                   timeout=60, cwd=REPO, check=True)
+    assert log.read_text().splitlines() == ["<3>transferd: configuration error: a.b: one",
+                                            "<3>c.d: two"]
+
+
 # -- reloads -----------------------------------------------------------------------------
 
 
@@ -177,12 +191,14 @@ def test_transferd_reload_waits_for_the_reload_and_reports_a_refused_one(tmp_pat
     assert d.returncode == 0
 
 
-def test_transferd_reload_takes_no_answer_but_the_daemons() -> None:
-    # Not a daemon: it ignores SIGHUP and never answers.
-    p = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                          "signal.signal(signal.SIGHUP, signal.SIG_IGN); time.sleep(60)"])
+def test_transferd_reload_takes_no_answer_but_the_daemons(tmp_path: Path) -> None:
+    # Looks like a daemon (its name, a SIGHUP handler) but never answers.
+    fake = tmp_path / "transferd-fake.py"
+    fake.write_text("import signal, time\nsignal.signal(signal.SIGHUP, lambda *a: None)\n"
+                    "print('up', flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, str(fake)], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)
+        assert p.stdout is not None and p.stdout.readline() == "up\n"
         waiter = subprocess.Popen([*RELOAD, str(p.pid), "--timeout", "2"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=clean_env())
@@ -206,3 +222,32 @@ def _sent(s: socket.socket, addr: bytes) -> bool:
     except OSError:
         return False  # the waiter has not bound it yet
     return True
+
+
+def test_transferd_reload_never_signals_a_process_that_is_not_a_daemon(tmp_path: Path) -> None:
+    """A mistyped PID: SIGHUP's default action ends a process, so `transferd reload` of a
+    shell, a `sleep`, or a daemon still starting (its handler not yet installed) used to
+    kill it and then wait 30 s.  Now it checks first: the process must catch SIGHUP and be
+    transferd's (its command line), else exit 1 naming why, and nothing is sent."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    # Catches SIGHUP (sshd, nginx do) but is not transferd: it must not be told to reload.
+    other = tmp_path / "other-service.py"
+    other.write_text("import signal, time\nsignal.signal(signal.SIGHUP, lambda *a: "
+                     "print('reloaded', flush=True))\nprint('up', flush=True)\ntime.sleep(60)\n")
+    service = subprocess.Popen([sys.executable, str(other)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert service.stdout is not None and service.stdout.readline() == "up\n"
+        for p, why in ((sleeper, "does not handle SIGHUP"), (service, "not transferd")):
+            r = subprocess.run([*RELOAD, str(p.pid), "--timeout", "2"], capture_output=True,
+                               text=True, timeout=30, env=clean_env())
+            assert r.returncode == Exit.FAILURE, r
+            assert why in r.stderr and "nothing sent" in r.stderr, r.stderr
+            time.sleep(0.2)
+            assert p.poll() is None, f"transferd reload killed {p.args}"
+        service.kill()
+        out, _ = service.communicate(timeout=5)
+        assert "reloaded" not in out
+    finally:
+        for p in (sleeper, service):
+            p.kill()
+            p.wait()

@@ -112,7 +112,8 @@ def test_previous_token_file_accepts_both_during_a_rotation(daemon_factory: Daem
     write_secret(prev, OLD)
     write_secret(cur, NEW)
     reload(d, "SIGHUP: applied")
-    assert "server.previous_token_file: the previous client secret set" in d.stderr
+    assert "server.previous_token_file: the previous client secret set (accepted beside " \
+        "the current one until this file is emptied)" in d.stderr
     assert accepted(d, NEW) and accepted(d, OLD)
     for token in (OLD, NEW):  # the token method too, where it is offered
         with SyncClient(f"unix://{tmp_path / 'u.sock'}", token=token, auth="token") as c:
@@ -133,6 +134,62 @@ def test_previous_token_file_accepts_both_during_a_rotation(daemon_factory: Daem
     reload(d, "server.previous_token_file: the previous client secret removed")
     assert accepted(d, NEW) and not accepted(d, OLD)
     assert OLD not in d.stderr and NEW not in d.stderr
+
+
+def test_a_reload_cannot_take_the_client_secret_away(tmp_path: Path) -> None:
+    """The token_file line deleted from the configuration (a slip in an edit), then
+    SIGHUP: the daemon went on without any secret, open to every client that reaches
+    it, and said so at INFO only.  As for the cluster secret, taking it away needs a
+    restart: the reload keeps the running secret and says so at WARNING."""
+    token = tmp_path / "token"
+    write_secret(token, OLD)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{token}\"\n[metrics]\nport = 0\n")
+    with DaemonProcess(command=[sys.executable, "-m", "transferd.cli", "serve", "-c",
+                                str(cfg)]) as d:
+        cfg.write_text("[server]\nport = 0\n[metrics]\nport = 0\n")
+        reload(d, "SIGHUP: not applied, needs a restart")
+        assert "removing the client secret" in d.stderr, d.stderr
+        assert not accepted(d, "")  # no token: still refused
+        assert accepted(d, OLD)
+
+
+def contract_only(d: DaemonProcess, secret: str) -> bool:
+    """A client written from PROTOCOL.md alone: it checks ``proof`` (nothing else: an
+    unknown key such as ``previous_proof`` is not its business) and closes when that is
+    wrong; True when the daemon then accepts its AUTH."""
+    with RawConn.to(d) as raw:
+        nonce = auth.fresh_nonce()
+        raw.send(Command.HELLO, {"major": PROTO_MAJOR, "minor": 2, "client": "contract",
+                                 "auth": auth.HMAC_SHA256, "nonce": nonce})
+        body = raw.recv().body
+        if body["proof"] != auth.server_proof(secret.encode(), nonce, body["challenge"]):
+            return False  # PROTOCOL.md: "closes if it is wrong"
+        raw.send(Command.AUTH, {"mac": auth.client_mac(secret.encode(), body["challenge"],
+                                                       nonce)})
+        return raw.recv().body == {}
+
+
+def test_a_client_that_checks_only_proof_during_a_rotation(daemon_factory: DaemonFactory,
+                                                           tmp_path: Path) -> None:
+    """``proof`` is made with the secret in server.token_file: a client that reads only
+    it (PROTOCOL.md) is served during a window with that secret alone.  So for such
+    clients the new secret goes into the previous file first (accepted ahead, proved in
+    ``previous_proof``): they keep working on the old one while this library's clients
+    switch; the files are swapped when they switch (docs/security.md)."""
+    cur, prev = tmp_path / "token", tmp_path / "token.previous"
+    write_secret(cur, NEW)
+    write_secret(prev, OLD)
+    d = daemon_factory(["--token-file", str(cur)],
+                       env={"TRANSFERD_SERVER_PREVIOUS_TOKEN_FILE": str(prev)})
+    assert contract_only(d, NEW) and not contract_only(d, OLD)
+    assert accepted(d, OLD) and accepted(d, NEW)
+    # The new secret accepted ahead: the old one still proved in `proof`.
+    write_secret(cur, OLD)
+    write_secret(prev, NEW)
+    reload(d, "SIGHUP: applied")
+    assert contract_only(d, OLD) and not contract_only(d, NEW)
+    assert accepted(d, OLD) and accepted(d, NEW)
 
 
 @async_test(timeout=60)
@@ -264,6 +321,37 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path: Path, key: str) -> N
     real.chmod(0o600)
     config(link)
     assert _check_config(cfg).returncode == 0, _check_config(cfg).stderr
+
+
+def test_a_secret_in_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    """A 0600 file in a directory any user can write (no sticky bit) was accepted: any
+    local user could rename it away and put there a symlink to a file of the daemon's
+    user or root whose contents they know or choose (RHEL's /etc/shadow is mode 0000
+    root: it passed the file's own check), which the next reload or start would take as
+    the secret.  Now the directories on the way to the file and to its target are judged
+    as ssh's StrictModes does: none writable by another user unless sticky (/tmp)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    secret = shared / "token"
+    write_secret(secret, OLD)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{secret}\"\n")
+    for mode in (0o777, 0o770):
+        shared.chmod(mode)
+        r = _check_config(cfg)
+        assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+        assert f"{shared} can be written by other users (mode {mode:04o})" in r.stderr, r.stderr
+        assert f"chmod go-w {shared}" in r.stderr and OLD not in r.stderr
+    # Through a symlink kept in a safe place, the target's directory is judged too.
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    cfg.write_text(f"[server]\nport = 0\ntoken_file = \"{link}\"\n")
+    r = _check_config(cfg)
+    assert r.returncode == Exit.CONFIG and f"{shared} can be written" in r.stderr, r.stderr
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody else can replace the file
+    assert _check_config(cfg).returncode == 0
+    shared.chmod(0o755)
+    assert _check_config(cfg).returncode == 0
 
 
 def test_a_secret_path_that_is_not_a_file_is_refused_at_once(tmp_path: Path) -> None:

@@ -140,3 +140,35 @@ def test_a_word_that_keeps_moving_makes_only_its_own_array_fast() -> None:
         stop.set()
         t.join()
         ws.close()
+
+
+def test_a_watcher_whose_memory_is_gone_ends_and_holds_nothing() -> None:
+    """``gone()`` true (its buffer freed): the watcher goes at the next sweep, and with it
+    every reference to the array, even one its own callback made back to it (a cycle
+    that held a freed buffer's memory until the collector ran), and even when no other
+    watcher keeps the thread awake (its loop variables held the last array)."""
+    import gc
+    import weakref
+
+    gc.disable()  # only reference counts may free it
+    try:
+        ws = Watchers(idle_poll_s=1e-3)
+        freed = [False]
+        words = np.zeros(512, dtype=np.uint64)
+        alive = weakref.ref(words)
+
+
+        def watch(words: np.ndarray) -> None:
+            box: list[object] = []  # the callback finds its watcher here: a cycle
+            box.append(ws.add("conn", "buffer", words, 3, lambda o, n: box, words,
+                              gone=lambda: freed[0]))
+
+        watch(words)
+        del words
+        time.sleep(0.05)
+        freed[0] = True
+        assert wait(lambda: len(ws) == 0, 3)
+        assert wait(lambda: alive() is None, 2)
+        ws.close()
+    finally:
+        gc.enable()

@@ -217,9 +217,11 @@ class Pair:
     async def take(self, size: int) -> None:
         """A buffer of ``size`` on each side, filled with random bytes, registered."""
         a, b = self.source, self.destination
-        self.local_buf = await a.alloc_buffer(size)
+        # The connection's: a bench killed before its clean-up (SIGKILL) leaves nothing
+        # on the daemons, which free what a closed connection owned.
+        self.local_buf = await a.alloc_buffer(size, owner="connection")
         self.held.append(functools.partial(a.free_buffer, self.local_buf))
-        self.remote_buf = await b.alloc_buffer(size)
+        self.remote_buf = await b.alloc_buffer(size, owner="connection")
         self.held.append(functools.partial(b.free_buffer, self.remote_buf))
         await a.set_tensor(self.local_buf.tensor(), os.urandom(size))
         await b.set_tensor(self.remote_buf.tensor(), os.urandom(size))

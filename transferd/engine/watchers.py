@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -98,13 +100,90 @@ def shm_dir() -> Path:
     return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
 
 
+_PAGE = re.compile(r"transferd-watch-(\d+)-[0-9a-f]{16}")
+# Directory -> the lock this process holds there while it has pages in it.
+_CLAIMS: dict[Path, int] = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+def _lock_path(d: Path, pid: int) -> Path:
+    return d / f"transferd-watch-{pid}.lock"
+
+
+def claim(d: Path) -> None:
+    """Before this process's first page in ``d``: hold its lock there (the sign that its
+    pages are in use) and remove the pages of processes that died without removing
+    theirs (SIGKILL, the OOM killer: ``atexit`` never ran).  A page is stale when its
+    process's lock can be taken (it works across PID namespaces sharing ``d``), or,
+    without a lock file, when no process has its PID; pages of this PID are stale
+    before this process made any (a PID used again)."""
+    with _CLAIMS_LOCK:
+        if d in _CLAIMS:
+            return
+        me = os.getpid()
+        fd = os.open(_lock_path(d, me), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mine_stale = True
+        except OSError:  # a live process of this PID in another PID namespace holds it
+            mine_stale = False
+        _CLAIMS[d] = fd
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        by_pid: dict[int, list[str]] = {}
+        for name in names:
+            m = _PAGE.fullmatch(name)
+            if m:
+                by_pid.setdefault(int(m.group(1)), []).append(name)
+        uid = os.geteuid()
+        for pid, pages in by_pid.items():
+            if (pid == me and mine_stale) or (pid != me and _dead(d, pid)):
+                for name in pages:
+                    with contextlib.suppress(OSError):
+                        if os.lstat(d / name).st_uid == uid:
+                            os.unlink(d / name)
+                if pid != me:
+                    with contextlib.suppress(OSError):
+                        os.unlink(_lock_path(d, pid))
+        if any(by_pid.values()):
+            log.debug("watcher pages of processes gone removed from %s", d)
+
+
+def _dead(d: Path, pid: int) -> bool:
+    """Whether the process that made pages as ``pid`` is gone (see :func:`claim`)."""
+    try:
+        fd = os.open(_lock_path(d, pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its process is alive
+    finally:
+        os.close(fd)
+    return True
+
+
 class WordPage:
-    """One page of shared words in a file of its own, mode 0600, removed on close."""
+    """One page of shared words in a file of its own, mode 0600, removed on close (or,
+    when its process was killed, by the next process that makes one: :func:`claim`)."""
 
     _live: weakref.WeakSet[WordPage] = weakref.WeakSet()
 
     def __init__(self, directory: Path | None = None) -> None:
         d = directory or shm_dir()
+        claim(d)
         self.path = d / f"transferd-watch-{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
@@ -143,6 +222,12 @@ class WordPage:
     def close_all(cls) -> None:
         for page in list(cls._live):
             page.close()
+        with _CLAIMS_LOCK:
+            for d, fd in _CLAIMS.items():
+                with contextlib.suppress(OSError):
+                    os.unlink(_lock_path(d, os.getpid()))
+                os.close(fd)
+            _CLAIMS.clear()
 
 
 atexit.register(WordPage.close_all)
@@ -175,6 +260,9 @@ class Watcher:
     in_flight: bool = False
     changes: int = 0
     segment: _Segment | None = field(repr=False, default=None)
+    # True once the word's memory is let go of (its buffer freed): the watcher then
+    # ends at the next sweep, so that its views no longer hold that memory.
+    gone: Callable[[], bool] | None = field(repr=False, default=None)
 
     def read(self) -> int:
         assert self.segment is not None
@@ -233,6 +321,10 @@ class _Segment:
         for i in changed:
             _fire(watchers[i], int(now[i]), last, i)
         return len(changed)
+
+
+def _ended(old: int, new: int) -> None:
+    """The callback of a watcher taken out (the polling thread may still hold it)."""
 
 
 # Segments of at most this many watchers read their words one by one.
@@ -294,16 +386,18 @@ class Watchers:
                               "(engine.max_watchers_per_connection)")
 
     def add(self, owner: Hashable, key: Hashable, words: np.ndarray, index: int,
-            callback: Change, keep: Any = None, *, handoff: bool = False) -> Watcher:
+            callback: Change, keep: Any = None, *, handoff: bool = False,
+            gone: Callable[[], bool] | None = None) -> Watcher:
         """Watch ``words[index]`` for ``owner``.  ``key`` names the array: words of one
-        key are read together (the first ``words`` given for a key is the one read)."""
+        key are read together (the first ``words`` given for a key is the one read).
+        ``gone()`` true: the memory was let go of, the watcher ends within SWEEP_S."""
         with self._lock:
             self.check_room(owner)
             seg = self._segments.get(key)
             if seg is None:
                 seg = self._segments[key] = _Segment(key, words, self.poll_s)
             w = Watcher(next(self._ids), owner, index, callback, int(seg.words[index]), keep,
-                        handoff, segment=seg)
+                        handoff, segment=seg, gone=gone)
             self._by_id[w.id] = w
             self._per_owner[owner] += 1
             seg.rebuild((*seg.watchers, w))
@@ -341,6 +435,10 @@ class Watchers:
         """Take ``gone`` out (the lock held): their segments are rebuilt, or dropped."""
         touched: set[_Segment] = set()
         for w in gone:
+            # A callback usually refers back to its watcher (a cycle only the collector
+            # would break, at its leisure): cut it, so the memory the watcher's views
+            # hold (a freed buffer's) is let go of now.
+            w.callback = _ended
             del self._by_id[w.id]
             self._per_owner[w.owner] -= 1
             if self._per_owner[w.owner] <= 0:
@@ -365,12 +463,16 @@ class Watchers:
         cold: list[_Segment] = []
         next_cold = next_sweep = time.monotonic()
         paced = self.idle_poll_s > self.poll_s
+        fresh: list[_Segment] = []
+        seg: _Segment | None = None
         while True:
             with self._lock:
                 while not self._by_id and not self._stop:
-                    # Nothing to watch: sleep until a watcher is added, burn nothing.
+                    # Nothing to watch: sleep until a watcher is added, burn nothing,
+                    # and hold no array (a freed buffer's memory goes with its last view).
                     hot.clear()
                     cold.clear()
+                    fresh, seg = [], None
                     self._wake.wait()
                 if self._stop:
                     self._thread = None
@@ -429,6 +531,10 @@ class Watchers:
                 time.sleep(wait)
 
     def _sweep(self, segments: list[_Segment]) -> None:
+        ended = [w for seg in segments for w in seg.watchers if w.gone is not None and w.gone()]
+        if ended:
+            with self._lock:
+                self._forget([w for w in ended if w.id in self._by_id])
         owners = {w.owner for seg in segments for w in seg.watchers}
         for owner in owners:
             if not self._alive(owner):
