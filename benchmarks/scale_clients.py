@@ -35,6 +35,7 @@ from typing import Any
 
 from .harness import (
     BenchResult,
+    Check,
     Options,
     ServerProcess,
     Table,
@@ -249,6 +250,17 @@ def run(opts: Options, clients: tuple[int, ...] = CLIENTS,
                              "floor_server_cpu_s_per_op": per_op(f),
                              "daemon_server_cpu_s_per_op": per_op(d)}
         res.tables.append(t)
+    # Issue 18's targets for the 4 KiB get at 4-64 clients: the floor's rate within 10 %,
+    # its server CPU per operation within 30 %.
+    g = summary.get("get_tensor 4 KiB", {})
+    many = [c for c in clients if c >= 4]
+    if many:
+        res.checks.append(Check("get 4 KiB at 4-64 clients: worst ops/s vs the floor",
+                                min(g[c]["ops_ratio"] for c in many), ">=", 0.9, "x"))
+        res.checks.append(Check(
+            "get 4 KiB at 4-64 clients: worst server CPU per op vs the floor",
+            max(g[c]["daemon_server_cpu_s_per_op"] / g[c]["floor_server_cpu_s_per_op"]
+                for c in many if g[c]["floor_server_cpu_s_per_op"]), "<=", 1.3, "x"))
     w = "engine write 4 KiB"
     tt = Table(f"{w} through daemons with engine.worker = \"thread\" (the default is \"loop\")",
                ["clients", "thread worker ops/s", "p99 us", "vs loop worker ops",

@@ -60,6 +60,9 @@ class Queue(Calls, Protocol):
     def _send_now(self, ops: list[QueuedSet | QueuedGet]) -> None:
         """Send ``ops`` now (their reads resolve when their replies come)."""
 
+    def _op_queue(self) -> list[QueuedSet | QueuedGet]:
+        """The queue as ops (what was queued as columns first), for a copy to join."""
+
     async def set_tensor(self, t: Any, data: Any) -> None: ...
 
     async def get_tensor(self, t: Any, out: Any = None) -> Any: ...

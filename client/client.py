@@ -11,7 +11,6 @@ hand the call to it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,7 +20,6 @@ from transferd import __version__, transports
 from transferd.copies import COUNTING, count
 from transferd.discovery.records import Peer, Value
 from transferd.protocol import auth as auth_methods
-from transferd.protocol.connection import ClientConnection
 from transferd.protocol.constants import (
     DEFAULT_MAX_BODY,
     PROTO_MINOR,
@@ -38,8 +36,17 @@ from .cuda_ipc import CudaIpc
 from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
 from .leases import Lease, Leases, owner_fields
 from .names import NameInfo, Names, Published, Watch
-from .queue import QueuedGet, QueuedSet, chunks, segments
-from .replies import lazy_sink, out_view, resolve_gets
+from .queue import (
+    Columns,
+    QueuedGet,
+    QueuedSet,
+    Reads,
+    TensorQueue,
+    columns,
+    ranges,
+    segments,
+)
+from .replies import out_view
 from .shared import SharedBuffer, map_shared, read_local
 from .switches import Switches
 from .watchers import Change, UvmWatcher, Watchers
@@ -106,6 +113,9 @@ class Client:
         self.max_tensors = 0
         self.max_reply = 1 << 34
         self._conn: Connection | None = None
+        # The queue of async reads and writes: as columns (client/queue.py), or, while
+        # an async device copy is in it, as ops (_op_queue; client/copies.py).
+        self._flat = TensorQueue()
         self._queue: list[QueuedSet | QueuedGet] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reads_in_flight: set[asyncio.Future[Frame]] = set()
@@ -142,23 +152,11 @@ class Client:
         # The handshake is the sans-IO ClientConnection's: hmac-sha256 whenever
         # the server asks for authentication (the secret never crosses the
         # wire, and the server proves it knows it too); auth="token" sends it.
-        hs = ClientConnection(
+        b = await self._conn.handshake(
             name=self.name, max_minor=self.max_minor,
             secret=auth_methods.secret_from_text(self.token) if self.token else None,
-            method=self.auth,
+            method=self.auth, timeout=self.connect_timeout,
         )
-        try:
-            reply = await self._conn.request(
-                Command.HELLO, hs.hello_body(), timeout=self.connect_timeout
-            )
-            mac = hs.hello_reply(reply.body)
-            if mac is not None:
-                await self._conn.request(Command.AUTH, mac, timeout=self.connect_timeout)
-                hs.auth_reply()
-        except TransferdError:
-            await self._conn.close()
-            raise
-        b = reply.body
         self.version = (int(b["major"]), int(b["minor"]), int(b["patch"]))
         self.server = str(b.get("server", ""))
         self.features = list(b.get("features", []))
@@ -221,7 +219,7 @@ class Client:
         With nothing queued this is the request's own future (no coroutine
         in between: one less frame to create and resume per round trip).
         """
-        if self._queue or self.conn.failed:
+        if self._flat or self._queue or self.conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
@@ -234,7 +232,14 @@ class Client:
         return await self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
 
     def _queued(self) -> bool:
-        return bool(self._queue)
+        return bool(self._flat) or bool(self._queue)
+
+    def _op_queue(self) -> list[QueuedSet | QueuedGet]:
+        """The queue as ops, for an async device copy to join (what was queued as columns
+        goes first, in its order)."""
+        if self._flat:
+            self._queue[:0] = self._flat.to_ops()
+        return self._queue
 
     # -- devices and buffers --------------------------------------------------------
 
@@ -295,7 +300,7 @@ class Client:
         if view.nbytes != t.size:
             raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
         if self._shared and t.buffer in self._shared:
-            if self._queue:
+            if self._queued():
                 await self.flush()  # a flush point, as over the wire
             self._shared[t.buffer].local(t.offset, t.size)[:] = view
             if COUNTING:
@@ -308,7 +313,7 @@ class Client:
         if type(t) is not Tensor:
             t = _tensor(t)
         if self._shared and t.buffer in self._shared:
-            if self._queue:
+            if self._queued():
                 await self.flush()
             return read_local(self._shared[t.buffer], t, out)
         if out is None:
@@ -358,16 +363,20 @@ class Client:
         if type(data) is bytes:  # immutable, one byte per item: held as is
             if len(data) != t.size:
                 raise BadRequest(f"{len(data)} bytes of data for a tensor of {t.size}")
+        else:
+            view = _as_view(data)
+            if view.nbytes != t.size:
+                raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
+            if copy and not view.readonly:
+                data = bytes(view)
+                if COUNTING:
+                    count("client.queue_copy", t.size)
+            else:
+                data = view
+        if self._queue:  # an async copy is queued: after it, in order
             self._queue.append(QueuedSet(t, data))
-            return
-        view = _as_view(data)
-        if view.nbytes != t.size:
-            raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
-        if copy and not view.readonly:
-            data = bytes(view)
-            if COUNTING:
-                count("client.queue_copy", t.size)
-        self._queue.append(QueuedSet(t, data))
+        else:
+            self._flat.add_set(t, data)
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point.
@@ -386,7 +395,10 @@ class Client:
                 fut.set_exception(exc)
             return fut
         dest = out_view(t, out) if out is not None else None
-        self._queue.append(QueuedGet(t, fut, dest, out))
+        if self._queue:  # an async copy is queued: after it, in order
+            self._queue.append(QueuedGet(t, fut, dest, out))
+        else:
+            self._flat.add_get(t, fut, dest, out)
         return fut
 
     async def flush(self) -> None:
@@ -395,50 +407,53 @@ class Client:
         if copies.queued:  # async device copies queued: their bytes must be in staging first
             ops = await copies.take_queue()
             try:
-                await self._flush_ops(ops)
+                await self._flush_segments([columns(s) for s in segments(ops)])
             finally:
                 await copies.release_sent(ops)
             return
-        ops, self._queue = self._queue, []
-        await self._flush_ops(ops)
+        if self._queue:
+            ops, self._queue = self._queue, []
+            await self._flush_segments([columns(s) for s in segments(ops)])
+            return
+        await self._flush_segments(self._flat.take())
 
     def _send_now(self, ops: list[QueuedSet | QueuedGet]) -> None:
         """Send ``ops`` now; their reads resolve when their replies come (a later flush
         waits for them)."""
         for seg in segments(ops):
-            self._send_sets(seg.sets)
-            for gets, fut in self._send_gets(seg.gets):
-                fut.add_done_callback(functools.partial(resolve_gets, gets))
+            for reads, fut in self._send_columns(columns(seg)):
+                fut.add_done_callback(reads.settle)
                 self._reads_in_flight.add(fut)
                 fut.add_done_callback(self._reads_in_flight.discard)
 
-    async def _flush_ops(self, ops: list[QueuedSet | QueuedGet]) -> None:
+    async def _flush_segments(self, segs: list[Columns]) -> None:
         conn = self.conn
-        waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
+        waits: list[tuple[Reads, asyncio.Future[Frame]]] = []
         try:
-            for seg in segments(ops):
-                self._send_sets(seg.sets)
-                waits += self._send_gets(seg.gets)
+            for seg in segs:
+                waits += self._send_columns(seg)
         except TransferdError as exc:
-            for op in ops:
-                if isinstance(op, QueuedGet) and not op.future.done():
-                    op.future.set_exception(exc)
+            for seg in segs:
+                for f in seg.get_f:
+                    if not f.done():
+                        f.set_exception(exc)
             raise
         # Reads another task's flush (or synchronous call) already sent may hold
         # futures queued before this flush: wait for those too.
-        earlier = [f for f in self._reads_in_flight if not f.done()]
-        for gets, fut in waits:
-            # Resolved by callback, so a cancelled flush orphans no read.
-            fut.add_done_callback(functools.partial(resolve_gets, gets))
+        earlier = [f for f in self._reads_in_flight if not f.done()] \
+            if self._reads_in_flight else []
+        for reads, fut in waits:
+            # Settled by callback too, so a cancelled flush orphans no read.
+            fut.add_done_callback(reads.settle)
             self._reads_in_flight.add(fut)
             fut.add_done_callback(self._reads_in_flight.discard)
         first_error: BaseException | None = None
-        for gets, fut in waits:
+        for reads, fut in waits:
             try:
                 await fut
             except TransferdError as exc:
                 first_error = first_error or exc
-            resolve_gets(gets, fut)  # now, not when the callback gets its turn
+            reads.settle(fut)  # now, not when the callback gets its turn
         if earlier:
             await asyncio.wait(earlier)
         self._raise_failures()
@@ -446,43 +461,43 @@ class Client:
             raise first_error
         await conn.drain()
 
-    def _send_sets(self, sets: list[QueuedSet]) -> None:
-        if not sets:
-            return
+    def _send_columns(self, seg: Columns) -> list[tuple[Reads, asyncio.Future[Frame]]]:
+        """A segment's writes (one-way), then its reads: one SET_TENSORS and one
+        GET_TENSORS when they fit the server's limits, their columns sent as they are."""
         conn = self.conn
-        if self.minor >= 2 and self.switches.batched_set:
-            for part in chunks(sets, self.max_body, self.max_payload, self.max_tensors):
-                # Tensors are tuples: msgpack writes each as its [buffer, offset, size].
-                conn.send_oneway(
-                    _SET_TENSORS, {"tensors": [s.tensor for s in part]}, [s.data for s in part]
-                )
-        else:
-            for s in sets:
-                conn.send_oneway(_SET_TENSOR, {"tensor": s.tensor}, [s.data])
-
-    def _send_gets(
-        self, gets: list[QueuedGet]
-    ) -> list[tuple[list[QueuedGet], asyncio.Future[Frame]]]:
-        if not gets:
+        batched = self.minor >= 2
+        if seg.set_t:
+            if batched and self.switches.batched_set:
+                t, d = seg.set_t, seg.set_d
+                for lo, hi in ranges(t, seg.set_bytes, self.max_body, self.max_payload,
+                                     self.max_tensors):
+                    whole = hi - lo == len(t)
+                    # Tensors are tuples: msgpack writes each as its [buffer, offset, size].
+                    conn.send_views(_SET_TENSORS, {"tensors": t if whole else t[lo:hi]},
+                                    d if whole else d[lo:hi],
+                                    seg.set_bytes if whole else None, oneway=True)
+            else:
+                for t1, d1 in zip(seg.set_t, seg.set_d, strict=True):
+                    conn.send_views(_SET_TENSOR, {"tensor": t1}, (d1,), t1[2], oneway=True)
+        if not seg.get_t:
             return []
-        conn = self.conn
-        waits: list[tuple[list[QueuedGet], asyncio.Future[Frame]]] = []
-        if self.minor >= 2 and self.switches.batched_get:
-            for part in chunks(gets, self.max_body, min(self.max_payload, self.max_reply),
-                               self.max_tensors):
-                fut = conn.request(
-                    _GET_TENSORS,
-                    {"tensors": [g.tensor for g in part]},
-                    sink=lazy_sink(part),
-                    timeout=self.timeout,
-                )
-                waits.append((part, fut))
+        waits: list[tuple[Reads, asyncio.Future[Frame]]] = []
+        if batched and self.switches.batched_get:
+            t = seg.get_t
+            for lo, hi in ranges(t, seg.get_bytes, self.max_body,
+                                 min(self.max_payload, self.max_reply), self.max_tensors):
+                whole = hi - lo == len(t)
+                reads = Reads(seg, lo, hi, seg.get_bytes if whole else
+                              sum([x[2] for x in t[lo:hi]]))
+                fut = conn.request(_GET_TENSORS, {"tensors": t if whole else t[lo:hi]},
+                                   sink=reads.sink, timeout=self.timeout)
+                waits.append((reads, fut))
         else:
-            for g in gets:
-                fut = conn.request(
-                    _GET_TENSOR, {"tensor": g.tensor}, sink=lazy_sink([g]), timeout=self.timeout
-                )
-                waits.append(([g], fut))
+            for i, t1 in enumerate(seg.get_t):
+                reads = Reads(seg, i, i + 1, t1[2])
+                fut = conn.request(_GET_TENSOR, {"tensor": t1}, sink=reads.sink,
+                                   timeout=self.timeout)
+                waits.append((reads, fut))
         return waits
 
     # -- the engine (client/engine.py) -------------------------------------------------

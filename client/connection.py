@@ -1,61 +1,51 @@
-"""One connection to a daemon: framing, the pending-request table, events.
+"""One connection to a daemon: asyncio feeds the sans-IO ClientConnection, writes its frames.
 
-Every request gets a future keyed by its seq; the reply resolves it, a
-connection loss fails every outstanding one with ConnectionLost (so nothing
-waits forever on a dead server).  Replies with a payload are read straight
-into memory the caller supplied (``sink``) when there is one.
+The protocol of the connection (HELLO and AUTH with the server's proof checked, the
+seq of every request and what it registered, which frame answers which, EVENT frames,
+a one-way command's failure, the limits, CLOSING) is
+:class:`transferd.protocol.connection.ClientConnection`.  This layer gives each request
+a future (and a timer when it has a timeout), writes the frames the connection queues
+through the transport kind's :class:`~transferd.transports.carriers.Carrier`, and turns
+the connection's events into results: an :class:`Answer` resolves its future, a
+:class:`Notice` goes to ``on_event`` (or, a one-way failure, to ``failed``), and a lost
+connection fails every outstanding request with ConnectionLost (so nothing waits forever
+on a dead server).  Replies with a payload are read straight into memory the caller
+supplied (``sink``) when there is one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from transferd import transports
-from transferd.copies import COUNTING, count
 from transferd.parts import MAX_MESSAGE
-from transferd.protocol import frames
-from transferd.protocol.constants import (
-    HEADER_SIZE,
-    HELLO_MAX_BODY,
-    MAGIC,
-    Command,
-    Flag,
-    command_name,
+from transferd.protocol.connection import (
+    Answer,
+    ClientConnection,
+    Notice,
+    Outgoing,
+    Ready,
+    Refused,
 )
+from transferd.protocol.constants import Command, Flag, command_name
 from transferd.protocol.errors import (
     BadFrame,
     BadRequest,
     ConnectionLost,
+    PeerUnreachable,
     ProtocolError,
     Timeout,
     TransferdError,
-    error_from_body,
 )
-from transferd.protocol.frames import Frame, FrameDecoder, Sink
+from transferd.protocol.frames import Frame, Phase, Sink
+from transferd.transports import TransportKind
+from transferd.transports.carriers import Carrier
 
-# Replies whose payload the client asked for (the size it asked); any other payload (an
-# event's message, a reply to anything else) is collected only up to a message's size.
-_GETS = (int(Command.GET_TENSOR), int(Command.GET_TENSORS))
-
-
-def _collected(frame: Frame) -> Sink:
-    """A payload nobody set memory up for: the decoder collects it into a bytearray of
-    the size the server announced, so a size over a message's is refused, not allocated
-    (a lying server's EVENT announcing 16 GiB would have had 16 GiB zeroed)."""
-    if frame.payload_len > MAX_MESSAGE:
-        raise BadFrame(f"a payload of {frame.payload_len} bytes on a "
-                       f"{command_name(frame.cmd)} frame nothing asked for (at most "
-                       f"{MAX_MESSAGE})", seq=frame.seq)
-    return None
-
-
-# Joining a small payload with its header saves a syscall; big ones go as is.
-SMALL_WRITE = 16 * 1024
 # How long close() waits for the server to finish what this connection sent
 # and close its side, before closing outright.
 CLOSE_LINGER = 5.0
@@ -63,15 +53,15 @@ CLOSE_LINGER = 5.0
 _NAMES: dict[int, str] = {int(c): c.name for c in Command}
 # In Python 3.11 ``Flag.X`` goes through EnumType.__getattr__: alias it once.
 _NO_REPLY = int(Flag.NO_REPLY)
-_REPLY = int(Flag.REPLY)
-_ERROR = int(Flag.ERROR)
-_EVENT = int(Flag.EVENT)
-_REPLY_ERROR = int(Flag.REPLY | Flag.ERROR)
-_pack_header = frames.HEADER.pack
+_ANSWER = Answer
+_NOTICE = Notice
+_BROKEN = Phase.BROKEN
 
 
 @dataclass(slots=True)
 class Pending:
+    """A request waiting for its reply: what the ClientConnection hands back in its Answer."""
+
     cmd: int
     future: asyncio.Future[Frame]
     sink: Sink | Callable[[Frame], Sink] = None
@@ -99,16 +89,13 @@ class ClientStats:
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
+    def __init__(self, kind: TransportKind | None = None) -> None:
+        self.kind = kind
         self.transport: asyncio.Transport | None = None
-        self.decoder = FrameDecoder(max_body=HELLO_MAX_BODY, payload_sink=self._sink_for)
-        # The transport asks the decoder directly: one Python call less per read.
-        self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
-        self.pending: dict[int, Pending] = {}
+        self.carrier: Carrier | None = None
         self.stats = ClientStats()
-        self._seq = 0
         self._closed: asyncio.Future[None] | None = None
-        self.lost: TransferdError | None = None
+        self._ready: asyncio.Future[Ready] | None = None
         # Failures of NO_REPLY commands, raised at the next flush point.
         self.failed: list[TransferdError] = []
         # Unasked EVENT frames (engine completions, messages) go here.
@@ -117,8 +104,37 @@ class Connection(asyncio.BufferedProtocol):
         self.on_lost: Callable[[TransferdError], None] | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
-        # A message transport takes whole frames (None: a stream, write bytes).
-        self._write_frame: Any = None
+        # The URL it was opened with, and whether that transport keeps bytes private.
+        self.url = ""
+        self.private = False
+        self.machine = ClientConnection(max_collect=MAX_MESSAGE)
+        self.decoder = self.machine.decoder
+        # The transport asks the decoder directly: one Python call less per read.
+        self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
+
+    @property
+    def lost(self) -> TransferdError | None:
+        return self.machine.lost
+
+    @property
+    def pending(self) -> dict[int, Any]:
+        return self.machine.pending
+
+    @property
+    def max_body(self) -> int:
+        return self.machine.max_body
+
+    @max_body.setter
+    def max_body(self, value: int) -> None:
+        self.machine.max_body = value
+
+    @property
+    def max_payload(self) -> int:
+        return self.machine.max_payload
+
+    @max_payload.setter
+    def max_payload(self, value: int) -> None:
+        self.machine.max_payload = value
 
     @classmethod
     async def open(
@@ -130,27 +146,55 @@ class Connection(asyncio.BufferedProtocol):
         """Connect by URL (any scheme of :mod:`transferd.transports`)."""
         opts = options or transports.TransportOptions()
         opts.timeout = timeout
+        kind = transports.get(url)
         try:
-            _, conn = await transports.connect(url, cls, opts)
+            _, conn = await transports.connect(url, functools.partial(cls, kind), opts)
         except (TimeoutError, OSError) as exc:
-            from transferd.protocol.errors import PeerUnreachable
-
             raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
-        return cast(Connection, conn)
+        c = cast(Connection, conn)
+        c.url = url
+        c.private = kind.private
+        return c
+
+    async def handshake(self, *, name: str, max_minor: int, secret: bytes | None,
+                        method: str, timeout: float | None) -> dict[str, Any]:
+        """HELLO (and AUTH) through the sans-IO ClientConnection: the server's HELLO reply.
+
+        A server that does not prove it knows ``secret`` is refused (Unauthorized naming
+        this connection's URL) and the connection closed, before any request goes to it.
+        """
+        try:
+            # The machine (and its decoder, whose buffers the transport already has) was
+            # made with the connection; now it learns who it is.
+            m = self.machine
+            m.prepare(name=name, max_minor=max_minor, secret=secret, method=method,
+                      address=self.url, private=self.private)
+            self._ready = asyncio.get_running_loop().create_future()
+            m.start()
+            self._flush()
+            try:
+                ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+            except TimeoutError:
+                raise Timeout(f"HELLO got no reply in {timeout:g} s", seq=1) from None
+        except TransferdError:
+            await self.close()
+            raise
+        body = ready.hello
+        if "max_message" in body:
+            self.set_max_message(int(body["max_message"]))
+        return body
 
     def set_max_message(self, max_message: int) -> None:
         """The server's ``max_message`` (HELLO reply): payload continuation size."""
         if not transports.MIN_MAX_MESSAGE <= max_message <= 64 << 20:
             raise BadFrame(f"server announced max_message {max_message}, outside 64 KiB-64 MiB")
-        t: Any = self.transport
-        if self._write_frame is not None and t is not None:
-            t.max_message = max_message
-            t.recv_limit = max_message
+        if self.carrier is not None:
+            self.carrier.set_message_limits(max_message, max_message)
 
     @property
     def carries_fds(self) -> bool:
         """True on unix:// and seqpacket:// connections (SCM_RIGHTS both ways)."""
-        return bool(self.transport is not None and self.transport.get_extra_info("transferd_fds"))
+        return self.carrier is not None and self.carrier.fds is not None
 
     def take_fds(self, n: int) -> list[int]:
         """The ``n`` oldest file descriptors received (the caller closes them).
@@ -159,10 +203,9 @@ class Connection(asyncio.BufferedProtocol):
         that frame is handled here they have arrived; a frame that announces
         ``n`` of them takes them with this.  BadFrame if fewer came.
         """
-        take = getattr(self.transport, "take_fds", None)
-        if take is None:
+        if self.carrier is None or self.carrier.fds is None:
             raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
-        return cast(list[int], take(n))
+        return self.carrier.fds.take(n)
 
     # -- asyncio callbacks --------------------------------------------------------
 
@@ -170,11 +213,8 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports do not subclass asyncio.Transport, but are one.
         self.transport = cast(asyncio.Transport, transport)
         self._closed = asyncio.get_running_loop().create_future()
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if transport.get_extra_info("transferd_message"):
-            self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
+        kind = self.kind or transports.get("tcp://")
+        self.carrier = kind.carrier(transport, server=False, join_counter="client.send_join")
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""
@@ -183,34 +223,73 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)
+        return self.machine.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.decoder.buffer_updated(nbytes)
+        m = self.machine
+        m.decoder.buffer_updated(nbytes)
         self.stats.bytes_in += nbytes
+        ev: Any
         while True:
-            try:
-                frame = self.decoder.next_frame()
-            except ProtocolError as exc:
-                self._fail_all(exc)
-                if self.transport is not None:
-                    self.transport.close()
-                return
-            if frame is None:
-                return
-            self._dispatch(frame)
+            ev = m.next_event()
+            if ev is None:
+                break
+            if type(ev) is _ANSWER:  # the usual event: resolve its request (inlined)
+                p = ev.token
+                if p.timer is not None:
+                    p.timer.cancel()
+                fut = p.future
+                if not fut.done():
+                    if ev.error is None:
+                        fut.set_result(ev.frame)
+                    else:
+                        fut.set_exception(ev.error)
+            elif type(ev) is _NOTICE:
+                if self.on_event is not None and self.on_event(ev.frame):
+                    continue
+                if ev.error is not None:
+                    self.failed.append(ev.error)
+            elif type(ev) is Ready:
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(ev)
+            else:
+                self._refused(ev)
+                if m.decoder.phase is _BROKEN:
+                    return
+        if m.out:
+            self._flush()  # the handshake's AUTH
+
+    def _refused(self, ev: Refused) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(ev.error)  # the handshake failed
+            return
+        if self.machine.decoder.phase is _BROKEN:
+            # The stream broke the framing rules: nothing more can be read.
+            self._fail_all(ev.error)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        # A fatal error before any request, or for a seq we gave up on.
+        self.failed.append(ev.error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(ConnectionLost(f"connection closed{': ' + str(exc) if exc else ''}"))
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(None)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(ConnectionLost(
+                f"{self.url or 'the server'}: the connection closed during the handshake"))
         self._wake_drain()
+        if self.carrier is not None:
+            self.carrier.close()
 
     def pause_writing(self) -> None:
         self._paused = True
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self.carrier is not None:
+            self.carrier.drained()
         self._wake_drain()
 
     def _wake_drain(self) -> None:
@@ -219,52 +298,16 @@ class Connection(asyncio.BufferedProtocol):
                 w.set_result(None)
         self._drain_waiters.clear()
 
-    # -- incoming ---------------------------------------------------------------------
-
-    def _sink_for(self, frame: Frame) -> Sink:
-        if (int(frame.flags) & _REPLY_ERROR) != _REPLY:  # not a plain reply
-            return _collected(frame)
-        p = self.pending.get(frame.seq)
-        if p is None or (p.sink is None and p.cmd not in _GETS):
-            return _collected(frame)
-        # A callable sink picks the memory now that the reply is known good.
-        return p.sink(frame) if callable(p.sink) else p.sink
-
-    def _dispatch(self, frame: Frame) -> None:
-        flags = int(frame.flags)
-        if flags & _EVENT:
-            if self.on_event is not None and self.on_event(frame):
-                return
-            if frame.is_error:
-                self.failed.append(error_from_body(frame.body, seq=frame.seq))
-            return
-        p = self.pending.pop(frame.seq, None)
-        if p is None:
-            if frame.is_error:
-                # A fatal error before any request (or for a seq we gave up on).
-                self.failed.append(error_from_body(frame.body, seq=frame.seq))
-            return
-        if p.timer is not None:
-            p.timer.cancel()
-        if p.future.done():
-            return
-        if flags & _ERROR:
-            p.future.set_exception(error_from_body(frame.body, seq=frame.seq))
-        else:
-            p.future.set_result(frame)
-
     def _fail_all(self, exc: TransferdError) -> None:
-        if self.lost is None:
-            self.lost = exc
-        if self.on_lost is not None:
+        if self.on_lost is not None and self.machine.lost is None:
             self.on_lost(exc)
+        tokens = self.machine.lose(exc)
         # A fatal error reply may have arrived just before the close: prefer it.
         for f in self.failed:
             if f.fatal:
                 exc = f
                 break
-        pending, self.pending = self.pending, {}
-        for p in pending.values():
+        for p in tokens:
             if p.timer is not None:
                 p.timer.cancel()
             if not p.future.done():
@@ -275,7 +318,29 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def last_seq(self) -> int:
         """The seq of the frame sent last (what a reply or event will carry)."""
-        return self._seq
+        return self.machine.last_seq
+
+    def _flush(self) -> None:
+        """Write the frames the connection queued itself (HELLO, AUTH)."""
+        m = self.machine
+        out, m.out = m.out, []
+        for o in out:
+            self._write(o)
+
+    def _write(self, o: Outgoing) -> None:
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
+        if o.fds:
+            assert carrier.fds is not None  # send() refuses descriptors elsewhere
+            carrier.fds.send(o.fds)
+        carrier.write(o.head, o.payload, o.payload_len)
+        stats = self.stats
+        stats.bytes_out += len(o.head) + o.payload_len
+        cmd = o.head[2]  # the header's cmd byte
+        name = _NAMES.get(cmd) or command_name(cmd)
+        cmds = stats.commands
+        cmds[name] = cmds.get(name, 0) + 1
 
     def send(
         self,
@@ -284,43 +349,14 @@ class Connection(asyncio.BufferedProtocol):
         payload: Sequence[Any] = (),
         *,
         flags: int = 0,
-        seq: int | None = None,
         fds: Sequence[int] = (),
     ) -> int:
-        """Write one request frame; payload objects are sent from where they lie.
-
-        ``fds`` (unix and seqpacket only) go with the frame's first byte.
-        """
-        if self.lost is not None or self.transport is None or self.transport.is_closing():
-            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
-        if seq is None:
-            seq = self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
-        raw = frames.pack_body(body) if body else b""
-        if payload:
-            views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]
-            plen = sum(map(len, views))
-        else:
-            views, plen = [], 0
-        # encode_header(), inlined: this runs once per request.
-        head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
-        if fds:
-            send_fds = getattr(self.transport, "send_fds", None)
-            if send_fds is None:
-                raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
-            send_fds(fds)
-        if self._write_frame is not None:
-            self._write_frame(head, views, plen)
-        elif plen <= SMALL_WRITE:
-            if COUNTING and plen:
-                count("client.send_join", plen)
-            self.transport.write(b"".join((head, *views)) if plen else head)
-        else:
-            # One call for all payload objects: sent together, not a syscall each.
-            self.transport.writelines((head, *views))
-        name = _NAMES.get(cmd) or command_name(cmd)
-        self.stats.commands[name] = self.stats.commands.get(name, 0) + 1
-        self.stats.bytes_out += HEADER_SIZE + len(raw) + plen
-        return seq
+        """Write one request frame without waiting for a reply; its seq.  Payload objects
+        are sent from where they lie; ``fds`` (unix and seqpacket only) go with the
+        frame's first byte."""
+        if fds and not self.carries_fds:
+            raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
+        return self._send(cmd, body, payload, int(flags), fds, None)
 
     def request(
         self,
@@ -334,12 +370,47 @@ class Connection(asyncio.BufferedProtocol):
         """Send a request; the future resolves with its reply frame or raises."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
-        seq = self.send(cmd, body, payload)
         p = Pending(cmd, fut, sink)
+        seq = self._send(cmd, body, payload, 0, (), p)
         if timeout is not None:
             p.timer = loop.call_later(timeout, self._time_out, seq, timeout)
-        self.pending[seq] = p
         return fut
+
+    def send_views(self, cmd: int, body: dict[str, Any] | None, views: Sequence[Any],
+                   payload_len: int | None = None, *, oneway: bool = False) -> int:
+        """:meth:`send` of a payload that is already bytes or byte views (the queue's
+        columns), of ``payload_len`` bytes when the caller knows it: no pass over it."""
+        return self._send(cmd, body, views, _NO_REPLY if oneway else 0, (), None,
+                          ready=True, payload_len=payload_len)
+
+    def _send(self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any],
+              flags: int, fds: Sequence[int], token: Pending | None, *,
+              ready: bool = False, payload_len: int | None = None) -> int:
+        """Make the request (ClientConnection.request) and write it; its seq."""
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
+        views: Sequence[Any]
+        if not payload:
+            views, plen = (), 0
+        elif ready:
+            views = payload
+            plen = sum(map(len, views)) if payload_len is None else payload_len
+        else:
+            views = [p if type(p) is bytes else memoryview(p).cast("B") for p in payload]
+            plen = sum(map(len, views))
+        m = self.machine
+        o = m.request(cmd, body, views, flags=flags, fds=fds, token=token, payload_len=plen)
+        if fds:
+            assert carrier.fds is not None  # send() checked
+            carrier.fds.send(fds)
+        carrier.write(o.head, views, plen)
+        stats = self.stats
+        stats.bytes_out += len(o.head) + plen
+        name = _NAMES.get(cmd) or command_name(cmd)
+        cmds = stats.commands
+        cmds[name] = cmds.get(name, 0) + 1
+        return m._seq
 
     def send_oneway(
         self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any] = ()
@@ -347,10 +418,10 @@ class Connection(asyncio.BufferedProtocol):
         return self.send(cmd, body, payload, flags=_NO_REPLY)
 
     def _time_out(self, seq: int, timeout: float) -> None:
-        p = self.pending.pop(seq, None)
+        p = self.machine.forget(seq)
         if p is not None and not p.future.done():
             p.future.set_exception(
-                Timeout(f"{Command(p.cmd).name} got no reply in {timeout:g} s", seq=seq)
+                Timeout(f"{command_name(p.cmd)} got no reply in {timeout:g} s", seq=seq)
             )
 
     async def drain(self) -> None:

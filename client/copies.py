@@ -176,12 +176,12 @@ class Copies:
             ready = waiter.wait(s.record())
             op = QueuedCopy(Tensor(t.buffer, t.offset + pos, n), chunk.view[:n], ready, chunk,
                             pool)
-            client._queue.append(op)
+            client._op_queue().append(op)
             self.queued += 1
             ready.add_done_callback(self._ready)
             pos += n
         if t.size == 0:
-            client._queue.append(QueuedSet(t, b""))
+            client._op_queue().append(QueuedSet(t, b""))
 
     async def _from_device_sync(self, t: Tensor, s: DeviceStream, ptr: int) -> None:
         # The fallback the seed replaced: synchronize the producer, copy to

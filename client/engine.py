@@ -147,7 +147,7 @@ class EngineEvents:
         if c is None:
             return False
         if frame.is_error:
-            c._resolve(error=error_from_body(frame.body, seq=frame.seq))
+            c._resolve(error=error_from_body(frame.body, seq=frame.seq, fatal=False))
         else:
             c._resolve(frame.body)
         return True

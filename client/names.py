@@ -178,7 +178,7 @@ class Names:
         if w is None:
             return True  # a watch that ended here: its last EVENTs are nobody's failure
         if frame.is_error:
-            w._end(error_from_body(frame.body, seq=frame.seq))
+            w._end(error_from_body(frame.body, seq=frame.seq, fatal=False))
         else:
             try:
                 w._push(Change.from_body(frame.body), bool(frame.body.get("new")))

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from transferd.copies import COUNTING, count
+from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
 # Upper bound of one tensor's msgpack encoding ([u64, u64, u64] = 1 + 3*9).
@@ -93,3 +95,221 @@ def chunks(items: list[Any], max_body: int, max_payload: int,
             end += 1
         yield items[start:end]
         start = end
+
+
+# -- the flat queue: a column per field, one entry per row --------------------------------
+#
+# set_tensor_async and get_tensor_async append a row's fields to the current segment's
+# columns (no object per row but the read's future); a flush sends each segment's columns
+# as they are (the tensors list is the GET_TENSORS / SET_TENSORS body, the data list the
+# SET's payload) and settles a reply's reads in one pass.  The op lists above remain for
+# the async device copies (client/copies.py), whose SETs wait for their bytes: a queue
+# with a copy in it is held as ops (Client._op_queue), converted to columns when sent.
+
+# A small reply for reads without ``out=`` is received whole and cut into the reads'
+# results: cheaper than scattering it over one small buffer per read.
+GATHER_SMALL = 64 * 1024
+
+
+@dataclass(slots=True, eq=False)
+class Columns:
+    """One segment of the queue: its writes, then its reads, a list per field."""
+
+    set_t: list[Tensor] = field(default_factory=list)
+    set_d: list[Any] = field(default_factory=list)  # bytes or memoryview("B"), each row's
+    set_bytes: int = 0
+    get_t: list[Tensor] = field(default_factory=list)
+    get_f: list[asyncio.Future[Any]] = field(default_factory=list)
+    get_o: list[memoryview | None] = field(default_factory=list)  # where the bytes land
+    get_r: list[Any] = field(default_factory=list)  # what each future resolves to
+    get_bytes: int = 0
+    outs: int = 0  # reads with a destination of their own (out=)
+
+    def __bool__(self) -> bool:
+        return bool(self.set_t or self.get_t)
+
+
+def _overlaps_any(t: Tensor, tensors: list[Tensor]) -> bool:
+    b, o, n = t
+    if not n:
+        return False
+    e = o + n
+    return any(gb == b and go < e and o < go + gn for gb, go, gn in tensors)
+
+
+class TensorQueue:
+    """The queue of asynchronous reads and writes, as columns (see above)."""
+
+    __slots__ = ("cur", "n", "segs")
+
+    def __init__(self) -> None:
+        self.cur = Columns()
+        self.segs = [self.cur]
+        self.n = 0
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def add_set(self, t: Tensor, data: Any) -> None:
+        cur = self.cur
+        # A write after a read of the same bytes opens a segment (sent after that read);
+        # one after reads of other bytes may go before them.
+        if cur.get_t and _overlaps_any(t, cur.get_t):
+            cur = self.cur = Columns()
+            self.segs.append(cur)
+        cur.set_t.append(t)
+        cur.set_d.append(data)
+        cur.set_bytes += t[2]
+        self.n += 1
+
+    def add_get(self, t: Tensor, fut: asyncio.Future[Any], dest: memoryview | None,
+                out: Any) -> None:
+        cur = self.cur
+        cur.get_t.append(t)
+        cur.get_f.append(fut)
+        cur.get_o.append(dest)
+        cur.get_r.append(out)
+        cur.get_bytes += t[2]
+        if dest is not None:
+            cur.outs += 1
+        self.n += 1
+
+    def take(self) -> list[Columns]:
+        """Everything queued, in order; the queue is empty after."""
+        segs = self.segs
+        self.cur = Columns()
+        self.segs = [self.cur]
+        self.n = 0
+        return segs if segs[-1] else segs[:-1]
+
+    def to_ops(self) -> list[QueuedSet | QueuedGet]:
+        """Everything queued as ops (each segment's writes, then its reads), emptied."""
+        ops: list[QueuedSet | QueuedGet] = []
+        for seg in self.take():
+            ops += map(QueuedSet, seg.set_t, seg.set_d)
+            ops += map(QueuedGet, seg.get_t, seg.get_f, seg.get_o, seg.get_r)
+        return ops
+
+
+def columns(seg: Segment) -> Columns:
+    """A segment of ops as columns (the async copies' path)."""
+    c = Columns()
+    for s in seg.sets:
+        c.set_t.append(s.tensor)
+        c.set_d.append(s.data)
+        c.set_bytes += s.tensor.size
+    for g in seg.gets:
+        c.get_t.append(g.tensor)
+        c.get_f.append(g.future)
+        c.get_o.append(g.out)
+        c.get_r.append(g.result)
+        c.get_bytes += g.tensor.size
+        if g.out is not None:
+            c.outs += 1
+    return c
+
+
+def ranges(tensors: list[Tensor], nbytes: int, max_body: int, max_payload: int,
+           max_tensors: int = 0) -> list[tuple[int, int]]:
+    """Where a column of tensors splits so each command's body, payload and tensor count
+    stay inside the limits (``chunks``, by index): one range in the usual case."""
+    per_body = max(1, (max_body - BODY_SLACK) // TENSOR_WIRE_BYTES)
+    if max_tensors > 0:
+        per_body = min(per_body, max_tensors)
+    n = len(tensors)
+    if n <= per_body and nbytes <= max_payload:
+        return [(0, n)] if n else []
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < n:
+        size = 0
+        end = start
+        while end < n and end - start < per_body:
+            nxt = tensors[end][2]
+            if end > start and size + nxt > max_payload:
+                break
+            size += nxt
+            end += 1
+        out.append((start, end))
+        start = end
+    return out
+
+
+class Reads:
+    """The reads one GET_TENSORS (or GET_TENSOR) answers: rows ``lo:hi`` of a segment.
+
+    Its :meth:`sink` picks where the reply's payload lands once the reply is known good
+    (a read the server refuses allocates nothing); :meth:`settle` resolves the reads'
+    futures from the reply, once, in one pass.
+    """
+
+    __slots__ = ("hi", "lo", "nbytes", "seg", "settled")
+
+    def __init__(self, seg: Columns, lo: int, hi: int, nbytes: int) -> None:
+        self.seg, self.lo, self.hi, self.nbytes = seg, lo, hi, nbytes
+        self.settled = False
+
+    def _outs(self) -> bool:
+        seg = self.seg
+        if not seg.outs:
+            return False
+        return any(o is not None for o in seg.get_o[self.lo:self.hi])
+
+    def sink(self, frame: Frame) -> list[memoryview] | None:
+        if frame.payload_len <= GATHER_SMALL and not self._outs():
+            return None  # the decoder gathers the payload; settle cuts it
+        seg = self.seg
+        get_o, get_r, get_t = seg.get_o, seg.get_r, seg.get_t
+        views: list[memoryview] = []
+        append = views.append
+        for i in range(self.lo, self.hi):
+            o = get_o[i]
+            if o is None:
+                get_r[i] = r = bytearray(get_t[i][2])
+                get_o[i] = o = memoryview(r)
+            append(o)
+        return views
+
+    def settle(self, fut: asyncio.Future[Frame]) -> None:
+        """Resolve the reads from their reply's future (a done callback, and the flush
+        itself: the second call does nothing)."""
+        if self.settled:
+            return
+        self.settled = True
+        seg, lo, hi = self.seg, self.lo, self.hi
+        futs = seg.get_f[lo:hi]
+        if fut.cancelled():
+            for f in futs:
+                if not f.done():
+                    f.cancel()
+            return
+        exc = fut.exception()
+        if exc is not None:
+            for f in futs:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        payload = fut.result().payload
+        get_r = seg.get_r
+        if payload is not None:  # gathered whole (see sink): cut it up, one pass
+            if hi - lo == 1:
+                f = futs[0]
+                if not f.done():
+                    f.set_result(payload)
+                return
+            if COUNTING:
+                count("client.batch_cut", len(payload))
+            pos = 0
+            for f, t in zip(futs, seg.get_t[lo:hi], strict=True):
+                end = pos + t[2]
+                if not f.done():
+                    f.set_result(payload[pos:end])
+                pos = end
+            return
+        for f, r in zip(futs, get_r[lo:hi], strict=True):
+            if not f.done():
+                # No result: a zero-byte read, whose sink was never asked for.
+                f.set_result(r if r is not None else bytearray())

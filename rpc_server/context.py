@@ -11,11 +11,10 @@ from transferd import __version__
 from transferd.memory import BufferTable
 from transferd.memory.leases import LeaseTable
 from transferd.metrics import Metrics
+from transferd.preauth import Admission, Ticket
 from transferd.protocol import auth
 from transferd.protocol.connection import ServerSettings
 from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, Command
-
-from .admission import Admission
 
 log = logging.getLogger("transferd.session")
 
@@ -71,10 +70,13 @@ class ServerContext:
     # reload of the secret updates them in place).
     _settings: dict[str, ServerSettings] = field(default_factory=dict)
     _refused_logged: float = 0.0
+    _gave_way_logged: float = 0.0
     # The open (admitted) connections, for the drain at SIGTERM (rpc_server/drain.py);
     # bounded by the daemon's descriptors.  While draining, new requests are refused.
     sessions: set[Any] = field(default_factory=set)
     draining: bool = False
+    # The commands with a handler (None: every command of the minor is tried).
+    served: frozenset[int] | None = None
     # Releases of a gone owner's buffers still waiting for admitted writes to land
     # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
     background: set[Any] = field(default_factory=set)
@@ -101,6 +103,7 @@ class ServerContext:
                 max_message=self.max_message if message else None,
                 handshake_timeout=self.handshake_timeout,
                 limits={"max_tensors": self.max_tensors, "max_reply": self.max_reply},
+                served=self.served,
             )
         return st
 
@@ -117,6 +120,21 @@ class ServerContext:
             self._refused_logged = now
             log.warning("connection from %s refused: %s (%d refused so far)",
                         source, why, self.admission.refused)
+
+    def gave_way(self, tickets: list[Ticket]) -> None:
+        """Close the connections the admission handed back (expired, or the oldest that
+        gave way to a newer one); one log line per 5 s at most."""
+        if not tickets:
+            return
+        now = time.monotonic()
+        if now - self._gave_way_logged >= 5.0:
+            self._gave_way_logged = now
+            t = tickets[0]
+            log.warning("connection from %s closed before it authenticated: %s (%d so far; "
+                        "server.max_handshakes_per_source, server.max_handshakes)",
+                        t.source, t.why.value if t.why else "?",
+                        self.admission.evicted + self.admission.expired)
+        self.admission.close(tickets)
 
     def features(self) -> list[str]:
         if self.minor < 2:

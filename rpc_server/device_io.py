@@ -42,8 +42,7 @@ from transferd.memory.staging import (
     device_to_wire,
     host_to_device,
 )
-from transferd.protocol import frames
-from transferd.protocol.constants import HEADER_SIZE, MAGIC, Flag
+from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadRequest, ConnectionLost
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.messages import Tensor
@@ -242,8 +241,7 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
         try:
             if transport is None or transport.is_closing():
                 raise ConnectionLost("the client went away before the GET")
-            head = frames.HEADER.pack(MAGIC, frame.cmd, int(Flag.REPLY), frame.seq & 0xFFFFFFFF,
-                                      0, 0, total)
+            head = session.stream_head(frame, total)
             transport.write(head)
 
             async def send(view: memoryview) -> None:

@@ -82,32 +82,51 @@ def _fast_views(
 ) -> list[memoryview] | None:
     """A batch's views in one pass, for a well-formed batch; None otherwise.
 
-    With ``used``, every buffer the views lie in is put there by id.
+    Tensors that follow each other in one buffer (the usual batch: rows side by side)
+    become one view, so a batch costs a view per run, not per tensor: its payload is
+    received into (or sent from) the buffer in as many pieces as it has runs.  With
+    ``used``, every buffer the views lie in is put there by id.
     """
     if type(wire) is not list:
         return None
     out: list[memoryview] = []
     append = out.append
     buf_id = -1
-    whole = memoryview(b"")
+    whole = _EMPTY
+    limit = 0
+    start = end = 0  # the run being built: whole[start:end]
     for item in wire:
         if type(item) is not list or len(item) != 3:
             return None
-        b, o, s = item
-        if type(b) is not int or type(o) is not int or type(s) is not int or o < 0 or s < 0:
+        b, o, n = item
+        if type(b) is not int or type(o) is not int or type(n) is not int or o < 0 or n < 0:
             return None
         if b != buf_id:
+            if end > start:
+                append(whole[start:end])
             buf = table.get(b)
             if buf.staging is not None:
                 return None  # device memory: batch_views says so
             whole = buf.view(0, buf.size)
+            limit = len(whole)
             buf_id = b
+            start = end = o
             if used is not None:
                 used[b] = buf
-        if o + s > len(whole):
+        e = o + n
+        if e > limit:
             return None
-        append(whole[o : o + s])
+        if o != end:  # not adjacent to the run: it ends, another begins
+            if end > start:
+                append(whole[start:end])
+            start = o
+        end = e
+    if end > start:
+        append(whole[start:end])
     return out
+
+
+_EMPTY = memoryview(b"")
 
 
 def batch_views(
@@ -189,9 +208,9 @@ def get_devices(session: Session, frame: Frame) -> Reply:
 
 
 def carries_fds(session: Session) -> bool:
-    """Whether this connection can pass file descriptors (unix, seqpacket)."""
-    t = session.transport
-    return bool(t is not None and t.get_extra_info("transferd_fds"))
+    """Whether this connection can pass file descriptors (unix, seqpacket): its
+    transport kind's carrier has a descriptor channel."""
+    return session.carrier is not None and session.carrier.fds is not None
 
 
 @handler(Command.ALLOC_BUFFER)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from transferd import transports
 from transferd.config import ServerConfig
 from transferd.memory.leases import LeaseTable
+from transferd.preauth import Admission
 
 from . import (
     drain,
@@ -20,8 +21,8 @@ from . import (
     ownership,
     watcher_handlers,  # registers ALLOC_UVM_WATCHER
 )
-from .admission import Admission
 from .context import ServerContext
+from .handlers import HANDLERS
 from .session import Session
 
 log = logging.getLogger("transferd.server")
@@ -65,7 +66,8 @@ class RpcFrontend:
             previous_secret=keys.previous,
             token_transports=tuple(s.token_transports),
             handshake_timeout=s.handshake_timeout_s,
-            admission=Admission(s.max_handshakes, s.max_handshakes_per_source),
+            admission=Admission(s.max_handshakes, s.max_handshakes_per_source,
+                                timeout=s.handshake_timeout_s),
             max_body=s.max_body,
             max_payload=s.max_payload,
             max_tensors=s.max_tensors,
@@ -74,6 +76,7 @@ class RpcFrontend:
             engine=getattr(daemon, "engine", None),
             default_owner=cfg.memory.default_owner,
             discovery=getattr(daemon, "discovery", None),
+            served=frozenset(HANDLERS),
         )
         ctx = self.ctx
         m = cfg.memory
@@ -97,7 +100,7 @@ class RpcFrontend:
                 kind = transports.get(url)
                 settings = ctx.settings_for(kind.scheme, kind.kind == "message")
                 listener = await transports.listen(
-                    url, functools.partial(Session, ctx, settings), opts
+                    url, functools.partial(Session, ctx, settings, kind), opts
                 )
                 self._listeners.append(listener)
                 urls.append(listener.url)

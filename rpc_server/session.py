@@ -1,73 +1,65 @@
-"""One client connection: feeds the sans-IO decoder, runs commands in order.
+"""One client connection: asyncio feeds the sans-IO ServerConnection and writes what it returns.
 
-Bytes go from the socket straight to where the decoder says (a SET's target
-tensor, via ``get_buffer``).  Frames are executed one at a time, in arrival
-order; a command whose handler is asynchronous (SYNCHRONIZE waiting for
-transfers) holds the next frames back until it has finished.
+The whole protocol of the connection (the handshake, the pre-auth limits and timeout,
+the request gate, the checks of every request, answers, EVENT frames, CLOSING) is
+:class:`transferd.protocol.connection.ServerConnection`.  This layer only:
 
-Reads pause whenever replies are waiting in the transport (write-buffer
-limits of zero): GET payloads are sent from the buffer where they lie, so no
-later SET on this connection may land in that memory until the bytes are out.
-The same pause is the connection's back-pressure.
-
-The handshake (HELLO, AUTH, the pre-auth limits, the handshake timeout) is the
-sans-IO :class:`transferd.protocol.connection.ServerConnection`; this layer
-feeds it the frames that arrive before READY, writes what it produces, and
-runs the clock (a timer at its deadline).  Once READY, frames go straight from
-the decoder to the command handlers.
+- hands the transport the decoder's buffers (bytes land where the decoder says: a SET's
+  target tensor, via ``payload_sink``), and pulls events from ``next_event``;
+- runs each request it is handed through the command table (``handlers.HANDLERS``), in
+  order, one at a time (an asynchronous handler holds the gate until it has finished);
+- writes every frame the connection queues through the transport kind's
+  :class:`~transferd.transports.carriers.Carrier`, at once (a GET's reply is out before
+  the next request runs), and tells the connection when the write buffer is full
+  (``pause_writing``: a high-water mark of zero on tcp, unix and seqpacket, so reads
+  pause whenever replies wait; GET payloads are sent from the buffer where they lie);
+- pauses and resumes reading as the connection's ``wants_read`` says, runs its one
+  timer (``timer_at``), and closes the transport when it ``should_close``;
+- holds the pre-auth slot (transferd/preauth.py) until the handshake ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from transferd import authlog
-from transferd.copies import COUNTING, count
-from transferd.logs import hostport, log_client_error
+from transferd.logs import log_client_error
 from transferd.memory import Ref, release_all
-from transferd.protocol import frames
+from transferd.preauth import Ticket, Why
 from transferd.protocol.connection import (
     ConnState,
+    Flow,
+    Inbound,
+    Outgoing,
+    Phase,
     Ready,
     Refused,
     ServerConnection,
     ServerSettings,
-    failure_frame,
 )
-from transferd.protocol.constants import (
-    COMMAND_MINOR,
-    HEADER_SIZE,
-    MAGIC,
-    PROTO_MAJOR,
-    Command,
-    Flag,
-)
+from transferd.protocol.constants import HEADER_SIZE, Command, Flag
 from transferd.protocol.errors import (
-    BadRequest,
     Cancelled,
     Internal,
-    NoHello,
     ProtocolError,
     TransferdError,
     UnknownCommand,
 )
-from transferd.protocol.frames import DISCARD, Frame, Phase, Sink
+from transferd.protocol.frames import Frame, Sink
+from transferd.protocol.frames import Phase as DecoderPhase
+from transferd.transports import TransportKind
+from transferd.transports.builtin import Tcp
+from transferd.transports.carriers import Carrier
 
 from .context import ServerContext
 from .device_io import Landings
 from .handlers import HANDLERS, Reply, payload_sink, session_closed
-from .tls_output import ChunkedOutput
 
 log = logging.getLogger("transferd.session")
-
-# Replies with at most this many payload bytes are joined with their header
-# into one write: one syscall instead of two costs a small copy.
-SMALL_REPLY = 16 * 1024
 
 # Frames one connection runs in one turn of the loop before yielding to the
 # others (a handler's own work is bounded separately: large clears and copies
@@ -76,24 +68,25 @@ PUMP_FRAMES = 64
 
 # Hot-path lookups: calling an IntEnum or combining IntFlags runs Python code.
 _COMMANDS: dict[int, Command] = {int(c): c for c in Command}
-_NOT_REQUEST_FLAGS = int(Flag.REPLY | Flag.ERROR | Flag.EVENT)
+_ERROR = int(Flag.ERROR)
+_EVENT = int(Flag.EVENT)
 
-
-# The session's states are the connection's (HELLO, AUTH, READY, CLOSING,
-# CLOSED); the name State stays for callers that knew it.
+# The session's states are the connection's (HELLO, AUTH, READY, CLOSING, CLOSED); the
+# name State stays for callers that knew it.
 State = ConnState
 
-# Module-level aliases for the per-frame path: in Python 3.11 ``State.X`` and
-# ``Flag.X`` go through EnumType.__getattr__, ten times slower than a global.
-_AWAIT_HELLO = ConnState.HELLO
-_AWAIT_AUTH = ConnState.AUTH
-_CLOSED = ConnState.CLOSED
-_CLOSING = ConnState.CLOSING
-_AUTH = Command.AUTH
-_REPLY = int(Flag.REPLY)
-_NO_REPLY = int(Flag.NO_REPLY)
+# Module-level aliases for the per-frame path: in Python 3.11 ``State.X`` goes through
+# EnumType.__getattr__, ten times slower than a global.
 _READY = ConnState.READY
-_pack_header = frames.HEADER.pack
+_CLOSED = ConnState.CLOSED
+_BLOCKED = Flow.BLOCKED
+_OPEN_F = Flow.OPEN
+_IDLE_P = Phase.IDLE
+_IN_OPEN = Inbound.OPEN
+_PAYLOAD = DecoderPhase.PAYLOAD
+_FRAME = Frame
+_REPLY_T = Reply
+_TCP = Tcp()
 
 
 def _stopping() -> Cancelled:
@@ -102,26 +95,28 @@ def _stopping() -> Cancelled:
 
 
 class Session(asyncio.BufferedProtocol):
-    def __init__(self, ctx: ServerContext, settings: ServerSettings | None = None) -> None:
+    def __init__(self, ctx: ServerContext, settings: ServerSettings | None = None,
+                 kind: TransportKind | None = None) -> None:
         self.ctx = ctx
-        self.state = ConnState.HELLO
+        self.kind = kind or _TCP
         self.peer = "?"
         self.source = "?"
         self.client_name = ""
         self.transport: asyncio.Transport | None = None
+        self.carrier: Carrier | None = None
         self._loop = asyncio.get_running_loop()
         self.conn = ServerConnection(
             settings or ctx.settings_for("tcp"), self._loop.time(), payload_sink=self._sink_for
         )
-        self._decoder = self.conn.decoder
-        self._admitted = False
-        self._timer: asyncio.TimerHandle | None = None
         # The transport asks the decoder directly: one Python call less per read.
-        self.get_buffer = self._decoder.get_buffer  # type: ignore[method-assign]
-        self._sink_error: TransferdError | None = None
-        self._blockers = 0
-        # The client half-closed: run what it sent, then close.
-        self._eof = False
+        self.get_buffer = self.conn.decoder.get_buffer  # type: ignore[method-assign]
+        # The pre-auth slot (transferd/preauth.py) until the handshake ends.
+        self._ticket: Ticket | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._reading = True
+        # Set while this connection yields its turn to others (a bounded pump).
+        self._again: asyncio.Handle | None = None
         # Engine operations this connection submitted and that have not
         # finished; SYNCHRONIZE waits for them.
         self.pending: set[asyncio.Future[Any]] = set()
@@ -132,369 +127,269 @@ class Session(asyncio.BufferedProtocol):
         # Per-connection engine state (receive pools, watchers) hangs here.
         self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
-        # Holds on the memory of reply payloads still in the transport's
-        # write buffer: released once it has drained, or the connection is gone.
-        self._held: list[Ref] = []
-        # A message transport takes whole frames (None: a stream, write bytes).
-        self._write_frame: Any = None
-        self._write_blocked = False
-        # TLS: replies go to the SSL layer a chunk at a time (tls_output.py); reads
-        # stay paused while any of them waits.
-        self._tls_out: ChunkedOutput | None = None
-        self._tls_blocked = False
         # Called once the write buffer has drained (WATCH streams send what waited).
         self.drained_hooks: set[Callable[[], None]] = set()
 
-    # -- asyncio callbacks --------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass asyncio.Transport, but are one.
-        self.transport = cast(asyncio.Transport, transport)
-        if transport.get_extra_info("sslcontext") is None:
-            self.transport.set_write_buffer_limits(high=0, low=0)
-        else:
-            # TLS: the SSL layer encrypts what it is given at write time (a copy), so
-            # replies go to it a chunk at a time (tls_output.py sets the limits; with a
-            # zero high-water mark uvloop's SSL transport never reports the buffer
-            # drained while reading is paused).
-            self._tls_out = ChunkedOutput(self.transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if transport.get_extra_info("transferd_message"):
-            self._write_frame = self.transport.write_frame  # type: ignore[attr-defined]
-        peer = transport.get_extra_info("peername")
-        self.peer = hostport(peer) if peer else "local"
-        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else "local"
-        self.ctx.metrics.connections.inc()
-        self.ctx.metrics.connections_accepted.inc()
-        refused = self.ctx.admission.admit(self.source)
-        if refused is not None:
-            # Over a cap: closed before a byte is read, nothing allocated.
-            self.ctx.note_refused_connection(self.source, refused)
-            self.state = _CLOSED
-            self.transport.abort()
-            return
-        self._admitted = True
-        self.ctx.sessions.add(self)
-        self._timer = self._loop.call_at(self.conn.deadline, self._handshake_timeout)
-        log.debug("connection from %s", self.peer)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.state is not _CLOSED and self.conn.state is _AWAIT_AUTH:
-            # It had the server's proof and went: a client checks the proof and hangs
-            # up when it does not match its own secret (PROTOCOL.md, Authentication).
-            authlog.client_failed(self.peer, "wrong_secret", "the client hung up after the "
-                                  "server's proof (hmac-sha256): its token differs from "
-                                  "this daemon's server.token (or it dialled another daemon)")
-        self.state = _CLOSED
-        self.conn.connection_lost()
-        self._end_handshake()
-        self.ctx.metrics.connections.dec()
-        self.ctx.sessions.discard(self)
-        self._release_held()
-        if self._tls_out is not None:
-            self._tls_out.close()
-        session_closed(self)  # buffers this connection owned (shared memory)
-        if self.ctx.engine is not None:
-            self.ctx.engine.session_closed(self)
-        log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._decoder.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._decoder.buffer_updated(nbytes)
-        self.ctx.stats.bytes_in += nbytes
-        self._pump()
-
-    def eof_received(self) -> bool:
-        # A half-close says "that is all I send", not "drop what I sent": the
-        # frames already received still run, in order, and the connection
-        # closes once the last of them has (the client keeps reading until then).
-        if self.state is not _READY:
-            return False
-        self._eof = True
-        self._loop.call_soon(self._pump)
-        return True
-
-    def pause_writing(self) -> None:
-        # Before READY no reply holds memory the client could overwrite, and a
-        # TLS transport pauses here while its handshake is buffered: blocking
-        # reads then would stall the handshake that drains the buffer.
-        if self.state is not _READY:
-            return
-        self._write_blocked = True
-        self._block()
-
-    def resume_writing(self) -> None:
-        # The write buffer is empty (low watermark 0): every payload is out.
-        self._release_held()
-        if self._write_blocked:
-            self._write_blocked = False
-            self._unblock()
-        # TLS: the next chunks (a write here may pause writing again, nested).
-        if self._tls_blocked and self._tls_out is not None and not self._tls_out.pump():
-            self._tls_blocked = False
-            self._unblock()
-        if self.ctx.engine is not None and not self.write_blocked:
-            # Peer messages handed to this connection are out: their senders' ACKs.
-            self.ctx.engine.session_drained(self)
-        if self.drained_hooks and not self.write_blocked:
-            for hook in list(self.drained_hooks):
-                hook()
+    @property
+    def state(self) -> ConnState:
+        return self.conn.state
 
     @property
     def receiving(self) -> bool:
         """A frame's payload has begun to arrive and is not all in: the drain waits for
         it (a SET that began to land runs to its end; one refused is read to its end and
         answered, not cut off under its payload)."""
-        return self._decoder.phase is Phase.PAYLOAD
+        return self.conn.decoder.phase is _PAYLOAD
 
     @property
     def write_blocked(self) -> bool:
-        """Unsent bytes wait in the transport or the TLS chunks (resume_writing will
-        say when they are out)."""
-        return self._write_blocked or self._tls_blocked
+        """Unsent bytes wait in the transport or the TLS chunks (resume_writing will say
+        when they are out)."""
+        return self.conn.flow is _BLOCKED
+
+    # -- asyncio callbacks --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but are one.
+        self.transport = t = cast(asyncio.Transport, transport)
+        self.carrier = self.kind.carrier(transport, server=True,
+                                         join_counter="session.reply_join")
+        # Reads pause whenever a reply waits (GET payloads are sent from where they lie).
+        self.carrier.pause_on_any_byte()
+        self.source, self.peer = self.kind.identity(transport)
+        self.ctx.metrics.connections.inc()
+        self.ctx.metrics.connections_accepted.inc()
+        admitted = self.ctx.admission.admit(self.source, self._loop.time(), self)
+        self.ctx.gave_way(admitted.closed)
+        if admitted.ticket is None:
+            self.ctx.note_refused_connection(self.source, admitted.reason)
+            self.conn.close()
+            t.abort()
+            return
+        self._ticket = admitted.ticket
+        self.conn.verdicts = self.ctx.admission.verdicts(admitted.ticket)
+        self.ctx.sessions.add(self)
+        self._arm_timer()
+        log.debug("connection from %s", self.peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn.phase is Phase.AUTH:
+            # It had the server's proof and went: a client checks the proof and hangs
+            # up when it does not match its own secret (PROTOCOL.md, Authentication).
+            authlog.client_failed(self.peer, "wrong_secret", "the client hung up after the "
+                                  "server's proof (hmac-sha256): its token differs from "
+                                  "this daemon's server.token (or it dialled another daemon)")
+        if self.conn.state is not _CLOSED:
+            self.conn.connection_lost()
+        self._end_handshake()
+        self.ctx.metrics.connections.dec()
+        self.ctx.sessions.discard(self)
+        if self.carrier is not None:
+            self.carrier.close()
+        session_closed(self)  # buffers this connection owned (shared memory)
+        if self.ctx.engine is not None:
+            self.ctx.engine.session_closed(self)
+        log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.conn.decoder.buffer_updated(nbytes)
+        self.ctx.stats.bytes_in += nbytes
+        self._pump()
+
+    def eof_received(self) -> bool:
+        # A half-close says "that is all I send", not "drop what I sent": the frames
+        # already received still run, in order, and the connection closes once the last
+        # of them has (the client keeps reading until then).
+        if not self.conn.eof():
+            return False
+        self._loop.call_soon(self._pump)
+        return True
+
+    def pause_writing(self) -> None:
+        self.conn.output_blocked()
+
+    def resume_writing(self) -> None:
+        # The write buffer is empty (low watermark 0): every payload is out.
+        if self.carrier is not None and not self.carrier.drained():
+            return  # TLS: chunks still wait (a write here may pause writing again)
+        self.conn.output_drained()
+        if self.ctx.engine is not None:
+            # Peer messages handed to this connection are out: their senders' ACKs.
+            self.ctx.engine.session_drained(self)
+        if self.drained_hooks:
+            for hook in list(self.drained_hooks):
+                hook()
+        if self.conn.state is _READY:
+            self._loop.call_soon(self._pump)
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""
-        if self.state is _READY:
-            self._fail(exc, cmd=self._decoder.current_cmd)
-        elif self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH:
-            self._after_handshake(self.conn.refuse(exc, self._decoder.current_cmd, exc.seq or 0))
+        if self.conn.state is _READY or self.conn.state is ConnState.HELLO or \
+                self.conn.state is ConnState.AUTH:
+            self._on_event(self.conn.broken(exc))
+            self._after()
 
-    # -- the handshake ---------------------------------------------------------------
-
-    def _handshake(self, frame: Frame) -> None:
-        """A frame before READY: the sans-IO connection judges it."""
-        started = time.perf_counter()
-        sent = self.ctx.stats.bytes_out
-        cmd = _COMMANDS.get(frame.cmd)
-        if cmd is not None:
-            self.ctx.stats.commands[cmd] += 1
-            self.ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len)
-        self._after_handshake(self.conn.receive_frame(frame))
-        if cmd is not None and (self.state is _READY or self.state is _AWAIT_AUTH):
-            self.ctx.metrics.reply(cmd, self.ctx.stats.bytes_out - sent,
-                                   time.perf_counter() - started)
-
-    def _after_handshake(self, events: list[Any]) -> None:
-        for ev in events:
-            if type(ev) is Ready:
-                if ev.method is not None:
-                    hold = self.ctx.admission.verdict_delay(self.source, self._loop.time())
-                    if hold > 0:
-                        # This source's failed attempts are still waiting for
-                        # their answers: a good secret is answered after them,
-                        # so hanging up early tells a guesser nothing.
-                        self._block()
-                        if self._timer is not None:
-                            self._timer.cancel()
-                        self._timer = self._loop.call_later(hold, self._ready_in_turn, ev)
-                        return
-                self._ready(ev)
-            elif type(ev) is Refused:
-                self.state = _CLOSING
-                self.ctx.metrics.error(ev.error.code)
-                if ev.auth:
-                    delay, n = self.ctx.admission.failed(self.source, self._loop.time())
-                    authlog.client_failed(self.peer, ev.reason, f"{ev.error.message} ({n} in "
-                                          f"the last minute; answering in {delay:.2f} s)")
-                    if self._timer is not None:
-                        self._timer.cancel()
-                    # Still counted as not authenticated while it waits.
-                    self._timer = self._loop.call_later(delay, self._flush_and_close)
-                    return
-                if ev.reason:  # an AUTH that never came: one line, as a failed authentication
-                    authlog.client_failed(self.peer, ev.reason, ev.error.message)
-                else:
-                    log_client_error(self.peer, ev.error, self._decoder.current_cmd,
-                                     ev.error.seq)
-                self._flush_and_close()
-                return
-        self._flush_handshake()
-
-    def _ready(self, ev: Ready) -> None:
-        self.state = _READY
-        self.client_name = ev.client
-        self._end_handshake()
-        if self._write_frame is not None:
-            cast(Any, self.transport).recv_limit = self.ctx.max_message
-        if ev.method is not None:
-            log.debug("%s authenticated (%s) as %r", self.peer, ev.method, ev.client)
-
-    def _ready_in_turn(self, ev: Ready) -> None:
-        self._timer = None
-        if self.state is _CLOSED:
-            return
-        self._ready(ev)
-        self._flush_handshake()
-        self._unblock()
-
-    def _flush_handshake(self) -> None:
-        t = self.transport
-        out = self.conn.frames_to_send()
-        if t is None or t.is_closing():
-            return
-        for raw in out:
-            if self._write_frame is not None:
-                self._write_frame(raw, (), 0)
-            else:
-                t.write(raw)
-            self.ctx.stats.bytes_out += len(raw)
-
-    def _flush_and_close(self) -> None:
-        self._timer = None
-        self._flush_handshake()
-        self.close()
-
-    def _handshake_timeout(self) -> None:
-        self._timer = None
-        self._after_handshake(self.conn.handle_timeout(self._loop.time()))
-
-    def _end_handshake(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._admitted:
-            self._admitted = False
-            self.ctx.admission.release(self.source)
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, []
-        release_all(held)
-
-    # -- frame flow -----------------------------------------------------------
-
-    def _block(self) -> None:
-        self._blockers += 1
-        if self._blockers == 1 and self.transport is not None:
-            self.transport.pause_reading()
-
-    def _unblock(self) -> None:
-        self._blockers -= 1
-        if self._blockers == 0 and self.state is not _CLOSED:
-            assert self.transport is not None
-            self.transport.resume_reading()
-            # Frames may already be complete in the decoder's buffer.
-            asyncio.get_running_loop().call_soon(self._pump)
+    # -- the pump -------------------------------------------------------------------------
 
     def _pump(self) -> None:
+        """Run what the connection hands out: requests in order, handshake events."""
+        self._again = None
+        conn = self.conn
         budget = PUMP_FRAMES
-        while self._blockers == 0 and self.state is _READY:
-            if budget == 0:
-                # Bounded work per turn: other connections' frames run before
-                # this one's next (reads pause meanwhile, frames stay in order).
-                self._block()
-                self._loop.call_soon(self._unblock)
-                return
-            budget -= 1
-            try:
-                frame = self._decoder.next_frame()
-            except ProtocolError as exc:
-                self._fail(exc, cmd=self._decoder.current_cmd)
-                return
-            if frame is None:
-                if self._eof:
-                    self.close()
-                return
-            self._handle(frame)
-        state = self.state
-        if state is _AWAIT_HELLO or state is _AWAIT_AUTH:
-            self._pump_handshake()
+        ev: Any
+        while True:
+            ev = conn.next_event() if conn.state is _READY else conn.next_event(
+                self._loop.time())
+            if ev is None:
+                break
+            if type(ev) is _FRAME:
+                self._run(ev)
+                budget -= 1
+                if budget == 0:
+                    # Bounded work per turn: other connections' frames run before this
+                    # one's next (reads pause meanwhile, frames stay in order).
+                    self._again = self._loop.call_soon(self._pump)
+                    break
+            else:
+                self._handshake(ev)
+        self._after()
 
-    def _pump_handshake(self) -> None:
-        while (self.state is _AWAIT_HELLO or self.state is _AWAIT_AUTH) and not self._blockers:
-            try:
-                frame = self._decoder.next_frame()
-            except ProtocolError as exc:
-                # The gate (or the decoder) refused a header before READY.
-                self._after_handshake(
-                    self.conn.refuse(exc, self._decoder.current_cmd, exc.seq or 0)
-                )
+    def _handshake(self, ev: Ready | Refused) -> None:
+        """A handshake event, and the counts of the frames that made it (STATS, metrics)."""
+        started = time.perf_counter()
+        sent = self.ctx.stats.bytes_out
+        self._on_event(ev)
+        self._flush()
+        frames, self.conn.handshake_frames = self.conn.handshake_frames, []
+        for f in frames:
+            cmd = _COMMANDS.get(f.cmd)
+            if cmd is None:
+                continue
+            self.ctx.stats.commands[cmd] += 1
+            self.ctx.metrics.command(cmd, HEADER_SIZE + f.body_len)
+            if type(ev) is Ready or self.conn.state is ConnState.AUTH:
+                self.ctx.metrics.reply(cmd, self.ctx.stats.bytes_out - sent,
+                                       time.perf_counter() - started)
+
+    def _after(self) -> None:
+        """Write what is queued, and make the transport and the timer follow the
+        connection: reading while it wants bytes, closed once it should close."""
+        conn = self.conn
+        if conn.out:
+            self._flush()
+        t = self.transport
+        if t is None:
+            return
+        if conn.phase is _IDLE_P and conn.flow is _OPEN_F and conn.inbound is _IN_OPEN:
+            want = self._again is None  # conn.wants_read, the usual case inlined
+        else:
+            if conn.should_close:
+                self.close()
                 return
-            if frame is None:
-                return
-            self._handshake(frame)
-        if self.state is _READY:
-            self._pump()
+            want = conn.wants_read and self._again is None
+        if want is not self._reading:
+            self._reading = want
+            if want:
+                t.resume_reading()
+            else:
+                t.pause_reading()
+        if self._ticket is not None or self._timer is not None:
+            self._arm_timer()
+
+    def _flush(self) -> int:
+        """Write the frames the connection queued itself (the handshake, refusals)."""
+        conn = self.conn
+        if not conn.out:
+            return 0
+        out, conn.out = conn.out, []
+        n = 0
+        for o in out:
+            n += self._write(o)
+        return n
+
+    def _write(self, o: Outgoing) -> int:
+        """Write one frame (payload views from where they lie); the bytes written."""
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            release_all(o.hold)
+            return 0
+        if o.fds:
+            assert carrier.fds is not None  # _answer refuses descriptors elsewhere
+            carrier.fds.send(o.fds)
+        carrier.write(o.head, o.payload, o.payload_len, o.hold)
+        n = len(o.head) + o.payload_len
+        self.ctx.stats.bytes_out += n
+        if carrier.busy:
+            self.conn.output_blocked()  # TLS chunks wait: resume_writing pumps them
+        return n
+
+    # -- requests ---------------------------------------------------------------------------
 
     def _sink_for(self, frame: Frame) -> Sink:
-        self._sink_error = None
-        try:
-            if self.ctx.draining:
-                raise _stopping()
-            self._check_allowed(frame)
-            return payload_sink(self, frame)
-        except TransferdError as exc:
-            self._sink_error = exc
-            return DISCARD
+        # The connection checked the request first; it records any error raised here.
+        if self.ctx.draining:
+            raise _stopping()
+        return payload_sink(self, frame)
 
-    def _check_allowed(self, frame: Frame) -> None:
-        if self.state is not _READY:
-            raise NoHello("the first frame of a connection must be HELLO")
-        if int(frame.flags) & _NOT_REQUEST_FLAGS:
-            raise BadRequest("a request must not carry REPLY, ERROR or EVENT flags")
-        cmd = _COMMANDS.get(frame.cmd)
-        if cmd is None:
-            raise UnknownCommand(f"unknown command 0x{frame.cmd:02x}")
-        if COMMAND_MINOR[cmd] > self.ctx.minor:
-            raise UnknownCommand(
-                f"{cmd.name} needs protocol minor {COMMAND_MINOR[cmd]}; this server speaks "
-                f"{PROTO_MAJOR}.{self.ctx.minor}"
-            )
-        if cmd is _AUTH:
-            raise BadRequest("AUTH: this connection is already authenticated")
-        if cmd not in HANDLERS:
-            raise UnknownCommand(f"{cmd.name} is not served by this daemon")
-        if frame.refused is not None:  # over a cap the decoder enforced (max_tensors)
-            raise frame.refused
-
-    def _handle(self, frame: Frame) -> None:
+    def _run(self, frame: Frame) -> None:
         started = time.perf_counter()
+        ctx = self.ctx
         cmd = _COMMANDS.get(frame.cmd)
         if cmd is not None:
-            self.ctx.stats.commands[cmd] += 1
-            self.ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
+            ctx.stats.commands[cmd] += 1
+            ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
         try:
-            if self.ctx.draining and not frame.payload_len:
+            if frame.refused is not None:  # the connection's checks, or the sink's
+                raise frame.refused
+            if ctx.draining and not frame.payload_len:
                 # A payload frame was judged by its sink when its header came.
                 raise _stopping()
-            if frame.payload_len:
-                # The sink judged it; a discarded payload always has its reason recorded.
-                if self._sink_error is not None:
-                    raise self._sink_error
-                if frame.discarded:
-                    raise Internal("payload discarded without a recorded error")
-            elif not (
-                self.state is _READY
-                and cmd is not None
-                and not int(frame.flags) & _NOT_REQUEST_FLAGS
-                and COMMAND_MINOR[cmd] <= self.ctx.minor
-                and cmd in HANDLERS
-                and frame.refused is None
-            ):  # the usual request passes these; anything else gets the checks' error
-                self._check_allowed(frame)
-            result = HANDLERS[_COMMANDS[frame.cmd]](self, frame)
+            if frame.discarded:
+                raise Internal("payload discarded without a recorded error")
+            handler = HANDLERS.get(cmd) if cmd is not None else None
+            if cmd is None or handler is None:
+                raise UnknownCommand(f"0x{frame.cmd:02x} is not served by this daemon")
+            result = handler(self, frame)
         except TransferdError as exc:
-            self._fail(exc, frame.cmd, frame.seq, frame.no_reply)
+            self._fail(frame, exc)
             return
         except Exception as exc:  # a bug must not take the daemon down
             log.exception("internal error on cmd 0x%02x", frame.cmd)
-            self._fail(
-                Internal(f"{type(exc).__name__}: {exc}"), frame.cmd, frame.seq, frame.no_reply
-            )
+            self._fail(frame, Internal(f"{type(exc).__name__}: {exc}"))
             return
-        if result is None or type(result) is Reply:
-            self._reply(frame, result, started)
+        if result is None or (type(result) is _REPLY_T and not result.fds and not result.sent):
+            # The usual answer, written here (_answer and _write, inlined: per frame).
+            conn = self.conn
+            if result is None:
+                o = conn.answer(frame)
+            else:
+                o = conn.answer(frame, result.body, result.payload, result.hold)
+                if o is None:
+                    release_all(result.hold)
+            if o is None:
+                return
+            carrier, t = self.carrier, self.transport
+            if carrier is None or t is None or t.is_closing():
+                release_all(o.hold)
+                return
+            carrier.write(o.head, o.payload, o.payload_len, o.hold)
+            n = len(o.head) + o.payload_len
+            ctx.stats.bytes_out += n
+            if carrier.busy:
+                conn.output_blocked()
+            if cmd is not None:
+                ctx.metrics.reply(cmd, n, time.perf_counter() - started)
+        elif type(result) is _REPLY_T:
+            self._answer(frame, result, started)
         elif isinstance(result, Awaitable):
-            self._block()
             task = asyncio.ensure_future(self._finish_async(frame, result, started))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
-            self._reply(frame, cast(Reply, result), started)
+            self._answer(frame, cast(Reply, result), started)
 
     async def _finish_async(
         self, frame: Frame, pending: Awaitable[Reply | None], started: float
@@ -502,45 +397,104 @@ class Session(asyncio.BufferedProtocol):
         try:
             result = await pending
         except TransferdError as exc:
-            self._fail(exc, frame.cmd, frame.seq, frame.no_reply)
+            self._fail(frame, exc)
         except Exception as exc:
             log.exception("internal error in an asynchronous command")
-            self._fail(
-                Internal(f"{type(exc).__name__}: {exc}"), frame.cmd, frame.seq, frame.no_reply
-            )
+            self._fail(frame, Internal(f"{type(exc).__name__}: {exc}"))
         else:
-            self._reply(frame, result, started)
-        finally:
-            self._unblock()
+            self._answer(frame, result, started)
+        if self.conn.state is _READY:
+            self._pump()  # the gate is open again: the frames behind it
+        else:
+            self._after()
 
-    def _reply(self, frame: Frame, result: Reply | None, started: float) -> None:
-        if int(frame.flags) & _NO_REPLY:
-            if result is not None and result.hold:
-                release_all(result.hold)
-            return
+    def _answer(self, frame: Frame, result: Reply | None, started: float) -> None:
+        conn = self.conn
         if result is None:
-            n = self.send_frame(frame.cmd, _REPLY, frame.seq)
+            o = conn.answer(frame)
         elif result.sent:  # written by the handler itself (streamed from a device)
+            conn.answered(frame)
             return
         else:
-            n = self.send_frame(frame.cmd, _REPLY, frame.seq, result.body, result.payload,
-                                result.hold, result.fds)
-        self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
+            if result.fds and (self.carrier is None or self.carrier.fds is None):
+                release_all(result.hold)
+                self._fail(frame, UnknownCommand(
+                    "file descriptors travel only over unix:// and seqpacket://"))
+                return
+            o = conn.answer(frame, result.body, result.payload, result.hold, result.fds)
+            if o is None:
+                release_all(result.hold)
+        if o is not None:
+            n = self._write(o)
+            self.ctx.metrics.reply(_COMMANDS[frame.cmd], n, time.perf_counter() - started)
 
-    def _fail(
-        self, exc: TransferdError, cmd: int, seq: int | None = None, no_reply: bool = False
-    ) -> None:
-        seq = exc.seq if seq is None else seq
+    def _fail(self, frame: Frame, exc: TransferdError) -> None:
         self.ctx.metrics.error(exc.code)
-        # REPLY|ERROR, or EVENT|ERROR for a one-way command (the sans-IO rule).
-        flags, close = failure_frame(_NO_REPLY if no_reply else 0, exc)
         # At INFO with the client's address (rate-limited by the log handler).
-        log_client_error(self.peer, exc, cmd, seq)
-        self.send_frame(cmd, flags, seq or 0, exc.to_body())
-        if close:
-            self.close()
+        log_client_error(self.peer, exc, frame.cmd, frame.seq)
+        o = self.conn.fail(frame, exc)
+        if o is not None:
+            self._write(o)
 
-    # -- output -------------------------------------------------------------------
+    # -- the handshake -----------------------------------------------------------------------
+
+    def _on_event(self, ev: Ready | Refused) -> None:
+        ctx = self.ctx
+        if type(ev) is Ready:
+            self.client_name = ev.client
+            self._end_handshake()
+            if self.carrier is not None:
+                self.carrier.set_message_limits(ctx.max_message, ctx.max_message)
+            if ev.method is not None:
+                log.debug("%s authenticated (%s) as %r", self.peer, ev.method, ev.client)
+            return
+        assert type(ev) is Refused
+        ctx.metrics.error(ev.error.code)
+        if ev.guess:
+            when = ("no answer before the handshake timeout: closed at it"
+                    if ev.answer_at is None and self.conn.verdicts is not None else
+                    f"answering in {max(0.0, (ev.answer_at or 0) - self._loop.time()):.2f} s")
+            authlog.client_failed(self.peer, ev.reason, f"{ev.error.message} ({ev.failures} in "
+                                  f"the last minute; {when})")
+        elif ev.reason:  # no secret given, an AUTH that never came: as a failed authentication
+            authlog.client_failed(self.peer, ev.reason, ev.error.message)
+        else:
+            log_client_error(self.peer, ev.error, self.conn.decoder.current_cmd, ev.error.seq)
+
+    def give_way(self, why: Why) -> None:
+        """The admission handed this connection's pre-auth slot to a newer one."""
+        self._ticket = None
+        for ev in self.conn.give_way(why.value):
+            self._on_event(ev)
+        self._after()
+
+    def _arm_timer(self) -> None:
+        at = self.conn.timer_at
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = self._loop.call_at(at, self._timeout)
+
+    def _timeout(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        for ev in self.conn.handle_timeout(self._loop.time()):
+            self._on_event(ev)
+        if self.conn.state is _READY:
+            self._pump()  # a held verdict went out: the frames behind it
+        else:
+            self._after()
+
+    def _end_handshake(self) -> None:
+        if self._ticket is not None:
+            self.ctx.admission.release(self._ticket)
+            self._ticket = None
+
+    # -- output for handlers ---------------------------------------------------------------
 
     def send_frame(
         self,
@@ -552,75 +506,33 @@ class Session(asyncio.BufferedProtocol):
         hold: Sequence[Ref] = (),
         fds: Sequence[int] = (),
     ) -> int:
-        """Write one frame; payload views are sent from where they lie.
-
-        ``hold`` (Refs on the memory of ``payload``) is released once the
-        bytes are out of the transport's write buffer.  ``fds`` (unix and
-        seqpacket connections only) go with the frame's first byte; the
-        client takes them for the frame that announces them (the caller keeps
-        its own descriptors).
-        """
-        if self.state is _CLOSED or self.transport is None or self.transport.is_closing():
+        """An EVENT frame (``flags``: EVENT, or EVENT|ERROR), sent unasked; the bytes
+        written (0 once the connection is closing).  Payload views are sent from where
+        they lie and ``hold`` released once they are out."""
+        if not int(flags) & _EVENT:
+            raise Internal(f"send_frame is for EVENT frames (flags 0x{int(flags):02x})")
+        o = self.conn.event(cmd, seq, body, error=bool(int(flags) & _ERROR),
+                            payload=payload, hold=hold, fds=fds)
+        if o is None:
             release_all(hold)
             return 0
-        raw = frames.pack_body(body) if body else b""
-        plen = sum(map(len, payload)) if payload else 0
-        # encode_header(), inlined: this runs once per reply.
-        head = _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, len(raw), 0, plen) + raw
-        if fds:
-            send_fds = getattr(self.transport, "send_fds", None)
-            if send_fds is None:
-                release_all(hold)
-                raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
-            send_fds(fds)
-        if self._tls_out is not None:
-            # TLS: the SSL layer copies what it is given, so a chunk at a time as the
-            # connection drains; a reader that does not read costs about two chunks.
-            if self._tls_out.send((head, *payload), hold) and not self._tls_blocked:
-                self._tls_blocked = True
-                self._block()
-        elif self._write_frame is not None:
-            # A message transport: header and body one message, the payload
-            # cut into max_message messages, sent from where it lies.
-            self._write_frame(head, payload, plen)
-            if hold:
-                if self.transport.get_write_buffer_size():
-                    self._held.extend(hold)
-                else:
-                    release_all(hold)
-        elif plen <= SMALL_REPLY:
-            if COUNTING and plen:
-                count("session.reply_join", plen)
-            self.transport.write(b"".join((head, *payload)) if plen else head)
-            if hold:
-                # The payload was copied into the joined bytes, but descriptors
-                # go by number when the write does: hold them open until then.
-                if fds and self.transport.get_write_buffer_size():
-                    self._held.extend(hold)
-                else:
-                    release_all(hold)
-        else:
-            # One call for all views: the transport sends them together
-            # (a write per view would be a send syscall per tensor).
-            self.transport.writelines((head, *payload))
-            if hold:
-                if self.transport.get_write_buffer_size():
-                    # Still queued: resume_writing (or connection_lost) lets go.
-                    self._held.extend(hold)
-                else:
-                    release_all(hold)
-        n = HEADER_SIZE + len(raw) + plen
-        self.ctx.stats.bytes_out += n
-        return n
+        return self._write(o)
+
+    def stream_head(self, frame: Frame, payload_len: int) -> bytes:
+        """The header of a reply a handler writes itself (streamed from device memory)."""
+        return self.conn.streamed_head(frame, payload_len)
 
     def close(self) -> None:
-        if self.state is not _CLOSED:
-            self.state = _CLOSED
-            if self.transport is not None:
-                self.transport.close()
+        self.conn.close()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            self._flush()
+            t.close()
 
-    # -- HELLO ----------------------------------------------------------------------
+    # -- HELLO ----------------------------------------------------------------------------
 
     def hello(self, frame: Frame) -> Reply:
         """A HELLO after READY (the first one is the handshake's)."""
+        from transferd.protocol.errors import BadRequest
+
         raise BadRequest("HELLO was already received on this connection")

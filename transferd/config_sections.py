@@ -164,14 +164,15 @@ class ServerConfig:
     )
     max_handshakes: int = key(
         1024,
-        "Connections that have not finished their handshake, in all; one more is closed at "
-        "once.",
+        "Connections that have not finished their handshake, in all. One more is not "
+        "refused: the oldest of the source holding the most gives way to it.",
         min=1,
     )
     max_handshakes_per_source: int = key(
         128,
-        "Connections from one source address (an IP; all Unix-socket clients are one "
-        "source) that have not finished their handshake; one more is closed at once.",
+        "Connections from one source (an IP address; on a Unix socket the peer's uid) that "
+        "have not finished their handshake. One more is not refused: that source's oldest "
+        "gives way to it.",
         min=1,
     )
     protocol_minor: int = key(

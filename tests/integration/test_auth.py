@@ -146,9 +146,12 @@ async def test_the_client_uses_hmac_and_checks_the_server(
         # A wrong secret: the client sees the server's proof fail and stops
         # before sending anything derived from its own secret.
         await Client.connect(secured.url, token="wrong")
-    # Against a server that requires nothing, a token is simply not needed.
+    # A client that holds a secret uses only a server that proves it knows it: one that
+    # requires nothing could be anyone (issue 16: it was accepted and got the tensors).
     plain = daemon_factory()
-    async with await Client.connect(plain.url, token="anything") as c:
+    with pytest.raises(Unauthorized, match="does not ask for authentication"):
+        await Client.connect(plain.url, token="anything")
+    async with await Client.connect(plain.url) as c:
         assert c.minor == 2
     assert secured.alive()
 

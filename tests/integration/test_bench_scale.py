@@ -174,7 +174,9 @@ def test_worst_growth_ignores_fixed_costs_and_catches_growth() -> None:
 def test_strip_counting_takes_out_every_guarded_count(tmp_path: Path) -> None:
     """The 'no counts in the code' arm of the cost figure runs code with none left."""
     removed = copies.strip_counting(str(tmp_path))
-    assert removed >= 25
+    # 24 sites (the session's reply join and the client's send join are one site now,
+    # transferd/transports/carriers.py's StreamCarrier.write, counted under each name).
+    assert removed >= 24
     left = [f"{p}:{i}" for p in tmp_path.rglob("*.py") if p.name != "copies.py"
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if line.strip().startswith("count(")]

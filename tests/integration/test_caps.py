@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import RawConn, async_test, digest, pattern
 from transferd.protocol.constants import Command
+from transferd.protocol.errors import OverLimit
 
 
 def ok(f: Any) -> Any:
@@ -112,3 +115,24 @@ def test_a_batch_far_over_the_cap_is_refused_at_its_length(daemon_factory: Daemo
     # Exactly the cap is decoded and served.
     ok(c.request(Command.GET_TENSORS, {"tensors": [[buf, 0, 1]] * 65_536}))
     ok(c.request(Command.STATS))
+
+
+@async_test()
+async def test_the_client_raises_a_refusal_as_over_limit(daemon_factory: DaemonFactory) -> None:
+    """A per-request cap's TOO_LARGE comes back as OverLimit (issue 18.5: it was rebuilt as
+    the fatal TooLarge, and ``except OverLimit`` never matched); the connection goes on."""
+    d = daemon_factory(env={"TRANSFERD_SERVER_MAX_REPLY": "4096"})
+    async with await Client.connect(d.url) as c:
+        buf = await c.alloc_buffer(8192)
+        with pytest.raises(OverLimit, match="max_reply") as err:
+            await c.get_tensor(buf.tensor(0, 8192))
+        assert not err.value.fatal
+        data = pattern(4096, 5)
+        await c.set_tensor(buf.tensor(0, 4096), data)
+        assert digest(await c.get_tensor(buf.tensor(0, 4096))) == digest(data)
+        # A frame over the server's announced max_payload is refused by the client, before
+        # it is sent (the server would close the connection for it).
+        c.conn.max_payload = 4096  # as if the server had announced 4 KiB
+        with pytest.raises(OverLimit, match="max_payload"):
+            await c.set_tensor(buf.tensor(0, 8192), bytes(8192))
+        await c.synchronize()

@@ -136,19 +136,26 @@ async def test_300_idle_connections_are_cheap_and_time_out(guarded: DaemonProces
 
 
 @async_test(timeout=60)
-async def test_the_per_source_cap_refuses_one_more(daemon_factory: DaemonFactory) -> None:
+async def test_the_per_source_cap_makes_the_oldest_give_way(daemon_factory: DaemonFactory
+                                                            ) -> None:
     d = daemon_factory(env={"TRANSFERD_SERVER_MAX_HANDSHAKES_PER_SOURCE": "20",
                             "TRANSFERD_SERVER_HANDSHAKE_TIMEOUT_S": "20"})
     socks = await asyncio.to_thread(_open_idle, d.host_port, 20)
     try:
-        # Give the daemon the time to accept all 20, then one more is one too many.
+        # Give the daemon the time to accept all 20: the source is at its cap.  One more
+        # is not refused (silent strangers must not lock a source out): the oldest of
+        # the 20 gives way to it, and no more than 20 are ever held.
         await asyncio.sleep(0.3)
         extra = socket.create_connection(d.host_port, timeout=5)
         with extra:
-            assert await asyncio.to_thread(_all_closed, [extra], 5) == 1
-        # The 20 are still open (not closed by the cap).
-        assert await asyncio.to_thread(_all_closed, socks[:1], 0.2) == 0
-        assert wait_until(lambda: "not yet authenticated (the cap per source)" in d.stderr, 5)
+            assert await asyncio.to_thread(_all_closed, socks[:1], 5) == 1
+            assert await asyncio.to_thread(_all_closed, [*socks[1:], extra], 0.3) == 0
+            assert wait_until(lambda: "gave way to a newer one (the cap per source)"
+                              in d.stderr, 5)
+            # A client that does its handshake gets in the same way, at once.
+            async with await Client.connect(d.url, connect_timeout=2) as c:
+                await still_works(c, 7)
+            assert await asyncio.to_thread(_all_closed, socks[1:2], 5) == 1
     finally:
         for s in socks:
             s.close()

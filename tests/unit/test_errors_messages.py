@@ -215,3 +215,59 @@ def test_tensors_field() -> None:
         tensors_field({"tensors": [[1, 0, True]]})
     with pytest.raises(BadRequest, match="'tensors'"):
         tensors_field({})
+
+
+# -- the table of codes (issue 18.5): filled by defining a class -----------------------------
+
+
+def test_every_registered_class_goes_both_ways() -> None:
+    assert {code for code, _ in E.BY_CODE} == {c.value for c in ErrorCode}
+    for (code, fatal), cls in E.BY_CODE.items():
+        assert cls.code.value == code and cls.fatal is fatal, cls
+        body = cls("both ways", seq=7).to_body()
+        assert body == {"code": code, "message": "both ways"}
+        back = error_from_body(body, seq=7, fatal=fatal)
+        assert type(back) is cls and back.seq == 7 and back.message == "both ways"
+        # Nothing said about fatality: the code's fatal class where it has one.
+        plain = type(error_from_body(body))
+        assert plain is (E.BY_CODE.get((code, True)) or cls)
+
+
+def test_every_class_with_a_code_of_its_own_is_in_the_table() -> None:
+    for obj in vars(E).values():
+        if (isinstance(obj, type) and issubclass(obj, TransferdError)
+                and obj is not TransferdError and "code" in vars(obj)):
+            registered = E.BY_CODE.get((obj.code.value, obj.fatal)) is obj
+            assert registered is (obj is not E.ConnectionLost), obj
+
+
+def test_over_limit_is_caught_as_over_limit_where_the_connection_goes_on() -> None:
+    body = E.OverLimit("a batch of 70,000 tensors").to_body()
+    assert body["code"] == "TOO_LARGE"
+    try:
+        raise error_from_body(body, fatal=False)
+    except E.OverLimit as exc:
+        assert not exc.fatal and isinstance(exc, E.TooLarge)
+    assert type(error_from_body(body, fatal=True)) is E.TooLarge
+
+
+def test_defining_a_class_registers_it_and_a_second_one_for_a_code_is_refused() -> None:
+    class Flaky(E.TransferdError):
+        code = ErrorCode.PEER_UNREACHABLE
+        fatal = True
+
+    try:
+        assert E.BY_CODE[("PEER_UNREACHABLE", True)] is Flaky
+        assert type(error_from_body({"code": "PEER_UNREACHABLE"}, fatal=True)) is Flaky
+        with pytest.raises(TypeError, match="already Flaky"):
+            class Again(E.TransferdError):
+                code = ErrorCode.PEER_UNREACHABLE
+                fatal = True
+    finally:
+        del E.BY_CODE[("PEER_UNREACHABLE", True)]
+    # A subclass without a code of its own refines its base, it has no wire identity.
+    class Detail(E.NotFound):
+        pass
+
+    assert E.BY_CODE[("NOT_FOUND", False)] is E.NotFound
+    assert isinstance(Detail(), E.NotFound)

@@ -100,8 +100,8 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
 
 
 async def _main(src: str, dst: str, op_name: str, sizes: list[int], window: int,
-                duration: float, warmup: int, timeout: float, token: str | None,
-                progress: Any) -> list[SizeResult]:
+                duration: float, warmup: int, timeout: float,
+                tokens: tuple[str | None, str | None], progress: Any) -> list[SizeResult]:
     from client import Client
 
     loop = asyncio.get_running_loop()
@@ -121,7 +121,9 @@ async def _main(src: str, dst: str, op_name: str, sizes: list[int], window: int,
     clients: list[Any] = []
     pair: Pair | None = None
     try:
-        for url in (src, dst):
+        # The token is for the daemons the user named; one the bench started has none
+        # (and a client holding a token refuses a daemon that does not prove it).
+        for url, token in zip((src, dst), tokens, strict=True):
             clients.append(await Client.connect(url, token=token, timeout=timeout,
                                                 connect_timeout=timeout))
         op = OPERATIONS[op_name]
@@ -269,8 +271,9 @@ def bench(peer: str | None, source: str | None, op_name: str, size: int | None,
             with contextlib.ExitStack() as stack:
                 src = source or stack.enter_context(daemon(host, mem, secret))
                 dst = peer or stack.enter_context(daemon(host, mem, secret))
+                tokens = (token if source else None, token if peer else None)
                 results = asyncio.run(_main(src, dst, op_name, todo, window, duration,
-                                            warmup, timeout, token, progress))
+                                            warmup, timeout, tokens, progress))
         except Stopped as exc:
             click.echo(f"\ntransferd bench: stopped by {exc}", err=True)
             sys.exit(128 + exc.signum)

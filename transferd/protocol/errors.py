@@ -4,20 +4,44 @@ The server turns an exception into ``{"code", "message"}`` with
 :meth:`TransferdError.to_body`; the client turns that body back into the same
 class with :func:`error_from_body`, so ``except OutOfBounds`` works on both
 sides of the wire.
+
+Classes are registered by code, as asyncpg registers its exception classes by
+SQLSTATE: a class that sets ``code`` in its own body is the class of that code
+(:data:`BY_CODE`), found by ``(code, fatal)``, so one code may have a fatal and
+a non-fatal class (TOO_LARGE: :class:`TooLarge` closes the connection,
+:class:`OverLimit` does not).  A subclass that does not set ``code`` refines its
+base without a wire identity of its own; ``register=False`` keeps a class that
+never comes off the wire (:class:`ConnectionLost`) out of the table.  Two
+classes for the same ``(code, fatal)`` are a TypeError at import.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from .constants import ErrorCode
+
+# (code, fatal) -> the class of that code; filled by TransferdError.__init_subclass__.
+BY_CODE: dict[tuple[str, bool], type[TransferdError]] = {}
 
 
 class TransferdError(Exception):
     """Base class.  ``code`` is the wire code; ``fatal`` closes the connection."""
 
-    code: ErrorCode = ErrorCode.INTERNAL
-    fatal: bool = False
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+    fatal: ClassVar[bool] = False
+
+    def __init_subclass__(cls, register: bool = True, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if not register or "code" not in cls.__dict__:
+            return
+        key = (cls.code.value, cls.fatal)
+        other = BY_CODE.get(key)
+        if other is not None:
+            raise TypeError(f"{cls.__name__}: wire code {key[0]} "
+                            f"({'fatal' if key[1] else 'not fatal'}) is already "
+                            f"{other.__name__}'s")
+        BY_CODE[key] = cls
 
     def __init__(self, message: str = "", *, seq: int | None = None) -> None:
         super().__init__(message or self.code.value)
@@ -52,6 +76,7 @@ class OverLimit(TooLarge):
     """A request over a per-request or per-connection cap (TOO_LARGE): refused whole,
     before anything is allocated; unlike a frame too large, the connection goes on."""
 
+    code = ErrorCode.TOO_LARGE
     fatal = False
 
 
@@ -111,38 +136,34 @@ class Internal(TransferdError):
     code = ErrorCode.INTERNAL
 
 
-class ConnectionLost(TransferdError):
+class ConnectionLost(TransferdError, register=False):
     """Client side only: the connection closed with requests outstanding."""
 
     code = ErrorCode.CANCELLED
 
 
-_BY_CODE: dict[str, type[TransferdError]] = {
-    cls.code.value: cls
-    for cls in (
-        BadFrame,
-        TooLarge,
-        NoHello,
-        VersionMismatch,
-        Unauthorized,
-        UnknownCommand,
-        BadRequest,
-        NotFound,
-        OutOfBounds,
-        OutOfMemory,
-        PeerUnreachable,
-        Timeout,
-        Cancelled,
-        Internal,
-    )
-}
+def error_class(code: str, fatal: bool | None = None) -> type[TransferdError]:
+    """The class registered for ``code``: the one ``fatal`` names where a code has both,
+    else the fatal one if there is one (a frame's error where nothing says otherwise),
+    else Internal for a code nobody registered."""
+    if fatal is not None:
+        cls = BY_CODE.get((code, fatal))
+        if cls is not None:
+            return cls
+    return BY_CODE.get((code, True)) or BY_CODE.get((code, False)) or Internal
 
 
-def error_from_body(body: dict[str, Any], *, seq: int | None = None) -> TransferdError:
-    """Rebuild the typed exception from an ERROR frame's body."""
+def error_from_body(body: dict[str, Any], *, seq: int | None = None,
+                    fatal: bool | None = None) -> TransferdError:
+    """Rebuild the typed exception from an ERROR frame's body.
+
+    ``fatal``: what the caller knows of the frame (False where the protocol says the
+    connection goes on: an EVENT|ERROR, or a TOO_LARGE to a request within the
+    announced limits, which can only be a per-request cap: OverLimit).
+    """
     code = str(body.get("code", "INTERNAL"))
     message = str(body.get("message", ""))
-    cls = _BY_CODE.get(code, Internal)
+    cls = error_class(code, fatal)
     if cls is Internal and code != "INTERNAL":
         message = f"[{code}] {message}"
     return cls(message, seq=seq)

@@ -115,8 +115,22 @@ def pack_body(body: dict[str, Any] | None) -> bytes:
     return _packer.pack(body)
 
 
+_pack_header = HEADER.pack
+_pack = _packer.pack
+
+
+def encode_head(cmd: int, flags: int, seq: int, body: dict[str, Any] | None,
+                payload_len: int) -> bytes:
+    """The one frame encoder: header and msgpack body as one bytes; the caller sends
+    ``payload_len`` payload bytes after it.  Every frame the client and the server
+    write is made here (the sans-IO connections call it); nothing else packs a header."""
+    raw = _pack(body) if body else b""
+    return _pack_header(MAGIC, cmd, flags, seq & 0xFFFFFFFF, len(raw), 0, payload_len) + raw
+
+
 def encode_header(cmd: int, flags: int, seq: int, body_len: int, payload_len: int) -> bytes:
-    return HEADER.pack(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, body_len, 0, payload_len)
+    """A header alone (for tests that lie about the body that follows)."""
+    return _pack_header(MAGIC, cmd, int(flags), seq & 0xFFFFFFFF, body_len, 0, payload_len)
 
 
 def encode_frame(
@@ -126,9 +140,8 @@ def encode_frame(
     body: dict[str, Any] | None = None,
     payload_len: int = 0,
 ) -> bytes:
-    """Header and body; the caller sends ``payload_len`` payload bytes after it."""
-    raw = pack_body(body)
-    return encode_header(cmd, flags, seq, len(raw), payload_len) + raw
+    """Header and body (:func:`encode_head` with defaults)."""
+    return encode_head(cmd, int(flags), seq, body, payload_len)
 
 
 class RawHeader(NamedTuple):
@@ -283,11 +296,15 @@ class FrameDecoder:
         return out
 
     def _goes_direct(self) -> bool:
+        # Straight into the sink only where the piece it lands in is large: a payload
+        # of many small tensors is received into the buffer and copied (a receive per
+        # small tensor would cost a system call each).
         return (
             self.phase is _PAYLOAD
             and not self._discard
             and self._start == self._end
-            and (self.exact or self._payload_left >= STREAM_THRESHOLD)
+            and (self.exact or len(self._segments[self._seg_index]) - self._seg_pos
+                 >= STREAM_THRESHOLD)
         )
 
     def _wanted(self) -> int:

@@ -12,12 +12,14 @@ Built in (PROTOCOL.md, "Transports"):
 | ``seqpacket:///PATH`` | :class:`~.sockets.SocketTransport` over SOCK_SEQPACKET | message | yes |
 | ``rdma://HOST:PORT`` | :mod:`~.rdma`: an RC queue pair, set up over TCP | message | no |
 
-rdma registers its :class:`TransportKind` under its scheme
-with :func:`register`.  A protocol can ask its transport what it is:
-``get_extra_info("transferd_message")`` is true on a message transport (write
-whole frames with ``transport.write_frame(head, payload, payload_len)``), and
-``get_extra_info("transferd_fds")`` is true where ``send_fds`` /
-``take_fds`` carry file descriptors (SCM_RIGHTS).
+rdma registers its :class:`TransportKind` under its scheme with :func:`register`.
+A connection's kind says what the connection is, so nobody probes the transport:
+:meth:`TransportKind.carrier` gives the :class:`~.carriers.Carrier` its frames go out
+through (a stream writes them back to back, a message transport one frame one message;
+``carrier.fds`` is a descriptor channel where the kind carries SCM_RIGHTS, else None),
+and :meth:`TransportKind.identity` who the peer counts as before it authenticates (an
+IP address; on a Unix socket its uid).  The RPC session and the client connection are
+made with their kind (the listener's or the URL's).
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ import ssl
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from transferd.preauth import Admission
 from transferd.protocol.errors import BadRequest
+
+from .carriers import Carrier, StreamCarrier
 
 ProtocolFactory = Callable[[], asyncio.BufferedProtocol]
 
@@ -52,10 +55,9 @@ class TransportOptions:
     handshake_timeout: float = 5.0
     # Seconds to wait for a connection (client side).
     timeout: float | None = 10.0
-    # Server side, tls: the server's caps on connections not yet authenticated
-    # (an object with ``admit(source) -> reason | None`` and ``release(source)``),
-    # which count a TLS connection from its TCP accept, through its TLS handshake.
-    admission: Any = None
+    # Server side, tls: the server's pre-auth admission (transferd/preauth.py), which
+    # counts a TLS connection from its TCP accept, through its TLS handshake.
+    admission: Admission | None = None
 
 
 class Listener(ABC):
@@ -69,7 +71,9 @@ class Listener(ABC):
 
 
 class TransportKind(ABC):
-    """One transport: how to listen and connect for its scheme."""
+    """One transport: how to listen and connect for its scheme, and what its connections
+    are (the :class:`~transferd.transports.carriers.Carrier` frames go out through, who
+    a peer is counted as before it authenticates)."""
 
     scheme: str
     # "stream" (frames back to back) or "message" (one frame one message).
@@ -78,6 +82,20 @@ class TransportKind(ABC):
     fds: bool = False
     # Whether the bytes are private on the wire (TLS, a local socket).
     private: bool = False
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        """How this kind's connection writes frames (default: a stream, no descriptors)."""
+        return StreamCarrier(cast(asyncio.Transport, transport), join_counter=join_counter)
+
+    def identity(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        """(source, label): who a connection is counted as before it authenticates
+        (transferd/preauth.py) and how logs name it.  Default: the peer's IP address."""
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            host, port = peer[0], peer[1] if len(peer) > 1 else 0
+            return str(host), f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return "local", "local"
 
     def parse(self, url: str) -> Endpoint:
         """Default: ``scheme://HOST:PORT``."""

@@ -9,11 +9,14 @@ import os
 import socket
 import ssl
 import stat
+from typing import cast
 
 from transferd.fds import AcceptGuard
+from transferd.preauth import Admission, Ticket, Why
 from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
+from .carriers import Carrier, FdChannel, MessageCarrier, StreamCarrier, TlsCarrier, no_delay
 from .continuation import HELLO_MESSAGE, MIN_MAX_MESSAGE
 from .sockets import SocketTransport
 
@@ -23,6 +26,11 @@ log = logging.getLogger("transferd.transports")
 class Tcp(TransportKind):
     scheme = "tcp"
     kind = "stream"
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        no_delay(transport)
+        return StreamCarrier(cast(asyncio.Transport, transport), join_counter=join_counter)
 
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         return None
@@ -70,6 +78,15 @@ class Tcp(TransportKind):
 class Tls(Tcp):
     scheme = "tls"
     private = True
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        no_delay(transport)
+        t = cast(asyncio.Transport, transport)
+        # A server's replies go to the SSL layer a chunk at a time (its copies are bounded).
+        if server:
+            return TlsCarrier(t, join_counter=join_counter)
+        return StreamCarrier(t, join_counter=join_counter)
 
     def _ssl(self, opts: TransportOptions, server: bool) -> ssl.SSLContext | None:
         if opts.ssl_context is not None:
@@ -119,41 +136,69 @@ class _TcpListener(Listener):
         self._guard = AcceptGuard(self._loop, sock, self._accept, f"listener {url}", log)
 
     def _accept(self) -> None:
-        admission = self._opts.admission if self._ctx is not None else None
+        admission: Admission | None = self._opts.admission if self._ctx is not None else None
         for conn, addr in self._guard.accept_burst():
             source = str(addr[0])
-            if admission is not None and admission.admit(source) is not None:
-                conn.close()
-                continue
+            ticket = None
+            if admission is not None:
+                admitted = admission.admit(source, self._loop.time())
+                admission.close(admitted.closed)
+                if admitted.ticket is None:
+                    conn.close()
+                    continue
+                ticket = admitted.ticket
             conn.setblocking(False)
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.ensure_future(
-                self._handshake(conn, source if admission is not None else None))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _handshake(self, conn: socket.socket, source: str | None) -> None:
-        try:
-            # The loop owns the socket from here and closes it if this fails.
-            if self._ctx is None:
-                await self._loop.connect_accepted_socket(self._factory, conn)
-            else:
-                await self._loop.connect_accepted_socket(
-                    self._factory, conn, ssl=self._ctx,
-                    ssl_handshake_timeout=self._opts.handshake_timeout)
-        except Exception as exc:  # a failed or timed-out TLS handshake
-            log.debug("%s: connection from %s failed: %r", self.url, source, exc)
-        finally:
-            if source is not None:
-                self._opts.admission.release(source)
-
+            hs = _TlsHandshake(self._loop, self._factory, conn, self._ctx,
+                               self._opts.handshake_timeout, admission, ticket, self.url)
+            if ticket is not None:
+                ticket.owner = hs
+            self._tasks.add(hs.task)
+            hs.task.add_done_callback(self._tasks.discard)
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             self._guard.close()
         self._sock.close()
         for t in list(self._tasks):
             t.cancel()
+
+
+class _TlsHandshake:
+    """One accepted tcp:// or tls:// socket on its way to its protocol.  On tls:// it holds
+    a pre-auth ticket through the TLS handshake, and gives way (the task is cancelled, the
+    loop closes the socket) when the admission takes the slot back."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, factory: ProtocolFactory,
+                 conn: socket.socket, ctx: ssl.SSLContext | None, timeout: float,
+                 admission: Admission | None, ticket: Ticket | None, url: str) -> None:
+        self._admission = admission
+        self._ticket = ticket
+        self._url = url
+        self._conn: socket.socket | None = conn  # until the loop owns it
+        self.task = asyncio.ensure_future(self._run(loop, factory, conn, ctx, timeout))
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, factory: ProtocolFactory,
+                   conn: socket.socket, ctx: ssl.SSLContext | None, timeout: float) -> None:
+        self._conn = None
+        try:
+            # The loop owns the socket from here and closes it if this fails.
+            if ctx is None:
+                await loop.connect_accepted_socket(factory, conn)
+            else:
+                await loop.connect_accepted_socket(factory, conn, ssl=ctx,
+                                                   ssl_handshake_timeout=timeout)
+        except Exception as exc:  # a failed or timed-out TLS handshake
+            log.debug("%s: connection failed: %r", self._url, exc)
+        finally:
+            if self._admission is not None and self._ticket is not None:
+                self._admission.release(self._ticket)
+
+    def give_way(self, why: Why) -> None:
+        log.debug("%s: TLS handshake closed: %s", self._url, why.value)
+        if self._conn is not None:  # a task cancelled before it ran never runs its body
+            self._conn.close()
+        self.task.cancel()
 
 
 class _UnixListener(Listener):
@@ -210,6 +255,20 @@ class UnixKind(TransportKind):
     def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
         pass
 
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        t = cast(SocketTransport, transport)
+        return StreamCarrier(t, FdChannel(t), join_counter=join_counter)
+
+    def identity(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        """A Unix peer is its uid (SO_PEERCRED): one local user cannot take another's
+        handshake slots or make another's token verdicts wait."""
+        cred = cast(SocketTransport, transport).peercred
+        if cred is None:
+            return "local", "local"
+        pid, uid, _gid = cred
+        return f"uid {uid}", f"local (pid {pid}, uid {uid})"
+
     async def listen(
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
     ) -> Listener:
@@ -254,6 +313,11 @@ class SeqPacket(UnixKind):
     scheme = "seqpacket"
     kind = "message"
     sock_type = socket.SOCK_SEQPACKET
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        t = cast(SocketTransport, transport)
+        return MessageCarrier(t, FdChannel(t), join_counter=join_counter)
 
     def tune(self, sock: socket.socket, opts: TransportOptions) -> None:
         # A message must fit the send buffer whole; leave room for a few.

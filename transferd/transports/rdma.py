@@ -34,6 +34,7 @@ from typing import Any
 from transferd.protocol.errors import BadRequest, TransferdError
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions
+from .carriers import Carrier, MessageCarrier
 from .continuation import HELLO_MESSAGE
 from .msgtransport import MessageTransport
 
@@ -157,6 +158,10 @@ def _peer(sock: socket.socket) -> Any:
 class RdmaKind(TransportKind):
     scheme = "rdma"
     kind = "message"
+
+    def carrier(self, transport: asyncio.BaseTransport, *, server: bool,
+                join_counter: str) -> Carrier:
+        return MessageCarrier(transport, join_counter=join_counter)
 
     async def listen(self, ep: Endpoint, factory: ProtocolFactory,
                      opts: TransportOptions) -> Listener:

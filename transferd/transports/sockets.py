@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -98,14 +99,15 @@ class SocketTransport(asyncio.Transport):
         self._fd = sock.fileno()
         self._protocol = protocol
         self.message = message
-        # The size of every continuation message, both ways.
         # Where the frame arriving is (payload continuation, continuation.py).
         self._cont = Continuation(max_message, recv_limit if recv_limit is not None
                                   else max_message)
-        # The largest head (header + body) message accepted now.
+        # The connecting process's (pid, uid, gid) on AF_UNIX (SO_PEERCRED).
+        self.peercred = _peercred(sock)
         self._extra = {
             "socket": sock,
             "peername": _peername(sock),
+            "peercred": self.peercred,
             "sockname": sock.getsockname(),
             "transferd_fds": True,
             "transferd_message": message,
@@ -488,6 +490,21 @@ class SocketTransport(asyncio.Transport):
             while self.received_fds:
                 with contextlib.suppress(OSError):
                     os.close(self.received_fds.popleft())
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peercred(sock: socket.socket) -> tuple[int, int, int] | None:
+    """The connecting process's (pid, uid, gid) on an AF_UNIX socket (SO_PEERCRED)."""
+    if sock.family != socket.AF_UNIX:
+        return None
+    try:
+        pid, uid, gid = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return None
+    return pid, uid, gid
 
 
 def _peername(sock: socket.socket) -> Any:
