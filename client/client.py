@@ -514,17 +514,22 @@ class Client:
     async def submit_single_write(
         self, length: int, imm: int | None, src: tuple[MrHandle, int],
         dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        """See :meth:`EngineOps.submit_single_write` (``wid``: a write id)."""
+        """See :meth:`EngineOps.submit_single_write` (``wid``: a write id; ``verify``,
+        ``traceparent``: docs/integrity.md)."""
         return await self.engine.submit_single_write(length, imm, src, dst, timeout=timeout,
-                                                     wid=wid)
+                                                     wid=wid, verify=verify,
+                                                     traceparent=traceparent)
 
     async def submit_paged_writes(
         self, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
         dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
         return await self.engine.submit_paged_writes(page_len, imm, src, dst,
-                                                     timeout=timeout, wid=wid)
+                                                     timeout=timeout, wid=wid, verify=verify,
+                                                     traceparent=traceparent)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         return await self.engine.add_peer_group(addrs)
@@ -532,8 +537,10 @@ class Client:
     async def submit_scatter(
         self, group: PeerGroup | None, imm: int | None, src: MrHandle,
         dsts: Sequence[ScatterDst], *, timeout: float | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        return await self.engine.submit_scatter(group, imm, src, dsts, timeout=timeout)
+        return await self.engine.submit_scatter(group, imm, src, dsts, timeout=timeout,
+                                                verify=verify, traceparent=traceparent)
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],

@@ -28,6 +28,8 @@ from transferd.protocol.errors import ConnectionLost, NotFound, TransferdError, 
 from transferd.protocol.frames import Frame
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
+from .tracing import tag as _tag
+
 if TYPE_CHECKING:
     from .buffers import RemoteBuffer
     from .calls import Calls
@@ -194,25 +196,32 @@ class EngineOps:
     async def submit_single_write(
         self, length: int, imm: int | None, src: tuple[MrHandle, int],
         dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
         """``wid``: a write id of your choosing (u64); a retry with the same one after a
-        TIMEOUT is applied and counted at most once (docs/engine.md, write ids)."""
+        TIMEOUT is applied and counted at most once (docs/engine.md, write ids).
+        ``verify``: a CRC32C per part, checked where it lands (None: the daemon's
+        engine.verify); ``traceparent``: a W3C trace context (None: the current
+        OpenTelemetry span's, where the ``otel`` extra is installed), docs/integrity.md."""
         body: dict[str, Any] = {"len": length, "imm": imm, "src": [src[0].id, src[1]],
                                 "dst": [dst[0].to_wire(), dst[1]]}
         if wid is not None:
             body["wid"] = wid
+        _tag(body, verify, traceparent)
         return await self._submit(Command.SINGLE_WRITE, body, timeout=timeout)
 
     async def submit_paged_writes(
         self, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
         dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        """``wid``: as for :meth:`submit_single_write`."""
+        """``wid``, ``verify``, ``traceparent``: as for :meth:`submit_single_write`."""
         body: dict[str, Any] = {"page_len": page_len, "imm": imm,
                                 "src": [src[0].id, src[1].to_wire()],
                                 "dst": [dst[0].to_wire(), dst[1].to_wire()]}
         if wid is not None:
             body["wid"] = wid
+        _tag(body, verify, traceparent)
         return await self._submit(Command.PAGED_WRITES, body, timeout=timeout)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
@@ -223,11 +232,14 @@ class EngineOps:
     async def submit_scatter(
         self, group: PeerGroup | None, imm: int | None, src: MrHandle,
         dsts: Sequence[ScatterDst], *, timeout: float | None = None,
+        verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit(Command.SCATTER, {
+        """``verify``, ``traceparent``: as for :meth:`submit_single_write`."""
+        body: dict[str, Any] = {
             "group": group.id if group else None, "imm": imm, "mr": src.id,
-            "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]},
-            timeout=timeout)
+            "dsts": [[d.len, d.src, d.dst[0].to_wire(), d.dst[1]] for d in dsts]}
+        _tag(body, verify, traceparent)
+        return await self._submit(Command.SCATTER, body, timeout=timeout)
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],

@@ -22,8 +22,13 @@ from .client import Client
 from .devices import CudaExport, capture_stream, export_cuda
 from .engine import Completion
 from .names import SyncWatch
+from .tracing import current_traceparent
 
 T = TypeVar("T")
+
+
+# Submits whose traceparent defaults to the caller's current span (client/tracing.py).
+_TRACED = frozenset({"submit_single_write", "submit_paged_writes", "submit_scatter"})
 
 
 class SyncClient:
@@ -59,6 +64,13 @@ class SyncClient:
         attr = getattr(self._client, name)
         if not callable(attr):
             return attr
+        if name in _TRACED:
+            # The current OpenTelemetry span is this thread's, not the loop thread's.
+            def traced(*a: Any, **k: Any) -> Any:
+                if k.get("traceparent") is None:
+                    k["traceparent"] = current_traceparent()
+                return self._run(attr(*a, **k))
+            return traced
         if asyncio.iscoroutinefunction(attr):
             return lambda *a, **k: self._run(attr(*a, **k))
         return lambda *a, **k: self._call_soon(lambda: attr(*a, **k))

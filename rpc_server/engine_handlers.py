@@ -57,6 +57,16 @@ def _opt_wid(body: dict[str, Any]) -> int | None:
     return uint_field(body, "wid", (1 << 64) - 1)
 
 
+def _tags(body: dict[str, Any]) -> dict[str, Any]:
+    """A submit's ``verify`` (bool; absent: engine.verify) and ``traceparent`` (W3C
+    text; the engine checks it) fields (docs/integrity.md)."""
+    verify = body.get("verify")
+    if verify is not None and not isinstance(verify, bool):
+        raise BadRequest("field 'verify' must be true or false")
+    tp = body.get("traceparent")
+    return {"verify": verify, "traceparent": tp}
+
+
 def _pair(body: dict[str, Any], name: str) -> tuple[Any, Any]:
     v = field(body, name)
     if not isinstance(v, list | tuple) or len(v) != 2:
@@ -168,9 +178,11 @@ def single_write(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     src = (_uint(mr, "src mr"), _uint(src_off, "src offset"))
     dst = (MrDesc.from_wire(desc), _uint(dst_off, "dst offset"))
     wid = _opt_wid(b)
+    tags = _tags(b)
     # Checked now, so a bad request is answered before anything is queued.
     return _submit(session, frame,
-                   lambda: engine.submit_single_write(length, imm, src, dst, wid, session))
+                   lambda: engine.submit_single_write(length, imm, src, dst, wid, session,
+                                                      **tags))
 
 
 @handler(Command.PAGED_WRITES)
@@ -184,8 +196,10 @@ def paged_writes(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     src = (_uint(mr, "src mr"), Pages.from_wire(src_pages))
     dst = (MrDesc.from_wire(desc), Pages.from_wire(dst_pages))
     wid = _opt_wid(b)
+    tags = _tags(b)
     return _submit(session, frame,
-                   lambda: engine.submit_paged_writes(page_len, imm, src, dst, wid, session))
+                   lambda: engine.submit_paged_writes(page_len, imm, src, dst, wid, session,
+                                                      **tags))
 
 
 @handler(Command.ADD_PEER_GROUP)
@@ -219,7 +233,8 @@ def scatter(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
         dsts.append(ScatterDst(_uint(d[0], f"dsts[{i}].len"), _uint(d[1], f"dsts[{i}].src"),
                                (MrDesc.from_wire(d[2]), _uint(d[3], f"dsts[{i}].dst"))))
     imm, gid = _opt_imm(b), _group(b)
-    return _submit(session, frame, lambda: engine.submit_scatter(gid, imm, mr, dsts))
+    tags = _tags(b)
+    return _submit(session, frame, lambda: engine.submit_scatter(gid, imm, mr, dsts, **tags))
 
 
 @handler(Command.BARRIER)

@@ -105,6 +105,31 @@ class EngineConfig:
         'milliseconds. Ignored by "tcp".',
         min=0, unit="ms",
     )
+    chaos_corrupt: float = key(
+        0.0,
+        'With domain = "chaos": the probability that a piece sent goes from a copy of its '
+        "bytes with one byte flipped (never the source), to prove the checksums "
+        '(docs/integrity.md). Ignored by every other Domain.',
+        min=0.0, max=1.0,
+    )
+    verify: bool = key(
+        False,
+        "Checksums by default: every one-sided write this daemon sends carries a CRC32C "
+        "per part taken from its source memory (a submit's verify=False opts out), and "
+        "every write it receives must carry one (a write without is refused). The "
+        "receiver checks the bytes it placed before they count; a mismatch is re-sent "
+        "once, a second fails the transfer. Set it on every daemon of a cluster alike. "
+        "Needs a Domain whose receiver sees each write (tcp, chaos). docs/integrity.md.",
+    )
+    stall_warn_s: float = key(
+        0.0,
+        "A transfer (or expectation) in one stage longer than this is logged at WARNING "
+        "once, with its peer, rail, bytes, trace id and owner, and counted "
+        "(transferd_engine_stalls_total); 0 = never. Well below engine.peer_timeout_s "
+        "to hear of a stall before it times out. `transferd inflight URL` lists what is "
+        "in flight now.",
+        min=0.0, unit="s",
+    )
     secret_file: str = key(
         "",
         "A file holding the cluster secret (its contents, whitespace stripped), the same "

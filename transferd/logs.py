@@ -91,6 +91,16 @@ def fatal(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+class TextFormatter(logging.Formatter):
+    """The text format, with a record's trace id (``trace_fields``) after its message,
+    so that ``grep TRACEID`` finds every line about a traced transfer."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        tid = getattr(record, "trace_id", None)
+        return f"{text} [trace {tid}]" if tid else text
+
+
 class RateLimit(logging.Filter):
     """At most ``burst`` records per kind per ``window_s``; counts what it drops."""
 
@@ -138,7 +148,7 @@ def configure(level: str, fmt: str = "text", *, burst: int = 20, window_s: float
     handler = logging.StreamHandler(sys.stderr)
     handler._transferd = True  # type: ignore[attr-defined]
     journal = under_journald(sys.stderr)
-    inner = JsonFormatter() if fmt == "json" else logging.Formatter(
+    inner = JsonFormatter() if fmt == "json" else TextFormatter(
         JOURNAL_FORMAT if journal else TEXT_FORMAT)
     handler.setFormatter(JournalPrefix(inner) if journal else inner)
     handler.addFilter(RateLimit(burst, window_s))
@@ -183,12 +193,20 @@ def log_client_error(peer: str, exc: Any, cmd: int, seq: int | None) -> None:
 peer_log = logging.getLogger("transferd.peer")
 
 
-def peer_warning(event: str, node: int | None, rail: int, addr: Any, error: Any) -> None:
+def trace_fields(trace: bytes | None) -> dict[str, str]:
+    """A log record's ``extra`` for a transfer's trace id (26 wire bytes; {} for none):
+    JSON logs get ``trace_id``, text logs show it after the message."""
+    return {"trace_id": trace[1:17].hex()} if trace else {}
+
+
+def peer_warning(event: str, node: int | None, rail: int, addr: Any, error: Any,
+                 trace: bytes | None = None) -> None:
     """Log a peer-plane failure at WARNING: ``event: node N rail R (host:port): error``.
 
     ``event`` is one of a small fixed set ("peer link broken", "transfer timed out",
     "peer write refused", "peer message refused"), so the rate limit groups them.
-    JSON logs get ``peer_node``, ``rail``, ``peer_addr`` and ``code`` as fields.
+    JSON logs get ``peer_node``, ``rail``, ``peer_addr`` and ``code`` as fields, and
+    ``trace_id`` when the transfer carried one (``trace``: its 26 wire bytes).
     """
     node_text = f"{node:016x}" if node is not None else "?"
     code = getattr(getattr(error, "code", None), "value", None)
@@ -197,7 +215,7 @@ def peer_warning(event: str, node: int | None, rail: int, addr: Any, error: Any)
         "%s: node %s rail %d (%s): %s%s", event, node_text, rail, hostport(addr),
         f"{code}: " if code else "", message,
         extra={"peer_node": node_text, "rail": rail, "peer_addr": hostport(addr),
-               "code": code or ""},
+               "code": code or "", **trace_fields(trace)},
     )
 
 

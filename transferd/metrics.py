@@ -355,6 +355,20 @@ class _EngineCollector:
         for reason, n in counts.items():
             refused.add_metric([reason], n)
         yield refused
+        integrity = c("transferd_engine_integrity_failures",
+                      "Peer WRITE parts whose CRC32C did not match the bytes placed here "
+                      "(refused, not counted; the sender re-sends once), by peer node and "
+                      "rail.", labels=["peer", "rail"])
+        failures: dict[tuple[int, int], int] = {}
+        for st in stats:
+            for key, n in getattr(st, "integrity_failures", {}).items():
+                failures[key] = failures.get(key, 0) + n
+        for (node, rail), n in sorted(failures.items()):
+            integrity.add_metric([f"{node:016x}", str(rail)], n)
+        yield integrity
+        yield c("transferd_engine_integrity_resends",
+                "Write parts this daemon re-sent after a peer refused their checksum.",
+                value=total("integrity_resends"))
         yield c("transferd_engine_immediates", "Immediates counted here (the sum of counts).",
                 value=total("imms_in"))
         yield c("transferd_engine_messages_delivered",

@@ -14,7 +14,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from transferd.protocol.crc import crc_of
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_landing import Placement
 from transferd.protocol.values import NetAddr
 
@@ -93,10 +95,24 @@ class WritePart:
     alts: Sequence[tuple[NetAddr, int]] | None = None
     # Re-sent on another rail: the receiver drops it if its first copy landed.
     again: bool = False
+    # verify: the part carries the CRC32C of its source bytes (``crc``, computed from
+    # ``src`` when first sent: see :meth:`ext`); ``trace`` the W3C trace id (26 bytes).
+    verify: bool = False
+    crc: int | None = None
+    trace: bytes | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(self.lens)
+
+    def ext(self) -> bytes:
+        """The WRITE's extension block (b"" for a part neither verified nor traced); a
+        verified part's checksum is taken from its source memory the first time."""
+        if self.verify:
+            if self.crc is None:
+                self.crc = crc_of(self.src)
+            return encode_ext(self.crc, self.trace)
+        return encode_ext(None, self.trace) if self.trace is not None else b""
 
 
 @dataclass(slots=True)

@@ -86,6 +86,8 @@ class DomainOptions:
     # Peers a group's peer book remembers (engine.max_peers): least recently bound
     # forgotten first.
     max_peers: int = 16384
+    # engine.verify: every write received must carry a checksum (peer_landing).
+    verify: bool = False
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:

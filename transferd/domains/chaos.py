@@ -8,6 +8,12 @@ to the wrapped Domain after its own random delay (seeded: the same seed, the
 same schedule).  The part completes when all its pieces did.  Nothing above
 the Domain knows: the engine plans as for any Domain, and the receiver's
 counting rules (pages placed, spans covered) make the order irrelevant.
+
+``engine.chaos_corrupt`` (a probability) proves the checksums (docs/integrity.md):
+a piece drawn for it is sent from a copy of its bytes with one byte flipped, never
+the source; a verified piece's checksum is taken from the source first, so the
+receiver sees the mismatch (and the initiator re-sends), while an unverified one
+lands corrupted.
 """
 
 from __future__ import annotations
@@ -45,7 +51,65 @@ def _cut(views: list[memoryview], sizes: list[int]) -> list[list[memoryview]]:
 
 
 def pieces(part: WritePart, max_parts: int) -> list[WritePart]:
-    """``part`` in pieces the receiver counts exactly as the whole part."""
+    """``part`` in pieces the receiver counts exactly as the whole part (each verified
+    and traced as it is)."""
+    out = _pieces(part, max_parts)
+    if len(out) > 1 and (part.verify or part.trace is not None):
+        for p in out:
+            p.verify, p.trace = part.verify, part.trace
+    return out
+
+
+def corrupted(piece: WritePart, rng: random.Random) -> WritePart:
+    """``piece`` sent from a copy of its bytes with one of them flipped (its checksum,
+    if verified, taken from the source first: the receiver must see the difference)."""
+    if piece.verify and piece.crc is None:
+        piece.ext()
+    copy = bytearray(piece.nbytes)
+    pos = 0
+    for v in piece.src:
+        copy[pos:pos + len(v)] = v
+        pos += len(v)
+    copy[rng.randrange(len(copy))] ^= 0xFF
+    view = memoryview(copy)
+    srcs = _cut([view], piece.lens)
+    return WritePart(piece.rail, piece.dst, piece.rkey, piece.addrs, piece.lens,
+                     [v for run in srcs for v in run], piece.imm, piece.span, piece.index,
+                     piece.op, piece.parts, piece.wid, piece.alts, piece.again, piece.verify,
+                     piece.crc, piece.trace)
+
+
+class _Joined:
+    """The Transfer the pieces of one part share: the part answers once every piece
+    did (the first error, if any), so that a re-send of the part never races a piece
+    of its first attempt still on its way."""
+
+    __slots__ = ("error", "left", "target")
+
+    def __init__(self, target: Transfer, n: int) -> None:
+        self.target, self.left = target, n
+        self.error: TransferdError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.target.finished
+
+    @property
+    def op(self) -> int:
+        return self.target.op
+
+    def part_done(self, error: TransferdError | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        if self.left == 0:
+            self.target.part_done(self.error)
+
+    def fail(self, error: TransferdError) -> None:
+        self.part_done(error)
+
+
+def _pieces(part: WritePart, max_parts: int) -> list[WritePart]:
     n = len(part.addrs)
     if n > 1 and n <= MAX_PIECES:
         srcs = _cut(part.src, part.lens)
@@ -80,6 +144,9 @@ class ChaosDomain(Domain):
         self.capabilities = inner.capabilities
         self.options = options
         self._rng = random.Random(options.seed * 1009 + rail)
+        # engine.chaos_corrupt: the probability that a piece with bytes goes corrupted.
+        self.corrupt = float(options.of("chaos").get("corrupt", 0.0))
+        self.corrupted = 0
 
     @property
     def address(self) -> bytes:
@@ -101,16 +168,15 @@ class ChaosDomain(Domain):
             todo.extend(pieces(part, self.options.max_parts))
         else:
             todo.append(part)
-        if len(todo) == 1:
-            target = transfer
-        else:
-            def joined(err: TransferdError | None) -> None:
-                transfer.part_done(err)
-
-            target = Transfer(transfer.op, len(todo), 0, joined)
+        target = transfer if len(todo) == 1 else _Joined(transfer, len(todo))
+        rng = self._rng
         for piece in todo:
-            delay = self._rng.uniform(0, self.options.max_delay_s)
-            loop.call_later(delay, self.inner.post, piece, target)
+            if self.corrupt and isinstance(piece, WritePart) and piece.nbytes \
+                    and rng.random() < self.corrupt:
+                piece = corrupted(piece, rng)
+                self.corrupted += 1
+            delay = rng.uniform(0, self.options.max_delay_s)
+            loop.call_later(delay, self.inner.post, piece, target)  # type: ignore[arg-type]
 
     def connect(self, dst: NetAddr) -> None:
         self.inner.connect(dst)

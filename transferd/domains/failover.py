@@ -21,6 +21,11 @@ once), and a part that already landed is recognised by (peer, op, part) and
 its pages in a bounded window and acknowledged without landing or counting
 again.
 
+A verified part whose checksum did not match where it landed (INTEGRITY: the
+receiver counted nothing of it) is re-sent once, on another rail if there is
+one, without marking its rail down; a second mismatch fails the transfer with
+that IntegrityError (docs/integrity.md).
+
 Two-sided SENDs are not re-sent (a message could be delivered twice).
 Everything here runs on the group's worker loop.
 """
@@ -31,8 +36,9 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from transferd.logs import trace_fields
 from transferd.parts import Transfer, WritePart
-from transferd.protocol.errors import PeerUnreachable, TransferdError
+from transferd.protocol.errors import IntegrityError, PeerUnreachable, TransferdError
 
 if TYPE_CHECKING:
     from .group import DomainGroup
@@ -99,13 +105,14 @@ class Resend:
     instead of failing the transfer.
     """
 
-    __slots__ = ("group", "part", "transfer", "tried")
+    __slots__ = ("group", "part", "rechecked", "transfer", "tried")
 
     def __init__(self, group: DomainGroup, transfer: Transfer, part: WritePart) -> None:
         self.group = group
         self.transfer = transfer
         self.part = part
         self.tried = frozenset({part.rail})
+        self.rechecked = False  # re-sent once after a checksum mismatch
 
     @property
     def finished(self) -> bool:
@@ -127,6 +134,8 @@ class Resend:
             self.transfer.fail(error)
 
     def _resend(self, error: TransferdError) -> bool:
+        if type(error) is IntegrityError:
+            return self._recheck(error)
         if type(error) is not PeerUnreachable or self.transfer.finished:
             return False
         g, part = self.group, self.part
@@ -146,4 +155,25 @@ class Resend:
         log.info("part %d of op %d: rail %d failed (%s), re-sent on rail %d",
                  part.index, part.op, was, error.message, rail)
         g.domains[rail].post(part, self)  # type: ignore[arg-type]
+        return True
+
+    def _recheck(self, error: IntegrityError) -> bool:
+        """The receiver refused the part's bytes (checksum): once more, on another rail
+        if there is one; False (the transfer fails with ``error``) the second time."""
+        g, part = self.group, self.part
+        if self.rechecked or self.transfer.finished:
+            return False
+        self.rechecked = True
+        was = part.rail
+        rails = len(g.domains)
+        if rails > 1 and part.alts is not None:
+            rail = g.health.pick(part.dst.key, (was + 1) % rails, g.loop.time(),
+                                 frozenset({was})) or (was + 1) % rails
+            move(part, rail)
+        part.again = True
+        g.integrity_resends += 1
+        log.warning("part %d of op %d: checksum mismatch at node %016x rail %d (%s); "
+                    "re-sent on rail %d", part.index, part.op, part.dst.node, was,
+                    error.message, part.rail, extra=trace_fields(part.trace))
+        g.domains[part.rail].post(part, self)  # type: ignore[arg-type]
         return True

@@ -58,6 +58,8 @@ class GroupStats:
     failovers: int = 0
     duplicate_parts: int = 0
     write_id_duplicates: int = 0
+    integrity_failures: dict[tuple[int, int], int] = field(default_factory=dict)
+    integrity_resends: int = 0
     peers_known: int = 0
     links: tuple[LinkStats, ...] = ()
 
@@ -98,8 +100,11 @@ class DomainGroup:
                                  self.link_budget, lambda: self.book, self.probes, max_message)
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()
-        self.landing = Landing(port, 1, self.write_ids, Coverage(), Landed())
+        self.landing = Landing(port, 1, self.write_ids, Coverage(), Landed(),
+                               require_crc=self.options.verify)
         self.health = RailHealth(1)
+        # Parts re-sent after a checksum mismatch (failover.Resend).
+        self.integrity_resends = 0
         self._book: PeerBook | None = None
         self.messages_in = 0
         # Transfers by deadline, earliest first: (when, transfer, its destinations).
@@ -220,7 +225,11 @@ class DomainGroup:
         if len(domains) == 1:
             post = domains[0].post
             for part in parts:
-                post(part, transfer)
+                if type(part) is WritePart and part.verify:
+                    # A checksum mismatch re-sends it once (failover.Resend).
+                    post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
+                else:
+                    post(part, transfer)
             return
         now = self.loop.time()
         for part in parts:
@@ -309,6 +318,8 @@ class DomainGroup:
             messages_in=self.messages_in, refused_by=dict(lg.refused_by),
             partial_writes=len(lg.coverage), failovers=self.health.failovers,
             duplicate_parts=lg.duplicates, write_id_duplicates=self.write_ids.duplicates,
+            integrity_failures=dict(lg.integrity_failures),
+            integrity_resends=self.integrity_resends,
             peers_known=len(self._book) if self._book is not None else 0,
             links=tuple(d.link_stats() for d in self.domains))
 

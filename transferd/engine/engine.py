@@ -39,6 +39,7 @@ from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
+from transferd.protocol import crc, trace
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_handshake import node_of
@@ -130,10 +131,11 @@ class TransferEngine:
             max_links=config.max_links, fd_reserve=config.fd_reserve,
             link_idle_s=config.link_idle_s, rail_timeout_s=config.rail_timeout_s,
             link_budget=LinkBudget(link_budget(config.max_links, config.fd_reserve)),
-            max_peers=config.max_peers,
+            max_peers=config.max_peers, verify=config.verify,
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
-                                "gid_index": config.rdma_gid_index}})
+                                "gid_index": config.rdma_gid_index},
+                      "chaos": {"corrupt": config.chaos_corrupt}})
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -270,10 +272,13 @@ class TransferEngine:
 
     def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
                             dst: tuple[MrDesc, int], wid: int | None = None,
-                            owner: Hashable = None) -> asyncio.Future[None]:
-        """``wid``: the write id of ``owner`` (the submitting connection) for this write."""
+                            owner: Hashable = None, *, verify: bool | None = None,
+                            traceparent: str | None = None) -> asyncio.Future[None]:
+        """``wid``: the write id of ``owner`` (the submitting connection) for this write.
+        ``verify``: a CRC32C per part (None: engine.verify); ``traceparent``: W3C."""
         self._check_descs([dst[0]])
         self._check_wid(wid)
+        tag = self._tag(verify, traceparent)
         region = self.regions.get(src[0])
         if wid is not None:
             wid = self._wire_wid(owner, wid, ("single", length, imm, region.id, src[1],
@@ -281,17 +286,21 @@ class TransferEngine:
         op = next(self._ops)
         if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
-                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid))
+                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid,
+                tag))
         view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
-        return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
+        return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
+                            self.group_of(region))
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
-                            wid: int | None = None, owner: Hashable = None
+                            wid: int | None = None, owner: Hashable = None, *,
+                            verify: bool | None = None, traceparent: str | None = None
                             ) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
         self._check_wid(wid)
+        tag = self._tag(verify, traceparent)
         region = self.regions.get(src[0])
         sp, dp = src[1], dst[1]
         if len(sp.indices) != len(dp.indices):
@@ -306,10 +315,11 @@ class TransferEngine:
         if region.staging is not None:
             pages = [(base + i * stride, page_len) for i in sp.indices]
             return self._from_device(op, region, pages, lambda v: _wid(
-                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid))
+                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid, tag))
         views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
-        return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
+        return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
+                            self.group_of(region))
 
     def _check_wid(self, wid: int | None) -> None:
         """A write id this engine can honour (before anything else is looked up)."""
@@ -321,6 +331,18 @@ class TransferEngine:
             # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
             raise BadRequest(f"write ids need a Domain whose receiver sees each write "
                              f"(tcp, chaos), not {self.config.domain}")
+
+    def _tag(self, verify: bool | None, traceparent: str | None) -> Tag:
+        """What a submit's parts carry besides their bytes: (verify, trace id bytes)."""
+        if verify is None:
+            verify = self.config.verify
+        if verify:
+            if not self.capabilities.sees_writes:
+                raise BadRequest(f"verify needs a Domain whose receiver sees each write's "
+                                 f"bytes (tcp, chaos), not {self.config.domain}: without "
+                                 "one no checksum could be checked")
+            crc.require()  # BadRequest saying what to install, where it is missing
+        return (bool(verify), trace.parse(traceparent) if traceparent is not None else None)
 
     def _wire_wid(self, owner: Hashable, wid: int, what: Any) -> int:
         """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
@@ -395,7 +417,9 @@ class TransferEngine:
         return gid
 
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
-                             dsts: Sequence[ScatterDst]) -> asyncio.Future[None]:
+                       dsts: Sequence[ScatterDst], *, verify: bool | None = None,
+                       traceparent: str | None = None) -> asyncio.Future[None]:
+        tag = self._tag(verify, traceparent)
         self.peer_groups.check(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
@@ -409,8 +433,8 @@ class TransferEngine:
             first = first or op
             view = region.view(region.ptr + d.src, d.len)
             parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails)
-        return self._submit(first or next(self._ops), parts, region.buffer.ref(),
-                            self.group_of(region))
+        return self._submit(first or next(self._ops), _wid(parts, None, tag),
+                            region.buffer.ref(), self.group_of(region))
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
@@ -584,13 +608,20 @@ class TransferEngine:
             fut.set_exception(err)
 
 
-def _wid(parts: Any, wid: int | None) -> list[WritePart | SendPart]:
-    """The planned parts, each carrying the write id (a retry plans the same parts)."""
+# A submit's (verify, trace id) for its parts (TransferEngine._tag).
+Tag = tuple[bool, bytes | None]
+
+
+def _wid(parts: Any, wid: int | None, tag: Tag = (False, None)) -> list[WritePart | SendPart]:
+    """The planned parts, each carrying the write id (a retry plans the same parts), and
+    the submit's verify and trace id."""
     out: list[WritePart | SendPart] = list(parts)
-    if wid is not None:
+    verify, trace_id = tag
+    if wid is not None or verify or trace_id is not None:
         for p in out:
             if isinstance(p, WritePart):
-                p.wid = wid
+                p.wid = wid if wid is not None else p.wid
+                p.verify, p.trace = verify, trace_id
     return out
 
 

@@ -116,6 +116,15 @@ class PeerUnreachable(TransferdError):
     code = ErrorCode.PEER_UNREACHABLE
 
 
+class IntegrityError(PeerUnreachable):
+    """A part's bytes did not match its checksum (CRC32C) where they were placed: that
+    range was not counted.  Its own code only on the peer wire (an ACK's
+    ``INTEGRITY``, so the initiator re-sends the part once); a client sees
+    PEER_UNREACHABLE (PROTOCOL.md's codes are fixed) with a message saying so."""
+
+    peer_code = "INTEGRITY"
+
+
 class Timeout(TransferdError):
     """A deadline passed.  For an engine write the outcome is unknown: the daemon stopped
     waiting, but parts already sent may still land and count at the destination later.

@@ -16,7 +16,7 @@ from typing import Any
 
 from transferd.copies import COUNTING, count
 
-from .errors import BadFrame, BadRequest, TransferdError
+from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_landing import Admission, Landing
@@ -47,6 +47,9 @@ from .peer_wire import (
     parse_write,
     write_table_len,
 )
+
+# Checksum mismatches in a row after which an inbound link is closed.
+MISMATCH_CUTOFF = 4
 
 
 class InboundLink(LinkEnd):
@@ -90,6 +93,8 @@ class InboundLink(LinkEnd):
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
         self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
+        # Checksum mismatches in a row on this link (MISMATCH_CUTOFF cuts it off).
+        self.mismatches = 0
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -316,6 +321,8 @@ class InboundLink(LinkEnd):
             elif adm.duplicate:
                 adm.commit(nbytes)
                 self._ack(ref, None)
+            elif adm.header.crc is not None and self._mismatch(adm, ref):
+                pass
             elif adm.deferred:
                 self._hold()
                 self.events.append(Land(adm, ref, nbytes))
@@ -329,6 +336,28 @@ class InboundLink(LinkEnd):
             assert self._refusal is not None
             self._ack(ref, self._refusal)
         self._segs = ()
+
+    def _mismatch(self, adm: Admission, ref: tuple[int, int]) -> bool:
+        """Verify a checksummed part over what was placed; on a mismatch refuse it
+        (nothing counts; the initiator re-sends it once) and True.  A link whose
+        checksums fail MISMATCH_CUTOFF times in a row is cut off: its sender's
+        copies are not to be trusted with more."""
+        try:
+            err: TransferdError | None = adm.verify()
+        except TransferdError as exc:  # no crc32c here: refused, never skipped
+            err = exc
+        if err is None:
+            self.mismatches = 0
+            return False
+        adm.fail(err)
+        self.events.append(Refused(ref, err, adm.header.trace))
+        self._ack(ref, err)
+        if isinstance(err, IntegrityError):
+            self.mismatches += 1
+            if self.mismatches >= MISMATCH_CUTOFF:
+                self.close(IntegrityError(f"{self.mismatches} checksum mismatches in a row "
+                                          "on this link: cut off"))
+        return True
 
     def _ack(self, ref: tuple[int, int], error: TransferdError | None) -> None:
         out = self.out

@@ -11,7 +11,10 @@ A peer's WRITE is opened (:meth:`Landing.open`) before any byte of it lands:
    bytes, the region's admission); a part re-sent on another rail whose first copy
    landed is a duplicate too; a part of a split single write reserves its range of
    the write's span (:mod:`.peer_coverage`);
-3. then the Domain lands the bytes where the :class:`Admission` says (its views), and
+3. then the Domain lands the bytes where the :class:`Admission` says (its views),
+   and a part that carries a checksum is **verified** over them
+   (:meth:`Admission.verify`: CRC32C of the bytes placed, or of the staging copy
+   for device memory, before it counts), and
 4. **commits** (:meth:`Admission.commit`): the counter moves by what landed, never
    by a number the peer sent (one per page placed, one per split write once its
    span is covered, one for a frame of no pages), or **fails**
@@ -27,12 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .errors import TransferdError
+from .crc import crc_of
+from .errors import BadRequest, IntegrityError, TransferdError
 from .peer_coverage import Coverage, Landed, Partial, fingerprint
 from .peer_wire import WriteHeader
 from .peer_writeids import Seen, WriteIds
 
 Peer = tuple[int, int]
+# (peer, rail) pairs whose checksum failures are counted apart (metrics labels).
+MAX_INTEGRITY_KEYS = 1024
 Done = Callable[[TransferdError | None], None]
 
 
@@ -76,12 +82,14 @@ class Admission:
     """One opened WRITE: where its payload goes, then :meth:`commit` or :meth:`fail`."""
 
     __slots__ = ("_claimed", "_landing", "_partial", "_placement", "deferred", "duplicate",
-                 "header", "peer", "views")
+                 "header", "peer", "rail", "views")
 
     def __init__(self, landing: Landing, peer: Peer, w: WriteHeader,
-                 placement: Placement | None, partial: Partial | None, claimed: bool) -> None:
+                 placement: Placement | None, partial: Partial | None, claimed: bool,
+                 rail: int = 0) -> None:
         self._landing = landing
         self.peer = peer
+        self.rail = rail
         self.header = w
         self._placement = placement
         self._partial = partial
@@ -96,13 +104,35 @@ class Admission:
         assert self._placement is not None
         self._placement.land(done)
 
+    def verify(self) -> IntegrityError | None:
+        """A part with a checksum: CRC32C of what was placed (its views: the pages, or
+        the staging chunks of device memory) against the sender's; the error refusing
+        it if they differ (counted by peer and rail; fail it with that error)."""
+        w = self.header
+        if w.crc is None or self._placement is None:
+            return None
+        got = crc_of(self.views)
+        if got == w.crc:
+            return None
+        lg = self._landing
+        key = (self.peer[0], self.rail)
+        failures = lg.integrity_failures
+        if key in failures or len(failures) < MAX_INTEGRITY_KEYS:
+            failures[key] = failures.get(key, 0) + 1
+        else:
+            failures[(0, self.rail)] = failures.get((0, self.rail), 0) + 1
+        return IntegrityError(
+            f"checksum mismatch: part {w.part} of op {w.op} ({w.nbytes} bytes) from node "
+            f"{self.peer[0]:016x} rail {self.rail}: CRC32C 0x{got:08x} placed, 0x{w.crc:08x} "
+            "sent; not counted")
+
     def commit(self, nbytes: int) -> None:
         """Every byte is in place: count what landed (once) and let the memory go."""
         lg, w, peer = self._landing, self.header, self.peer
         placement, self._placement = self._placement, None
         if placement is not None:
             placement.release()
-            if lg.remember:
+            if lg.remember or w.crc is not None:  # (a mismatch re-sends on the same rail)
                 lg.landed.add((peer[0], peer[1], w.op, w.part), fingerprint(w.addrs, w.lens))
             lg.bytes_in += nbytes
             lg.writes_in += 1
@@ -144,8 +174,13 @@ class Landing:
     """
 
     def __init__(self, memory: Memory, rails: int = 1, write_ids: WriteIds | None = None,
-                 coverage: Coverage | None = None, landed: Landed | None = None) -> None:
+                 coverage: Coverage | None = None, landed: Landed | None = None,
+                 require_crc: bool = False) -> None:
         self.memory = memory
+        # engine.verify: a WRITE with a payload and no checksum is refused.
+        self.require_crc = require_crc
+        # Checksum mismatches by (peer node, rail); bounded (the rest under node 0).
+        self.integrity_failures: dict[tuple[int, int], int] = {}
         self.remember = rails > 1
         # (Not ``or``: an empty table is falsy, and the caller's is the one to use.)
         self.write_ids = WriteIds() if write_ids is None else write_ids
@@ -171,6 +206,12 @@ class Landing:
         """Claim and check ``w`` (from the authenticated ``peer``, on ``rail``) before a
         byte lands; raises the TransferdError that refuses it (counted)."""
         claimed = False
+        if self.require_crc and w.crc is None and payload_len:
+            exc = BadRequest(f"peer WRITE without a checksum: this daemon verifies every "
+                             f"write it receives (engine.verify); part {w.part} of op {w.op} "
+                             "refused")
+            self.refused(exc)
+            raise exc
         try:
             if w.wid is not None:
                 if self.write_ids.claim(peer, w) is Seen.APPLIED:
@@ -182,12 +223,12 @@ class Landing:
                 self.write_ids.failed(peer, w)
             self.refused(exc)
             raise
-        if w.again and self.remember and self.landed.seen(
+        if w.again and (self.remember or w.crc is not None) and self.landed.seen(
                 (peer[0], peer[1], w.op, w.part), fingerprint(w.addrs, w.lens)):
             # Its first copy landed (its ACK was lost with the rail): once is enough.
             placement.release()
             self.landed.duplicates += 1
-            return Admission(self, peer, w, None, None, claimed)
+            return Admission(self, peer, w, None, None, claimed, rail)
         partial = None
         if w.span is not None:
             try:
@@ -199,7 +240,7 @@ class Landing:
                     self.write_ids.failed(peer, w)
                 self.refused(exc)
                 raise
-        return Admission(self, peer, w, placement, partial, claimed)
+        return Admission(self, peer, w, placement, partial, claimed, rail)
 
     def landed_imm(self, imm: int, nbytes: int) -> None:
         """A unit with its immediate landed where the NIC counts (verbs WRITE_WITH_IMM):

@@ -216,10 +216,12 @@ class SetUp:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A WRITE was refused (its ACK carries ``error``): for the log."""
+    """A WRITE was refused (its ACK carries ``error``): for the log (with the part's
+    trace id, if it carried one)."""
 
     ref: tuple[int, int]
     error: TransferdError
+    trace: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,12 +97,13 @@ class OutboundLink(LinkEnd):
     def write(self, token: Any, op: int, part: int, rkey: int, addrs: list[int],
               lens: list[int], src: Sequence[memoryview], imm: int | None,
               span: Sequence[int] | None = None, wid: int | None = None,
-              again: bool = False) -> None:
-        """Send a WRITE of ``src`` (the pages' bytes, as views: never copied)."""
+              again: bool = False, ext: bytes = b"") -> None:
+        """Send a WRITE of ``src`` (the pages' bytes, as views: never copied); ``ext``
+        its extension block (:mod:`.peer_ext`: checksum, trace id)."""
         if self.state is LinkState.READY:
             self._pending[(op, part)] = token
             out = self.out
-            out.push(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again))
+            out.push(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again, ext))
             for v in src:
                 out.push(v)
             if out.queued > self.high_water:
@@ -111,7 +112,7 @@ class OutboundLink(LinkEnd):
             self.completions.append((token, self._closed_error()))
         else:
             self._waiting.append((self.write, (token, op, part, rkey, addrs, lens, src, imm,
-                                               span, wid, again)))
+                                               span, wid, again, ext)))
 
     def send(self, token: Any, op: int, part: int, message: bytes | memoryview) -> None:
         """Send a SEND (a two-sided message); completed when the peer's client has it."""

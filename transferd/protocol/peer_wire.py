@@ -10,7 +10,7 @@ WRITE  (0x41)  48 bytes: cmd u8, flags u8, npages u16, part u32, op u64, rkey u6
                [span: addr u64, len u64]                     if flags & SPAN
                pages: npages x (addr u64, len u64), or        (flags & UNIFORM: one len u64,
                then npages x addr u64)
-               [ext bytes]                                    (reserved, see below)
+               [ext bytes]                                    (peer_ext: checksum, trace id)
                payload: ``payload`` bytes, the pages' bytes concatenated
 ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, op u64
                [mlen bytes: the error's code, NUL, its message (UTF-8)]
@@ -27,9 +27,11 @@ AGAIN (re-sent on another rail after its own failed), UNIFORM (every page has on
 length, given once).
 
 Kept free for what is to come: the commands 0x46 (READ) and 0x47 (READ's data, issue
-19) and ``ext``, the length of an extension block after the page table for a
-per-part checksum and trace id (issue 20).  Today ``ext`` must be 0: a frame
-with a block is refused (BAD_REQUEST; its bytes are skipped, the framing holds).
+19).  ``ext`` is the length of an extension block after the page table
+(:mod:`.peer_ext`: a per-part CRC32C and a trace id, issue 20); a block this daemon
+cannot read refuses the frame (BAD_REQUEST; its bytes are skipped, the framing holds).
+An ACK refusing a part whose checksum did not match carries the code ``INTEGRITY``
+(:class:`~.errors.IntegrityError`; the initiator re-sends the part once).
 
 A receiver never allocates for a length the sender vouches for: a header's size
 comes from ``npages`` (at most :data:`MAX_PAGES`), a SEND's payload is bounded by
@@ -44,13 +46,14 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import BadFrame, BadRequest, TransferdError, error_from_body
+from .errors import BadFrame, BadRequest, IntegrityError, TransferdError, error_from_body
+from .peer_ext import parse_ext
 
 # The largest page list one WRITE carries (the engine puts 256 in a frame).
 MAX_PAGES = 4096
 # An error message longer than this is cut (an ACK stays small).
 MAX_ERROR_TEXT = 4096
-# The longest extension block a WRITE may announce (none is defined yet).
+# The longest extension block a WRITE may announce (peer_ext's entries take 34).
 MAX_EXT = 4096
 
 
@@ -112,6 +115,9 @@ class WriteHeader:
     # Re-sent on another rail after its own failed: if this very part landed
     # already, it is acknowledged and neither placed nor counted again.
     again: bool = False
+    # The extension block's (peer_ext): CRC32C of the payload, the W3C trace id.
+    crc: int | None = None
+    trace: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -120,8 +126,14 @@ class WriteHeader:
 
 def encode_write(op: int, part: int, rkey: int, addrs: list[int], lens: list[int],
                  imm: int | None, span: Sequence[int] | None = None,
-                 wid: int | None = None, again: bool = False) -> bytes:
-    """A WRITE's header (fixed part, span, page table); the payload follows it."""
+                 wid: int | None = None, again: bool = False, ext: bytes = b"") -> bytes:
+    """A WRITE's header (fixed part, span, page table, extension block ``ext``); the
+    payload follows it."""
+    if ext:
+        head = bytearray(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again))
+        struct.pack_into("<I", head, 28, len(ext))  # the fixed part's ``ext``
+        head += ext
+        return bytes(head)
     flags = (IMM if imm is not None else 0) | (WID if wid is not None else 0) | \
         (AGAIN if again else 0)
     n = len(addrs)
@@ -186,10 +198,7 @@ def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, 
     w = WriteHeader(op, part, rkey, addrs, lens, imm if flags & IMM else None, span,
                     wid if flags & WID else None, bool(flags & AGAIN))
     if ext:
-        # Room for a per-part checksum and trace id (issue 20): none is defined yet,
-        # and nothing a sender may rely on is skipped unread.
-        raise BadRequest(f"peer WRITE with a {ext}-byte extension block: this daemon "
-                         "knows none")
+        w.crc, w.trace = parse_ext(buf, pos + (8 + 8 * n if flags & UNIFORM else 16 * n), ext)
     if span is not None:
         if n != 1:
             raise BadRequest("peer WRITE: a span goes with one range")
@@ -229,7 +238,8 @@ def encode_ack(op: int, part: int, error: TransferdError | None = None) -> bytes
     """An ACK: 16 bytes, or with an error its code and message after them."""
     if error is None:
         return _ack_ok(ACK, 0, 0, part, op)
-    text = (error.code.value + "\0" + error.message).encode("utf-8", "replace")
+    code = error.peer_code if isinstance(error, IntegrityError) else error.code.value
+    text = (code + "\0" + error.message).encode("utf-8", "replace")
     text = text[:MAX_ERROR_TEXT]
     return ACK_HEAD.pack(ACK, 1, len(text), part, op) + text
 
@@ -239,6 +249,8 @@ def ack_error(status: int, text: bytes | bytearray | memoryview) -> TransferdErr
     if status == 0:
         return None
     code, _, message = bytes(text).decode("utf-8", "replace").partition("\0")
+    if code == IntegrityError.peer_code:
+        return IntegrityError(message)
     return error_from_body({"code": code or "INTERNAL", "message": message})
 
 

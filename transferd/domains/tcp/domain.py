@@ -362,7 +362,8 @@ class PeerLink:
         self.last_used = self.domain.loop.time()
         if type(part) is WritePart:
             core.write(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
-                       part.src, part.imm, part.span, part.wid, part.again)
+                       part.src, part.imm, part.span, part.wid, part.again,
+                       part.ext() if part.verify or part.trace is not None else b"")
         else:
             assert isinstance(part, SendPart)
             core.send(transfer, part.op, part.index, part.msg)
@@ -464,7 +465,7 @@ class InboundPeer:
         elif type(event) is Refused:
             peer = self.core.peer
             peer_warning("peer write refused", peer.node if peer else None, d.rail,
-                         link.peername(), event.error)
+                         link.peername(), event.error, event.trace)
         elif isinstance(event, Probe):
             links = d.port.links
             if not links.probes.dial(self, d.host, event.addr, event.data,

@@ -1,0 +1,77 @@
+"""The WRITE's extension block (checksum, trace id) and the traceparent value, sans-IO."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from transferd.protocol import trace
+from transferd.protocol.crc import crc_of
+from transferd.protocol.errors import BadRequest, IntegrityError
+from transferd.protocol.peer_ext import CRC32C, TRACE, encode_ext, parse_ext
+from transferd.protocol.peer_wire import (
+    WRITE_HEAD,
+    ack_error,
+    encode_ack,
+    encode_write,
+    frame_size,
+    parse_write,
+)
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_crc32c_is_castagnoli() -> None:
+    # The check value of CRC-32C (RFC 3720): "123456789" -> 0xE3069283.
+    assert crc_of([b"1234", memoryview(b"56789")]) == 0xE3069283
+
+
+@pytest.mark.parametrize("addrs,lens,span", [
+    ([0x1000], [10], None), ([0x1000, 0x2000], [5, 5], None),
+    ([0x1000, 0x2000], [4, 6], None), ([0x1000], [10], [0x1000, 100])])
+def test_write_with_a_block_round_trips(addrs: list[int], lens: list[int],
+                                        span: list[int] | None) -> None:
+    raw = trace.parse(TP)
+    head = encode_write(1, 2, 3, addrs, lens, 7, span, None, False, encode_ext(0xDEAD, raw))
+    assert frame_size(head + bytes(10)) == len(head) + 10
+    w = parse_write(head, 0, WRITE_HEAD.unpack_from(head))
+    assert (w.crc, w.trace, w.addrs, w.lens) == (0xDEAD, raw, addrs, lens)
+    plain = encode_write(1, 2, 3, addrs, lens, 7, span)
+    w = parse_write(plain, 0, WRITE_HEAD.unpack_from(plain))
+    assert (w.crc, w.trace) == (None, None)
+
+
+@pytest.mark.parametrize("block,why", [
+    (bytes((0x05, 0)), "unknown"),  # a kind that may not be skipped
+    (bytes((CRC32C, 3, 1, 2, 3)), "bytes (it has 4)"),
+    (encode_ext(1, None) * 2, "twice"),
+    (bytes((TRACE, 26)) + bytes(5), "runs past"),
+    (b"\x01", "cut short"),
+])
+def test_a_bad_block_is_refused(block: bytes, why: str) -> None:
+    with pytest.raises(BadRequest, match=re.escape(why)):
+        parse_ext(block, 0, len(block))
+
+
+def test_a_skippable_kind_is_skipped() -> None:
+    block = bytes((0x90, 3, 9, 9, 9)) + encode_ext(5, None)
+    assert parse_ext(block, 0, len(block)) == (5, None)
+
+
+def test_an_integrity_ack_stays_typed() -> None:
+    err = ack_error(1, encode_ack(1, 2, IntegrityError("checksum mismatch: x"))[16:])
+    assert isinstance(err, IntegrityError) and err.message == "checksum mismatch: x"
+    assert err.to_body()["code"] == "PEER_UNREACHABLE"  # what a client sees
+
+
+def test_traceparent() -> None:
+    raw = trace.parse(TP)
+    assert len(raw) == trace.WIRE_LEN and trace.format(raw) == TP
+    assert trace.trace_id(raw) == "4bf92f3577b34da6a3ce929d0e0e4736"
+    # A later version's extra fields are dropped, as W3C says.
+    assert trace.format(trace.parse("01" + TP[2:] + "-extra")) == "01" + TP[2:]
+    for bad in ("", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", TP.upper(), "ff" + TP[2:],
+                TP + "-x", TP[:-1], 17):
+        with pytest.raises(BadRequest):
+            trace.parse(bad)
