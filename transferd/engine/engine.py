@@ -286,10 +286,11 @@ class TransferEngine:
         op = next(self._ops)
         if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
-                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid,
-                tag))
+                plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails,
+                            max_parts=_verify_parts(length, tag)), wid, tag))
         view = region.view(region.ptr + src[1], length)
-        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails)
+        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
+                            max_parts=_verify_parts(length, tag))
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
                             self.group_of(region))
 
@@ -432,7 +433,8 @@ class TransferEngine:
             op = next(self._ops)
             first = first or op
             view = region.view(region.ptr + d.src, d.len)
-            parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails)
+            parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
+                                 max_parts=_verify_parts(d.len, tag))
         return self._submit(first or next(self._ops), _wid(parts, None, tag),
                             region.buffer.ref(), self.group_of(region))
 
@@ -610,6 +612,18 @@ class TransferEngine:
 
 # A submit's (verify, trace id) for its parts (TransferEngine._tag).
 Tag = tuple[bool, bytes | None]
+# A verified single write is sent in parts of at most this many bytes: each part's
+# checksum is taken just before it goes and checked as it lands, while the parts
+# before and after it are on the wire (one checksum of a whole gigabyte would be a
+# pause of its own at each end: docs/integrity.md, "What it costs").
+VERIFY_PART = 8 << 20
+
+
+def _verify_parts(length: int, tag: Tag) -> int | None:
+    """How many parts a verified single write of ``length`` goes in (None: as planned)."""
+    if not tag[0] or length <= VERIFY_PART:
+        return None
+    return -(-length // VERIFY_PART)
 
 
 def _wid(parts: Any, wid: int | None, tag: Tag = (False, None)) -> list[WritePart | SendPart]:

@@ -48,6 +48,9 @@ from .peer_wire import (
     write_table_len,
 )
 
+# The longest extension block the frame-start read grows to take in (a checksum and
+# a trace id are 34 bytes).
+MAX_GUESS_EXT = 64
 # Checksum mismatches in a row after which an inbound link is closed.
 MISMATCH_CUTOFF = 4
 
@@ -91,8 +94,11 @@ class InboundLink(LinkEnd):
         self._pos = 0
         self._drop = False  # the payload is read and dropped (refused, or a duplicate)
         self._direct = False
+        # How much a frame's start is read as: HEAD_GUESS, or more once this link's
+        # writes carry an extension block (checksum, trace id: one read, not two).
+        self._guess = HEAD_GUESS
         self._want = HEAD_GUESS  # bytes to read next (a header's)
-        self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
+        self._head = memoryview(b"")  # the buffer's first _guess bytes, once it has one
         # Checksum mismatches in a row on this link (MISMATCH_CUTOFF cuts it off).
         self.mismatches = 0
         # Reasons to read nothing now: ACKs unread, device landings in flight.
@@ -142,7 +148,7 @@ class InboundLink(LinkEnd):
                     if total >= self._left:
                         views.append(self._head)
                     return views
-            elif self._want == HEAD_GUESS:
+            elif self._want == self._guess:
                 # The usual case: nothing buffered, a frame's header next.
                 self._direct = False
                 self._start = self._end = 0
@@ -157,7 +163,7 @@ class InboundLink(LinkEnd):
         super()._authenticated()
         assert self.peer is not None and self._view is not None
         self._key = self.peer.key
-        self._head = self._view[:HEAD_GUESS]
+        self._head = self._view[:self._guess]
 
     def received(self, n: int, now: float) -> None:
         if self._direct:
@@ -173,7 +179,7 @@ class InboundLink(LinkEnd):
             if self._end:
                 self._frames()
             else:
-                self._want = HEAD_GUESS
+                self._want = self._guess
             return
         super().received(n, now)
 
@@ -236,18 +242,23 @@ class InboundLink(LinkEnd):
                 continue
             avail = end - start
             if not avail:
-                self._want = HEAD_GUESS
+                self._want = self._guess
                 return
             cmd = buf[start]
             try:
                 if cmd == WRITE:
                     if avail < 48:
-                        self._want = HEAD_GUESS - avail
+                        self._want = self._guess - avail
                         return
                     head = WRITE_HEAD.unpack_from(buf, start)
                     flags, npages, ext = head[1], head[2], head[7]
                     if npages == 1 and not flags & 0xF2 and not ext:
                         size = 64  # one page, no span (the small write)
+                    elif npages == 1 and not flags & 0xF2 and ext <= MAX_GUESS_EXT:
+                        size = 64 + ext  # the small write, verified or traced
+                        if size > self._guess:
+                            self._guess = size
+                            self._head = view[:size]
                     else:
                         if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
                             check_write_head(flags, npages, ext)

@@ -129,30 +129,29 @@ def encode_write(op: int, part: int, rkey: int, addrs: list[int], lens: list[int
                  wid: int | None = None, again: bool = False, ext: bytes = b"") -> bytes:
     """A WRITE's header (fixed part, span, page table, extension block ``ext``); the
     payload follows it."""
-    if ext:
-        head = bytearray(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again))
-        struct.pack_into("<I", head, 28, len(ext))  # the fixed part's ``ext``
-        head += ext
-        return bytes(head)
     flags = (IMM if imm is not None else 0) | (WID if wid is not None else 0) | \
         (AGAIN if again else 0)
     n = len(addrs)
     plen = sum(lens)
+    x = len(ext)
     if n == 1:
         if span is None:
-            return WRITE_ONE.pack(WRITE, flags, 1, part, op, rkey, imm or 0, 0, wid or 0, plen,
+            head = WRITE_ONE.pack(WRITE, flags, 1, part, op, rkey, imm or 0, x, wid or 0, plen,
                                   addrs[0], lens[0])
-        return WRITE_ONE_SPAN.pack(WRITE, flags | SPAN, 1, part, op, rkey, imm or 0, 0,
-                                   wid or 0, plen, span[0], span[1], addrs[0], lens[0])
+        else:
+            head = WRITE_ONE_SPAN.pack(WRITE, flags | SPAN, 1, part, op, rkey, imm or 0, x,
+                                       wid or 0, plen, span[0], span[1], addrs[0], lens[0])
+        return head + ext if x else head
     if span is not None:
         raise ValueError("a span goes with one range")
     if n > 1 and min(lens) == max(lens):
-        return (WRITE_HEAD.pack(WRITE, flags | UNIFORM, n, part, op, rkey, imm or 0, 0,
+        return (WRITE_HEAD.pack(WRITE, flags | UNIFORM, n, part, op, rkey, imm or 0, x,
                                 wid or 0, plen)
-                + struct.pack(f"<{n + 1}Q", lens[0], *addrs))
-    table = [x for pair in zip(addrs, lens, strict=True) for x in pair]
-    return (WRITE_HEAD.pack(WRITE, flags, n, part, op, rkey, imm or 0, 0, wid or 0, plen)
-            + struct.pack(f"<{2 * n}Q", *table))
+                + struct.pack(f"<{n + 1}Q", lens[0], *addrs) + ext)
+    table = [v for pair in zip(addrs, lens, strict=True) for v in pair]
+    return (WRITE_HEAD.pack(WRITE, flags, n, part, op, rkey, imm or 0, x, wid or 0,
+                            plen)
+            + struct.pack(f"<{2 * n}Q", *table) + ext)
 
 
 def check_write_head(flags: int, npages: int, ext: int) -> None:
