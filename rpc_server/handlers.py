@@ -419,4 +419,8 @@ def stats(session: Session, frame: Frame) -> Reply:
         from transferd.inventory import buffer_listing
 
         body.update(buffer_listing(session.ctx.buffers, session.ctx.engine, viewer=session))
+    engine = session.ctx.engine
+    if frame.body.get("inflight") is True and engine is not None:
+        # What is in flight (docs/protocol.md, docs/integrity.md).
+        body["inflight"] = engine.inflight.listing()
     return Reply(body)

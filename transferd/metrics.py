@@ -366,6 +366,10 @@ class _EngineCollector:
         for (node, rail), n in sorted(failures.items()):
             integrity.add_metric([f"{node:016x}", str(rail)], n)
         yield integrity
+        yield c("transferd_engine_stalls",
+                "Transfers and expectations logged for staying in one stage longer than "
+                "engine.stall_warn_s (each once per stage).",
+                value=getattr(getattr(e, "inflight", None), "stalls", 0))
         yield c("transferd_engine_integrity_resends",
                 "Write parts this daemon re-sent after a peer refused their checksum.",
                 value=total("integrity_resends"))

@@ -142,7 +142,7 @@ class Transfer:
     ``done`` is called exactly once, on the worker's loop.
     """
 
-    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "timer")
+    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "timer", "trace")
 
     def __init__(self, op: int, parts: int, nbytes: int,
                  done: Callable[[TransferdError | None], None]) -> None:
@@ -154,6 +154,8 @@ class Transfer:
         self.finished = False
         # Cancelled when the transfer ends (a peer that hangs must not hang us).
         self.timer: asyncio.TimerHandle | None = None
+        # The submit's W3C trace id (26 bytes), for the log records about it.
+        self.trace: bytes | None = None
 
     def _end(self, error: TransferdError | None) -> None:
         self.finished = True

@@ -11,8 +11,8 @@ import click
 
 
 def register(group: click.Group) -> None:
-    from . import bench, doctor, names, reload, remote
+    from . import bench, doctor, inflight, names, reload, remote
 
     for cmd in (doctor.devices, doctor.doctor, remote.ping, remote.stats, remote.buffers,
-                bench.bench, names.peers, names.names, reload.reload):
+                inflight.inflight, bench.bench, names.peers, names.names, reload.reload):
         group.add_command(cmd)

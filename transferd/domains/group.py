@@ -277,7 +277,7 @@ class DomainGroup:
         rail, dst = where[0] if where else (0, None)
         peer_warning("transfer timed out", dst.node if dst else None, rail,
                      dst.rails[0].decode(errors="replace") if dst and dst.rails else None,
-                     err)
+                     err, getattr(transfer, "trace", None))
         transfer.fail(err)
         # A link still holding unsent bytes after that long has a peer that reads
         # nothing: closed, so the memory those bytes lie in can go back.

@@ -36,6 +36,7 @@ from transferd.domains import registry
 from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
+from transferd.logs import trace_fields
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
@@ -50,6 +51,7 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 from .device_source import plan_staging
 from .expectations import Expectations
 from .immcounter import ImmCounter
+from .inflight import InFlight, Stage
 from .limits import MAX_MESSAGE
 from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
@@ -110,6 +112,9 @@ class TransferEngine:
             max_waiting=config.recv_waiting_max,
             wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
         self.expectations = Expectations(self.counter, config.max_expectations)
+        # What is in flight (transfers, expectations, reads) and stall warnings.
+        self.inflight = InFlight(time.monotonic, config.stall_warn_s)
+        self._stall_timer: asyncio.TimerHandle | None = None
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -150,6 +155,7 @@ class TransferEngine:
         self._loop_thread = threading.get_ident()
         self.peer_slots = PeerSlots(self.loop, self.config.max_inflight_per_peer,
                                     self.config.peer_timeout_s)
+        self._watch_stalls()
         if self.secret is None:
             log.warning(
                 "engine: no cluster secret (engine.secret_file): peer links are not "
@@ -214,7 +220,23 @@ class TransferEngine:
         for group in self.groups:
             group.secret = secret
 
+    def _watch_stalls(self) -> None:
+        """engine.stall_warn_s: look for stalled entries a few times per that period."""
+        period = self.inflight.stall_warn_s
+        if period <= 0 or self.loop is None:
+            return
+
+        def look() -> None:
+            self.inflight.stalled()
+            self._stall_timer = self.loop.call_later(max(0.05, period / 4), look) \
+                if self.loop is not None else None
+
+        self._stall_timer = self.loop.call_later(max(0.05, period / 4), look)
+
     async def close(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         for worker, group in zip(self.workers, self.groups, strict=False):
             with contextlib.suppress(TimeoutError, RuntimeError):
                 await asyncio.wait_for(asyncio.wrap_future(worker.run(_call(group.close))), 5)
@@ -287,12 +309,12 @@ class TransferEngine:
         if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
                 plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails,
-                            max_parts=_verify_parts(length, tag)), wid, tag))
+                            max_parts=_verify_parts(length, tag)), wid, tag), owner, tag)
         view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
                             max_parts=_verify_parts(length, tag))
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
-                            self.group_of(region))
+                            self.group_of(region), owner)
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
@@ -316,11 +338,12 @@ class TransferEngine:
         if region.staging is not None:
             pages = [(base + i * stride, page_len) for i in sp.indices]
             return self._from_device(op, region, pages, lambda v: _wid(
-                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid, tag))
+                plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid, tag),
+                owner, tag)
         views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
-                            self.group_of(region))
+                            self.group_of(region), owner)
 
     def _check_wid(self, wid: int | None) -> None:
         """A write id this engine can honour (before anything else is looked up)."""
@@ -350,7 +373,8 @@ class TransferEngine:
         return self.write_ids.wire_id(owner, wid, what)
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
-                     plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
+                     plan: Callable[[list[memoryview]], list[WritePart | SendPart]],
+                     owner: Hashable = None, tag: Tag = (False, None)
                      ) -> asyncio.Future[None]:
         """A write whose source is device memory: D2H into staging, then the send.
 
@@ -378,7 +402,7 @@ class TransferEngine:
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
                 await io.waiter.wait(claim.fence())
-                sending = self._submit(op, plan(views), None, self.group_of(region))
+                sending = self._submit(op, plan(views), None, self.group_of(region), owner)
                 # From now on cancel() of this task fails the transfer itself (a
                 # cancelled task would let go of its worker slot before the transfer ended).
                 me = asyncio.current_task()
@@ -393,7 +417,13 @@ class TransferEngine:
                 held.release()
                 claim.release()
 
-        return asyncio.ensure_future(run())
+        # In flight from now: QUEUED while its staging copy is made (inflight.py).
+        inflight = self.inflight
+        inflight.add(op, "write", op=op, owner=owner, trace=tag[1], stage=Stage.QUEUED,
+                     rails=(), peer=None)
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda _: inflight.remove(op))
+        return task
 
     def _check_descs(self, descs: Sequence[MrDesc]) -> None:
         """Every destination rail an IP and port, and a known peer where it is bound."""
@@ -484,9 +514,26 @@ class TransferEngine:
                          callback: Callable[[], None]) -> Callable[[], None]:
         """``callback`` runs on the daemon's loop once ``imm`` reaches ``count``.
 
-        Returns the expectation's handle, for :meth:`cancel_expectation`.
+        Returns the expectation's handle, for :meth:`cancel_expectation`.  It is in
+        flight (inflight.py) until it fires, is cancelled or its connection goes.
         """
-        return self.expectations.expect(owner, _imm(imm) or 0, count, callback)
+        value, inflight = _imm(imm) or 0, self.inflight
+        cell: list[Callable[[], None]] = []
+
+        def fired() -> None:
+            if cell:
+                inflight.remove(cell[0])
+            callback()
+
+        handle = self.expectations.expect(owner, value, count, fired)
+        if not self.expectations.waiting(owner, handle):  # it fired at once
+            return handle
+        cell.append(handle)
+        counter = self.counter
+        inflight.add(handle, "expectation", owner=owner, stage=Stage.EXPECTING,
+                     progress=lambda: (min(counter.value(value), count), count),
+                     what=f"imm {value} count {count}")
+        return handle
 
     def expectations_pending(self) -> int:
         """Expectations clients wait on now (for the metrics)."""
@@ -494,7 +541,10 @@ class TransferEngine:
 
     def cancel_expectation(self, owner: Hashable, handle: Callable[[], None]) -> bool:
         """Drop a waiting expectation (nothing consumed); False if it had fired."""
-        return self.expectations.cancel(owner, handle)
+        if self.expectations.cancel(owner, handle):
+            self.inflight.remove(handle)
+            return True
+        return False
 
     def cancel(self, fut: asyncio.Future[None], error: TransferdError) -> bool:
         """End a submit now with ``error`` (CANCELLED; TIMEOUT at its own deadline).
@@ -525,6 +575,8 @@ class TransferEngine:
     def session_closed(self, owner: Hashable) -> None:
         self.write_ids.closed(owner)
         self.peer_groups.closed(owner)
+        for handle in self.expectations.of(owner):
+            self.inflight.remove(handle)
         self.expectations.closed(owner)
         self.receives.closed(owner)
 
@@ -538,17 +590,30 @@ class TransferEngine:
         await self.slots.wait_slot()
 
     def _submit(self, op: int, parts: list[WritePart | SendPart],
-                held: Ref | None = None, group: DomainGroup | None = None
-                ) -> asyncio.Future[None]:
+                held: Ref | None = None, group: DomainGroup | None = None,
+                owner: Hashable = None) -> asyncio.Future[None]:
         """Start a transfer on ``group``'s worker (default: the first group's) once its
         peers have a slot; ``held`` (the source's memory) goes when it finishes.  A peer
         at engine.max_inflight_per_peer makes it wait (peer_slots.py) without holding
         back anything else."""
         assert self.peer_slots is not None
         keys = ((parts[0].dst.key,) if len(parts) == 1 else {p.dst.key for p in parts})
-        return self.peer_slots.run(
+        inflight = self.inflight
+        entry = inflight.get(op) if parts else None
+        if entry is None and parts:
+            p0 = parts[0]
+            entry = inflight.add(op, "write" if type(p0) is WritePart else "send", op=op,
+                                 owner=owner, plan=parts, stage=Stage.WAITING_PEER,
+                                 trace=p0.trace if type(p0) is WritePart else None)
+        elif entry is not None:  # a write from device memory, staged
+            entry.plan = parts
+            entry.move(Stage.WAITING_PEER, inflight.clock())
+        fut = self.peer_slots.run(
             keys, functools.partial(self._start_transfer, op, parts, group),
             held.release if held is not None else None)
+        if parts:
+            fut.add_done_callback(lambda _: inflight.remove(op))
+        return fut
 
     def _start_transfer(self, op: int, parts: list[WritePart | SendPart],
                         group: DomainGroup | None = None,
@@ -584,6 +649,16 @@ class TransferEngine:
 
         fut.add_done_callback(ended)
         transfer = Transfer(op, len(parts), nbytes, finish)
+        if parts and type(parts[0]) is WritePart:
+            transfer.trace = parts[0].trace
+        entry = self.inflight.get(op)
+        if entry is not None:
+            entry.transfer = transfer
+            entry.move(Stage.SENT, self.inflight.clock())
+            if transfer.trace is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("transfer %d: %d part(s), %d bytes to %s on rail(s) %s", op,
+                          len(parts), nbytes, entry.peer, entry.rails,
+                          extra=trace_fields(transfer.trace))
         self._transfers[fut] = (transfer, worker)
         try:
             worker.call(group.execute, transfer, parts)
@@ -594,7 +669,12 @@ class TransferEngine:
 
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,
                   nbytes: int) -> None:
-        self._transfers.pop(fut, None)
+        entry = self._transfers.pop(fut, None)
+        if entry is not None and entry[0].trace is not None:
+            # A traced transfer's end, for grep TRACEID (its start is logged too).
+            log.log(logging.INFO if err is not None else logging.DEBUG,
+                    "transfer %d %s%s", entry[0].op, "failed: " if err else "done",
+                    err or "", extra=trace_fields(entry[0].trace))
         if self._counted is not None:
             ok, failed, out = self._counted
             if err is None:

@@ -37,6 +37,14 @@ class Expectations:
         self.counter.expect(imm, count, fired)
         return fired
 
+    def waiting(self, owner: Hashable, handle: Handle) -> bool:
+        mine = self._of.get(owner)
+        return mine is not None and handle in mine
+
+    def of(self, owner: Hashable) -> list[Handle]:
+        """``owner``'s expectations still waiting."""
+        return list(self._of.get(owner, ()))
+
     def pending(self) -> int:
         """Expectations clients wait on now (for the metrics)."""
         return sum(len(v) for v in list(self._of.values()))

@@ -32,6 +32,7 @@ from .peer_link import (
     LinkInput,
     LinkState,
     Peer,
+    Placed,
     Refused,
 )
 from .peer_wire import (
@@ -340,6 +341,8 @@ class InboundLink(LinkEnd):
             else:
                 adm.commit(nbytes)
                 self._ack(ref, None)
+                if adm.header.trace is not None:
+                    self.events.append(Placed(ref, nbytes, adm.header.trace))
         elif kind == SEND:
             msg, self._msg = self._msg, None
             self.events.append(Deliver(self._key, bytes(msg or b""), ref))
@@ -405,6 +408,9 @@ class InboundLink(LinkEnd):
         """A deferred landing ended: count it (or fail it) and answer; reading goes on."""
         if error is None:
             land.admission.commit(land.nbytes)
+            trace = land.admission.header.trace
+            if trace is not None:
+                self.events.append(Placed(land.ref, land.nbytes, trace))
         else:
             land.admission.fail(error)
             self.events.append(Refused(land.ref, error))

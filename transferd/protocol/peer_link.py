@@ -225,13 +225,23 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """A traced WRITE landed and counted (for the log: the receiver's record of a
+    traced transfer); only parts that carry a trace id make one."""
+
+    ref: tuple[int, int]
+    nbytes: int
+    trace: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Closed:
     """The link is over; ``error`` says why (None: closed on purpose)."""
 
     error: TransferdError | None
 
 
-Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Closed
+Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Placed | Closed
 
 
 class LinkEnd:
@@ -446,5 +456,5 @@ class LinkEnd:
 __all__ = [
     "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
     "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
-    "LinkInput", "LinkState", "Output", "ProbeArrived", "Refused", "SetUp",
+    "LinkInput", "LinkState", "Output", "Placed", "ProbeArrived", "Refused", "SetUp",
 ]

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import ClassVar
 
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
-from transferd.logs import peer_warning
+from transferd.logs import peer_warning, trace_fields
 from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import (
@@ -37,6 +37,7 @@ from transferd.protocol.peer_link import (
     Event,
     Land,
     LinkState,
+    Placed,
     ProbeArrived,
     Refused,
 )
@@ -462,6 +463,13 @@ class InboundPeer:
                 event.admission.land(landed)
             except TransferdError as exc:
                 self._landed(land, exc)
+        elif type(event) is Placed:
+            if log.isEnabledFor(logging.DEBUG):
+                peer = self.core.peer
+                log.debug("rail %d: part %d of op %d from node %s landed (%d bytes)", d.rail,
+                          event.ref[1], event.ref[0],
+                          f"{peer.node:016x}" if peer else "?", event.nbytes,
+                          extra=trace_fields(event.trace))
         elif type(event) is Refused:
             peer = self.core.peer
             peer_warning("peer write refused", peer.node if peer else None, d.rail,
