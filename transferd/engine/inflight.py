@@ -126,13 +126,14 @@ class Entry:
                 "owner": owner_name(self.owner), "what": self.what}
 
     def describe(self, now: float) -> str:
+        """All of it in a line (its trace id goes with the log record: trace_fields)."""
         done, total = self.done()
         unit = "" if self.kind == "expectation" else " bytes"
         rails = ",".join(map(str, self.rails)) or "-"
         return (f"{self.kind} {self.op}{' ' + self.what if self.what else ''}: "
                 f"{self.stage.value} for {now - self.since:.1f} s (age {now - self.started:.1f} "
                 f"s), peer {self.peer or '-'} rail(s) {rails}, {done:,} of {total:,}{unit} "
-                f"done, trace {trace_id(self.trace) or '-'}, owner {owner_name(self.owner) or '-'}")
+                f"done, owner {owner_name(self.owner) or '-'}")
 
 
 def owner_name(owner: Any) -> str:

@@ -1,0 +1,115 @@
+"""Trace ids and what is in flight (docs/integrity.md): a traced write to a peer that
+stopped answering is listed by `transferd inflight` with its stage, age and trace id,
+warned about once as stalled, and its trace id is in both daemons' logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.helpers import REPO, DaemonProcess, async_test, metric, scrape, wait_until
+from tests.integration.engine_cluster import (
+    RAILS,
+    WAIT,
+    engine_env,
+    fresh_imm,
+    nodes,
+    secret_file,
+    settle,
+    start_many,
+    stopped,
+)
+from transferd.protocol.errors import BadRequest
+
+
+@pytest.fixture
+def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
+                 for w in ("setup", "call"))
+    for d in started:
+        d.stop()
+        if failed:
+            print(d.output())
+    for d in started:
+        assert "Traceback" not in d.stderr, d.output()
+
+
+def inflight(d: DaemonProcess) -> list[dict]:
+    """`transferd inflight URL --json`, the CLI as an operator runs it."""
+    r = subprocess.run([sys.executable, "-m", "transferd.cli", "inflight", d.url, "--json"],
+                       capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return list(json.loads(r.stdout)["entries"])
+
+
+def text_inflight(d: DaemonProcess) -> str:
+    r = subprocess.run([sys.executable, "-m", "transferd.cli", "inflight", d.url],
+                       capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@async_test(timeout=90)
+async def test_a_traced_write_to_a_stopped_peer(own_daemons: list[DaemonProcess]) -> None:
+    env = {"TRANSFERD_LOG_LEVEL": "debug"}
+    a_d, b_d = start_many([
+        {"env": {**env, **engine_env(RAILS[n], secret_file=secret_file(), stall_warn_s=0.4,
+                                     peer_timeout_s=20)}}
+        for n in "ab"])
+    own_daemons += [a_d, b_d]
+    tid, parent = secrets.token_hex(16), secrets.token_hex(8)
+    tp = f"00-{tid}-{parent}-01"
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(64 * 1024, seed=95)
+        dst = await b.region(64 * 1024)
+        imm = fresh_imm()
+        warm = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0))
+        assert await settle([warm]) == [None]
+        # B waits for the write: an expectation in B's listing.
+        expect = await b.client.expect_imm_count(imm, 1, wait=False)
+        (e,) = [e for e in inflight(b_d) if e["kind"] == "expectation"]
+        assert e["stage"] == "expecting" and e["what"] == f"imm {imm} count 1", e
+        assert (e["done"], e["total"]) == (0, 1)
+        with stopped(b_d):
+            c = await a.client.submit_single_write(64 * 1024, imm, (src.mr, 0), (dst.desc, 0),
+                                                   traceparent=tp)
+
+            def listed() -> dict | None:
+                mine = [e for e in inflight(a_d) if e["trace_id"] == tid]
+                return mine[0] if mine and mine[0]["in_stage_s"] >= 0.5 else None
+
+            entry = await asyncio.to_thread(lambda: wait_until(
+                lambda: listed() is not None, WAIT) and listed())
+            assert entry, a_d.output()
+            assert entry["kind"] == "write" and entry["stage"] == "sent", entry
+            assert entry["age_s"] >= 0.5 and entry["total"] == 64 * 1024, entry
+            assert entry["done"] == 0 and entry["peer"], entry
+            assert tid in await asyncio.to_thread(text_inflight, a_d)
+            # The stall warning, once, with all of it.
+            assert await asyncio.to_thread(
+                wait_until, lambda: "stalled: write" in a_d.stderr, WAIT), a_d.output()
+            (line,) = [ln for ln in a_d.stderr.splitlines() if "stalled: write" in ln]
+            assert "WARNING" in line and "sent for" in line and tid in line, line
+            assert entry["peer"] in line and "65,536 bytes" in line, line
+            await asyncio.sleep(0.6)
+            assert sum("stalled: write" in ln for ln in a_d.stderr.splitlines()) == 1
+        # B comes back: the write lands, B logs it with the trace id, the listing empties.
+        assert await settle([c, expect]) == [None, None]
+        assert await asyncio.to_thread(wait_until, lambda: tid in b_d.stderr, WAIT), \
+            b_d.output()
+        assert not [e for e in inflight(a_d) if e["trace_id"] == tid]
+        assert not [e for e in inflight(b_d) if e["kind"] == "expectation"]
+        assert metric(scrape(a_d.metrics_url or ""), "transferd_engine_stalls_total") >= 1
+        # A traceparent that is not one is refused, naming what is wrong.
+        with pytest.raises(BadRequest, match="traceparent"):
+            bad = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0),
+                                                     traceparent="00-xyz")
+            await bad.wait(WAIT)
