@@ -6,6 +6,7 @@ refused and cut off."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -33,10 +34,13 @@ from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_inbound import MISMATCH_CUTOFF
 
 from . import engine_cluster
+from . import test_device_engine as dev
 
 cluster = engine_cluster.cluster
 clusters = engine_cluster.clusters
 tcp_cluster = engine_cluster.tcp_cluster
+# The stand-in device's pair of daemons (device memory reached only through staging).
+pair, hold_file, fault_file = dev.pair, dev.hold_file, dev.fault_file
 
 FAILURES = "transferd_engine_integrity_failures_total"
 
@@ -209,3 +213,27 @@ async def test_engine_verify_requires_checksums(own_daemons: list[DaemonProcess]
                                                    (back.desc, 4096), verify=False)]
         assert await settle(done) == [None, None]
         assert await poll(lambda: a.client.imm_count(imm), 2) == 2
+
+
+@async_test(timeout=90)
+async def test_verified_writes_over_device_staging(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """Device memory (the stand-in device, reached only through staging): the sender's
+    checksum is taken over its staging copy, the receiver's over the staging it landed
+    in, before the device copy and the count."""
+    async with dev._clients(pair) as (a, b):
+        data = os.urandom(256 * 1024)
+        _, smr, _ = await dev._device_region(a, len(data), data)
+        dbuf, _, ddesc = await dev._device_region(b, len(data))
+        imm = fresh_imm()
+        done = await b.expect_imm_count(imm, 2, wait=False)
+        w = [await a.submit_single_write(200 * 1024, imm, (smr, 4096), (ddesc, 8192),
+                                         verify=True),
+             await a.submit_paged_writes(16 * 1024, imm, (smr, Pages([1, 3], 16 * 1024, 0)),
+                                         (ddesc, Pages([14, 15], 16 * 1024, 0)),
+                                         verify=True)]
+        assert await settle([*w, done]) == [None, None, None]
+        got = bytes(await b.get_tensor(dbuf.tensor()))
+        assert got[8192:8192 + 200 * 1024] == data[4096:4096 + 200 * 1024]
+        assert got[14 * 16384:15 * 16384] == data[16384:2 * 16384]
+        assert got[15 * 16384:16 * 16384] == data[3 * 16384:4 * 16384]
