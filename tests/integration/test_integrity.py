@@ -66,10 +66,11 @@ def failures(d: DaemonProcess) -> float:
 
 @async_test(timeout=60)
 async def test_verified_writes_land_exactly(cluster: Cluster) -> None:
-    """verify=True on single (split over both rails), paged and scatter writes: the
-    bytes land exactly, each counts once, and no checksum fails on a clean path."""
+    """verify=True on a single write (split in parts of 8 MiB over both rails) and a
+    paged one: the bytes land exactly, each counts once, and no checksum fails on a
+    clean path."""
     async with nodes(cluster.a, cluster.b) as (a, b):
-        size = 3 * MiB
+        size = 20 * MiB + 4096
         src = await a.region(size, seed=91)
         dst = await b.region(size + 64 * 1024)
         imm = fresh_imm()

@@ -23,6 +23,7 @@ from itertools import accumulate
 
 from transferd.parts import SPLIT_ALIGN, RegionInfo, SendPart, Transfer, WritePart, split_sizes
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.peer_coverage import MAX_PIECES as SPAN_PIECES
 from transferd.protocol.values import NetAddr
 
 from .base import Domain, DomainOptions, LinkStats, Port
@@ -119,7 +120,10 @@ def _pieces(part: WritePart, max_parts: int) -> list[WritePart]:
                 for k, (a, ln, src) in enumerate(zip(part.addrs, part.lens, srcs, strict=True))]
     if n == 1 and part.lens[0] >= 2 * SPLIT_ALIGN:
         length = part.lens[0]
-        sizes = split_sizes(length, min(max_parts, MAX_PIECES, length // SPLIT_ALIGN))
+        # The write's pieces, all its parts' together, stay within what a receiver
+        # takes for one write (peer_coverage.MAX_PIECES).
+        most = max(1, SPAN_PIECES // max(1, part.parts))
+        sizes = split_sizes(length, min(max_parts, most, length // SPLIT_ALIGN))
         if len(sizes) > 1:
             # A piece names the whole write's span (its own range if the part was whole).
             span = part.span or [part.addrs[0], length]

@@ -43,6 +43,7 @@ from transferd.metrics import Metrics
 from transferd.protocol import crc, trace
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.keyring import Keyring
+from transferd.protocol.peer_coverage import MAX_PIECES
 from transferd.protocol.peer_handshake import node_of
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
@@ -700,10 +701,11 @@ VERIFY_PART = 8 << 20
 
 
 def _verify_parts(length: int, tag: Tag) -> int | None:
-    """How many parts a verified single write of ``length`` goes in (None: as planned)."""
+    """How many parts a verified single write of ``length`` goes in (None: as planned):
+    of VERIFY_PART bytes, but never more than a receiver takes for one write."""
     if not tag[0] or length <= VERIFY_PART:
         return None
-    return -(-length // VERIFY_PART)
+    return min(-(-length // VERIFY_PART), MAX_PIECES)
 
 
 def _wid(parts: Any, wid: int | None, tag: Tag = (False, None)) -> list[WritePart | SendPart]:
