@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import REPO, DaemonProcess, async_test, metric, scrape, wait_until
 from tests.integration.engine_cluster import (
     RAILS,
+    SECRET,
     WAIT,
     engine_env,
     fresh_imm,
@@ -25,7 +26,10 @@ from tests.integration.engine_cluster import (
     start_many,
     stopped,
 )
+from tests.integration.fake_peer import FakePeer, raw_write
+from transferd.protocol import trace
 from transferd.protocol.errors import BadRequest
+from transferd.protocol.peer_ext import encode_ext
 
 
 @pytest.fixture
@@ -113,3 +117,41 @@ async def test_a_traced_write_to_a_stopped_peer(own_daemons: list[DaemonProcess]
             bad = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0),
                                                      traceparent="00-xyz")
             await bad.wait(WAIT)
+
+
+@async_test(timeout=60)
+async def test_a_write_landing_from_a_peer_that_went_quiet(
+        own_daemons: list[DaemonProcess]) -> None:
+    """A raw peer sends a traced WRITE's header and half its payload, then nothing: the
+    receiver lists it as landing (bytes in of total, the trace id) and warns once."""
+    (b_d,) = start_many([{"env": engine_env(RAILS["b"], secret_file=secret_file(),
+                                            stall_warn_s=0.3)}])
+    own_daemons.append(b_d)
+    tid = secrets.token_hex(16)
+    raw = trace.parse(f"00-{tid}-{secrets.token_hex(8)}-01")
+    async with nodes(b_d) as (b,):
+        addr_b = await b.client.main_address()
+        dst = await b.region(64 * 1024)
+        (_, k0), _ = dst.desc.rkeys
+        with FakePeer(addr_b, 0, SECRET) as peer:
+            await asyncio.to_thread(peer.handshake)
+            w = {"op": 5, "part": 0, "rkey": k0, "addrs": [dst.desc.ptr],
+                 "lens": [64 * 1024]}
+            peer.conn.send_raw(raw_write(w, bytes(20_000), payload_len=64 * 1024,
+                                         ext=encode_ext(None, raw)))
+
+            def listed() -> list[dict]:
+                return [e for e in inflight(b_d) if e["trace_id"] == tid]
+
+            assert await asyncio.to_thread(wait_until, lambda: bool(listed()), WAIT)
+            (e,) = listed()
+            assert e["kind"] == "incoming write" and e["stage"] == "landing", e
+            assert (e["done"], e["total"], e["op"]) == (20_000, 64 * 1024, 5), e
+            assert e["peer"] == f"{peer.me.node:016x}" and e["what"] == "part 0", e
+            assert await asyncio.to_thread(
+                wait_until, lambda: "stalled: incoming write 5" in b_d.stderr, WAIT), \
+                b_d.output()
+            (line,) = [ln for ln in b_d.stderr.splitlines() if "stalled: incoming" in ln]
+            assert "landing for" in line and tid in line and "20,000 of 65,536" in line
+        # The peer is gone: nothing of it is in flight any more.
+        assert await asyncio.to_thread(wait_until, lambda: not listed(), WAIT)

@@ -185,6 +185,11 @@ class Domain(abc.ABC):
         """Its links now (for the metrics); a Domain without links of its own: none."""
         return LinkStats()
 
+    def incoming(self) -> list[Any]:
+        """The peer writes being received now (:class:`~transferd.protocol.peer_link.
+        Incoming`, for what is in flight); a Domain whose receiver does not see them: none."""
+        return []
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail what is outstanding (PEER_UNREACHABLE) and stop listening."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from itertools import accumulate
+from typing import Any
 
 from transferd.parts import SPLIT_ALIGN, RegionInfo, SendPart, Transfer, WritePart, split_sizes
 from transferd.protocol.errors import TransferdError
@@ -190,6 +191,9 @@ class ChaosDomain(Domain):
 
     def link_stats(self) -> LinkStats:
         return self.inner.link_stats()
+
+    def incoming(self) -> list[Any]:
+        return self.inner.incoming()
 
     def close(self) -> None:
         self.inner.close()

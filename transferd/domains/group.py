@@ -18,6 +18,7 @@ import asyncio
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
@@ -322,6 +323,10 @@ class DomainGroup:
             integrity_resends=self.integrity_resends,
             peers_known=len(self._book) if self._book is not None else 0,
             links=tuple(d.link_stats() for d in self.domains))
+
+    def incoming(self) -> list[Any]:
+        """The peer writes being received now, every rail's (a snapshot, any thread)."""
+        return [w for d in list(self.domains) for w in d.incoming()]
 
     def close(self) -> None:
         for d in self.domains:

@@ -115,6 +115,7 @@ class TransferEngine:
         self.expectations = Expectations(self.counter, config.max_expectations)
         # What is in flight (transfers, expectations, reads) and stall warnings.
         self.inflight = InFlight(time.monotonic, config.stall_warn_s)
+        self.inflight.sources.append(self._landings)
         self._stall_timer: asyncio.TimerHandle | None = None
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
@@ -220,6 +221,18 @@ class TransferEngine:
         self.secret = secret
         for group in self.groups:
             group.secret = secret
+
+    def _landings(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Peer writes being received now, every group's (for what is in flight)."""
+        out = []
+        for group in list(self.groups):
+            for w in group.incoming():
+                out.append(((group.index, w.peer, w.rail, w.ref), {
+                    "kind": "incoming write", "op": w.ref[0], "trace": w.trace,
+                    "since": w.since, "stage": Stage.LANDING, "peer": w.peer[0],
+                    "rails": (w.rail,), "progress": (w.received, w.nbytes),
+                    "what": f"part {w.ref[1]}"}))
+        return out
 
     def _watch_stalls(self) -> None:
         """engine.stall_warn_s: look for stalled entries a few times per that period."""

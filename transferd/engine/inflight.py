@@ -151,8 +151,10 @@ class InFlight:
         self.stall_warn_s = stall_warn_s
         self._entries: dict[Hashable, Entry] = {}
         self.stalls = 0  # entries logged as stalled (transferd_engine_stalls_total)
-        # Other sources of entries (a Domain's inbound landings): () -> entries now.
-        self.sources: list[Callable[[], Iterable[Entry]]] = []
+        # Other sources of entries (the Domains' writes landing here): () -> (key, the
+        # entry's fields) of each now; an entry lives as long as its key is there.
+        self.sources: list[Callable[[], Iterable[tuple[Hashable, dict[str, Any]]]]] = []
+        self._sourced: dict[Hashable, Entry] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -176,9 +178,24 @@ class InFlight:
 
     def entries(self) -> list[Entry]:
         out = list(self._entries.values())
-        for source in self.sources:
-            out.extend(source())
+        if self.sources:
+            out.extend(self._from_sources())
         return out
+
+    def _from_sources(self) -> list[Entry]:
+        now: dict[Hashable, Entry] = {}
+        for source in self.sources:
+            for key, f in source():
+                e = self._sourced.get(key)
+                if e is None:
+                    e = Entry(f["kind"], f.get("op", 0), f.get("owner"), f.get("trace"),
+                              f["since"], f["stage"], f["since"], what=f.get("what", ""),
+                              peer_node=f.get("peer"), rail_list=f.get("rails", ()))
+                done = f["progress"]
+                e.progress = lambda done=done: done
+                now[key] = e
+        self._sourced = now
+        return list(now.values())
 
     def listing(self, limit: int = MAX_LISTED) -> dict[str, Any]:
         """The STATS ``inflight`` body: every entry, oldest first (cut at ``limit``)."""

@@ -27,6 +27,7 @@ from .peer_link import (
     IOV_MAX,
     RECV_BYTES,
     Deliver,
+    Incoming,
     Land,
     LinkEnd,
     LinkInput,
@@ -102,6 +103,9 @@ class InboundLink(LinkEnd):
         self._head = memoryview(b"")  # the buffer's first _guess bytes, once it has one
         # Checksum mismatches in a row on this link (MISMATCH_CUTOFF cuts it off).
         self.mismatches = 0
+        # The clock as last fed, and when the frame in hand was opened (inflight).
+        self._now = now
+        self._opened = now
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
@@ -167,6 +171,7 @@ class InboundLink(LinkEnd):
         self._head = self._view[:self._guess]
 
     def received(self, n: int, now: float) -> None:
+        self._now = now
         if self._direct:
             self._direct = False
             left = self._left - n
@@ -282,8 +287,17 @@ class InboundLink(LinkEnd):
                 self.close(exc)
                 return
 
+    def incoming(self) -> Incoming | None:
+        """The WRITE being received now, if one is (what is in flight here)."""
+        adm = self._adm
+        if self._kind != WRITE or adm is None or self._drop:
+            return None
+        return Incoming(self._ref, self._key, self.rail, self._nbytes - self._left,
+                       self._nbytes, adm.header.trace, self._opened)
+
     def _open_write(self, buf: bytearray, start: int, head: tuple[int, ...]) -> None:
         op, part, plen = head[4], head[3], head[9]
+        self._opened = self._now
         self._kind, self._ref, self._nbytes, self._left = WRITE, (op, part), plen, plen
         self._seg = self._pos = 0
         try:

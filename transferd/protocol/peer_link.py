@@ -225,6 +225,20 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class Incoming:
+    """A WRITE being received now (for what is in flight): its (op, part), who sent it,
+    bytes in of its payload, its trace id, since when (the clock the link was fed)."""
+
+    ref: tuple[int, int]
+    peer: Peer
+    rail: int
+    received: int
+    nbytes: int
+    trace: bytes | None
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
 class Placed:
     """A traced WRITE landed and counted (for the log: the receiver's record of a
     traced transfer); only parts that carry a trace id make one."""
@@ -454,7 +468,25 @@ class LinkEnd:
 
 
 __all__ = [
-    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
-    "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
-    "LinkInput", "LinkState", "Output", "Placed", "ProbeArrived", "Refused", "SetUp",
+    "ACK_HIGH",
+    "ACK_LOW",
+    "BUFFER",
+    "HEAD_GUESS",
+    "HIGH_WATER",
+    "LOW_WATER",
+    "PRE_AUTH_BUFFER",
+    "TRANSITIONS",
+    "Closed",
+    "Deliver",
+    "Event",
+    "Incoming",
+    "Land",
+    "LinkEnd",
+    "LinkInput",
+    "LinkState",
+    "Output",
+    "Placed",
+    "ProbeArrived",
+    "Refused",
+    "SetUp",
 ]

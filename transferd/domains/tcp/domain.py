@@ -35,6 +35,7 @@ from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_link import (
     Deliver,
     Event,
+    Incoming,
     Land,
     LinkState,
     Placed,
@@ -246,6 +247,14 @@ class TcpDomain(Domain):
             states[_STATE_LABEL[link.core.state]] += 1
             waiting += link.core.waiting
         return LinkStats(states, waiting, len(self._inbound))
+
+    def incoming(self) -> list[Incoming]:
+        out = []
+        for peer in list(self._inbound):
+            now = peer.core.incoming()
+            if now is not None:
+                out.append(now)
+        return out
 
     # -- inbound ------------------------------------------------------------------------
 
