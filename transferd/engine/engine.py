@@ -616,9 +616,9 @@ class TransferEngine:
         entry = inflight.get(op) if parts else None
         if entry is None and parts:
             p0 = parts[0]
-            entry = inflight.add(op, "write" if type(p0) is WritePart else "send", op=op,
-                                 owner=owner, plan=parts, stage=Stage.WAITING_PEER,
-                                 trace=p0.trace if type(p0) is WritePart else None)
+            entry = inflight.add_transfer(
+                op, "write" if type(p0) is WritePart else "send", owner, parts,
+                p0.trace if type(p0) is WritePart else None, Stage.WAITING_PEER)
         elif entry is not None:  # a write from device memory, staged
             entry.plan = parts
             entry.move(Stage.WAITING_PEER, inflight.clock())

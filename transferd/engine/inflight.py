@@ -170,6 +170,14 @@ class InFlight:
         self._entries[key] = e
         return e
 
+    def add_transfer(self, op: int, kind: str, owner: Any, plan: Sequence[Any],
+                     trace: bytes | None, stage: Stage) -> Entry:
+        """:meth:`add` for a submit (keyed by its op), as cheap as it can be: one per
+        transfer on the daemon's loop."""
+        now = self.clock()
+        e = self._entries[op] = Entry(kind, op, owner, trace, now, stage, now, plan)
+        return e
+
     def get(self, key: Hashable) -> Entry | None:
         return self._entries.get(key)
 
