@@ -59,7 +59,8 @@ def _classes() -> dict[str, type[TransferdError]]:
             isinstance(obj, type)
             and issubclass(obj, TransferdError)
             and obj.__name__ not in ("TransferdError", "ProtocolError", "ConnectionLost",
-                                     "OverLimit")  # TOO_LARGE that keeps the connection
+                                     "OverLimit",  # TOO_LARGE that keeps the connection
+                                     "IntegrityError")  # PEER_UNREACHABLE, refined
         ):
             out[obj.code.value] = obj
     return out

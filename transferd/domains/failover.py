@@ -168,8 +168,8 @@ class Resend:
         rails = len(g.domains)
         if rails > 1 and part.alts is not None:
             rail = g.health.pick(part.dst.key, (was + 1) % rails, g.loop.time(),
-                                 frozenset({was})) or (was + 1) % rails
-            move(part, rail)
+                                 frozenset({was}))
+            move(part, (was + 1) % rails if rail is None else rail)
         part.again = True
         g.integrity_resends += 1
         log.warning("part %d of op %d: checksum mismatch at node %016x rail %d (%s); "

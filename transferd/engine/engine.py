@@ -52,7 +52,7 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 from .device_source import plan_staging
 from .expectations import Expectations
 from .immcounter import ImmCounter
-from .inflight import InFlight, Stage
+from .inflight import InFlight, Stage, incoming
 from .limits import MAX_MESSAGE
 from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
@@ -115,8 +115,7 @@ class TransferEngine:
         self.expectations = Expectations(self.counter, config.max_expectations)
         # What is in flight (transfers, expectations, reads) and stall warnings.
         self.inflight = InFlight(time.monotonic, config.stall_warn_s)
-        self.inflight.sources.append(self._landings)
-        self._stall_timer: asyncio.TimerHandle | None = None
+        self.inflight.sources.append(incoming(lambda: self.groups))
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -157,7 +156,7 @@ class TransferEngine:
         self._loop_thread = threading.get_ident()
         self.peer_slots = PeerSlots(self.loop, self.config.max_inflight_per_peer,
                                     self.config.peer_timeout_s)
-        self._watch_stalls()
+        self.inflight.watch(self.loop)
         if self.secret is None:
             log.warning(
                 "engine: no cluster secret (engine.secret_file): peer links are not "
@@ -222,35 +221,8 @@ class TransferEngine:
         for group in self.groups:
             group.secret = secret
 
-    def _landings(self) -> list[tuple[Any, dict[str, Any]]]:
-        """Peer writes being received now, every group's (for what is in flight)."""
-        out = []
-        for group in list(self.groups):
-            for w in group.incoming():
-                out.append(((group.index, w.peer, w.rail, w.ref), {
-                    "kind": "incoming write", "op": w.ref[0], "trace": w.trace,
-                    "since": w.since, "stage": Stage.LANDING, "peer": w.peer[0],
-                    "rails": (w.rail,), "progress": (w.received, w.nbytes),
-                    "what": f"part {w.ref[1]}"}))
-        return out
-
-    def _watch_stalls(self) -> None:
-        """engine.stall_warn_s: look for stalled entries a few times per that period."""
-        period = self.inflight.stall_warn_s
-        if period <= 0 or self.loop is None:
-            return
-
-        def look() -> None:
-            self.inflight.stalled()
-            self._stall_timer = self.loop.call_later(max(0.05, period / 4), look) \
-                if self.loop is not None else None
-
-        self._stall_timer = self.loop.call_later(max(0.05, period / 4), look)
-
     async def close(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        self.inflight.close()
         for worker, group in zip(self.workers, self.groups, strict=False):
             with contextlib.suppress(TimeoutError, RuntimeError):
                 await asyncio.wait_for(asyncio.wrap_future(worker.run(_call(group.close))), 5)

@@ -27,6 +27,7 @@ engine.max_expectations); a listing is cut at :data:`MAX_LISTED`.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -155,6 +156,24 @@ class InFlight:
         # entry's fields) of each now; an entry lives as long as its key is there.
         self.sources: list[Callable[[], Iterable[tuple[Hashable, dict[str, Any]]]]] = []
         self._sourced: dict[Hashable, Entry] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """With engine.stall_warn_s: look for stalls a few times per that period."""
+        period = max(0.05, self.stall_warn_s / 4)
+        if self.stall_warn_s <= 0:
+            return
+
+        def look() -> None:
+            self.stalled()
+            self._timer = loop.call_later(period, look)
+
+        self._timer = loop.call_later(period, look)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -237,4 +256,23 @@ class InFlight:
         return out
 
 
-__all__ = ["MAX_LISTED", "Entry", "InFlight", "Stage", "owner_name"]
+def incoming(groups: Callable[[], Sequence[Any]]
+             ) -> Callable[[], list[tuple[Hashable, dict[str, Any]]]]:
+    """A source of entries: the peer writes being received now by every domain group
+    (``DomainGroup.incoming()``: :class:`~transferd.protocol.peer_link.Incoming`)."""
+
+    def now() -> list[tuple[Hashable, dict[str, Any]]]:
+        out: list[tuple[Hashable, dict[str, Any]]] = []
+        for group in list(groups()):
+            for w in group.incoming():
+                out.append(((group.index, w.peer, w.rail, w.ref), {
+                    "kind": "incoming write", "op": w.ref[0], "trace": w.trace,
+                    "since": w.since, "stage": Stage.LANDING, "peer": w.peer[0],
+                    "rails": (w.rail,), "progress": (w.received, w.nbytes),
+                    "what": f"part {w.ref[1]}"}))
+        return out
+
+    return now
+
+
+__all__ = ["MAX_LISTED", "Entry", "InFlight", "Stage", "incoming", "owner_name"]
