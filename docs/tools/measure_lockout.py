@@ -6,14 +6,25 @@ asserted (the assertions are tests/integration/test_attacks_lockout.py).
 Run it at another commit (git stash, git checkout) for the "before" column: the daemons it
 starts run the code of the working tree.
 """
-import os, socket, sys, tempfile, time
+import os
+import socket
+import sys
+import tempfile
+import time
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from client import SyncClient
 from tests.helpers import DaemonProcess
-from tests.integration.test_attacks_lockout import (_connect, _hello_hmac, _frames, _closed,
-    honest, SECRET)
+from tests.integration.test_attacks_lockout import (
+    SECRET,
+    _closed,
+    _connect,
+    _frames,
+    _hello_hmac,
+    honest,
+)
 from transferd.protocol.constants import PROTO_MAJOR, Command
 from transferd.protocol.frames import FrameDecoder, encode_frame
-from client import SyncClient
 
 tok = tempfile.mktemp(); open(tok, "w").write(SECRET); os.chmod(tok, 0o600)
 
