@@ -29,7 +29,6 @@ from transferd.protocol.errors import Timeout
 
 from .context import ServerContext
 
-
 # How long a connection stays open after the drain began or after its last activity,
 # whichever is later, for a request already on the wire to arrive and be answered.
 LINGER_S = 0.25
