@@ -97,10 +97,15 @@ class OutboundLink(LinkEnd):
     def write(self, token: Any, op: int, part: int, rkey: int, addrs: list[int],
               lens: list[int], src: Sequence[memoryview], imm: int | None,
               span: Sequence[int] | None = None, wid: int | None = None,
-              again: bool = False, ext: bytes = b"") -> None:
+              again: bool = False, ext: bytes | Callable[[], bytes] = b"") -> None:
         """Send a WRITE of ``src`` (the pages' bytes, as views: never copied); ``ext``
-        its extension block (:mod:`.peer_ext`: checksum, trace id)."""
+        its extension block (:mod:`.peer_ext`: checksum, trace id), or what makes it
+        when the WRITE goes into the output (a checksum is taken then, not while the
+        part waits behind the send watermark: the parts of a large write each take
+        theirs as the ones before drain)."""
         if self.state is LinkState.READY:
+            if not isinstance(ext, bytes):
+                ext = ext()
             self._pending[(op, part)] = token
             out = self.out
             out.push(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again, ext))

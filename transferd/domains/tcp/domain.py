@@ -375,7 +375,7 @@ class PeerLink:
         if type(part) is WritePart:
             core.write(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
                        part.src, part.imm, part.span, part.wid, part.again,
-                       part.ext() if part.verify or part.trace is not None else b"")
+                       part.ext if part.verify or part.trace is not None else b"")
         else:
             assert isinstance(part, SendPart)
             core.send(transfer, part.op, part.index, part.msg)
