@@ -363,6 +363,11 @@ class _EngineCollector:
         for st in stats:
             for key, n in getattr(st, "integrity_failures", {}).items():
                 failures[key] = failures.get(key, 0) + n
+        # Every rail from the start at 0 with no peer (an empty label is none to
+        # Prometheus), so rate() works before the first mismatch; a peer's series
+        # appears with its first.
+        for rail in range(max((len(st.links) for st in stats), default=0)):
+            integrity.add_metric(["", str(rail)], 0)
         for (node, rail), n in sorted(failures.items()):
             integrity.add_metric([f"{node:016x}", str(rail)], n)
         yield integrity

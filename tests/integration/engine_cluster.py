@@ -16,7 +16,7 @@ Counters and receive backlogs belong to a daemon, so tests sharing a cluster tak
 immediates from :func:`fresh_imm` and consume every message they send.
 
 A test module takes the fixtures by assignment (``cluster = engine_cluster.cluster``,
-and the same for ``clusters`` and ``tcp_cluster``).
+and the same for ``clusters``, ``tcp_cluster`` and ``own_daemons``).
 """
 
 from __future__ import annotations
@@ -189,6 +189,21 @@ def _watch(cl: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     for name, d, mark in zip("abc", cl.daemons, marks, strict=True):
         new = d.stderr[mark:]
         assert "Traceback" not in new and " ERROR " not in new, f"daemon {name}:\n{new}"
+
+
+@pytest.fixture
+def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
+    """Daemons a test starts itself (appended to this list); stopped after it, their
+    output printed if it failed, none may have a traceback."""
+    started: list[DaemonProcess] = []
+    yield started
+    failed = _failed(request)
+    for d in started:
+        d.stop()
+        if failed:
+            print(d.output())
+    for d in started:
+        assert "Traceback" not in d.stderr, d.output()
 
 
 # The client transport :func:`nodes` and :func:`client_url` use: the ``cluster``

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from tests.helpers import (
     scrape,
     wait_until,
 )
+from tests.integration import engine_cluster
 from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
@@ -37,19 +37,7 @@ from transferd.protocol.errors import BadRequest, PeerUnreachable, Timeout
 MiB = 1 << 20
 
 
-@pytest.fixture
-def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
-    """Daemons a test starts itself (appended to this list); stopped after it."""
-    started: list[DaemonProcess] = []
-    yield started
-    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
-                 for w in ("setup", "call"))
-    for d in started:
-        d.stop()
-        if failed:
-            print(d.output())
-    for d in started:
-        assert "Traceback" not in d.stderr, d.output()
+own_daemons = engine_cluster.own_daemons
 
 
 @async_test(timeout=90)

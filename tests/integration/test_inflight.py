@@ -9,11 +9,11 @@ import json
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from tests.helpers import REPO, DaemonProcess, async_test, metric, scrape, wait_until
+from tests.integration import engine_cluster
 from tests.integration.engine_cluster import (
     RAILS,
     SECRET,
@@ -31,19 +31,7 @@ from transferd.protocol import trace
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.peer_ext import encode_ext
 
-
-@pytest.fixture
-def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    yield started
-    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
-                 for w in ("setup", "call"))
-    for d in started:
-        d.stop()
-        if failed:
-            print(d.output())
-    for d in started:
-        assert "Traceback" not in d.stderr, d.output()
+own_daemons = engine_cluster.own_daemons
 
 
 def inflight(d: DaemonProcess) -> list[dict]:

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
-
-import pytest
 
 from client import Pages
 from tests.helpers import DaemonProcess, async_test, metric, scrape
@@ -45,18 +42,7 @@ pair, hold_file, fault_file = dev.pair, dev.hold_file, dev.fault_file
 FAILURES = "transferd_engine_integrity_failures_total"
 
 
-@pytest.fixture
-def own_daemons(request: pytest.FixtureRequest) -> Iterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    yield started
-    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False)
-                 for w in ("setup", "call"))
-    for d in started:
-        d.stop()
-        if failed:
-            print(d.output())
-    for d in started:
-        assert "Traceback" not in d.stderr, d.output()
+own_daemons = engine_cluster.own_daemons
 
 
 def failures(d: DaemonProcess) -> float:
