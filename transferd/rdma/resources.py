@@ -46,6 +46,8 @@ ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
           # An optional flag: libibverbs and the kernel drop it where the device
           # cannot honour it, so it is set "where supported" by always asking.
           | e.IBV_ACCESS_RELAXED_ORDERING)
+# What the NIC only reads locally (the source of writes: staging).
+LOCAL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_RELAXED_ORDERING
 
 
 @dataclass(frozen=True)
@@ -176,13 +178,17 @@ class Nic:
 
     # -- memory ---------------------------------------------------------------------------
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> Registration:
-        """Register [addr, addr + length) for local use and remote writes."""
+    def register(self, addr: int, length: int, device: str = "cpu", *,
+                 remote: bool = True) -> Registration:
+        """Register [addr, addr + length) for local use and (``remote``) remote writes
+        into it (staging: local only, nobody gets its rkey).  The same
+        memory may be registered again (its own rkey, deregistered on its own); every
+        failure is a TransferdError and leaves nothing registered."""
         try:
             if device.startswith("cuda"):
                 mr = self._register_cuda(addr, length)
             else:
-                mr = MR(self.pd, length, ACCESS, address=addr)
+                mr = MR(self.pd, length, ACCESS if remote else LOCAL_ACCESS, address=addr)
         except PyverbsRDMAError as exc:
             if exc.error_code in (errno.ENOMEM, errno.EPERM):
                 raise VerbsUnavailable(
@@ -190,8 +196,15 @@ class Nic:
                     "(docs/rdma.md)") from None
             raise BadRequest(f"ibv_reg_mr of {length} bytes on {self.choice.name} failed: "
                              f"{exc}") from None
+        except PyverbsError as exc:  # pyverbs' own checks (arguments, a closed PD)
+            raise BadRequest(f"cannot register {length} bytes on {self.choice.name}: "
+                             f"{exc}") from None
         reg = Registration(addr, length, mr.lkey, mr.rkey, mr)
-        self.mrs.add(reg)
+        try:
+            self.mrs.add(reg)
+        except BaseException:
+            mr.close()  # refused by the table: not left pinned
+            raise
         return reg
 
     def _register_cuda(self, addr: int, length: int) -> Any:
@@ -216,8 +229,8 @@ class Nic:
         mr = DmaBufMR(self.pd, length, ACCESS, dmabuf=fd, offset=0)
         return mr, 0
 
-    def deregister(self, addr: int) -> None:
-        reg = self.mrs.remove(addr)
+    def deregister(self, reg: Registration) -> None:
+        self.mrs.remove(reg)
         # ibv_dereg_mr revokes the rkey in the NIC: a write in flight to it fails at the
         # initiator with REM_ACCESS_ERR, and none lands after this returns.
         reg.handle.close()
