@@ -58,7 +58,8 @@ class NicHub:
             self.sends, on_send_done=self._sent, on_imm=self._unexpected_imm,
             on_message=self._received, repost=lambda qpn, slot: None,
             on_broken=lambda ch, why: ch.fail(PeerUnreachable(f"rdma://: {why}")))
-        self.poller = CqPoller(loop, self.nic.cq, self.nic.channel, self.dispatcher.dispatch)
+        self.poller = CqPoller(loop, self.nic.cq, self.nic.channel, self.dispatcher.dispatch,
+                               fd=self.nic.channel_fd)
         self.channels: set[RcChannel] = set()
         self.max_channels = max(1, min(CQ_DEPTH, self.nic.choice.max_cqe) // _CQ_PER_CHANNEL)
 

@@ -172,8 +172,12 @@ def _describe(d: Any, name: str, sysfs: Path) -> DeviceInfo:
     netdevs = sorted(os.listdir(sysfs / name / "device" / "net")) if (
         sysfs / name / "device" / "net").is_dir() else []
     info = DeviceInfo(name, _numa(sysfs, name), "?", "?", netdevs=netdevs)
+    from .chanfd import EVENT_FILES_LOCK
+
     try:
-        with d.Context(name=name) as ctx:
+        with EVENT_FILES_LOCK:  # its async-event file: see chanfd
+            ctx = d.Context(name=name)
+        with ctx:
             attr = ctx.query_device()
             info.fw = str(attr.fw_version)
             info.node_guid = str(attr.node_guid)

@@ -16,6 +16,7 @@ from typing import Any
 
 from transferd.protocol.errors import BadRequest
 
+from .chanfd import EVENT_FILES_LOCK, open_channel
 from .devices import ZERO_GID, discover
 from .exchange import MTU_BYTES, QpInfo, path_mtu
 from .loader import VerbsUnavailable, load_pyverbs
@@ -153,14 +154,21 @@ class Nic:
             why = report.reason or f"the devices here are {', '.join(names)}"
             raise VerbsUnavailable(f"RDMA device {name!r} not found: {why}")
         try:
-            self.ctx = Context(name=name)
+            with EVENT_FILES_LOCK:  # its async-event file: see chanfd
+                self.ctx = Context(name=name)
         except PyverbsError as exc:
             raise VerbsUnavailable(f"cannot open RDMA device {name!r}: {exc}") from None
         self.choice = choose(self.ctx, name, port, gid_index)
         c = self.choice
         self.gid = QpInfo.gid_from_text(self.ctx.query_gid(c.port, c.gid_index).gid)
         self.pd = PD(self.ctx)
-        self.channel = CompChannel(self.ctx)
+        opened = open_channel(lambda: CompChannel(self.ctx))
+        self.channel = opened.channel
+        # What the completion-queue loop waits on (None: it polls on a timer).
+        self.channel_fd = opened.fd
+        self.wakeup = opened.how
+        if opened.fd is None:
+            log.warning("%s: no completion channel descriptor (%s)", name, opened.how)
         self.cq_depth = min(cq_depth, c.max_cqe)
         self.cq = CQ(self.ctx, self.cq_depth, None, self.channel, 0)
         self.cq.req_notify()

@@ -284,7 +284,7 @@ class VerbsDomain(Domain):
         self.staged = StagingRegistrations(
             lambda addr, n: self.nic.register(addr, n, remote=False), self.nic.deregister)
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
-                               self.dispatcher.dispatch)
+                               self.dispatcher.dispatch, fd=self.nic.channel_fd)
         self.loop.add_reader(self._listener.fileno(), self._accept)
 
     def reserve_cqes(self, n: int) -> None:
