@@ -70,7 +70,7 @@ def test_a_registration_past_its_deadline_is_a_timeout_and_undone_when_it_lands(
         landed.set()
         return "mr"
 
-    with pytest.raises(Timeout, match="registering 1 GiB took over 0.05 s") as info:
+    with pytest.raises(Timeout, match=r"registering 1 GiB took over 0\.05 s") as info:
         call_on_loop(worker, slow, timeout=0.05, what="registering 1 GiB",
                      undo=undone.append)
     assert info.value.code.name == "TIMEOUT"
