@@ -98,7 +98,8 @@ def choose(ctx: Any, name: str, port: int, gid_index: int | None) -> NicChoice:
                      dattr.max_cqe)
 
 
-def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo) -> QPAttr:
+def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_RETRY
+                 ) -> QPAttr:
     """The attributes that take our RC queue pair to RTR then RTS, connected to theirs."""
     attr = QPAttr(port_num=port, path_mtu=path_mtu(mine, theirs))
     attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
@@ -110,7 +111,7 @@ def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo) -> QPAttr:
     attr.min_rnr_timer = MIN_RNR_TIMER
     attr.timeout = TIMEOUT
     attr.retry_cnt = RETRY_CNT
-    attr.rnr_retry = RNR_RETRY
+    attr.rnr_retry = rnr_retry
     if any(theirs.gid):
         gr = GlobalRoute(dgid=GID(theirs.gid_text), sgid_index=mine.gid_index,
                          hop_limit=HOP_LIMIT)
@@ -265,9 +266,10 @@ class Nic:
         return QpInfo(qp.qp_num, secrets.randbits(24) if psn is None else psn, c.lid,
                       c.port, self.gid, c.gid_index, c.mtu)
 
-    def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo) -> None:
+    def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo,
+                rnr_retry: int = RNR_RETRY) -> None:
         try:
-            qp.to_rts(rtr_rts_attr(self.choice.port, mine, theirs))
+            qp.to_rts(rtr_rts_attr(self.choice.port, mine, theirs, rnr_retry))
         except PyverbsRDMAError as exc:
             raise BadRequest(f"cannot connect queue pair {mine.qpn} to the peer's "
                              f"{theirs.qpn} (MTU {MTU_BYTES[path_mtu(mine, theirs)]}): "
