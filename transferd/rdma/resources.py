@@ -16,8 +16,10 @@ from typing import Any
 
 from transferd.protocol.errors import BadRequest
 
+from . import dmabuf
 from .chanfd import EVENT_FILES_LOCK, open_channel
 from .devices import ZERO_GID, discover
+from .dmabuf import CudaDriver
 from .exchange import MTU_BYTES, QpInfo, path_mtu
 from .loader import VerbsUnavailable, load_pyverbs
 from .mrtable import MrTable, Registration
@@ -126,24 +128,6 @@ def peer_memory_loaded() -> bool:
     return any(Path(f"/sys/module/{m}").exists() for m in ("nvidia_peermem", "nv_peer_mem"))
 
 
-def cuda_dmabuf_fd(addr: int, length: int) -> int:
-    """A dma-buf fd for CUDA memory [addr, addr + length), from the CUDA driver API."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        try:
-            from cuda import cuda as cu
-        except ImportError:
-            raise VerbsUnavailable("dma-buf registration of CUDA memory needs "
-                                   "cuda-python (cuMemGetHandleForAddressRange)") from None
-    err, fd = cu.cuMemGetHandleForAddressRange(
-        addr, length, cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
-    if int(err) != 0:
-        raise VerbsUnavailable(f"cuMemGetHandleForAddressRange failed ({err}): the GPU "
-                               "or driver does not export dma-buf")
-    return int(fd)
-
-
 class Nic:
     """One rail's device port: the resources every peer's queue pairs share."""
 
@@ -230,13 +214,24 @@ class Nic:
             "without it only dma-buf is possible, which pyverbs registers with iova = "
             "offset, not the buffer's address (docs/rdma.md)")
 
-    def register_dmabuf(self, addr: int, length: int) -> tuple[Any, int]:
-        """Register CUDA memory through dma-buf: (the MR, the iova the NIC expects)."""
+    def register_dmabuf(self, addr: int, length: int, ordinal: int,
+                        driver: CudaDriver | None = None) -> tuple[Any, int]:
+        """Register CUDA memory of device ``ordinal`` through dma-buf: (the MR, the iova
+        the NIC expects: the range's offset in its page-aligned dma-buf, as pyverbs
+        registers with iova = offset).  The export runs with that device's context
+        current; the dma-buf fd is closed on every path."""
         from pyverbs.mr import DmaBufMR
 
-        fd = cuda_dmabuf_fd(addr, length)
-        mr = DmaBufMR(self.pd, length, ACCESS, dmabuf=fd, offset=0)
-        return mr, 0
+        fd, offset = dmabuf.export(driver or CudaDriver.load(), addr, length, ordinal)
+
+        def reg(fd: int) -> Any:
+            try:
+                return DmaBufMR(self.pd, length, ACCESS, dmabuf=fd, offset=offset)
+            except PyverbsError as exc:
+                raise BadRequest(f"ibv_reg_dmabuf_mr of {length} bytes on "
+                                 f"{self.choice.name} failed: {exc}") from None
+
+        return dmabuf.register_closing(fd, reg), offset
 
     def deregister(self, reg: Registration) -> None:
         self.mrs.remove(reg)
