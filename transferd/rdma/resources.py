@@ -11,14 +11,13 @@ import errno
 import logging
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from transferd.protocol.errors import BadRequest
 
 from . import dmabuf
 from .chanfd import EVENT_FILES_LOCK, open_channel
-from .devices import ZERO_GID, discover
+from .devices import ZERO_GID, discover, peer_memory_loaded
 from .dmabuf import CudaDriver
 from .exchange import MTU_BYTES, QpInfo, path_mtu
 from .loader import VerbsUnavailable, load_pyverbs
@@ -121,11 +120,6 @@ def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_R
     else:  # InfiniBand inside one subnet: the LID routes
         attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=theirs.lid)
     return attr
-
-
-def peer_memory_loaded() -> bool:
-    """nvidia-peermem (or the older nv_peer_mem) lets ibv_reg_mr take CUDA addresses."""
-    return any(Path(f"/sys/module/{m}").exists() for m in ("nvidia_peermem", "nv_peer_mem"))
 
 
 class Nic:
