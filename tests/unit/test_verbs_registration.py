@@ -155,3 +155,20 @@ def test_staging_that_cannot_be_registered_whole_is_not_registered_at_all() -> N
     with pytest.raises(BadRequest):
         s.hold(pool)
     assert len(nic.mrs) == 0 and not s.registered(pool)
+
+
+def test_letting_go_of_staging_deregisters_every_chunk_even_after_a_failure() -> None:
+    pool = StagingPool(chunk_size=64 << 10, chunks=3)
+    nic = Nic()
+    failing = iter([True, False, False])
+
+    def deregister(reg: Registration) -> None:
+        nic.deregister(reg)
+        if next(failing):
+            raise BadRequest("ibv_dereg_mr failed")
+
+    s = StagingRegistrations(nic.register, deregister)
+    s.hold(pool)
+    with pytest.raises(BadRequest):
+        s.let_go(pool)
+    assert len(nic.mrs) == 0 and not s.registered(pool)

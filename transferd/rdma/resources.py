@@ -231,7 +231,11 @@ class Nic:
         self.mrs.remove(reg)
         # ibv_dereg_mr revokes the rkey in the NIC: a write in flight to it fails at the
         # initiator with REM_ACCESS_ERR, and none lands after this returns.
-        reg.handle.close()
+        try:
+            reg.handle.close()
+        except PyverbsError as exc:
+            raise BadRequest(f"ibv_dereg_mr of [0x{reg.addr:x}, +{reg.length}) on "
+                             f"{self.choice.name} failed: {exc}") from None
 
     # -- queue pairs ------------------------------------------------------------------------
 

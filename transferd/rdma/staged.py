@@ -70,8 +70,14 @@ class StagingRegistrations:
         held.users -= 1
         if held.users <= 0:
             del self._held[id(pool)]
-            for reg in held.regs:
-                self._deregister(reg)
+            failed: Exception | None = None
+            for reg in held.regs:  # every one, even after one failed
+                try:
+                    self._deregister(reg)
+                except Exception as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
 
     def registered(self, pool: Pool) -> bool:
         return id(pool) in self._held

@@ -336,11 +336,16 @@ class VerbsDomain(Domain):
         if held is None:
             return  # never registered here, or undone already
         reg, staging = held
-        try:
-            self.nic.deregister(reg)
-        finally:
-            if staging is not None:
-                self.staged.let_go(staging.pool)
+        # The region is gone for the engine either way: a failure is logged, and the
+        # staging (and the other rails) still let go of theirs.
+        steps = [lambda: self.nic.deregister(reg)]
+        if staging is not None:
+            steps.append(lambda: self.staged.let_go(staging.pool))
+        for step in steps:
+            try:
+                step()
+            except TransferdError as exc:
+                log.warning("verbs rail %d: %s", self.rail, exc.message)
 
     # -- outbound ---------------------------------------------------------------------
 
