@@ -42,6 +42,12 @@ def _measure(use_fd: bool, idle_s: float, wakeups: int) -> dict[str, float]:
     def got(c: Completion) -> None:
         delays.append(time.perf_counter() - sent.pop(c.wr_id))
 
+    def record(c: Completion) -> None:
+        # On the loop's thread, as the NIC writes the queue (the stand-in is not
+        # thread-safe); the delay counts from the moment it is recorded.
+        sent[c.wr_id] = time.perf_counter()
+        cq.complete(c)
+
     poller = CqPoller(loop, cq, channel, got, fd=channel.efd if use_fd else None)
     try:
         cpu0 = time.thread_time()
@@ -54,10 +60,7 @@ def _measure(use_fd: bool, idle_s: float, wakeups: int) -> dict[str, float]:
             for i in range(wakeups):
                 time.sleep(rng.uniform(0.002, 0.006))
                 c = Completion(wr_id(WrKind.RECV, i), WcStatus.SUCCESS, WcOpcode.RECV, 5, 64)
-                # On the loop's thread, as the NIC writes the queue: the stand-in is not
-                # thread-safe; the delay counts from the moment it is recorded.
-                loop.call_soon_threadsafe(lambda c=c: (sent.__setitem__(
-                    c.wr_id, time.perf_counter()), cq.complete(c)))
+                loop.call_soon_threadsafe(record, c)
 
         feeder = threading.Thread(target=feed)
         feeder.start()
