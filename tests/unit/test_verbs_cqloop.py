@@ -123,3 +123,17 @@ def test_the_channels_descriptor_is_the_one_new_file_of_its_kind() -> None:
         assert none.fd is None and "no /nonexistent" in none.how
     finally:
         os.close(older)
+
+
+def test_devices_can_say_how_the_loop_will_wait_before_any_channel_exists() -> None:
+    from transferd.rdma.chanfd import expected_wakeup
+
+    class Pyverbs44:  # no fd attribute
+        pass
+
+    class Pyverbs57:
+        fd = property(lambda self: 3)
+
+    assert "CompChannel.fd, pyverbs >= 57" in expected_wakeup(Pyverbs57)
+    assert "found in /proc/self/fd" in expected_wakeup(Pyverbs44)
+    assert "polls every millisecond" in expected_wakeup(Pyverbs44, fd_dir="/nonexistent")

@@ -75,3 +75,15 @@ def open_channel(make: Callable[[], T], link: str = EVENT_LINK,
                                      "the channel: polling every millisecond")
     return Opened(channel, new.pop(), f"found in {fd_dir} (pyverbs before 57 does "
                                       "not expose CompChannel.fd)")
+
+
+def expected_wakeup(channel_cls: type, fd_dir: str = FD_DIR) -> str:
+    """How the completion-queue loop will wait with this pyverbs, before any channel is
+    made (for ``transferd devices``)."""
+    if hasattr(channel_cls, "fd"):
+        return "waits on the completion channel's descriptor (CompChannel.fd, pyverbs >= 57)"
+    if fds_of_kind(EVENT_LINK, fd_dir) is None:
+        return (f"polls every millisecond (pyverbs before 57 has no CompChannel.fd, and "
+                f"there is no {fd_dir} to find it in)")
+    return ("waits on the completion channel's descriptor, found in /proc/self/fd "
+            "(pyverbs before 57 has no CompChannel.fd)")

@@ -66,6 +66,8 @@ class DevicesReport:
     memlock: int | None = None  # bytes; None = unlimited
     # How a verbs rail reaches GPU memory here, in words (gpu_memory_path()).
     gpu_memory: str = ""
+    # How the completion-queue loop waits with this pyverbs (chanfd.expected_wakeup).
+    cq_wakeup: str = ""
 
     @property
     def usable(self) -> bool:
@@ -92,6 +94,8 @@ class DevicesReport:
         lines += [f"problem: {p}" for p in self.problems]
         lim = "unlimited" if self.memlock is None else f"{self.memlock >> 10} KiB"
         lines.append(f"memlock limit: {lim}")
+        if self.cq_wakeup:
+            lines.append(f"completion queue: {self.cq_wakeup}")
         if self.gpu_memory:
             lines.append(f"GPU memory: {self.gpu_memory}")
         return "\n".join(lines)
@@ -170,9 +174,13 @@ def discover(sysfs: Path = SYSFS, need_memlock: int = MIN_MEMLOCK) -> DevicesRep
             report.reason += f"; and no RDMA device in the kernel ({sysfs} is empty or " \
                              f"absent: {rxe_available()})"
         return report
+    import pyverbs.cq
     import pyverbs.device as d
     from pyverbs.pyverbs_error import PyverbsError
 
+    from .chanfd import expected_wakeup
+
+    report.cq_wakeup = expected_wakeup(pyverbs.cq.CompChannel)
     try:
         listed = d.get_device_list()
     except PyverbsError:
