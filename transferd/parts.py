@@ -36,6 +36,12 @@ class RegionInfo(Protocol):
     def size(self) -> int: ...
 
     @property
+    def staging(self) -> Any:
+        """Its staging path (a ``transferd.memory.staging.DeviceIO``) when the memory has
+        no host view (device memory), else None."""
+        ...
+
+    @property
     def rkeys(self) -> tuple[int, ...]:
         """The region table's own secret per rail (a Domain may use it as its rkey)."""
         ...
@@ -43,12 +49,6 @@ class RegionInfo(Protocol):
     @property
     def device(self) -> str:
         """The memory's device kind: ``cpu``, ``shm``, ``cuda:0``..."""
-        ...
-
-    @property
-    def staging(self) -> Any:
-        """Its staging path (a ``transferd.memory.staging.DeviceIO``) when the memory has
-        no host view (device memory), else None."""
         ...
 
 
