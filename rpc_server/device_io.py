@@ -360,6 +360,6 @@ def register_ipc(session: Session, frame: Frame, device: str, size: int) -> Any:
         raise BadRequest(f"CUDA IPC memory is registered on a cuda:N device, not {device!r}")
     handle = bytes_field(frame.body, "ipc_handle")
     offset = uint_field(frame.body, "ipc_offset") if "ipc_offset" in frame.body else 0
-    buf = session.ctx.buffers.alloc(
-        device, size, owner=session, create=lambda: source.open_ipc(handle, offset, size))
+    buf = session.ctx.service.adopt_memory(
+        session.caller, device, size, lambda: source.open_ipc(handle, offset, size))
     return Reply({"buffer": buf.id, "size": buf.size, "ipc": True})
