@@ -281,3 +281,18 @@ def test_a_part_re_sent_on_another_rail_counts_once(
     _land(g, r, (0xC, 0), w(r, 0, [p, p + 16], [8, 8], op=8, part=3, imm=12, again=True))
     assert c.value(12) == 6
     assert g.landed_parts.duplicates == 2
+
+
+def test_a_rail_that_fails_thousands_of_times_in_a_row_stays_down_at_the_cap() -> None:
+    """Parts failing as fast as they are submitted (an inproc engine, a stopped peer) fail
+    one rail thousands of times in a row: its back-off stays at DOWN_MAX_S (2 ** 1100 s
+    overflowed a float, an OverflowError in the link's timer, the rail never marked)."""
+    from transferd.domains.failover import DOWN_MAX_S, RailHealth
+
+    h = RailHealth(2)
+    peer = (7, 0)
+    for _ in range(1100):
+        h.failed(peer, 1, 100.0)
+    assert h.is_down(peer, 1, 100.0 + DOWN_MAX_S - 0.01)
+    assert not h.is_down(peer, 1, 100.0 + DOWN_MAX_S + 0.01)
+    assert h.pick(peer, 1, 100.0) == 0
