@@ -634,10 +634,14 @@ class InprocClient(Client):
         key = next(self._keys)
         c = InprocCompletion(what, self, key)
         self._counted(what)
-        admitted = start(key, c.end)
-        if not isinstance(admitted, Awaitable):
-            return c
-        await admitted
+        try:
+            admitted = start(key, c.end)
+            if isinstance(admitted, Awaitable):
+                await admitted
+        except TransferdError as exc:
+            # As over the wire, where a submit is one-way: the Service's refusal (checked
+            # before anything was queued) is the Completion's error, not the call's.
+            c.end(exc)
         return c
 
     async def submit_single_write(

@@ -349,8 +349,9 @@ async def test_what_has_no_meaning_in_process_is_refused_typed() -> None:
         with pytest.raises(NotFound):
             await me.get_tensor((buf.id + 1000, 0, 1))
         mr, desc = await me.reg_mr(buf)
-        with pytest.raises(OutOfBounds):  # checked before anything is queued
-            await me.submit_single_write(8192, None, (mr, 0), (desc, 0))
+        # Checked before anything is queued; the Completion's error, as over the wire.
+        [err] = await settle([await me.submit_single_write(8192, None, (mr, 0), (desc, 0))])
+        assert isinstance(err, OutOfBounds), err
         with pytest.raises(BadRequest):
             await me.expect_imm_count(1 << 33, 1)
         # A caller's bytearray is held (not resizable) while registered, and let go after.
