@@ -21,6 +21,8 @@ BENCHMARKS = [
     # The 4 KiB write's steps and domain groups (issue 12)
     "engine_steps",
     "engine_groups",
+    # The engine in the caller's process (issue 21)
+    "engine_inproc",
     # Memory (issue 7)
     "shm_read",
     # Connections (issue 6)
