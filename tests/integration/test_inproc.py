@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from client import Client, Completion, MrDesc, Pages, ScatterDst
 from client.inproc import InprocClient
-from tests.helpers import async_test, digest, metric, pattern, scrape
+from tests.helpers import REPO, async_test, digest, metric, pattern, scrape
 from tests.integration import engine_cluster
 from tests.integration.engine_cluster import (
     HANDSHAKE_TIMEOUT_S,
@@ -407,3 +408,30 @@ def test_sync_client_runs_the_engine_on_its_thread() -> None:
         one.wait(one.submit_single_write(MiB, imm, (smr, 0), (desc, 0)), WAIT)
         two.wait(two.expect_imm_count(imm, 1, wait=False), WAIT)
         assert digest(dst) == digest(src)
+
+
+# -- the engine suites with an inproc engine in the first daemon's place ------------------
+
+# Tests about the first daemon itself (its rails, its process, a second client of it, a
+# stranger dialling it) or that block the test's loop while a peer is stopped (the inproc
+# engine runs on that loop): they do not apply with an inproc engine in its place.
+NOT_FOR_INPROC = (
+    "tests/integration/test_engine_writes.py::test_main_address_and_registration",
+    "tests/integration/test_engine_writes.py::test_rails_each_bind_their_own_address",
+)
+SUITES = ("tests/integration/test_engine_writes.py", "tests/integration/test_engine_peers.py")
+
+
+def test_the_engine_suites_pass_with_an_inproc_engine_in_place_of_a_daemon() -> None:
+    """tests/integration/engine_cluster.py's ``nodes`` gives the first daemon's place to
+    an inproc engine of the same settings (TRANSFERD_TEST_INPROC=1): every write, paged
+    write, scatter, barrier, send and count of those suites, tcp and chaos, checksummed,
+    goes from (or to) the test's own process."""
+    deselect = [f"--deselect={t}" for t in NOT_FOR_INPROC]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *deselect,
+         *SUITES], env={**os.environ, "TRANSFERD_TEST_INPROC": "1"}, capture_output=True,
+        text=True, timeout=300, cwd=REPO)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    assert " passed" in r.stdout and " failed" not in r.stdout, tail
