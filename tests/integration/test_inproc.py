@@ -435,3 +435,58 @@ def test_the_engine_suites_pass_with_an_inproc_engine_in_place_of_a_daemon() -> 
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
+
+
+@async_test(timeout=60)
+async def test_the_rest_of_the_api_in_process() -> None:
+    """Tensors and the queue, leases, names and their watch, peers, UVM watchers, stats:
+    the same results as a daemon's client gets, from the same Service."""
+    async with inproc("tcp") as me:
+        assert {d["name"] for d in await me.get_devices()} >= {"cpu"}
+        buf = await me.alloc_buffer(8192)
+        await me.buffer_clear(buf, 7)
+        assert bytes(await me.get_tensor(buf.tensor(0, 4))) == b"\x07" * 4
+        # The queue: writes and reads run at the flush, in order.
+        me.set_tensor_async(buf.tensor(0, 4), b"abcd")
+        f = me.get_tensor_async(buf.tensor(0, 4))
+        assert not f.done()
+        me.set_tensor_async(buf.tensor(0, 4), b"wxyz")
+        await me.flush()
+        assert bytes(f.result()) == b"abcd"
+        await me.copy_tensor(buf.tensor(0, 4), buf.tensor(4096, 4))
+        assert bytes(await me.get_tensor(buf.tensor(4096, 4))) == b"wxyz"
+        assert bytes(buf.view(4096, 4)) == b"wxyz"  # the node's memory, in this process
+        await me.synchronize()
+        assert me.stats()["commands"]["SET_TENSOR"] == 2
+        listing = await me.server_stats()
+        assert any(b["id"] == buf.id for b in listing["buffers"])
+        # Leases: a buffer the lease owns goes when it ends.
+        async with me.lease("inproc-lease", 30) as lease:
+            owned = await lease.alloc_buffer(4096)
+        with pytest.raises(NotFound):
+            await me.get_tensor(owned.tensor(0, 1))
+        # Names: publish an MrDesc of this node, watch it, look it up, unpublish it.
+        _, desc = await me.reg_mr(buf)
+        async with me.watch("inproc/") as changes:
+            got = await me.publish("inproc/kv", desc)
+            assert got.owner == "connection" and got.synced
+            change = await changes.next(WAIT)
+            assert change.name == "inproc/kv" and change.value == desc
+            assert await me.lookup("inproc/kv") == desc
+            assert [n.name for n in await me.names("inproc/")] == ["inproc/kv"]
+            await me.unpublish("inproc/kv")
+            gone = await changes.next(WAIT)
+            assert gone.name == "inproc/kv" and gone.op.value == "delete"
+        with pytest.raises(NotFound):
+            await me.lookup("inproc/kv")
+        [peer] = await me.peers()
+        assert peer.addr == await me.main_address() and peer.capabilities.get("inproc")
+        # A UVM watcher's word, set in this process, seen by the node's watcher thread.
+        seen: list[tuple[int, int]] = []
+        w = await me.alloc_uvm_watcher(lambda old, new: seen.append((old, new)))
+        w.set(5)
+        for _ in range(int(WAIT * 100)):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        assert seen == [(0, 5)] and w.value == 5
