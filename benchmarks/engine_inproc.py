@@ -83,8 +83,9 @@ class Side:
 
     async def setup(self, own: bool) -> None:
         big = self.big
-        data = np.frombuffer(np.random.default_rng(21).bytes(big), dtype=np.uint8).copy()
-        self.crc = zlib.crc32(data)
+        raw = bytearray(np.random.default_rng(21).bytes(big))
+        self.crc = zlib.crc32(raw)
+        data = np.frombuffer(raw, dtype=np.uint8)
         if own:  # the caller's own array, registered where it lies
             self._array = data
             src = await self.c.register_memory(data)
@@ -146,8 +147,7 @@ class Side:
         """B holds the whole source (the bulk write was last); each peer its slice."""
         ok = await crc_remote(self.cb, self.dst, self.big) == self.crc
         for i, (b, _) in enumerate(self.pdst):
-            want = np.frombuffer(bytes(await self.c.get_tensor(
-                self.src.tensor(i * SCATTER_EACH, SCATTER_EACH))), dtype=np.uint8)
+            want = await self.c.get_tensor(self.src.tensor(i * SCATTER_EACH, SCATTER_EACH))
             got = await self.peers[i].get_tensor(b.tensor())
             ok = ok and zlib.crc32(got) == zlib.crc32(want)
         return ok

@@ -10,10 +10,10 @@ machine) before it runs ``rpc_server.cli``:
 - A ``read``: the session's ``buffer_updated`` (the SINGLE_WRITE frame is in);
 - A ``submit``: ``TransferEngine.submit_single_write`` (the handler has parsed it);
 - A ``execute``: ``DomainGroup.execute`` (on the worker: the hand-off is done);
-- A ``sent``: the peer stream's first ``_flush`` after it (the WRITE is on the socket);
-- B ``read``: B's peer stream is readable (the WRITE arrived);
-- B ``sent``: B's ``_flush`` (the ACK is on the socket);
-- A ``ack``: A's peer stream is readable (the ACK arrived);
+- A ``sent``: the peer link's first ``flush`` after it (the WRITE is on the socket);
+- B ``read``: B's peer link is readable (the WRITE arrived);
+- B ``sent``: B's ``flush`` (the ACK is on the socket);
+- A ``ack``: A's peer link is readable (the ACK arrived);
 - A ``finished``: ``TransferEngine._finished`` (back on the daemon's loop);
 - A ``event``: the session's ``send_frame`` returned (the EVENT is written);
 - the client's ``done``: its ``await`` returned.
@@ -62,7 +62,7 @@ def _install(out: str) -> None:
     """Wrap the daemon's functions with timestamps; dump them to ``out`` at exit."""
     from rpc_server.session import Session
     from transferd.domains.group import DomainGroup
-    from transferd.domains.stream import FramedStream
+    from transferd.domains.link_io import SocketLink
     from transferd.engine.engine import TransferEngine
 
     events: list[tuple[str, int]] = []
@@ -94,8 +94,8 @@ def _install(out: str) -> None:
     before(Session, "buffer_updated", "read")
     before(TransferEngine, "submit_single_write", "submit")
     before(DomainGroup, "execute", "execute")
-    after(FramedStream, "_flush", "sent")
-    before(FramedStream, "_readable", "peer_read")
+    after(SocketLink, "flush", "sent")
+    before(SocketLink, "_readable", "peer_read")
     before(TransferEngine, "_finished", "finished")
     after(Session, "send_frame", "event")
 

@@ -14,7 +14,8 @@ project's decoder, and writes what each target takes:
                        the whole connection, HELLO and AUTH included
 ``peer_handshake``     a role byte (0 initiator, 1 responder) and the peer-plane frames
                        the other end sent
-``peer_headers``       a kind byte (0 WRITE, 1 ACK, 2 SEND) and a peer frame's body
+``peer_headers``       an end byte (0 inbound, 1 outbound) and the data-phase frames
+                       the other end sent on one peer link (WRITE, SEND; ACK)
 =====================  ==============================================================
 
     python -m fuzzing.corpus [--out .fuzz/corpus]
@@ -32,13 +33,15 @@ from transferd.protocol.constants import Command
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.frames import HEADER, FrameDecoder
 from transferd.protocol.peer import PeerCommand
+from transferd.protocol.peer_wire import frame_size
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "protocol.md"
 TARGETS = ("decoder", "server_connection", "client_connection", "dispatch",
            "peer_handshake", "peer_headers")
 PEER = {int(c) for c in PeerCommand}
-HEADER_KIND = {int(PeerCommand.WRITE): 0, int(PeerCommand.ACK): 1, int(PeerCommand.SEND): 2}
+# The first byte of a data-phase frame (no 24-byte header: peer_wire).
+DATA = {bytes([int(c)]) for c in (PeerCommand.WRITE, PeerCommand.ACK, PeerCommand.SEND)}
 
 
 def _parse_blocks(text: str) -> list[tuple[str, object]]:
@@ -56,9 +59,14 @@ def seeds(doc: Path = DOC) -> dict[str, dict[str, bytes]]:
     for name, cap in _parse_blocks(doc.read_text()):
         # One connection per (who, to whom): "client -> daemon A" and "... B" are two.
         conns: dict[str, list[tuple[bool, bytes]]] = defaultdict(list)
+        data: dict[str, list[tuple[bool, bytes]]] = defaultdict(list)
         for i, w in enumerate(cap.wire):  # type: ignore[attr-defined]
             raw = bytes(w.raw)
-            magic, cmd, _f, seq, body_len, _r, _payload_len = HEADER.unpack_from(raw)
+            if raw[:2] != b"TD" and raw[:1] in DATA:  # the peer plane's data phase
+                frame_size(raw)  # raises BAD_FRAME for what is not one of its frames
+                data[w.server].append((w.sent, raw))
+                continue
+            _magic, cmd, _f, seq, _body_len, _r, _payload_len = HEADER.unpack_from(raw)
             try:
                 frames = FrameDecoder(max_body=1 << 24, max_payload=1 << 34).feed(raw)
                 ok = len(frames) == 1 and frames[0].seq == seq
@@ -70,9 +78,12 @@ def seeds(doc: Path = DOC) -> dict[str, dict[str, bytes]]:
                 raise ValueError(f"{name}: frame {i} (cmd 0x{cmd:02x}) does not decode")
             out["decoder"][f"{name}-{i}"] = raw
             conns[w.server].append((w.sent, raw))
-            if cmd in HEADER_KIND and magic == b"TD":
-                body = raw[HEADER.size : HEADER.size + body_len]
-                out["peer_headers"][f"{name}-{i}"] = bytes([HEADER_KIND[cmd]]) + body
+        for who, wires in data.items():
+            tag = f"{name}-{who.replace(' ', '_')}"
+            out["peer_headers"][f"{tag}-inbound"] = b"\x00" + b"".join(
+                r for s, r in wires if s)
+            out["peer_headers"][f"{tag}-outbound"] = b"\x01" + b"".join(
+                r for s, r in wires if not s)
         for who, wires in conns.items():
             tag = f"{name}-{who.replace(' ', '_')}"
             sent = b"".join(r for s, r in wires if s)

@@ -47,6 +47,7 @@ from transferd.config_sections import (
     _listen_problems,
     key,
 )
+from transferd.domains import registry as domain_registry
 from transferd.memory.buffers import DeviceSpec
 
 __all__ = [
@@ -95,13 +96,8 @@ class Config:
         out: list[str] = []
         if not 1 <= max(1, len(self.engine.host_rails)) <= 4:
             out.append("engine.host_rails: a domain group holds 1 to 4 rails")
-        eng = self.engine
-        if eng.domain == "verbs" and len(eng.rdma_devices) != max(1, len(eng.host_rails)):
-            out.append(
-                f"engine.rdma_devices: domain verbs needs one RDMA device per rail "
-                f"({max(1, len(eng.host_rails))}), got {len(eng.rdma_devices)} "
-                "(`transferd devices` lists them)"
-            )
+        # The Domain's own keys, checked by the Domain (the registry asks it).
+        out += domain_registry.config_problems(self.engine.domain, self.engine)
         out += _listen_problems(self.server)
         e = self.engine
         if e.secret_file and e.secret:

@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from transferd.config_sections import key
+from transferd.domains import registry as domain_registry
 
 
 @dataclass
@@ -77,7 +78,7 @@ class EngineConfig:
         "delivers every write in pieces, out of order, after random delays, to prove "
         'nothing depends on delivery order. Never use "chaos" in production. '
         "docs/domains.md says how to add a Domain.",
-        choices=("tcp", "chaos", "chaos:tcp", "verbs"),
+        choices=domain_registry.choices(),
     )
     rdma_devices: list[str] = key(  # noqa: RUF009 - key() is dataclasses.field()
         [],
@@ -181,6 +182,16 @@ class EngineConfig:
         "engine.peer_timeout_s without starting fails with TIMEOUT (not sent). So one dead "
         "or stopped peer holds at most this many of the worker's 4,096 slots.",
         min=1, max=4096,
+    )
+    max_peers: int = key(
+        16384,
+        "Peer domain groups (node id and group) each host group remembers with the rail "
+        "addresses they proved in the handshake (a link claiming a known one at other "
+        "addresses is refused, as is a client's address naming it elsewhere). Past it the "
+        "least recently bound is forgotten, and a binding not renewed by a handshake for "
+        "an hour goes; a forgotten peer binds again at its next handshake, proving itself "
+        "again (without a cluster secret its node id is its addresses').",
+        min=1, max=1 << 20,
     )
     max_links: int = key(
         4096,

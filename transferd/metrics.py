@@ -330,11 +330,14 @@ class _EngineCollector:
         group = getattr(e, "group", None)
         if group is None:
             return
-        # Every host group's tallies together (engine.host_groups).
+        # Every host group's tallies together (engine.host_groups), each read by the
+        # group's own stats() (a dict another thread resizes is read again).
         groups = list(getattr(e, "groups", None) or [group])
+        stats = [_snapshot(gr.stats, None) for gr in groups]
+        stats = [st for st in stats if st is not None]
 
         def total(name: str) -> int:
-            return sum(getattr(gr, name, 0) for gr in groups)
+            return sum(getattr(st, name) for st in stats)
 
         c = CounterMetricFamily
         g = GaugeMetricFamily
@@ -346,9 +349,8 @@ class _EngineCollector:
                     "Peer WRITE parts this daemon refused, by reason (the wire code).",
                     labels=["reason"])
         counts = dict.fromkeys(REFUSE_REASONS, 0)
-        for gr in groups:
-            for code, n in _snapshot(lambda gr=gr: list(getattr(gr, "refused_by", {}).items()),
-                                     []):
+        for st in stats:
+            for code, n in st.refused_by.items():
                 counts[code if code in counts else "other"] += n
         for reason, n in counts.items():
             refused.add_metric([reason], n)
@@ -359,9 +361,9 @@ class _EngineCollector:
                 "Peer messages (two-sided SEND) handed to a posted receive here (and out "
                 "of this daemon: acknowledged).",
                 value=total("messages_in"))
-        exp = _snapshot(lambda: sum(len(v) for v in list(e._expectations.values())), 0)
         yield g("transferd_engine_expectations_pending",
-                "Immediate-count expectations clients wait on here.", value=exp)
+                "Immediate-count expectations clients wait on here.",
+                value=_snapshot(e.expectations_pending, 0))
         slots = getattr(e, "slots", None)
         in_flight = slots.in_flight if slots is not None else 0
         yield g("transferd_engine_transfers_in_flight",
@@ -372,15 +374,18 @@ class _EngineCollector:
                 value=slots.waiting if slots is not None else 0)
         yield g("transferd_engine_partial_writes",
                 "Multi-part writes to this daemon some of whose parts landed.",
-                value=sum(len(getattr(gr, "coverage", ())) for gr in groups))
+                value=total("partial_writes"))
         yield c("transferd_engine_failovers",
                 "Write parts re-sent on another rail after theirs failed (rail failover).",
-                value=sum(getattr(getattr(gr, "health", None), "failovers", 0) for gr in groups))
+                value=total("failovers"))
         yield c("transferd_engine_duplicate_parts",
                 "Peer write parts that had landed already (a re-send): acknowledged, "
                 "not applied or counted again.",
-                value=sum(getattr(getattr(gr, "landed_parts", None), "duplicates", 0)
-                          for gr in groups))
+                value=total("duplicate_parts"))
+        yield g("transferd_engine_peers_known",
+                "Peer domain groups bound to the rail addresses they proved, every host "
+                "group together (engine.max_peers each; this daemon counts once per group).",
+                value=total("peers_known"))
         budget = getattr(groups[0], "link_budget", None) if groups else None
         yield g("transferd_engine_link_budget",
                 "Peer links (descriptors) this daemon may hold (engine.max_links, "
@@ -391,15 +396,13 @@ class _EngineCollector:
         waiting = 0
         by_rail: dict[int, dict[str, int]] = {}
         inbound_by_rail: dict[int, int] = {}
-        for gr in groups:
-            for rail, domain in enumerate(getattr(gr, "domains", [])):
+        for st in stats:
+            for rail, ls in enumerate(st.links):
                 states = by_rail.setdefault(rail, dict.fromkeys(LINK_STATES, 0))
-                for link in _snapshot(lambda d=domain: list(d._links.values()), []):
-                    state = getattr(getattr(link, "state", None), "value", "closed")
-                    states[state if state in states else "closed"] += 1
-                    waiting += len(getattr(link, "_waiting", ()))
-                inbound_by_rail[rail] = inbound_by_rail.get(rail, 0) + len(
-                    getattr(domain, "_inbound", ()))
+                for state, n in ls.states.items():
+                    states[state if state in states else "closed"] += n
+                waiting += ls.waiting
+                inbound_by_rail[rail] = inbound_by_rail.get(rail, 0) + ls.inbound
         for rail, states in by_rail.items():
             for state, n in states.items():
                 links.add_metric([str(rail), state], n)
@@ -421,7 +424,7 @@ class _EngineCollector:
         yield c("transferd_engine_write_id_duplicates",
                 "Peer WRITE frames whose write id was applied here already (a retry): "
                 "acknowledged, neither placed nor counted again.",
-                value=getattr(getattr(group, "write_ids", None), "duplicates", 0))
+                value=total("write_id_duplicates"))
         yield g("transferd_engine_messages_waiting_bytes",
                 "Bytes of peer messages here waiting for a busy receive, or in a receiving "
                 "connection's write buffer (charged to the host memory limit).",

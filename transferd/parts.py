@@ -1,18 +1,65 @@
-"""What the engine hands a Domain, and the limits both sides share: a leaf module.
+"""What the engine and the Domains share: a leaf module, so neither imports the other.
 
-The engine plans WriteParts and SendParts and tracks a Transfer per submit;
-every Domain takes them (:mod:`transferd.domains.base`).  Kept apart from both,
-so that neither imports the other at run time.  No I/O here.
+The engine plans WriteParts and SendParts and tracks a Transfer per submit; every
+Domain takes them (:mod:`transferd.domains.base`).  What a Domain may know of a
+registered region is :class:`RegionInfo`; what a domain group asks of the engine
+is :class:`EnginePort` (the memory side of landing, and where messages go).  No
+I/O here.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from transferd.protocol.errors import TransferdError
+from transferd.protocol.peer_landing import Placement
 from transferd.protocol.values import NetAddr
+
+Peer = tuple[int, int]
+# ack(None) once a client has the message, ack(error) if it cannot; from any thread.
+Ack = Callable[[TransferdError | None], None]
+
+
+class RegionInfo(Protocol):
+    """What a Domain may read of a region it registers (the engine's Region)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def ptr(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def rkeys(self) -> tuple[int, ...]:
+        """The region table's own secret per rail (a Domain may use it as its rkey)."""
+        ...
+
+    @property
+    def device(self) -> str:
+        """The memory's device kind: ``cpu``, ``shm``, ``cuda:0``..."""
+        ...
+
+
+class EnginePort(Protocol):
+    """What a domain group asks of the engine: a :class:`~transferd.protocol.peer_landing.
+    Memory` (regions by rkey, and the immediate counter) and where messages go."""
+
+    def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+              payload_len: int, abort: Callable[[], None] | None) -> Placement: ...
+
+    def count(self, imm: int, n: int) -> None: ...
+
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
+        """A message from ``peer`` for a posted receive (any thread may ack)."""
+
+    def sender_gone(self, source: Hashable) -> None:
+        """Inbound link ``source`` closed: its messages waiting for a receive go."""
 
 # Two-sided messages are for small control messages (RPC-style); bulk data
 # goes by one-sided writes.

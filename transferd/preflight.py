@@ -207,15 +207,16 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
             problems += _check_unix(path, key, kind)
     for i, url in enumerate(cfg.server.listen):
         if this_machine and url.startswith("rdma://"):
-            from transferd.domains.verbs.bind import rdma_problem
+            from transferd.rdma.devices import rdma_problem
 
             if (why := rdma_problem(url)) is not None:
                 problems.append(Problem(f"server.listen[{i}]", why, Kind.MACHINE))
-    if this_machine and cfg.engine.enabled and cfg.engine.domain == "verbs":
-        from transferd.domains.verbs.bind import machine_problems
+    if this_machine and cfg.engine.enabled:
+        from transferd.domains import registry
 
+        # The Domain says what this machine lacks for it (verbs: a device, a port).
         problems += [Problem(k, m, Kind.MACHINE) for k, m in
-                     machine_problems(cfg.engine.rdma_devices, cfg.engine.rdma_port)]
+                     registry.machine_problems(cfg.engine.domain, cfg.engine)]
     if bind and not problems:
         for li in lst:
             if not li.port:

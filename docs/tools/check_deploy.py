@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from transferd.config import Config, load  # noqa: E402
+from transferd.domains.base import LinkStats  # noqa: E402
+from transferd.domains.group import GroupStats  # noqa: E402
 from transferd.engine.watchers import Watchers  # noqa: E402
 from transferd.metrics import Metrics  # noqa: E402
 
@@ -43,10 +45,11 @@ def exported() -> tuple[set[str], set[str]]:
     names: set[str] = set()
     families: set[str] = set()
     m = Metrics()
-    # The engine's series are read from a running engine: a stand-in with one rail.
-    rail = SimpleNamespace(_links={}, _inbound=set())
-    m.watch_engine(SimpleNamespace(group=SimpleNamespace(domains=[rail]), _expectations={},
-                                   worker=None, receives=None))
+    # The engine's series are read from a running engine: a stand-in with one rail,
+    # which reports what a group and its Domains report (GroupStats, LinkStats).
+    group = SimpleNamespace(stats=lambda: GroupStats(links=(LinkStats(),)))
+    m.watch_engine(SimpleNamespace(group=group, groups=[group], worker=None,
+                                   receives=None, expectations_pending=lambda: 0))
     m.registry.register(Watchers())  # the RPC front end registers the daemon's watcher set
     for metric in m.registry.collect():
         families.add(metric.name)

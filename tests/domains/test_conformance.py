@@ -1,12 +1,12 @@
 """The Domain conformance suite: what every Domain must do, run over every registered one.
 
-Two "engines" in this process (a region table, an ImmCounter, host buffers and one
-DomainGroup each, with two rails), wired through the Domain under test on one event
-loop: tcp over loopback sockets, chaos around tcp and around the in-process Domain of
-:mod:`tests.domains.inproc` (defined only there: adding a Domain touches nothing
-else), and verbs, skipped with the reason (pyverbs missing, no device, no soft-RoCE) where
-there is no RDMA device with an ACTIVE port.  Data is checked
-by checksum, counters by the counting rules.
+Two "engines" in this process (a region table, an ImmCounter, host buffers, the
+engine's port over them and one DomainGroup each, with two rails), wired through the
+Domain under test on one event loop: tcp over loopback sockets, chaos around tcp and
+around the in-process Domain of :mod:`tests.domains.inproc` (defined only there: adding
+a Domain touches nothing else), and verbs, skipped with the reason (pyverbs missing, no
+device, no soft-RoCE) where there is no RDMA device with an ACTIVE port.  Data is
+checked by checksum, counters by the counting rules.
 
 Each group runs on a worker of :mod:`transferd.workers`: the test's own loop (a
 ``LoopWorker``, as the engine's host groups by default) for every Domain, and for tcp
@@ -32,6 +32,7 @@ from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.plan import plan_barrier, plan_paged, plan_single
+from transferd.engine.port import EnginePort
 from transferd.engine.regions import Region, RegionTable
 from transferd.memory import Buffer
 from transferd.parts import SendPart, Transfer, WritePart
@@ -97,9 +98,9 @@ class Node:
 
         def make() -> DomainGroup:
             assert self.worker.loop is not None
+            port = EnginePort(self.regions, self.counter, self._deliver, lambda _s: None)
             g = DomainGroup(
-                0, self.node, self.worker.loop, self.regions, self.counter, self._deliver,
-                timeout_s=WAIT, domain=domain,
+                0, self.node, self.worker.loop, port, timeout_s=WAIT, domain=domain,
                 options=DomainOptions(seed=seed, max_delay_s=0.002, settings=_settings()),
                 secret=SECRET, handshake_timeout_s=2.0)
             g.bind([f"127.0.{base}.{r + 1}" for r in range(RAILS)])

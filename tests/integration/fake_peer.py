@@ -4,13 +4,22 @@ It runs the real sans-IO handshake (:class:`PeerHandshake`) as an initiator, so 
 gets exactly as far as its credentials allow: with the cluster secret (or, without
 one, listening at the address it claims) it is a peer, and then sends frames as
 badly as a test wants; without, the daemon closes on it.
+
+After the handshake a link speaks the data phase's fixed headers
+(:mod:`transferd.protocol.peer_wire`); :meth:`FakePeer.send` takes a WRITE or SEND
+as the fields a test names (``{"op", "part", "rkey", "addrs", "lens", "imm", "span",
+"wid", "again"}``) and :meth:`FakePeer.recv` gives back the ACK as an :class:`Ack`
+whose ``body`` has ``op``, ``part`` and ``ok: True`` or the error's ``code`` and
+``message``; :attr:`FakePeer.conn` ``.send_raw`` sends bytes as they are.
 """
 
 from __future__ import annotations
 
 import secrets
 import socket
+import struct
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from tests.helpers import RawConn
@@ -18,10 +27,67 @@ from transferd.domains.rails import parse_rail, rail_bytes
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer import PeerCommand
-from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role, State
+from transferd.protocol.peer_handshake import (
+    PeerHandshake,
+    PeerIdentity,
+    Role,
+    State,
+    node_of,
+)
+from transferd.protocol.peer_wire import (
+    ACK,
+    ACK_HEAD,
+    IMM,
+    SPAN,
+    WID,
+    WRITE_HEAD,
+    ack_error,
+    encode_send,
+    encode_write,
+)
 from transferd.protocol.values import NetAddr
 
 STRANGER = "127.0.0.9"
+
+
+@dataclass
+class Ack:
+    """A data-phase ACK as a test reads it (``body`` as the old msgpack ACK had it)."""
+
+    cmd: int
+    body: dict[str, Any] = field(default_factory=dict)
+    is_error: bool = False
+
+
+def raw_write(body: dict[str, Any], payload: bytes = b"", *, payload_len: int | None = None,
+              flags: int = 0, ext: bytes = b"") -> bytes:
+    """A WRITE built field by field, as a lying peer would: its page table as given
+    (pages of any length), ``payload_len`` for the header's payload field (the pages'
+    sum if None), extra ``flags`` bits, an extension block ``ext``."""
+    addrs, lens = list(body["addrs"]), list(body["lens"])
+    fl = flags | (IMM if body.get("imm") is not None else 0) | \
+        (WID if body.get("wid") is not None else 0)
+    span = body.get("span")
+    head = WRITE_HEAD.pack(0x41, fl | (SPAN if span else 0), len(addrs), body["part"],
+                           body["op"], body["rkey"], body.get("imm") or 0, len(ext),
+                           body.get("wid") or 0,
+                           sum(lens) if payload_len is None else payload_len)
+    table = struct.pack("<QQ", *span) if span else b""
+    table += b"".join(struct.pack("<QQ", a, n) for a, n in zip(addrs, lens, strict=True))
+    return head + table + ext + payload
+
+
+def data_frame(cmd: int, body: dict[str, Any], payload: bytes = b"") -> bytes:
+    """A WRITE or SEND of the data phase from named fields (others are not frame fields:
+    a test naming one means it to be ignored, as nothing but pages is counted)."""
+    if cmd == PeerCommand.SEND:
+        return encode_send(body["op"], body["part"], len(payload)) + payload
+    if cmd != PeerCommand.WRITE:
+        raise ValueError(f"not a data-phase frame a test sends: 0x{cmd:02x}")
+    span = body.get("span")
+    return encode_write(body["op"], body["part"], body["rkey"], list(body["addrs"]),
+                        list(body["lens"]), body.get("imm"), span,
+                        body.get("wid"), bool(body.get("again"))) + payload
 
 
 class FakePeer:
@@ -41,7 +107,10 @@ class FakePeer:
             self.listeners.append(s)
         addrs = claim or tuple(rail_bytes(*s.getsockname()) for s in self.listeners)
         # A fresh id each time: the daemon binds an id to the addresses it came with.
-        self.me = PeerIdentity(node or secrets.randbits(62) + 1, 0, addrs)
+        # Without a secret an id is its addresses' (unless a test claims another).
+        if node is None:
+            node = secrets.randbits(62) + 1 if secret is not None else node_of((addrs,))
+        self.me = PeerIdentity(node, 0, addrs)
         self.conn = RawConn(*parse_rail(dst.rails[rail]), timeout=timeout)
         self.hs = PeerHandshake(Role.INITIATOR, self.me, rail, secret, time.monotonic(),
                                 timeout=timeout,
@@ -75,13 +144,39 @@ class FakePeer:
         self.hs.probe(probe.body["token"], time.monotonic())
 
     def send(self, cmd: int, body: dict[str, Any], payload: bytes = b"") -> None:
-        self.conn.send(cmd, body, payload)
+        """A frame: a handshake one (before it is done), else a WRITE or SEND."""
+        if not self.hs.done:
+            self.conn.send(cmd, body, payload)
+            return
+        self.conn.send_raw(data_frame(cmd, body, payload))
 
-    def recv(self) -> Frame:
-        return self.conn.recv()
+    def recv_acks(self, n: int) -> list[Ack]:
+        return [self.recv() for _ in range(n)]
+
+    def recv(self) -> Any:
+        """The next frame: a handshake one before it is done, else an ACK."""
+        if not self.hs.done:
+            return self.conn.recv()
+        head = self._read(ACK_HEAD.size)
+        cmd, status, mlen, part, op = ACK_HEAD.unpack(head)
+        if cmd != ACK:
+            raise AssertionError(f"a peer frame 0x{cmd:02x} where an ACK was due")
+        err = ack_error(status, self._read(mlen))
+        body: dict[str, Any] = {"op": op, "part": part}
+        body.update({"ok": True} if err is None else err.to_body())
+        return Ack(cmd, body, err is not None)
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            data = self.conn.sock.recv(n - len(buf))
+            if not data:
+                raise ConnectionError("peer closed the connection")
+            buf += data
+        return buf
 
     def write(self, rkey: int, addrs: list[int], lens: list[int], payload: bytes,
-              op: int = 1, **extra: Any) -> Frame:
+              op: int = 1, **extra: Any) -> Any:
         """One WRITE and its ACK."""
         self.send(PeerCommand.WRITE, {"op": op, "part": 0, "rkey": rkey, "addrs": addrs,
                                       "lens": lens, **extra}, payload)
@@ -108,4 +203,5 @@ def handshake_error(peer: FakePeer) -> TransferdError | OSError | None:
     return None
 
 
-__all__ = ["STRANGER", "FakePeer", "handshake_error", "parse_rail"]
+__all__ = ["STRANGER", "Ack", "FakePeer", "data_frame", "handshake_error", "parse_rail",
+           "raw_write"]

@@ -20,11 +20,10 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, async_test, pattern, rss, wait_until
-from tests.integration.fake_peer import FakePeer
+from tests.integration.fake_peer import Ack, FakePeer, data_frame
 from tests.integration.test_accounting import OVERHEAD, device
 from transferd.memory import charge_of
 from transferd.protocol.errors import Timeout
-from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 from transferd.protocol.peer import PeerCommand
 from transferd.protocol.values import MrDesc, NetAddr
 
@@ -73,26 +72,16 @@ class HandPeer:
         self._fake = FakePeer(dst, 0, None)
         self._fake.handshake()
         self.sock = self._fake.conn.sock
-        self.decoder = FrameDecoder()
-        self.frames: list[Frame] = []
 
-    def send(self, cmd: int, body: dict[str, Any], payload: bytes = b"",
-             payload_len: int | None = None) -> None:
-        n = len(payload) if payload_len is None else payload_len
-        self.sock.sendall(encode_frame(cmd, 0, 0, body, n) + payload)
-
-    def recv(self) -> Frame:
-        while not self.frames:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("daemon closed the link")
-            self.frames += self.decoder.feed(data)
-        return self.frames.pop(0)
+    def recv(self) -> Ack:
+        """The next ACK (ConnectionError if the daemon closed the link)."""
+        return self._fake.recv()
 
     def write_header(self, op: int, desc: MrDesc, offset: int, length: int) -> None:
-        self.send(PeerCommand.WRITE, {"op": op, "part": 0, "rkey": desc.rkeys[0][1],
-                                      "addrs": [desc.ptr + offset], "lens": [length]},
-                  payload_len=length)
+        """A WRITE's header alone: its payload is the test's to send, or not."""
+        self.sock.sendall(data_frame(PeerCommand.WRITE, {
+            "op": op, "part": 0, "rkey": desc.rkeys[0][1], "addrs": [desc.ptr + offset],
+            "lens": [length]}))
 
 
 async def _landing(c: Client, buf: Any, first: bytes) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from client import MrDesc, NetAddr
-from tests.helpers import DaemonProcess, RawConn, async_test
+from tests.helpers import DaemonProcess, RawConn, async_test, metric, scrape
 from tests.integration.engine_cluster import (
     HANDSHAKE_TIMEOUT_S,
     RAILS,
@@ -33,6 +34,7 @@ from tests.integration.engine_cluster import (
 )
 from tests.integration.fake_peer import STRANGER, FakePeer, handshake_error
 from transferd.domains.rails import rail_bytes
+from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, PeerUnreachable, Unauthorized
 from transferd.protocol.frames import FrameDecoder, encode_header
 from transferd.protocol.peer import PeerCommand
@@ -210,13 +212,14 @@ async def test_a_stranger_on_a_rail_cannot_deliver_or_count(
             assert await b.read(dst) == bytes(4096)
             if not with_secret:
                 # A peer that does listen where it claims gets through (nothing proves
-                # more without a secret), under its own id: claiming a known one at
-                # other addresses is refused.
+                # more without a secret), under its own id (its addresses'): claiming a
+                # known one, or any other, is refused.
                 me = await b.client.main_address()
-                with FakePeer(addr, 0, None, node=me.node) as p:
-                    assert handshake_error(p) is not None
-                    assert p.conn.closed_by_peer()
-                with FakePeer(addr, 0, None, node=0xBEE) as p:
+                for claimed in (me.node, 0xBEE):
+                    with FakePeer(addr, 0, None, node=claimed) as p:
+                        assert handshake_error(p) is not None
+                        assert p.conn.closed_by_peer()
+                with FakePeer(addr, 0, None) as p:
                     p.handshake()
                     p.send(PeerCommand.SEND, {"op": 1, "part": 0, "from": [1, 2]}, b"hi")
                     assert p.recv().body.get("ok") is True
@@ -371,9 +374,10 @@ def test_a_replayed_handshake_is_refused(tcp_cluster: Cluster) -> None:
 
 
 def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
-    """64 silent strangers on a rail are all it holds: the 65th is closed on accept, and
-    once they are gone a new link is taken again."""
-    from transferd.domains.tcp import MAX_HANDSHAKING
+    """Silent strangers on a rail hold at most MAX_PER_SOURCE slots from one source: the
+    next one from it takes its oldest's slot (that one is closed), and the newcomer is
+    served; once they are gone a new link is taken as before."""
+    from transferd.domains.strangers import MAX_PER_SOURCE
 
     cl = tcp_cluster
 
@@ -383,18 +387,63 @@ def test_handshakes_in_progress_are_capped(tcp_cluster: Cluster) -> None:
 
     addr = asyncio.run(main_address())
     rail = tcp_rails(addr)[1]
-    silent = [RawConn(*rail) for _ in range(MAX_HANDSHAKING)]
+    silent = []
     try:
-        # Each was accepted (the daemon reads a header from it) before the next comes.
-        time.sleep(0.3)
+        for _ in range(MAX_PER_SOURCE):
+            silent.append(RawConn(*rail))
+            time.sleep(0.01)  # each accepted before the next comes (age order)
+        time.sleep(0.2)
+        assert not any(c.closed_by_peer(0.01) for c in silent)
         with RawConn(*rail) as one_more:
-            assert one_more.closed_by_peer(1.0)
+            assert silent[0].closed_by_peer(1.0)  # the oldest gave way
+            assert not one_more.closed_by_peer(0.3)
+            assert not any(c.closed_by_peer(0.01) for c in silent[1:])
     finally:
         for c in silent:
             c.close()
     time.sleep(0.3)
     with RawConn(*rail) as again:
         assert not again.closed_by_peer(0.5)
+
+
+@async_test(timeout=60)
+async def test_silent_strangers_on_a_rail_do_not_stop_a_real_peers_link() -> None:
+    """#16.5: 64 silent sockets on a rail held every handshake slot, even with
+    engine.secret_file: a real peer's first write then failed PEER_UNREACHABLE.  Now a
+    source holds at most its share (the per-source cap, the oldest giving way), each for
+    at most the handshake timeout, and the real peer's link is made at once."""
+    secret = secret_file()
+    own = start_many([{"env": engine_env(RAILS[n], secret_file=secret,
+                                         handshake_timeout_s=HANDSHAKE_TIMEOUT_S)}
+                      for n in ("a", "c")])
+    try:
+        await _first_link_through_strangers(*own)
+    finally:
+        for d in own:
+            d.stop()
+
+
+async def _first_link_through_strangers(a_d: DaemonProcess, c_d: DaemonProcess) -> None:
+    async with nodes(a_d, c_d) as (a, c):
+        addr_c = await c.client.main_address()
+        dst = await c.region(4096)
+        src = await a.region(4096, seed=93)
+        # The stranger on every rail of C, 64 sockets each, from its own address.
+        silent = []
+        for host, port in tcp_rails(addr_c):
+            for _ in range(64):
+                sock = socket.socket()
+                sock.bind((STRANGER, 0))
+                sock.connect((host, port))
+                silent.append(sock)
+        try:
+            await asyncio.sleep(0.2)
+            w = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0))
+            await w.wait(WAIT)
+            assert await c.read(dst) == bytes(src.data)
+        finally:
+            for sock in silent:
+                sock.close()
 
 
 def test_the_pre_handshake_body_cap_exactly(tcp_cluster: Cluster) -> None:
@@ -457,3 +506,131 @@ def test_strangers_on_a_rail_cost_the_daemon_almost_nothing(tcp_cluster: Cluster
     finally:
         for c in silent:
             c.close()
+
+
+@async_test(timeout=60)
+async def test_without_a_secret_nobody_takes_another_daemons_node_id() -> None:
+    """#16.7: without a cluster secret a stranger claimed daemon C's node id before C
+    linked to B; its messages then showed C as ``from``, and C's own link was refused.
+    Now a node id is its rails' addresses: the stranger's claim is refused, C links, and
+    B's receive says the message came from C."""
+    b_d, c_d = start_many([{"env": engine_env(RAILS["b"], handshake_timeout_s=2)},
+                           {"env": engine_env(RAILS["c"], handshake_timeout_s=2)}])
+    try:
+        async with nodes(b_d, c_d) as (b, c):
+            addr_b, addr_c = await b.client.main_address(), await c.client.main_address()
+            recv = RawConn.to(b_d, timeout=WAIT)
+            recv.hello()
+            assert not recv.request(Command.SUBMIT_RECVS, {"len": 64, "count": 4}).is_error
+
+            def stranger() -> Exception | None:
+                # Listening where it claims (the probe reaches it), under C's id.
+                with FakePeer(addr_b, 0, None, node=addr_c.node) as p:
+                    return handshake_error(p)
+
+            err = await asyncio.to_thread(stranger)
+            assert isinstance(err, Unauthorized) and "addresses" in str(err), err
+            await (await c.client.submit_send(addr_b, b"from c")).wait(WAIT)
+            event = await asyncio.to_thread(recv.recv)
+            assert event.body["from"] == [addr_c.node, addr_c.group], event.body
+            assert bytes(event.payload or b"") == b"from c"
+            recv.close()
+    finally:
+        b_d.stop()
+        c_d.stop()
+
+
+class _Tarpit:
+    """A listener that accepts nothing (its backlog full of nothing): a dial hangs."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((STRANGER, 0))
+        self.sock.listen(0)
+        self.addr = rail_bytes(*self.sock.getsockname())
+        # Fill the backlog so that later connects hang in SYN-SENT.
+        self.fill = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError, OSError):
+                s.connect(self.sock.getsockname())
+            self.fill.append(s)
+
+    def close(self) -> None:
+        for s in self.fill:
+            s.close()
+        self.sock.close()
+
+
+@async_test(timeout=90)
+async def test_without_a_secret_probe_dials_are_counted_and_bounded() -> None:
+    """#16.7: HELLOs naming a tarpit made B dial a PROBE for each, none counted: 1100
+    of them used 512 of 512 descriptors.  Now each probe takes a descriptor of the link
+    budget while it runs, at most 64 run at once per group, and each ends with its
+    handshake: B's descriptors stay bounded and a real peer links meanwhile."""
+    b_d, a_d = start_many([{"env": engine_env(RAILS["b"], handshake_timeout_s=3)},
+                           {"env": engine_env(RAILS["a"], handshake_timeout_s=3)}])
+    tarpit = _Tarpit()
+    try:
+        async with nodes(b_d, a_d) as (b, a):
+            addr_b = await b.client.main_address()
+            base = len(os.listdir(f"/proc/{_pid(b_d)}/fd"))
+            peak = [0]
+
+            def flood() -> None:
+                for i in range(300):  # HELLOs whose probes go to the tarpit, each hung up
+                    with contextlib.suppress(OSError), FakePeer(
+                            addr_b, 0, None, claim=(tarpit.addr,) * len(addr_b.rails)) as p:
+                        p.hs.start()
+                        p.conn.send_raw(p.hs.data_to_send())
+                        time.sleep(0.002)  # (B reads it, dials, and the slot goes back)
+                    if i % 10 == 0:
+                        peak[0] = max(peak[0], len(os.listdir(f"/proc/{_pid(b_d)}/fd")) - base)
+                peak[0] = max(peak[0], len(os.listdir(f"/proc/{_pid(b_d)}/fd")) - base)
+
+            await asyncio.to_thread(flood)
+            # At most 64 probes in flight (and the handshaking links, closed at once).
+            assert peak[0] <= 64 + 24, peak[0]
+            m = scrape(b_d.metrics_url or "")
+            assert metric(m, "transferd_engine_link_budget") > 0
+            # A real peer links and writes meanwhile.
+            src, dst = await a.region(4096, seed=91), await b.region(4096)
+            await (await a.client.submit_single_write(4096, None, (src.mr, 0),
+                                                      (dst.desc, 0))).wait(WAIT)
+            assert await b.read(dst) == bytes(src.data)
+    finally:
+        tarpit.close()
+        a_d.stop()
+        b_d.stop()
+
+
+@async_test(timeout=90)
+async def test_without_a_secret_the_peer_book_is_bounded() -> None:
+    """#16.7: every stranger's handshake left a binding in the peer book, never
+    forgotten (27,895 from one process in 70 s).  Now the book holds engine.max_peers,
+    the least recently bound forgotten first, and an expired or forgotten peer binds
+    again at its next handshake."""
+    (b_d,) = start_many([{"env": engine_env(RAILS["b"], max_peers=50)}])
+    try:
+        async with nodes(b_d) as (b,):
+            addr_b = await b.client.main_address()
+
+            def strangers(n: int) -> int:
+                ok = 0
+                for _ in range(n):
+                    with FakePeer(addr_b, 0, None) as p:
+                        ok += handshake_error(p) is None
+                return ok
+
+            assert await asyncio.to_thread(strangers, 200) == 200
+            m = scrape(b_d.metrics_url or "")
+            known = metric(m, "transferd_engine_peers_known")
+            assert 1 < known <= 51, known  # (B itself counts once)
+    finally:
+        b_d.stop()
+
+
+def _pid(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    return d.proc.pid

@@ -25,7 +25,7 @@ from tests.integration.engine_cluster import (
     settle,
     start_many,
 )
-from tests.integration.fake_peer import FakePeer
+from tests.integration.fake_peer import FakePeer, data_frame
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import Cancelled, NotFound, OutOfMemory, OverLimit
 from transferd.protocol.frames import FrameDecoder
@@ -339,10 +339,8 @@ def test_an_inbound_link_whose_acks_go_unread_stops_reading(
     ptr, rkeys = mr.body["desc"][0], mr.body["desc"][2]
     addr_b = NetAddr.from_bytes(ctl.request(Command.MAIN_ADDRESS).body["addr"])
     imm = 0x5A5A0000 + (rss(b) & 0xFFFF)
-    from transferd.protocol.frames import encode_frame
-    frame = encode_frame(PeerCommand.WRITE, 0, 0, {"op": 1, "part": 0, "rkey": rkeys[0][1],
-                                                   "addrs": [ptr], "lens": [4], "imm": imm},
-                         4) + b"abcd"
+    frame = data_frame(PeerCommand.WRITE, {"op": 1, "part": 0, "rkey": rkeys[0][1],
+                                           "addrs": [ptr], "lens": [4], "imm": imm}, b"abcd")
     chunk = frame * 4096
     base = rss(b)
     with FakePeer(addr_b, 0, SECRET) as p:
@@ -388,14 +386,12 @@ _acks_seen: list[int] = []
 
 def _read_acks(p: FakePeer, want: int) -> None:
     n, bad = 0, 0
-    d = FrameDecoder()
-    sock = p.conn.sock
     deadline = time.monotonic() + WAIT * 3
     while n < want and time.monotonic() < deadline:
-        data = sock.recv(1 << 20)
-        if not data:
+        try:
+            ack = p.recv()
+        except ConnectionError:
             break
-        for f in d.feed(data):
-            n += 1
-            bad += f.cmd != PeerCommand.ACK or f.body.get("ok") is not True
+        n += 1
+        bad += ack.cmd != PeerCommand.ACK or ack.body.get("ok") is not True
     _acks_seen.append(n if not bad else -bad)

@@ -28,7 +28,7 @@ from tests.integration.engine_cluster import (
     start_many,
     stopped,
 )
-from tests.integration.fake_peer import FakePeer
+from tests.integration.fake_peer import FakePeer, raw_write
 from transferd.protocol.errors import BadRequest, Timeout
 from transferd.protocol.peer import PeerCommand
 
@@ -147,9 +147,10 @@ async def test_a_retry_after_timeout_counts_once(own: list[DaemonProcess], domai
         await (await single(0)).wait(WAIT)
         assert await b.client.imm_count(singles) == 4
         # The same id and part with other contents is refused (an id names one write).
-        w = await a.client.submit_single_write(64 * 1024, singles, (src.mr, 0),
-                                               (dst.desc, 3 * MiB), wid=wid0)
-        with pytest.raises(BadRequest, match="other contents"):
+        # (Refused by A now, before anything is sent: an id is its connection's, #16.6.)
+        with pytest.raises(BadRequest, match="names one write"):
+            w = await a.client.submit_single_write(64 * 1024, singles, (src.mr, 0),
+                                                   (dst.desc, 3 * MiB), wid=wid0)
             await w.wait(WAIT)
         assert await b.client.imm_count(singles) == 4
 
@@ -175,9 +176,16 @@ async def test_a_peer_that_lies_about_write_ids(tcp_cluster: Cluster) -> None:
                 ack = peer.write(k0, [p + 8], [4], b"efgh", op=4, imm=imm, wid=wid)
                 assert ack.body.get("code") == "BAD_REQUEST", ack.body
                 assert "other contents" in ack.body["message"]
-                for bad in (-1, "x", 1.5, True):
-                    ack = peer.write(k0, [p], [4], b"abcd", op=5, imm=imm, wid=bad)
-                    assert ack.body.get("code") == "BAD_REQUEST", ack.body
+                # An id's field is 64 bits on the wire (no wrong types); a frame with one
+                # that is refused (here for an extension block) claims nothing: the same
+                # id's real write lands after it, once.
+                frame = raw_write({"op": 5, "part": 0, "rkey": k0, "addrs": [p + 16],
+                                   "lens": [4], "imm": imm, "wid": wid + 7}, b"ijkl",
+                                  ext=b"EXTBLOCK")
+                peer.conn.send_raw(frame)
+                assert peer.recv().body.get("code") == "BAD_REQUEST"
+                ack = peer.write(k0, [p + 16], [4], b"ijkl", op=5, imm=imm, wid=wid + 7)
+                assert ack.body.get("ok") is True, ack.body
                 # Half a payload, then the link goes: that part did not land.
                 peer.send(PeerCommand.WRITE, {"op": 6, "part": 0, "rkey": k0,
                                               "addrs": [p + 4096], "lens": [4096],
@@ -198,9 +206,44 @@ async def test_a_peer_that_lies_about_write_ids(tcp_cluster: Cluster) -> None:
                 assert ack.body.get("ok") is True, ack.body
 
         await asyncio.to_thread(attack)
-        assert await poll(lambda: b.client.imm_count(imm), 2) == 2
+        assert await poll(lambda: b.client.imm_count(imm), 3) == 3
         await asyncio.sleep(0.1)
-        assert await b.client.imm_count(imm) == 2
+        assert await b.client.imm_count(imm) == 3
         got = await b.read(dst, 0, 8192)
-        assert got[:4] == b"abcd" and got[4:8192 - 4096] == bytes(4092)
+        assert got[:4] == b"abcd" and got[4:16] == bytes(12) and got[16:20] == b"ijkl"
+        assert got[20:4096] == bytes(4076)
         assert got[4096:] == b"r" * 4096
+
+
+@async_test(timeout=60)
+async def test_a_write_id_is_its_own_connections(tcp_cluster: Cluster) -> None:
+    """#16.6: another client of the same daemon used my write id and my destination range
+    first; my write completed OK and was never placed.  An id's scope is the connection
+    that submitted it: mine lands (its bytes, its count), the other's retry is still its
+    own (acknowledged, not counted again), and a retry that names another write than its
+    id first did is refused, never taken for the first."""
+    cl = tcp_cluster
+    async with nodes(cl.a, cl.a, cl.b) as (other, me, b):
+        dst = await b.region(64 * 1024)
+        imm = fresh_imm()
+        theirs, mine = await other.region(4096, seed=81), await me.region(4096, seed=82)
+        wid = random.Random().randrange(1 << 62)
+        await (await other.client.submit_single_write(4096, imm, (theirs.mr, 0),
+                                                      (dst.desc, 0), wid=wid)).wait(WAIT)
+        await (await me.client.submit_single_write(4096, imm, (mine.mr, 0), (dst.desc, 0),
+                                                   wid=wid)).wait(WAIT)
+        assert await b.read(dst, 0, 4096) == bytes(mine.data)  # placed
+        assert await b.client.imm_count(imm) == 2  # and counted
+        # The other's retry of its own write: acknowledged, neither placed nor counted.
+        await (await other.client.submit_single_write(4096, imm, (theirs.mr, 0),
+                                                      (dst.desc, 0), wid=wid)).wait(WAIT)
+        assert await b.read(dst, 0, 4096) == bytes(mine.data)
+        assert await b.client.imm_count(imm) == 2
+        # My id once more, naming another range (or another source): refused at once.
+        for src, off in ((mine, 8192), (theirs, 0)):
+            with pytest.raises(BadRequest, match="named another write"):
+                w = await me.client.submit_single_write(4096, imm, (src.mr, 0),
+                                                        (dst.desc, off), wid=wid)
+                await w.wait(WAIT)
+        assert await b.read(dst, 8192, 4096) == bytes(4096)
+        assert await b.client.imm_count(imm) == 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from transferd.domains.verbs.devices import discover
-from transferd.domains.verbs.loader import pyverbs_missing
+from transferd.rdma.devices import discover
+from transferd.rdma.loader import pyverbs_missing
 
 
 def rdma_devices() -> tuple[list[str], str | None]:

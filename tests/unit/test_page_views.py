@@ -1,29 +1,27 @@
 """The page-list fast paths of the write path give what the page-by-page code gave.
 
 Buffer.views / Region.views (one bounds check for a whole page list), the
-equal-length fast path of DomainGroup.write_views, Pages.from_wire's
-validation of long index lists, and FramedStream._flush's bookkeeping when a
-send takes only part of a long list of views.
+equal-length fast path of the engine port's check of a peer write
+(EnginePort.place), the WRITE header's own checks, and Pages.from_wire's
+validation of long index lists.  (The send side's bookkeeping over a long list
+of views, partly sent: tests/unit/test_link_io.py.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
-import socket
+import struct
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from transferd.domains.group import DomainGroup
-from transferd.domains.stream import FramedStream
 from transferd.engine.immcounter import ImmCounter
+from transferd.engine.port import EnginePort
 from transferd.engine.regions import Region, RegionTable
 from transferd.memory import Buffer
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
-from transferd.protocol.frames import FrameDecoder
-from transferd.protocol.peer import WriteHeader
+from transferd.protocol.peer_wire import WRITE_HEAD, encode_write, parse_write
 from transferd.protocol.values import Pages
 
 PAGE = 4096
@@ -74,39 +72,45 @@ def test_region_views_name_the_first_page_out(region: Region, bad: int) -> None:
     assert str(got.value) == str(want.value)
 
 
-def _group(region: Region) -> DomainGroup:
+def _port(region: Region) -> EnginePort:
     table = RegionTable()
     table._by_rkey[region.rkeys[0]] = region
-    return DomainGroup(0, 1, asyncio.new_event_loop(), table, ImmCounter(), lambda p, m, a: None)
+    return EnginePort(table, ImmCounter(), lambda *a: None, lambda s: None)
 
 
-PEER = (0xA, 0)
-
-
-def _w(body: dict[str, Any]) -> WriteHeader:
-    return WriteHeader.parse({"op": 1, "part": 0, **body})
+def _views(port: EnginePort, rkey: int, addrs: list[int], lens: list[int],
+           payload: int) -> list[memoryview]:
+    placed = port.place(rkey, 0, addrs, lens, payload, None)
+    placed.release()  # a check only: whoever lands bytes holds it until they are in
+    return list(placed.views)
 
 
 def test_write_views_equal_pages_and_mixed_lengths_agree(region: Region) -> None:
-    g = _group(region)
+    port = _port(region)
     p = region.ptr
     idx = random.Random(3).sample(range(PAGES), 32)
-    body = {"rkey": region.rkeys[0], "addrs": [p + i * PAGE for i in idx], "lens": [PAGE] * 32}
-    fast = g.write_views(0, PEER, _w(body), 32 * PAGE)
+    addrs = [p + i * PAGE for i in idx]
+    fast = _views(port, region.rkeys[0], addrs, [PAGE] * 32, 32 * PAGE)
     slow = [region.view(p + i * PAGE, PAGE) for i in idx]
     assert [v.tobytes() for v in fast] == [v.tobytes() for v in slow]
-    assert len(g.write_views(0, PEER, _w({**body, "lens": [PAGE] * 31 + [8]}),
-                             31 * PAGE + 8)) == 32
+    assert len(_views(port, region.rkeys[0], addrs, [PAGE] * 31 + [8], 31 * PAGE + 8)) == 32
     with pytest.raises(BadRequest):
-        g.write_views(0, PEER, _w(body), 32 * PAGE - 1)
+        _views(port, region.rkeys[0], addrs, [PAGE] * 32, 32 * PAGE - 1)
     with pytest.raises(OutOfBounds):
-        g.write_views(0, PEER, _w({**body, "addrs": [*body["addrs"][:-1], p + SIZE]}),
-                      32 * PAGE)
-    # Not all ints (a float from a strange peer): refused by the parser, typed.
-    floats: dict[str, Any] = {**body, "addrs": [float(a) for a in body["addrs"]]}
-    with pytest.raises(BadRequest):
-        _w(floats)
-    g.loop.close()
+        _views(port, region.rkeys[0], [*addrs[:-1], p + SIZE], [PAGE] * 32, 32 * PAGE)
+    assert region.admitted == 0
+
+
+def test_a_write_header_that_lies_is_refused_typed() -> None:
+    """A peer's header whose pages do not add up to its payload, or run past the end of
+    the address space: BadRequest before any memory is looked at."""
+    wire = bytearray(encode_write(1, 0, 5, [0x1000, 0x3000], [8, 8], None))
+    struct.pack_into("<Q", wire, 40, 15)  # payload: 15, pages: 16
+    with pytest.raises(BadRequest, match="payload"):
+        parse_write(wire, 0, WRITE_HEAD.unpack_from(wire))
+    wire = bytearray(encode_write(1, 0, 5, [(1 << 64) - 4], [8], None))
+    with pytest.raises(BadRequest, match="address space"):
+        parse_write(wire, 0, WRITE_HEAD.unpack_from(wire))
 
 
 @pytest.mark.parametrize(
@@ -128,53 +132,3 @@ def test_pages_from_wire_validates_every_index(indices: Any, ok: bool) -> None:
     else:
         with pytest.raises(BadRequest):
             Pages.from_wire([indices, PAGE, 0])
-
-
-def test_flush_keeps_order_across_partial_sends() -> None:
-    """Hundreds of small views through a tiny send buffer arrive whole and in order."""
-    loop = asyncio.new_event_loop()
-    a, b = socket.socketpair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    got: list[Any] = []
-    closed: list[Any] = []
-    s = FramedStream(loop, a, on_frame=got.append, on_close=closed.append)
-    data = [bytes([i % 251]) * (100 + i % 700) for i in range(900)]
-    s.send(0x41, 0, 7, {"n": len(data)}, [memoryview(d) for d in data])
-    assert s.queued > 0  # the send buffer cannot take it all at once
-
-    b.setblocking(False)
-
-    async def drain() -> list[Any]:
-        dec = FrameDecoder()
-        frames: list[Any] = []
-        while not frames:
-            await asyncio.sleep(0.001)  # the stream's writer callback runs meanwhile
-            try:
-                frames += dec.feed(b.recv(1 << 20))
-            except BlockingIOError:
-                continue
-        return frames
-
-    frames = loop.run_until_complete(asyncio.wait_for(drain(), 10))
-    assert len(frames) == 1 and frames[0].seq == 7
-    assert bytes(frames[0].payload) == b"".join(data)
-    assert s.queued == 0
-    s.close()
-    b.close()
-    loop.close()
-    assert not got and closed == [None]
-
-
-def test_send_skips_empty_views() -> None:
-    loop = asyncio.new_event_loop()
-    a, b = socket.socketpair()
-    s = FramedStream(loop, a, on_frame=lambda f: None, on_close=lambda e: None)
-    s.send(0x41, 0, 9, None, [memoryview(b""), memoryview(b"ab"), memoryview(b""),
-                              memoryview(b"c")])
-    assert s.queued == 0
-    b.settimeout(5)
-    frames = FrameDecoder().feed(b.recv(1 << 16))
-    assert len(frames) == 1 and bytes(frames[0].payload or b"") == b"abc"
-    s.close()
-    b.close()
-    loop.close()

@@ -20,17 +20,22 @@ from transferd.protocol.peer import PeerCommand
 from transferd.protocol.peer_handshake import (
     MAX_HANDSHAKE_BODY,
     TRANSITIONS,
+    VERSION,
     PeerHandshake,
     PeerIdentity,
     Probe,
     Ready,
     Role,
     State,
+    node_of,
     parse_probe,
 )
 
-A = PeerIdentity(0xA, 0, (b"127.0.0.2:1000", b"127.0.0.3:1001"))
-B = PeerIdentity(0xB, 0, (b"127.0.0.4:2000", b"127.0.0.5:2001"))
+# Node ids their addresses' (what one must be without a secret: peer_handshake.node_of).
+A = PeerIdentity(node_of(((b"127.0.0.2:1000", b"127.0.0.3:1001"),)), 0,
+                 (b"127.0.0.2:1000", b"127.0.0.3:1001"))
+B = PeerIdentity(node_of(((b"127.0.0.4:2000", b"127.0.0.5:2001"),)), 0,
+                 (b"127.0.0.4:2000", b"127.0.0.5:2001"))
 SECRET = b"the cluster secret"
 
 
@@ -230,7 +235,7 @@ def test_the_initiator_checks_it_reached_whom_it_dialled() -> None:
 
 
 def _hello(**change: Any) -> Frame:
-    body: dict[str, Any] = {"v": 1, "node": A.node, "group": 0, "rail": 1,
+    body: dict[str, Any] = {"v": VERSION, "node": A.node, "group": 0, "rail": 1,
                             "addrs": list(A.addrs), "nonce": bytes(32), "auth": "hmac-sha256"}
     body.update(change)
     for k in [k for k, v in change.items() if v is None]:
@@ -239,7 +244,8 @@ def _hello(**change: Any) -> Frame:
 
 
 @pytest.mark.parametrize(("change", "error", "words"), [
-    ({"v": 2}, BadFrame, "version"),
+    ({"v": 1}, BadFrame, "version"),  # a daemon of the msgpack data phase
+    ({"v": VERSION + 1}, BadFrame, "version"),
     ({"node": -1}, BadFrame, "'node'"),
     ({"node": 0}, BadFrame, "node id 0"),
     ({"node": "A"}, BadFrame, "'node'"),

@@ -1,30 +1,36 @@
 """Property tests of the peer plane's sans-IO parts (issue 11, hostile input): the
-handshake (both roles, with and without a secret) and the WRITE / ACK / SEND headers.
+handshake (both roles, with and without a secret) and the data phase's frames.
 
 Any frame a stranger or a lying peer sends, in any order and at any time, ends in the
 handshake's events or a typed :class:`TransferdError` after which the end is CLOSED;
-any body of a WRITE, ACK or SEND parses into a header whose every field is in range,
-or is BAD_REQUEST.
+any WRITE header parses into one whose every field is in range and that encodes back
+to the same bytes, or is BAD_REQUEST (framed) or BAD_FRAME (not); any bytes after an
+authenticated handshake end in ACKs or a closed link, with nothing left admitted and
+no count but the pages that landed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import struct
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.hostile import EDGE_INTS, U32, U64, bodies, values
+from tests.hostile import EDGE_INTS, U32, U64, bodies
+from tests.peerlink import HostMemory, Pair, feed, identity, link_pair
 from transferd.protocol.constants import ErrorCode, Flag
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadFrame, BadRequest, TransferdError
 from transferd.protocol.frames import Frame, FrameDecoder
-from transferd.protocol.peer import MAX_PAGES_PER_FRAME, PeerCommand, WriteHeader, parse_ref
+from transferd.protocol.peer import PeerCommand
 from transferd.protocol.peer_handshake import (
     MAX_HANDSHAKE_BODY,
     NONCE_LEN,
     TRANSITIONS,
+    VERSION,
     PeerHandshake,
     PeerIdentity,
     Probe,
@@ -32,6 +38,18 @@ from transferd.protocol.peer_handshake import (
     Role,
     State,
     parse_probe,
+)
+from transferd.protocol.peer_landing import Landing
+from transferd.protocol.peer_wire import (
+    KNOWN_FLAGS,
+    MAX_PAGES,
+    WRITE_HEAD,
+    check_write_head,
+    encode_ack,
+    encode_send,
+    encode_write,
+    frame_size,
+    parse_write,
 )
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,7 +67,7 @@ def counter_random() -> Any:
 
 addrs = st.lists(st.sampled_from([*A.addrs, *B.addrs, b"x" * 300, b""]), max_size=3)
 handshake_bodies = bodies({
-    "v": st.sampled_from([1, 1, 2, True]), "node": st.sampled_from([0xA, 0xB, 0, U64]),
+    "v": st.sampled_from([VERSION, VERSION, 1, True]), "node": st.sampled_from([0xA, 0xB, 0, U64]),
     "group": st.sampled_from([0, 1, 0x10000]), "rail": st.sampled_from([0, 1, 2, 15, 16]),
     "addrs": st.one_of(st.just(list(A.addrs)), st.just(list(B.addrs)), addrs),
     "nonce": st.binary(min_size=31, max_size=33), "auth": st.sampled_from(["hmac-sha256", "x"]),
@@ -188,7 +206,7 @@ def test_a_reply_naming_another_rail_is_refused_typed() -> None:
     ini = PeerHandshake(Role.INITIATOR, A, 0, SECRET, 0.0, expect=(B.node, B.group, B.addrs[0]),
                         random=counter_random())
     ini.start()
-    body = {"v": 1, "node": B.node, "group": B.group, "rail": 5, "addrs": list(B.addrs),
+    body = {"v": VERSION, "node": B.node, "group": B.group, "rail": 5, "addrs": list(B.addrs),
             "challenge": b"c" * NONCE_LEN, "proof": b"p" * 32}
     with pytest.raises(TransferdError) as info:
         ini.receive(Frame(int(PeerCommand.HELLO), int(Flag.REPLY), 0, body), 0.0)
@@ -196,52 +214,96 @@ def test_a_reply_naming_another_rail_is_refused_typed() -> None:
     assert ini.state is State.CLOSED
 
 
-# -- WRITE, ACK and SEND headers ------------------------------------------------------------
+# -- the data phase ------------------------------------------------------------------------
 
-page_ints = st.one_of(st.sampled_from(EDGE_INTS), st.integers(0, 1 << 20))
-write_bodies = bodies({
-    "op": page_ints, "part": page_ints, "rkey": page_ints,
-    "addrs": st.lists(page_ints, max_size=4), "lens": st.lists(page_ints, max_size=4),
-    "imm": st.one_of(st.none(), page_ints),
-    "span": st.one_of(st.none(), st.lists(page_ints, min_size=2, max_size=2),
-                      st.lists(page_ints, max_size=3)),
-}, optional=frozenset({"imm", "span"}))
+page_ints = st.one_of(st.sampled_from([e for e in EDGE_INTS if e >= 0]),
+                      st.integers(0, 1 << 20))
+table = st.lists(st.tuples(page_ints, page_ints), max_size=4)
 
 
 @SETTINGS
-@given(write_bodies)
-def test_any_write_body_parses_in_range_or_is_bad_request(body: dict[str, Any]) -> None:
+@given(st.integers(0, 255), table, page_ints, page_ints, page_ints, page_ints,
+       st.one_of(st.none(), st.tuples(page_ints, page_ints)), page_ints)
+def test_any_write_header_parses_in_range_or_is_refused(
+        flags: int, pages: list[tuple[int, int]], op: int, part: int, rkey: int,
+        imm: int, span: tuple[int, int] | None, payload: int) -> None:
+    n = len(pages)
+    raw = bytearray(WRITE_HEAD.pack(0x41, flags & ~0x12, n, part & U32, op & U64, rkey & U64,
+                                    imm & U32, 0, op & U64, payload & U64))
+    if span is not None:
+        raw[1] |= 0x02
+        raw += struct.pack("<QQ", *(v & U64 for v in span))
+    for a, ln in pages:
+        raw += struct.pack("<QQ", a & U64, ln & U64)
+    head = WRITE_HEAD.unpack_from(raw)
     try:
-        h = WriteHeader.parse(body)
-    except BadRequest as exc:
-        assert exc.message.startswith("peer ")
+        check_write_head(head[1], head[2], head[7])
+    except BadFrame:
+        assert head[1] & ~KNOWN_FLAGS
         return
-    assert 0 <= h.op <= U64 and 0 <= h.part <= U32 and 0 <= h.rkey <= U64
-    assert len(h.addrs) == len(h.lens) <= MAX_PAGES_PER_FRAME
-    assert all(type(v) is int and 0 <= v <= U64 for v in (*h.addrs, *h.lens))
-    assert h.imm is None or 0 <= h.imm <= U32
-    if h.span is not None:
-        a, n = h.addrs[0], h.lens[0]
-        assert h.span[0] <= a and a + n <= h.span[0] + h.span[1]
-    assert WriteHeader.parse(h.to_body()) == h  # what it parsed is what it would send
-
-
-@SETTINGS
-@given(st.one_of(bodies({"op": page_ints, "part": page_ints, "ok": values}),
-                 st.dictionaries(st.text(max_size=4), values, max_size=3)))
-def test_any_ack_or_send_body_names_an_op_or_is_bad_request(body: dict[str, Any]) -> None:
     try:
-        op, part = parse_ref(body)
+        w = parse_write(raw, 0, head)
     except BadRequest:
         return
-    assert type(op) is int and 0 <= op <= U64 and type(part) is int and 0 <= part <= U32
+    assert 0 <= w.op <= U64 and 0 <= w.part <= U32 and 0 <= w.rkey <= U64
+    assert len(w.addrs) == len(w.lens) <= MAX_PAGES and sum(w.lens) == head[9]
+    assert all(a + ln <= U64 + 1 for a, ln in zip(w.addrs, w.lens, strict=True))
+    assert w.imm is None or 0 <= w.imm <= U32
+    if w.span is not None:
+        assert w.span[0] <= w.addrs[0] and w.addrs[0] + w.lens[0] <= w.span[0] + w.span[1]
+    again = encode_write(w.op, w.part, w.rkey, w.addrs, w.lens, w.imm, w.span, w.wid, w.again)
+    assert parse_write(again, 0, WRITE_HEAD.unpack_from(again)) == w  # as it would send it
 
 
-@pytest.mark.parametrize("n", [MAX_PAGES_PER_FRAME, MAX_PAGES_PER_FRAME + 1])
+def _ready() -> tuple[Pair, HostMemory, Any]:
+    mem = HostMemory(1)
+    p = link_pair(Landing(mem, 1), identity(1), identity(1))
+    return p, mem, mem.region(1 << 16)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(st.binary(max_size=80), st.sampled_from(["write", "send", "ack"])),
+                max_size=8))
+def test_any_bytes_after_the_handshake_end_in_acks_or_a_closed_link(
+        pieces: list[Any]) -> None:
+    p, mem, r = _ready()
+    wire = bytearray()
+    for piece in pieces:  # hostile bytes between well-formed frames
+        if piece == "write":
+            wire += encode_write(1, 0, r.rkeys[0], [r.ptr + 8], [4], 7) + b"abcd"
+        elif piece == "send":
+            wire += encode_send(2, 0, 3) + b"msg"
+        elif piece == "ack":
+            wire += encode_ack(3, 0)
+        else:
+            wire += piece
+    with contextlib.suppress(AssertionError):  # the link stopped reading: a socket holds it
+        feed(p.inb, bytes(wire))
+    if p.inb.closed:
+        assert isinstance(p.inb.error, BadFrame)
+    p.inb.close()
+    assert r.admitted == 0  # nothing left holding the region
+    landed = sum(1 for x in range(8, 12) if r.data[x] != 0)
+    assert mem.counts[7] <= sum(1 for x in pieces if x == "write") and (
+        mem.counts[7] == 0 or landed)
+
+
+@SETTINGS
+@given(st.binary(max_size=200))
+def test_any_bytes_to_an_outbound_link_complete_parts_or_close_it(data: bytes) -> None:
+    p, _, _ = _ready()
+    p.out.send("token", 9, 0, b"x")
+    feed(p.out, data)
+    assert p.out.closed or all(t == "token" for t, _ in p.out.completions)
+    if p.out.closed:
+        assert p.out.error is not None and p.out.error.code is ErrorCode.PEER_UNREACHABLE
+
+
+@pytest.mark.parametrize("n", [MAX_PAGES, MAX_PAGES + 1])
 def test_page_lists_at_the_frame_cap(n: int) -> None:
-    body = {"op": 1, "part": 0, "rkey": 1, "addrs": list(range(n)), "lens": [1] * n}
-    if n > MAX_PAGES_PER_FRAME:
-        with pytest.raises(BadRequest):
-            WriteHeader.parse(body)
+    raw = encode_write(1, 0, 1, list(range(0, 2 * n, 2)), [1] * n, None)
+    if n > MAX_PAGES:
+        with pytest.raises(BadFrame):
+            frame_size(raw)
     else:
-        assert len(WriteHeader.parse(body).addrs) == n
+        assert len(parse_write(raw, 0, WRITE_HEAD.unpack_from(raw)).addrs) == n

@@ -15,14 +15,17 @@ P, Q, R = (1, 0), (2, 0), (3, 0)
 
 
 class Starts:
-    """start() callbacks whose futures the test finishes by hand, in the order started."""
+    """start(releases) callbacks whose futures the test finishes by hand, in the order
+    started; each lets go of what it was handed once its future is done, as the
+    engine's transfers do."""
 
     def __init__(self) -> None:
         self.started: list[tuple[str, asyncio.Future[None]]] = []
 
     def __call__(self, name: str):  # type: ignore[no-untyped-def]
-        def start() -> asyncio.Future[None]:
+        def start(releases) -> asyncio.Future[None]:  # type: ignore[no-untyped-def]
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda _: [r() for r in releases])
             self.started.append((name, fut))
             return fut
         return start
@@ -92,7 +95,7 @@ async def test_a_wait_expires_unsent_and_a_typed_start_error_is_the_transfers() 
         await asyncio.wait_for(late, 1)
     assert slots.waiting == 0 and slots.expired == 1
 
-    def bad() -> asyncio.Future[None]:
+    def bad(releases: object) -> asyncio.Future[None]:
         raise OverLimit("refused at start")
     refused = slots.run([P], bad)
     s.finish("p1")  # p2 expired: skipped; bad() starts and fails its own future

@@ -8,7 +8,10 @@ import socket
 
 import pytest
 
-from transferd.domains.verbs.completions import (
+from transferd.domains.verbs.sendq import SendQueue
+from transferd.engine.immcounter import ImmCounter
+from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
+from transferd.rdma.completions import (
     Completion,
     Dispatcher,
     QpRole,
@@ -17,10 +20,7 @@ from transferd.domains.verbs.completions import (
     split_wr_id,
     wr_id,
 )
-from transferd.domains.verbs.constants import CHAIN_MAX, WcOpcode, WcStatus
-from transferd.domains.verbs.sendq import SendQueue
-from transferd.engine.immcounter import ImmCounter
-from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
+from transferd.rdma.constants import CHAIN_MAX, WcOpcode, WcStatus
 
 SEND_QPN, WRITE_QPN = 10, 11
 PEER = (7, 0)

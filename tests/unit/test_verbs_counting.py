@@ -20,16 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from transferd.domains.verbs.completions import (
-    Completion,
-    Dispatcher,
-    QpRole,
-    WrIds,
-    WrKind,
-    wr_id,
-)
-from transferd.domains.verbs.constants import WcOpcode, WcStatus, WrOpcode
-from transferd.domains.verbs.mrtable import MrTable, Registration, address_of
 from transferd.domains.verbs.sender import Posted, Sender
 from transferd.domains.verbs.sendq import SendQueue
 from transferd.engine.immcounter import ImmCounter
@@ -37,6 +27,16 @@ from transferd.engine.plan import WritePart, plan_barrier, plan_paged, plan_sing
 from transferd.engine.transfer import Transfer
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 from transferd.protocol.values import MrDesc, NetAddr, Pages
+from transferd.rdma.completions import (
+    Completion,
+    Dispatcher,
+    QpRole,
+    WrIds,
+    WrKind,
+    wr_id,
+)
+from transferd.rdma.constants import WcOpcode, WcStatus, WrOpcode
+from transferd.rdma.mrtable import MrTable, Registration, address_of
 
 PTR = 0x7F00_0000_0000
 RKEY = 0x1234

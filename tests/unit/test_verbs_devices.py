@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from transferd.domains.verbs import bind
-from transferd.domains.verbs.devices import DeviceInfo, DevicesReport, PortInfo, discover
-from transferd.domains.verbs.loader import VerbsUnavailable, memlock_problem, pyverbs_missing
+from transferd.rdma.devices import DeviceInfo, DevicesReport, PortInfo, discover
+from transferd.rdma.loader import VerbsUnavailable, memlock_problem, pyverbs_missing
 
 REPORT = discover()
 NONE_HERE = pytest.mark.skipif(bool(REPORT.devices), reason="this machine has RDMA devices")

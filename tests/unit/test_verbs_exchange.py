@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from transferd.domains.verbs.exchange import (
+from transferd.protocol.errors import BadRequest
+from transferd.rdma.exchange import (
     MAGIC,
     QpInfo,
     RailSetup,
     check_pair,
     path_mtu,
 )
-from transferd.protocol.errors import BadRequest
 
 GID = bytes.fromhex("fe800000000000000202c9fffe000001")
 
@@ -106,7 +106,7 @@ def test_check_pair() -> None:
 
 
 def test_channel_setup_round_trip_and_checks() -> None:
-    from transferd.domains.verbs.exchange import ChannelSetup
+    from transferd.rdma.exchange import ChannelSetup
 
     c = ChannelSetup(qp(), 32, 256 * 1024)
     raw = c.to_bytes()

@@ -13,10 +13,10 @@ import socket
 from collections.abc import Callable, Sequence
 
 from tests.helpers import async_test
-from transferd.domains.verbs.framing import HELLO_MESSAGE, MIN_MAX_MESSAGE
-from transferd.domains.verbs.msgtransport import MessageTransport
 from transferd.protocol.errors import BadFrame, ProtocolError, TooLarge, TransferdError
 from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
+from transferd.transports.continuation import HELLO_MESSAGE, MIN_MAX_MESSAGE
+from transferd.transports.msgtransport import MessageTransport
 
 MAX = MIN_MAX_MESSAGE
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transferd.domains.verbs.constants import WrOpcode
-from transferd.domains.verbs.mrtable import MrTable, Registration, address_of
-from transferd.domains.verbs.wrplan import plan_part
 from transferd.engine.plan import WritePart, plan_paged, plan_single
 from transferd.protocol.errors import BadRequest, NotFound
 from transferd.protocol.values import MrDesc, NetAddr, Pages
+from transferd.rdma.constants import WrOpcode
+from transferd.rdma.mrtable import MrTable, Registration, address_of
+from transferd.rdma.wrplan import plan_part
 
 PTR = 0x7F00_0000_0000
 

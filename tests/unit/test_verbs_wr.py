@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from transferd.domains.verbs.loader import pyverbs_missing
+from transferd.rdma.loader import pyverbs_missing
 
 MISSING = pyverbs_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -19,10 +19,10 @@ if MISSING is None:
     import pyverbs.enums as e
     from pyverbs.wr import SendWR
 
-    from transferd.domains.verbs import wr as vwr
+    from transferd.rdma import wr as vwr
 
-from transferd.domains.verbs.completions import WrKind, split_wr_id, wr_id  # noqa: E402
-from transferd.domains.verbs.constants import (  # noqa: E402
+from transferd.rdma.completions import WrKind, split_wr_id, wr_id  # noqa: E402
+from transferd.rdma.constants import (  # noqa: E402
     CHAIN_MAX,
     IBV_SEND_SIGNALED,
     IBV_WC_WITH_IMM,
@@ -30,7 +30,7 @@ from transferd.domains.verbs.constants import (  # noqa: E402
     WcStatus,
     WrOpcode,
 )
-from transferd.domains.verbs.wrplan import WrSpec  # noqa: E402
+from transferd.rdma.wrplan import WrSpec  # noqa: E402
 
 SINK = (0x5000, 64, 0x77)
 
@@ -120,8 +120,8 @@ def test_recv_slots_built_once() -> None:
 
 def test_rtr_rts_attributes_from_the_exchange() -> None:
     """The QPAttr that connects our RC queue pair to the peer's, as real pyverbs."""
-    from transferd.domains.verbs.exchange import QpInfo
-    from transferd.domains.verbs.resources import rtr_rts_attr
+    from transferd.rdma.exchange import QpInfo
+    from transferd.rdma.resources import rtr_rts_attr
 
     gid = bytes.fromhex("00000000000000000000ffffc6120002")  # ::ffff:198.18.0.2
     mine = QpInfo(0x100, 0x111, 0, 1, gid, 3, 5)

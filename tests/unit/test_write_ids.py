@@ -1,14 +1,14 @@
-"""The receiver's write-id window (transferd/domains/writeids.py) and how a split
-write's parts from two attempts cover one span (transferd/domains/coverage.py)."""
+"""The receiver's write-id window (transferd/protocol/peer_writeids.py) and how a split
+write's parts from two attempts cover one span (transferd/protocol/peer_coverage.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from transferd.domains.coverage import Coverage
-from transferd.domains.writeids import Seen, WriteIds
 from transferd.protocol.errors import BadRequest, Timeout
-from transferd.protocol.peer import WriteHeader
+from transferd.protocol.peer_coverage import Coverage
+from transferd.protocol.peer_wire import WriteHeader
+from transferd.protocol.peer_writeids import Seen, WriteIds
 
 PEER = (5, 0)
 

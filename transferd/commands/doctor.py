@@ -144,7 +144,7 @@ def devices(config_path: str | None, rdma: bool, as_json: bool) -> None:
     Exits 0 when some RDMA port is ACTIVE, 1 otherwise (docs/rdma.md), as scripts
     that look for RDMA expect; `transferd doctor` answers "can this config run here".
     """
-    from transferd.domains.verbs.devices import discover
+    from transferd.rdma.devices import discover
 
     report = discover()
     if rdma:

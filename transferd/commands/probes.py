@@ -225,7 +225,7 @@ def gpus(config: Config | None) -> Section:
 
 @register("rdma")
 def rdma(config: Config | None) -> Section:
-    from transferd.domains.verbs.devices import discover
+    from transferd.rdma.devices import discover
 
     report = discover()
     sec = Section("rdma", items=[d for d in report.to_dict()["devices"]],

@@ -1,66 +1,59 @@
 """The Domain seam: one NIC (one rail of a domain group) behind one interface.
 
-A Domain moves the parts the engine planned to the peer's matching rail and
-lands what peers send it.  It is made by the registry (:mod:`.registry`) from
-its name, bound to one local address, and owned by a :class:`DomainGroup`,
-which is its :class:`Receiver`: the engine-side rules every Domain shares
-(bounds and admission of a write, what counts, who gets a message, who the
-peers are).  A Domain decides only how bytes travel.
+A Domain moves the parts the engine planned to the peer's matching rail and lands
+what peers send it.  It is made by the registry (:mod:`.registry`) from its name,
+bound to one local address, and owned by a :class:`~.group.DomainGroup`, which
+gives it a :class:`Port`: who we are and how links are made (:class:`~.links.
+LinkContext`), the landing rules every Domain shares (:class:`~transferd.protocol.
+peer_landing.Landing`: open a write, then commit or fail it), and where messages go.
+What is specific to a NIC stays in the Domain; the link protocol itself (handshake,
+frames, ACKs, duplicates, write ids, watermarks) is the sans-IO core of
+:mod:`transferd.protocol.peer_link`, which a Domain's I/O feeds.
 
 What a Domain does, and when (every call on its group's worker loop):
 
-- ``__init__(receiver, rail, host, port, options)``: bind; listen for peers.
-- ``address``: its own address, opaque bytes that travel in NetAddrs (only
-  this Domain's class reads them; :meth:`check_address` validates a client's).
-- ``register(region) -> rkey`` / ``deregister(region)``: make a registered
-  region writable through this NIC; the rkey goes in the region's MrDesc.  A
-  deregistered region's writes are refused (the region stops admitting too).
-  These two are called on the daemon's loop, not the worker's: a Domain whose
-  NIC must be touched from its worker hops there itself.
-- ``post(part, transfer)``: send one WritePart or SendPart to ``part.dst``;
-  call ``transfer.part_done()`` once the peer acknowledged it (the bytes are
-  in place, or a client has the message) or ``transfer.part_done(error)``.
-  With more than one rail ``transfer`` may stand for one part only (a
-  :class:`~transferd.domains.failover.Resend`, which re-sends the part on
-  another rail on PEER_UNREACHABLE): use only its ``part_done``, ``fail``,
-  ``finished`` and ``op``.
-- inbound: check a write's rkey against what this Domain registered, then
-  ``receiver.check_write(...)`` before any byte lands, land the bytes, then
-  ``receiver.landed(...)`` (or ``landed_imm`` where the NIC carries the
-  immediate; for a WRITE that may carry a write id, ``claim_write`` first and
-  ``landed_once`` / ``write_failed`` after); hand a message to
-  ``receiver.deliver(peer, msg, ack, link)`` and call
-  ``receiver.sender_gone(link)`` when that inbound link closes (the messages
-  from it still waiting for a receive are dropped).  The ``peer`` is
-  the (node, group) the link authenticated, never a claim.
-- ``connect(dst)``: open the link to a peer's rail ahead of use (optional).
-- ``drop_stalled(dst, error)``: a transfer to ``dst`` timed out; close a link
-  that still holds unsent bytes (optional).
-- ``close()``: fail what is outstanding (PEER_UNREACHABLE), stop listening.
+- ``__init__(port, rail, host, port_number, options)``: bind; listen for peers.
+- ``address``: its own address, opaque bytes that travel in NetAddrs (only this
+  Domain's class reads them; :meth:`check_address` validates a client's).
+- ``register(region) -> rkey`` / ``deregister(region)``: make a registered region
+  writable through this NIC; the rkey goes in the region's MrDesc.  Called on the
+  daemon's loop: a Domain whose NIC must be touched from its worker hops there.
+- ``post(part, transfer)``: send one WritePart or SendPart to ``part.dst``; call
+  ``transfer.part_done()`` once the peer acknowledged it (the bytes are in place,
+  or a client has the message) or ``transfer.part_done(error)``.  With more than
+  one rail ``transfer`` may stand for one part only (a :class:`~.failover.Resend`):
+  use only its ``part_done``, ``fail``, ``finished`` and ``op``.
+- inbound: ``port.landing.open(peer, rail, header, payload_len, abort)`` before
+  any byte lands, land the bytes in its views, then ``commit(nbytes)`` or
+  ``fail(error)`` (a NIC that places and counts itself: ``port.landing.
+  landed_imm``); a message goes to ``port.deliver(peer, msg, ack, link)``, and
+  ``port.sender_gone(link)`` when that link closes.  ``peer`` is the (node,
+  group) the link authenticated, never a claim.
+- ``connect(dst)``, ``drop_stalled(dst, error)`` (optional), ``close()``.
+- ``capabilities`` and ``link_stats()``: what it can do, how its links are.
 
 The Domain conformance suite (tests/domains/) runs every registered Domain
-through the same cases; a new Domain is a module, a registry entry and a
-green run of that suite.
+through the same cases; a new Domain is a module, a registry entry and a green run
+of that suite.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from transferd.parts import RegionInfo
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.keyring import Keyring
-from transferd.protocol.peer import WriteHeader
-from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.values import NetAddr
 
 if TYPE_CHECKING:
-    from transferd.engine.regions import Region
-    from transferd.memory import Ref
     from transferd.parts import SendPart, Transfer, WritePart
+    from transferd.protocol.peer_landing import Landing
+
+    from .links import LinkContext
 
 Peer = tuple[int, int]
 # ack(None) once a client has the message, ack(error) if it cannot; any thread.
@@ -90,6 +83,9 @@ class DomainOptions:
     # The transferd.fds.LinkBudget every group of the engine shares (None: a group
     # makes its own from max_links and fd_reserve).
     link_budget: Any = None
+    # Peers a group's peer book remembers (engine.max_peers): least recently bound
+    # forgotten first.
+    max_peers: int = 16384
     settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def of(self, name: str) -> Mapping[str, Any]:
@@ -97,76 +93,81 @@ class DomainOptions:
         return self.settings.get(name, {})
 
 
-class Receiver(Protocol):
-    """What a Domain may ask of its group (the receiving side's rules, and who we are)."""
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind of Domain can do; the engine asks these, never the Domain's name."""
+
+    #: Receiver code sees every write (it can drop a retry's frame by its write id).
+    #: False where the NIC places writes itself (verbs).
+    sees_writes: bool = True
+    #: The NIC counts immediates (WRITE_WITH_IMM completions), not receiver code.
+    counts_immediates: bool = False
+    #: Writes into memory reached only through staging (device memory) land here.
+    device_memory: bool = True
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """A Domain's links now: ours to peers by state, parts waiting for one, peers'."""
+
+    #: Outbound links by state: ``connecting`` (dial, handshake, set-up),
+    #: ``ready``, ``paused`` (over the send watermark), ``closed``.
+    states: Mapping[str, int] = field(default_factory=dict)
+    waiting: int = 0
+    inbound: int = 0
+
+
+LINK_STATES = ("connecting", "ready", "paused", "closed")
+
+#: An outbound link's key in a Domain's table: one link per peer node, group and rail.
+LinkKey = tuple[int, int, bytes]
+
+
+def link_key(dst: NetAddr) -> LinkKey:
+    """The key of the link to ``dst`` (its node, group and first rail's address)."""
+    return (dst.node, dst.group, dst.rails[0])
+
+
+def count_links(links: Iterable[tuple[str, int]], inbound: int) -> LinkStats:
+    """LinkStats of ``(state, parts waiting)`` per outbound link; a state that is
+    none of LINK_STATES (a Domain's own set-up steps) counts as ``connecting``."""
+    states = dict.fromkeys(LINK_STATES, 0)
+    waiting = 0
+    for state, n in links:
+        states[state if state in states else "connecting"] += 1
+        waiting += n
+    return LinkStats(states, waiting, inbound)
+
+
+class Port(Protocol):
+    """What a Domain may ask of its group (and, behind it, of the engine)."""
 
     loop: asyncio.AbstractEventLoop
-    secret: Keyring | None
-    handshake_timeout_s: float
 
     @property
-    def identity(self) -> PeerIdentity: ...
-
-    def bind_peer(self, peer: PeerIdentity) -> None:
-        """A link authenticated ``peer``: BadRequest if it contradicts a binding."""
-
-    def region(self, rkey: int, rail: int) -> Region:
-        """The region ``rkey`` opens on ``rail`` (NotFound otherwise)."""
+    def links(self) -> LinkContext:
+        """Who we are and how links are made: identity, secret, handshake timeout,
+        peer binding, the descriptor budget, the probe table."""
         ...
 
-    def check_write(self, region: Region, peer: Peer, w: WriteHeader, payload_len: int,
-                    abort: Callable[[], None] | None = None
-                    ) -> tuple[list[memoryview], Ref]:
-        """Bounds, payload and span checks, then admission: where the bytes go, and
-        the Ref to release once they landed (or the write failed)."""
+    @property
+    def landing(self) -> Landing:
+        """Open a write (then commit or fail it), or count a NIC-counted immediate."""
         ...
 
-    def device_io(self, region: Region) -> Any:
-        """The DeviceIO (stream, event waiter, staging) of a device region, else None."""
-        ...
-
-    def check_device_write(self, region: Region, peer: Peer, w: WriteHeader,
-                           payload_len: int, abort: Callable[[], None] | None = None
-                           ) -> tuple[list[tuple[int, int]], Ref]:
-        """check_write for device memory: each page's device address and length."""
-        ...
-
-    def landed(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
-        """A checked WRITE's bytes are in place: count what landed."""
-
-    def claim_write(self, peer: Peer, w: WriteHeader) -> bool:
-        """Before a WRITE is checked: True if its write id was applied here already
-        (acknowledge ok, place nothing); else one with an id is claimed until
-        :meth:`landed_once` or :meth:`write_failed`."""
-        ...
-
-    def landed_once(self, peer: Peer, w: WriteHeader, nbytes: int) -> None:
-        """:meth:`landed`, remembering a write id as applied."""
-
-    def write_failed(self, peer: Peer, w: WriteHeader) -> None:
-        """A claimed WRITE did not land: a retry of it may."""
-
-    def landed_imm(self, peer: Peer, imm: int, nbytes: int) -> None:
-        """One unit with its immediate landed (a NIC-carried immediate): one count."""
-
-    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Any) -> None:
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
         """A two-sided message for a posted receive, from inbound link ``source``."""
 
-    def sender_gone(self, source: Any) -> None:
+    def sender_gone(self, source: Hashable) -> None:
         """Inbound link ``source`` closed: its messages still waiting are dropped."""
-
-    def refused(self, error: TransferdError) -> None:
-        """A write was refused (for the metrics)."""
-
-    def delivered(self) -> None:
-        """A message was handed to a client (for the metrics)."""
 
 
 class Domain(abc.ABC):
     """One NIC of a domain group; see the module docstring for the contract."""
 
     #: The registry name this class is registered under.
-    name: str = ""
+    name: ClassVar[str] = ""
+    capabilities: Capabilities = Capabilities()
     rail: int
 
     @property
@@ -179,11 +180,11 @@ class Domain(abc.ABC):
         """BadRequest unless ``raw`` is a well-formed address of this kind of Domain."""
 
     @abc.abstractmethod
-    def register(self, region: Region) -> int:
+    def register(self, region: RegionInfo) -> int:
         """Make ``region`` writable through this NIC; its rkey here."""
 
     @abc.abstractmethod
-    def deregister(self, region: Region) -> None:
+    def deregister(self, region: RegionInfo) -> None:
         """No more writes into ``region`` through this NIC."""
 
     @abc.abstractmethod
@@ -196,6 +197,10 @@ class Domain(abc.ABC):
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:  # noqa: B027
         """A transfer to ``dst`` timed out: let go of a link whose peer reads nothing
         (so the memory its queued bytes lie in can go back).  Optional."""
+
+    def link_stats(self) -> LinkStats:
+        """Its links now (for the metrics); a Domain without links of its own: none."""
+        return LinkStats()
 
     @abc.abstractmethod
     def close(self) -> None:

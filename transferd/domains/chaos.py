@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import random
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
 
-from transferd.parts import SPLIT_ALIGN, SendPart, Transfer, WritePart, split_sizes
+from transferd.parts import SPLIT_ALIGN, RegionInfo, SendPart, Transfer, WritePart, split_sizes
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.values import NetAddr
 
-from .base import Domain, DomainOptions, Receiver
-
-if TYPE_CHECKING:
-    from transferd.engine.regions import Region
+from .base import Domain, DomainOptions, LinkStats, Port
 
 # Pieces of one part are numbered (part index << 8) | k: at most this many.
 MAX_PIECES = 256
@@ -75,17 +71,15 @@ def pieces(part: WritePart, max_parts: int) -> list[WritePart]:
 class ChaosDomain(Domain):
     name = "chaos"
 
-    def __init__(self, receiver: Receiver, rail: int, host: str, port: int,
+    def __init__(self, port: Port, rail: int, host: str, port_number: int,
                  options: DomainOptions, *, inner: Domain) -> None:
-        self.receiver = receiver
+        self.port = port
         self.rail = rail
         self.inner = inner
+        # It carries what the wrapped Domain carries, and can do what it can.
+        self.capabilities = inner.capabilities
         self.options = options
         self._rng = random.Random(options.seed * 1009 + rail)
-
-    def __getattr__(self, name: str) -> Any:
-        # What is not the chaos Domain's is the wrapped one's (its host, its links).
-        return getattr(self.inner, name)
 
     @property
     def address(self) -> bytes:
@@ -94,14 +88,14 @@ class ChaosDomain(Domain):
     def check_address(self, raw: bytes) -> None:
         self.inner.check_address(raw)
 
-    def register(self, region: Region) -> int:
+    def register(self, region: RegionInfo) -> int:
         return self.inner.register(region)
 
-    def deregister(self, region: Region) -> None:
+    def deregister(self, region: RegionInfo) -> None:
         self.inner.deregister(region)
 
     def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
-        loop = self.receiver.loop
+        loop = self.port.loop
         todo: list[WritePart | SendPart] = []
         if isinstance(part, WritePart):
             todo.extend(pieces(part, self.options.max_parts))
@@ -124,10 +118,13 @@ class ChaosDomain(Domain):
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
         self.inner.drop_stalled(dst, error)
 
+    def link_stats(self) -> LinkStats:
+        return self.inner.link_stats()
+
     def close(self) -> None:
         self.inner.close()
 
 
-def factory(receiver: Receiver, rail: int, host: str, port: int, options: DomainOptions,
+def factory(port: Port, rail: int, host: str, port_number: int, options: DomainOptions,
             *, inner: Domain) -> ChaosDomain:
-    return ChaosDomain(receiver, rail, host, port, options, inner=inner)
+    return ChaosDomain(port, rail, host, port_number, options, inner=inner)

@@ -1,7 +1,8 @@
 """Domains by name: ``engine.domain`` picks one (aioquic's congestion-control registry
 is the model).
 
-A name maps to a factory ``(receiver, rail, host, port, options) -> Domain``.
+A name maps to a factory ``(port, rail, host, port_number, options) -> Domain`` (a
+Domain class, or a callable with the ``capabilities`` its Domains have).
 A wrapper (``chaos``) is named before the Domain it wraps, after a colon:
 ``"chaos:tcp"``; a wrapper alone wraps ``tcp``.  Built-in entries are
 imported on first use, so reading this module costs nothing; tests register
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from transferd.protocol.errors import BadRequest
 
 if TYPE_CHECKING:
-    from .base import Domain, DomainOptions, Receiver
+    from .base import Capabilities, Domain, DomainOptions, Port
 
 Factory = Callable[..., "Domain"]
 # A wrapper's factory takes the Domain it wraps as a keyword, ``inner``.
@@ -30,7 +31,7 @@ _FACTORIES: dict[str, Factory] = {}
 _WRAPPERS: set[str] = set()
 # Imported on first use: "module:attribute" of the factory.
 _BUILTIN: dict[str, str] = {
-    "tcp": "transferd.domains.tcp:TcpDomain",
+    "tcp": "transferd.domains.tcp.domain:TcpDomain",
     "chaos": "transferd.domains.chaos:ChaosDomain",
     "verbs": "transferd.domains.verbs.bind:create",
 }
@@ -91,14 +92,56 @@ def _factory(name: str) -> Factory:
     return f
 
 
-def create(spec: str, receiver: Receiver, rail: int, host: str, port: int,
+def create(spec: str, port: Port, rail: int, host: str, port_number: int,
            options: DomainOptions) -> Domain:
-    """The Domain ``spec`` names, bound to ``host:port``, as rail ``rail`` of ``receiver``."""
+    """The Domain ``spec`` names, bound to ``host:port_number``, as rail ``rail`` of the
+    group whose port is ``port``."""
     parts = parse(spec)
-    domain = _factory(parts[-1])(receiver, rail, host, port, options)
+    domain = _factory(parts[-1])(port, rail, host, port_number, options)
     for wrapper in reversed(parts[:-1]):
-        domain = _factory(wrapper)(receiver, rail, host, port, options, inner=domain)
+        domain = _factory(wrapper)(port, rail, host, port_number, options, inner=domain)
     return domain
+
+
+def capabilities(spec: str) -> Capabilities:
+    """What the Domains ``spec`` makes can do (a wrapper's are those of what it wraps)."""
+    from .base import Capabilities
+
+    caps = getattr(_factory(parse(spec)[-1]), "capabilities", None)
+    return caps if isinstance(caps, Capabilities) else Capabilities()
+
+
+def choices() -> tuple[str, ...]:
+    """The built-in specs a configuration may name (each wrapper alone and around the
+    default), in the registry's order: what ``engine.domain`` accepts."""
+    out: list[str] = []
+    for name in _BUILTIN:
+        out.append(name)
+        if name in _BUILTIN_WRAPPERS:
+            out.append(f"{name}:{DEFAULT_INNER}")
+    return tuple(out)
+
+
+def config_problems(spec: str, engine: Any) -> list[str]:
+    """What the Domain ``spec`` names finds wrong with the [engine] section ``engine``
+    (its own keys: verbs wants one RDMA device per rail), without touching a device."""
+    try:
+        factory = _factory(parse(spec)[-1])
+    except BadRequest as exc:
+        return [exc.message]
+    check = getattr(factory, "config_problems", None)
+    return list(check(engine)) if check is not None else []
+
+
+def machine_problems(spec: str, engine: Any) -> list[tuple[str, str]]:
+    """(config key, message) for each reason this machine cannot run ``spec`` as
+    configured (a device missing, a port down): what start and check-config report."""
+    try:
+        factory = _factory(parse(spec)[-1])
+    except BadRequest:
+        return []
+    check = getattr(factory, "machine_problems", None)
+    return list(check(engine)) if check is not None else []
 
 
 def describe(spec: str) -> dict[str, Any]:

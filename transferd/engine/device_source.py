@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from transferd.domains.group import DomainGroup
 from transferd.protocol.errors import BadRequest, OutOfBounds
 
 from .regions import Region
@@ -18,9 +17,9 @@ def plan_staging(region: Region, pages: list[tuple[int, int]]
                  ) -> tuple[Any, list[int], list[tuple[int, int]], int]:
     """(the region's device I/O, each page's device address, each page's (chunk,
     offset) in staging, how many chunks) for pages of (absolute address, length)."""
-    io = DomainGroup.device_io(region)
+    io = region.staging
     assert io is not None
-    device_address = region.buffer.device_address  # bounds checked
+    device_address = region.device_address  # bounds checked
     pool = io.pool
     devs: list[int] = []
     places: list[tuple[int, int]] = []  # (chunk, offset): pages never straddle chunks

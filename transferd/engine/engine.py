@@ -25,27 +25,32 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 from transferd.config import EngineConfig
 from transferd.copies import COUNTING, count
-from transferd.domains.base import Ack, DomainOptions
+from transferd.domains import registry
+from transferd.domains.base import DomainOptions
 from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
-from transferd.protocol.errors import BadRequest, NotFound, OverLimit, TransferdError
+from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.keyring import Keyring
+from transferd.protocol.peer_handshake import node_of
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.workers import Slots, Worker, make_worker
 from transferd.workers.affinity import allowed_cpus, choose_cpu
 
 from .device_source import plan_staging
+from .expectations import Expectations
 from .immcounter import ImmCounter
 from .limits import MAX_MESSAGE
+from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
 from .plan import (
     SendPart,
@@ -54,10 +59,12 @@ from .plan import (
     plan_paged,
     plan_single,
 )
+from .port import EnginePort
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .secret import load_secret, loopback
 from .transfer import Transfer
+from .write_scope import WriteIdScope
 
 log = logging.getLogger("transferd.engine")
 
@@ -84,19 +91,24 @@ class TransferEngine:
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable()
         self.counter = ImmCounter(notify=self._notify)
+        # What every group lands writes and delivers messages through.
+        self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
+        # What the configured kind of Domain can do (asked, never its name).
+        self.capabilities = registry.capabilities(config.domain)
         self._ops = itertools.count(1)
+        # Write ids by the connection that submitted them (write_scope.py).
+        self.write_ids = WriteIdScope(time.monotonic, config.write_id_window,
+                                      config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
-        self._peer_groups: dict[int, tuple[NetAddr, ...]] = {}
-        self._groups_of: dict[Hashable, set[int]] = {}  # by the connection that made them
-        self._group_ids = itertools.count(1)
+        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers)
         # Posted receives and the messages waiting for them (on the daemon's loop).
         self.receives = Receives(
             lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
             max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
             max_waiting=config.recv_waiting_max,
             wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
-        self._expectations: dict[Hashable, set[Callable[[], None]]] = {}
+        self.expectations = Expectations(self.counter, config.max_expectations)
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -118,6 +130,7 @@ class TransferEngine:
             max_links=config.max_links, fd_reserve=config.fd_reserve,
             link_idle_s=config.link_idle_s, rail_timeout_s=config.rail_timeout_s,
             link_budget=LinkBudget(link_budget(config.max_links, config.fd_reserve)),
+            max_peers=config.max_peers,
             settings={"verbs": {"devices": tuple(config.rdma_devices),
                                 "port": config.rdma_port,
                                 "gid_index": config.rdma_gid_index}})
@@ -162,13 +175,24 @@ class TransferEngine:
             await self.close()
             raise
         self.worker, self.group = self.workers[0], self.groups[0]
+        if self.secret is None:
+            await self._addressed_node()
         return self.main_address()
+
+    async def _addressed_node(self) -> None:
+        """Without a cluster secret this daemon's node id is its rails' addresses (every
+        group's), hashed: what a peer checks, so nobody else can claim it
+        (peer_handshake.node_of).  Set before anything is published or dialled."""
+        everyone = tuple(g.identity.addrs for g in self.groups)
+        self.node = node_of(everyone)
+        for worker, g in zip(self.workers, self.groups, strict=True):
+            await asyncio.wrap_future(worker.run(_call(functools.partial(
+                g.set_node, self.node, everyone))))
 
     def _make_group(self, index: int, worker: Worker) -> DomainGroup:
         """Group ``index`` on ``worker``'s loop, its rails bound (runs on that loop)."""
         assert worker.loop is not None
-        g = DomainGroup(index, self.node, worker.loop, self.regions, self.counter,
-                        self._deliver, sender_gone=self._sender_gone,
+        g = DomainGroup(index, self.node, worker.loop, self.port,
                         timeout_s=self.config.peer_timeout_s,
                         domain=self.config.domain, options=self.domain_options,
                         secret=self.secret,
@@ -206,9 +230,6 @@ class TransferEngine:
     def group_of(self, region: Region) -> DomainGroup:
         """The host group ``region`` is dealt to (by its id, in turn)."""
         return self.groups[region.id % len(self.groups)]
-
-    def _worker_of(self, group: DomainGroup) -> Worker:
-        return self.workers[group.index]
 
     @property
     def rails(self) -> int:
@@ -248,13 +269,17 @@ class TransferEngine:
     # -- one-sided writes ------------------------------------------------------------
 
     def submit_single_write(self, length: int, imm: int | None, src: tuple[int, int],
-                                  dst: tuple[MrDesc, int], wid: int | None = None
-                                  ) -> asyncio.Future[None]:
+                            dst: tuple[MrDesc, int], wid: int | None = None,
+                            owner: Hashable = None) -> asyncio.Future[None]:
+        """``wid``: the write id of ``owner`` (the submitting connection) for this write."""
         self._check_descs([dst[0]])
         self._check_wid(wid)
         region = self.regions.get(src[0])
+        if wid is not None:
+            wid = self._wire_wid(owner, wid, ("single", length, imm, region.id, src[1],
+                                              dst[0].node, dst[0].ptr, dst[1]))
         op = next(self._ops)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
                 plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails), wid))
         view = region.view(region.ptr + src[1], length)
@@ -262,18 +287,23 @@ class TransferEngine:
         return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
-                                  src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
-                                  wid: int | None = None) -> asyncio.Future[None]:
+                            src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
+                            wid: int | None = None, owner: Hashable = None
+                            ) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
         self._check_wid(wid)
         region = self.regions.get(src[0])
-        sp = src[1]
-        if len(sp.indices) != len(dst[1].indices):
-            raise BadRequest(f"{len(sp.indices)} source pages for {len(dst[1].indices)} "
+        sp, dp = src[1], dst[1]
+        if len(sp.indices) != len(dp.indices):
+            raise BadRequest(f"{len(sp.indices)} source pages for {len(dp.indices)} "
                              "destination pages")
+        if wid is not None:
+            wid = self._wire_wid(owner, wid, (
+                "paged", page_len, imm, region.id, tuple(sp.indices), sp.stride, sp.offset,
+                dst[0].node, dst[0].ptr, tuple(dp.indices), dp.stride, dp.offset))
         base, stride = region.ptr + sp.offset, sp.stride
         op = next(self._ops)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             pages = [(base + i * stride, page_len) for i in sp.indices]
             return self._from_device(op, region, pages, lambda v: _wid(
                 plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid))
@@ -282,14 +312,19 @@ class TransferEngine:
         return self._submit(op, _wid(parts, wid), region.buffer.ref(), self.group_of(region))
 
     def _check_wid(self, wid: int | None) -> None:
+        """A write id this engine can honour (before anything else is looked up)."""
         if wid is None:
             return
         if not 0 <= wid <= 0xFFFFFFFFFFFFFFFF:
             raise BadRequest(f"write id {wid} is not a 64-bit unsigned value")
-        if self.config.domain == "verbs":
+        if not self.capabilities.sees_writes:
             # A NIC places RDMA writes itself: no receiver code sees a retry to drop it.
-            raise BadRequest("write ids need a Domain whose receiver sees each write "
-                             "(tcp, chaos), not verbs")
+            raise BadRequest(f"write ids need a Domain whose receiver sees each write "
+                             f"(tcp, chaos), not {self.config.domain}")
+
+    def _wire_wid(self, owner: Hashable, wid: int, what: Any) -> int:
+        """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
+        return self.write_ids.wire_id(owner, wid, what)
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]]
@@ -346,45 +381,25 @@ class TransferEngine:
 
     def add_peer_group(self, addrs: Sequence[NetAddr], owner: Hashable = None) -> int:
         """A peer group of ``addrs``, its links opened now; it goes with ``owner``."""
-        if len(addrs) > self.config.max_group_peers:
-            raise OverLimit(f"a peer group of {len(addrs)} addresses is over "
-                            f"engine.max_group_peers = {self.config.max_group_peers}")
-        mine = self._groups_of.setdefault(owner, set())
-        if len(mine) >= self.config.max_peer_groups:
-            raise OverLimit(f"{len(mine)} peer groups already made on this connection "
-                            f"(engine.max_peer_groups = {self.config.max_peer_groups})")
+        self.peer_groups.room(len(addrs), owner)
         for a in addrs:
             for group in self.groups:
                 group.check_address(a)
             if len(a.rails) != self.rails:
                 raise BadRequest(f"rail count mismatch: peer {a} has {len(a.rails)} rail(s), "
                                  f"this daemon {self.rails}")
-        gid = next(self._group_ids)
-        self._peer_groups[gid] = tuple(addrs)
-        mine.add(gid)
+        gid = self.peer_groups.add(addrs, owner)
         for worker, group in zip(self.workers, self.groups, strict=True):
             for a in addrs:
                 worker.call(group.connect, a)
         return gid
 
-    def _check_group(self, gid: int | None, descs: Sequence[MrDesc]) -> None:
-        if gid is None:
-            return
-        peers = self._peer_groups.get(gid)
-        if peers is None:
-            raise NotFound(f"no peer group {gid}")
-        # A peer daemon's regions may be in any of its host groups: membership is by node.
-        nodes = {p.node for p in peers}
-        for d in descs:
-            if d.node[0] not in nodes:
-                raise BadRequest(f"destination 0x{d.ptr:x} is not on a peer of group {gid}")
-
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
                              dsts: Sequence[ScatterDst]) -> asyncio.Future[None]:
-        self._check_group(gid, [d.dst[0] for d in dsts])
+        self.peer_groups.check(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
         region = self.regions.get(src_region)
-        if DomainGroup.device_io(region) is not None:
+        if region.staging is not None:
             raise BadRequest(f"a scatter from {region.buffer.device} memory is not supported "
                              "(single and paged writes are)")
         parts: list[WritePart | SendPart] = []
@@ -399,7 +414,7 @@ class TransferEngine:
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
-        self._check_group(gid, dsts)
+        self.peer_groups.check(gid, dsts)
         self._check_descs(dsts)
         op = next(self._ops)
         return self._submit(op, list(plan_barrier(op, _imm(imm) or 0, dsts, self.rails)))
@@ -425,7 +440,7 @@ class TransferEngine:
         """Post receives for ``owner`` (a connection); see :mod:`.receives`."""
         self.receives.post(owner, length, count, deliver)
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack,
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Callable[..., None],
                  source: Hashable = None) -> None:
         # From a Domain's worker: the receive side lives on the daemon's loop.
         self._notify(functools.partial(self.receives.arrive, peer, msg, ack, source))
@@ -445,29 +460,15 @@ class TransferEngine:
 
         Returns the expectation's handle, for :meth:`cancel_expectation`.
         """
-        imm = _imm(imm) or 0
-        mine = self._expectations.setdefault(owner, set())
-        if len(mine) >= self.config.max_expectations:
-            raise OverLimit(f"{len(mine)} expectations already wait on this connection "
-                           f"(engine.max_expectations = {self.config.max_expectations})")
+        return self.expectations.expect(owner, _imm(imm) or 0, count, callback)
 
-        def fired() -> None:
-            mine.discard(fired)
-            callback()
-
-        mine.add(fired)
-        self.counter.expect(imm, count, fired)
-        return fired
+    def expectations_pending(self) -> int:
+        """Expectations clients wait on now (for the metrics)."""
+        return self.expectations.pending()
 
     def cancel_expectation(self, owner: Hashable, handle: Callable[[], None]) -> bool:
         """Drop a waiting expectation (nothing consumed); False if it had fired."""
-        mine = self._expectations.get(owner)
-        if mine is None or handle not in mine:
-            return False
-        if not self.counter.cancel(handle):
-            return False  # reached meanwhile: its callback is on its way
-        mine.discard(handle)
-        return True
+        return self.expectations.cancel(owner, handle)
 
     def cancel(self, fut: asyncio.Future[None], error: TransferdError) -> bool:
         """End a submit now with ``error`` (CANCELLED; TIMEOUT at its own deadline).
@@ -496,10 +497,9 @@ class TransferEngine:
         return self.counter.value(_imm(imm) or 0)
 
     def session_closed(self, owner: Hashable) -> None:
-        for gid in self._groups_of.pop(owner, ()):
-            self._peer_groups.pop(gid, None)
-        for cb in self._expectations.pop(owner, []):
-            self.counter.cancel(cb)
+        self.write_ids.closed(owner)
+        self.peer_groups.closed(owner)
+        self.expectations.closed(owner)
         self.receives.closed(owner)
 
     # -- internals ---------------------------------------------------------------------
@@ -519,20 +519,17 @@ class TransferEngine:
         at engine.max_inflight_per_peer makes it wait (peer_slots.py) without holding
         back anything else."""
         assert self.peer_slots is not None
-        try:
-            fut = self.peer_slots.run({p.dst.key for p in parts},
-                                      lambda: self._start_transfer(op, parts, group))
-        except BaseException:
-            if held is not None:
-                held.release()
-            raise
-        if held is not None:
-            fut.add_done_callback(lambda _: held.release())
-        return fut
+        keys = ((parts[0].dst.key,) if len(parts) == 1 else {p.dst.key for p in parts})
+        return self.peer_slots.run(
+            keys, functools.partial(self._start_transfer, op, parts, group),
+            held.release if held is not None else None)
 
     def _start_transfer(self, op: int, parts: list[WritePart | SendPart],
-                        group: DomainGroup | None = None) -> asyncio.Future[None]:
-        """Hand parts to ``group``'s worker, taking a slot until the transfer ends."""
+                        group: DomainGroup | None = None,
+                        releases: tuple[Callable[[], None], ...] = ()
+                        ) -> asyncio.Future[None]:
+        """Hand parts to ``group``'s worker, taking a slot until the transfer ends;
+        ``releases`` are called then too."""
         assert self.groups and self.loop is not None
         group = group or self.groups[0]
         worker = self.workers[group.index]
@@ -541,7 +538,10 @@ class TransferEngine:
         slots.take()
         loop = self.loop
         fut: asyncio.Future[None] = loop.create_future()
-        nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
+        if len(parts) == 1:
+            nbytes = parts[0].nbytes if type(parts[0]) is WritePart else 0
+        else:
+            nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
         finished = self._finished
 
         if worker.on_daemon_loop:
@@ -551,7 +551,12 @@ class TransferEngine:
             def finish(err: TransferdError | None) -> None:
                 loop.call_soon_threadsafe(finished, fut, err, nbytes)
 
-        fut.add_done_callback(lambda _: slots.release())
+        def ended(_: asyncio.Future[None]) -> None:
+            slots.release()
+            for fn in releases:
+                fn()
+
+        fut.add_done_callback(ended)
         transfer = Transfer(op, len(parts), nbytes, finish)
         self._transfers[fut] = (transfer, worker)
         try:

@@ -32,7 +32,9 @@ from typing import Any
 from transferd.protocol.errors import OverLimit, Timeout
 
 PeerKey = tuple[int, int]
-Start = Callable[[], "asyncio.Future[None]"]
+# start(releases) starts the transfer and returns its future; it calls each of
+# ``releases`` once that transfer has ended (the peers' slots, the source's memory).
+Start = Callable[[tuple[Callable[[], None], ...]], "asyncio.Future[None]"]
 
 # Transfers waiting for a peer's slot, over every peer: past it a submit is
 # refused (TOO_LARGE) rather than queued.
@@ -40,13 +42,14 @@ MAX_WAITING = 65536
 
 
 class _Waiter:
-    __slots__ = ("keys", "outer", "start", "timer")
+    __slots__ = ("held", "keys", "outer", "start", "timer")
 
     def __init__(self, keys: frozenset[PeerKey], start: Start,
-                 outer: asyncio.Future[None]) -> None:
+                 outer: asyncio.Future[None], held: Callable[[], None] | None) -> None:
         self.keys = keys
         self.start = start
         self.outer = outer
+        self.held = held
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -70,20 +73,26 @@ class PeerSlots:
     def in_flight(self, key: PeerKey) -> int:
         return self._busy.get(key, 0)
 
-    def run(self, peers: Iterable[PeerKey], start: Start) -> asyncio.Future[None]:
-        """``start()`` now if every peer has a slot (and nobody waits for it), else later.
+    def run(self, peers: Iterable[PeerKey], start: Start,
+            held: Callable[[], None] | None = None) -> asyncio.Future[None]:
+        """``start(releases)`` now if every peer has a slot (and nobody waits for it),
+        else later.  ``held`` (the source's memory) goes once the transfer ended, or
+        once it gave up waiting.
 
         Returns the transfer's future (``start()``'s own, or one that follows it).
         """
         keys = frozenset(peers)
-        blocked = self._blocked(keys, queued=True)
-        if blocked is None:
-            return self._start(keys, start)
+        busy = self._busy
+        for blocked in keys:  # _blocked(keys, queued=True), inlined: it runs per submit
+            if busy.get(blocked, 0) >= self.per_peer or self._queues.get(blocked):
+                break
+        else:
+            return self._start(keys, start, held)
         if self.waiting >= self.max_waiting:
             raise OverLimit(f"{self.waiting} transfers already wait for a slot of a busy peer "
                             f"(each peer takes engine.max_inflight_per_peer = "
                             f"{self.per_peer} at a time)")
-        w = _Waiter(keys, start, self.loop.create_future())
+        w = _Waiter(keys, start, self.loop.create_future(), held)
         w.timer = self.loop.call_later(self.timeout_s, self._expire, w, blocked)
         self._queues.setdefault(blocked, deque()).append(w)
         self._waiters[w.outer] = w
@@ -93,7 +102,9 @@ class PeerSlots:
         return w.outer
 
     def _forget(self, outer: asyncio.Future[None]) -> None:
-        self._waiters.pop(outer, None)
+        w = self._waiters.pop(outer, None)
+        if w is not None and w.held is not None:
+            w.held()  # it never started: its source's memory goes now
         self._started.pop(outer, None)
 
     def started(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
@@ -121,16 +132,21 @@ class PeerSlots:
                 return k
         return None
 
-    def _start(self, keys: frozenset[PeerKey], start: Start) -> asyncio.Future[None]:
+    def _start(self, keys: frozenset[PeerKey], start: Start,
+               held: Callable[[], None] | None) -> asyncio.Future[None]:
+        busy = self._busy
         for k in keys:
-            self._busy[k] = self._busy.get(k, 0) + 1
+            busy[k] = busy.get(k, 0) + 1
+        release = functools.partial(self._release, keys)
         try:
-            fut = start()
+            # One callback for all that goes when it ends (each done callback is a
+            # turn of the loop).
+            return start((release,) if held is None else (release, held))
         except BaseException:
             self._release(keys)
+            if held is not None:
+                held()
             raise
-        fut.add_done_callback(lambda _: self._release(keys))
-        return fut
 
     def _release(self, keys: frozenset[PeerKey]) -> None:
         for k in keys:
@@ -157,15 +173,16 @@ class PeerSlots:
             self._waiters.pop(w.outer, None)
             if w.timer is not None:
                 w.timer.cancel()
+            held, w.held = w.held, None  # the transfer's from now on
             try:
-                inner = self._start(w.keys, w.start)
+                inner = self._start(w.keys, w.start, held)
             except Exception as exc:  # a typed error from the submit: the transfer's
                 w.outer.set_exception(exc)
                 continue
             self._started[w.outer] = inner
             inner.add_done_callback(functools.partial(_follow, outer=w.outer))
-        if q is not None and not q:
-            del self._queues[key]
+        if q is not None and not q and self._queues.get(key) is q:
+            del self._queues[key]  # (a start that failed may have pumped it empty first)
 
     def _expire(self, w: _Waiter, key: PeerKey) -> None:
         if w.outer.done():

@@ -56,10 +56,19 @@ def plan_single(
     op: int, length: int, imm: int | None, src: memoryview, desc: MrDesc, dst_off: int,
     rails: int, *, split_min: int = SPLIT_MIN, max_parts: int | None = None,
 ) -> list[WritePart]:
-    check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
+    rkeys = desc.rkeys
+    if len(rkeys) != rails:
+        check_rails(len(rkeys), rails, f"region at 0x{desc.ptr:x}")
     if len(src) != length:
         raise OutOfBounds(f"source holds {len(src)} bytes for a write of {length}")
-    _check_dst(desc, dst_off, length)
+    if desc.size and (dst_off < 0 or dst_off + length > desc.size):
+        _check_dst(desc, dst_off, length)
+    if length < split_min and max_parts is None:
+        # The small write: whole, on one rail.
+        rail = op % rails
+        addr, rkey = rkeys[rail]
+        return [WritePart(rail, addr, rkey, [desc.ptr + dst_off], [length], [src], imm, None,
+                          0, op, 1, alts=rkeys)]
     n = rails if length >= split_min else 1
     if max_parts is not None:
         n = max(n, min(max_parts, max(1, length // SPLIT_ALIGN)))

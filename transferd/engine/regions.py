@@ -7,8 +7,9 @@ before any byte is written.  Deregistration removes the rkeys, so a write
 that presents one afterwards is refused.
 
 A write is *admitted* (:meth:`Region.admit`) on the receiving worker after
-those checks and before its first byte lands; the Ref it gets keeps the
-buffer's memory and is released once the bytes landed or the write failed.
+those checks and before its first byte lands, and released once the bytes
+landed or the write failed; while any is admitted the region keeps its
+buffer's memory (a freed buffer's pages stay until its last write landed).
 Deregistration stops admitting at once, and :meth:`Region.drained` resolves
 when every admitted write has let go: DEREG_MR and FREE_BUFFER reply only
 then, so no byte of a peer write lands in memory its owner got back.
@@ -22,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from transferd.memory import Buffer, Ref
 from transferd.protocol.errors import NotFound, OutOfBounds
@@ -41,37 +43,52 @@ class Region:
     # How to cut short each admitted write that said how (its link's close).
     _aborts: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
     _tickets: Iterator[int] = field(default_factory=itertools.count, repr=False)
+    # The buffer's memory, held while writes are admitted (see admit).
+    _hold: Ref | None = field(default=None, repr=False)
+    # Its staging path (device memory), found once: a buffer's memory does not change.
+    staging: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.staging = self.buffer.staging
+
+    # -- what a Domain may read (transferd.parts.RegionInfo) ------------------------------
+
+    @property
+    def device(self) -> str:
+        return self.buffer.device
+
+    def device_address(self, offset: int, size: int) -> int:
+        """The device address of ``[offset, offset + size)`` of device memory."""
+        return self.buffer.device_address(offset, size)
 
     # -- writes in flight -------------------------------------------------------------
 
-    def admit(self, abort: Callable[[], None] | None = None) -> Ref:
+    def admit(self, abort: Callable[[], None] | None = None) -> Admitted:
         """Let one inbound write land; NotFound once the region is deregistered.
 
         Called on the receiving worker after the rkey and bounds checks and
-        before any byte lands.  Release the Ref once the bytes landed or the
-        write failed (from any thread).  ``abort`` (callable from any thread)
-        cuts the write short, so that no more of it lands and its Ref is
-        released: what :meth:`abort_admitted` calls for a write that never
-        finishes (a peer that stalls mid-payload).
+        before any byte lands.  Release what it returns once the bytes landed or
+        the write failed (from any thread).  ``abort`` (callable from any thread)
+        cuts the write short, so that no more of it lands and it is released:
+        what :meth:`abort_admitted` calls for a write that never finishes (a
+        peer that stalls mid-payload).
+
+        While any write is admitted the region holds its buffer's memory (one
+        Ref, taken by the first and let go once the region is deregistered and
+        drained), so a buffer freed meanwhile keeps its pages until the last
+        byte landed, without a Ref per write.
         """
         with self._lock:
             if self._closed:
                 raise NotFound(f"region {self.id} was deregistered")
+            if self._hold is None:
+                self._hold = self.buffer.ref()  # NotFound once freed: nothing admitted
             self._admitted += 1
-            ticket = next(self._tickets)
+            ticket = -1
             if abort is not None:
+                ticket = next(self._tickets)
                 self._aborts[ticket] = abort
-        try:
-            held = self.buffer.ref()
-        except BaseException:
-            self._let_go(ticket)
-            raise
-
-        def release() -> None:
-            held.release()
-            self._let_go(ticket)
-
-        return Ref(release)
+        return Admitted(self, ticket)
 
     def abort_admitted(self) -> int:
         """Cut short every admitted write that can be; returns how many were asked."""
@@ -83,10 +100,19 @@ class Region:
 
     def _let_go(self, ticket: int) -> None:
         with self._lock:
-            self._aborts.pop(ticket, None)
+            if ticket >= 0:
+                self._aborts.pop(ticket, None)
             self._admitted -= 1
             done = self._closed and self._admitted == 0
-        if done and not self._drained.done():
+            hold, self._hold = (self._hold, None) if done else (None, self._hold)
+        if done:
+            self._gone(hold)
+
+    def _gone(self, hold: Ref | None) -> None:
+        """Closed and drained: the buffer's memory may go, DEREG_MR may reply."""
+        if hold is not None:
+            hold.release()
+        if not self._drained.done():
             self._drained.set_result(None)
 
     @property
@@ -103,8 +129,9 @@ class Region:
         with self._lock:
             self._closed = True
             done = self._admitted == 0
-        if done and not self._drained.done():
-            self._drained.set_result(None)
+            hold, self._hold = (self._hold, None) if done else (None, self._hold)
+        if done:
+            self._gone(hold)
 
     def drained(self) -> Future[None]:
         """Resolves (from any thread) once deregistered and every admitted write let go."""
@@ -134,6 +161,27 @@ class Region:
                 self.view(a, length)
         ptr = self.ptr
         return self.buffer.views([a - ptr for a in addrs], length)
+
+
+class Admitted:
+    """One admitted write's hold on its region: :meth:`release` once (any thread)."""
+
+    __slots__ = ("_region", "_ticket")
+
+    def __init__(self, region: Region, ticket: int) -> None:
+        self._region: list[Region] = [region]
+        self._ticket = ticket
+
+    def release(self) -> None:
+        try:
+            region = self._region.pop()  # atomic: two threads release it once
+        except IndexError:
+            return
+        region._let_go(self._ticket)
+
+    @property
+    def released(self) -> bool:
+        return not self._region
 
 
 class RegionTable:

@@ -34,7 +34,11 @@ frame, on a connection of its own, to the initiator's listener for this rail
 (the :class:`Probe` event; the I/O layer sends it), and the initiator must
 echo it in AUTH {token}.  A raw socket that does not listen at the address
 it claims never learns the token, and a daemon asked to echo a nonce it did
-not send stays silent.
+not send stays silent.  And a daemon's node id is then its addresses': the
+HELLO lists every group's rail addresses (``all``), and the id must be
+:func:`node_of` them.  So nobody can claim another daemon's id: it would have
+to list that daemon's addresses, and the PROBE to the one it claims for this
+group goes to that daemon, which never sent the nonce.
 
 An initiator also checks that the responder is who it dialled: the node and
 group it expected, answering on the address it connected to.
@@ -46,7 +50,7 @@ import enum
 import hashlib
 import hmac
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +70,11 @@ from .frames import Frame, encode_frame
 from .keyring import Keyring
 from .peer import PeerCommand
 
-VERSION = 1
+# 2: the data phase after the handshake is peer_wire's fixed headers (1 spoke msgpack).
+VERSION = 2
+# Without a secret: the most groups a HELLO's ``all`` lists (engine.host_groups <= 8).
+MAX_GROUPS = 16
+NODE_LABEL = b"transferd-node-v1"
 METHOD = "hmac-sha256"
 NONCE_LEN = 32
 MAC_LEN = 32
@@ -218,6 +226,7 @@ class PeerHandshake:
         expect: tuple[int, int, bytes] | None = None,
         random: Callable[[int], bytes] = secrets.token_bytes,
         admit: Callable[[PeerIdentity], None] | None = None,
+        everyone: tuple[tuple[bytes, ...], ...] | None = None,
     ) -> None:
         if role is Role.INITIATOR and expect is None:
             raise ValueError("an initiator knows whom it dials: expect=(node, group, addr)")
@@ -231,6 +240,9 @@ class PeerHandshake:
         self.timeout = timeout
         self.expect = expect
         self._random = random
+        # Without a secret, every group's addresses of this daemon (an initiator's
+        # HELLO lists them: its node id is node_of them).
+        self.everyone = everyone or (me.addrs,)
         # Called with the proven peer before the link is ready; raising a
         # TransferdError refuses it (the peer book's binding check).
         self._admit = admit or (lambda peer: None)
@@ -268,6 +280,8 @@ class PeerHandshake:
         body["nonce"] = self.nonce
         if self.secret is not None:
             body["auth"] = METHOD
+        else:
+            body["all"] = [list(g) for g in self.everyone]
         self._out.append(encode_frame(PeerCommand.HELLO, 0, 0, body))
 
     def receive(self, frame: Frame, now: float) -> None:
@@ -384,6 +398,12 @@ class PeerHandshake:
             raise self._deny("no_secret", "the receiving daemon has no cluster secret "
                              "(engine.secret_file) and the dialling daemon has one: give "
                              "both the same secret")
+        if self.secret is None:
+            try:
+                _check_node(peer, body.get("all"))
+            except Unauthorized:
+                self.reason = "identity"  # another daemon's node id
+                raise
         self._move(Input.HELLO)
         self.peer = peer
         self.nonce = nonce
@@ -486,6 +506,32 @@ class PeerHandshake:
     def _hello_body(self) -> dict[str, Any]:
         return {"v": VERSION, "node": self.me.node, "group": self.me.group,
                 "rail": self.rail, "addrs": list(self.me.addrs)}
+
+
+def node_of(groups: Sequence[Sequence[bytes]]) -> int:
+    """A daemon's node id without a cluster secret: its every group's rail addresses,
+    hashed (so an id names the daemon that listens there, and nobody else)."""
+    raw = msgpack.packb([list(g) for g in groups])
+    return int.from_bytes(hashlib.sha256(NODE_LABEL + raw).digest()[:8], "big") or 1
+
+
+def _check_node(peer: PeerIdentity, groups: Any) -> None:
+    """Without a secret: the HELLO's ``all`` lists this group's addresses among its
+    daemon's, and the node id it claims is theirs."""
+    if (type(groups) is not list or not 1 <= len(groups) <= MAX_GROUPS
+            or not all(type(g) is list and 1 <= len(g) <= MAX_RAILS
+                       and all(type(a) is bytes and 0 < len(a) <= MAX_ADDR_LEN for a in g)
+                       for g in groups)):
+        raise BadFrame(f"peer handshake: 'all' must be 1 to {MAX_GROUPS} lists of its "
+                       "groups' addresses (bytes)")
+    if peer.group >= len(groups) or tuple(groups[peer.group]) != peer.addrs:
+        raise BadFrame(f"peer handshake: 'all' does not list group {peer.group}'s "
+                       "addresses as 'addrs' does")
+    if node_of(groups) != peer.node:
+        raise Unauthorized(
+            f"the peer claims node {peer.node:016x}, which is not its addresses' "
+            f"({node_of(groups):016x}): without a cluster secret a daemon's node id is "
+            "the hash of its rails' addresses, so no process can take another's")
 
 
 def parse_probe(body: dict[str, Any]) -> tuple[bytes, bytes]:

@@ -371,10 +371,12 @@ class Service:
                             wid: int | None = None, timeout: float | None = None,
                             on_end: End) -> Admitted:
         """``length`` bytes from region ``src = (mr, offset)`` to ``dst = (desc,
-        offset)``; ``imm`` counted once at the destination once they are in place."""
+        offset)``; ``imm`` counted once at the destination once they are in place.
+        ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
+        are two writes)."""
         engine = self._engine()
         return self.submit(caller, key, Command.SINGLE_WRITE, lambda: engine.submit_single_write(
-            length, imm, src, dst, wid), timeout, on_end)
+            length, imm, src, dst, wid, caller), timeout, on_end)
 
     def submit_paged_writes(self, caller: Caller, key: int, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages], *,
@@ -382,7 +384,7 @@ class Service:
                             on_end: End) -> Admitted:
         engine = self._engine()
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
-            page_len, imm, src, dst, wid), timeout, on_end)
+            page_len, imm, src, dst, wid, caller), timeout, on_end)
 
     def submit_scatter(self, caller: Caller, key: int, group: int | None, imm: int | None,
                        mr: int, dsts: Sequence[ScatterDst], *, timeout: float | None = None,

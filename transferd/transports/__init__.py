@@ -37,7 +37,8 @@ from .base import (
     schemes,
 )
 from .builtin import register_builtins
-from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
+from .continuation import HELLO_MESSAGE, MIN_MAX_MESSAGE
+from .sockets import SocketTransport
 
 register_builtins()
 

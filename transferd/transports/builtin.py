@@ -17,7 +17,8 @@ from transferd.protocol.errors import BadRequest
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions, register
 from .carriers import Carrier, FdChannel, MessageCarrier, StreamCarrier, TlsCarrier, no_delay
-from .sockets import HELLO_MESSAGE, MIN_MAX_MESSAGE, SocketTransport
+from .continuation import HELLO_MESSAGE, MIN_MAX_MESSAGE
+from .sockets import SocketTransport
 
 log = logging.getLogger("transferd.transports")
 

@@ -4,13 +4,13 @@ Frames travel as PROTOCOL.md's "Transports" says for a message transport: header
 body one message, a payload as ``ceil(payload_len / max_message)`` continuation messages
 of exactly ``max_message`` bytes (the last holds the rest); every message is received
 whole into a posted receive and then scattered into the protocol's buffers; a short,
-long or merged message is BAD_FRAME.  The framing is ``transferd.domains.verbs.framing``,
-and ``transferd.domains.verbs.msgtransport.MessageTransport`` drives the protocol with it
-over any carrier of whole messages: here the RC SEND/RECV channel
-(``transferd.domains.verbs.channel.RcChannel``), in the tests a SOCK_SEQPACKET socket.
+long or merged message is BAD_FRAME.  The framing is :mod:`.continuation` (shared with
+seqpacket), and :class:`.msgtransport.MessageTransport` drives the protocol with it over
+any carrier of whole messages: here the RC SEND/RECV channel
+(``transferd.rdma.channel.RcChannel``), in the tests a SOCK_SEQPACKET socket.
 
 Connection set-up goes over TCP at HOST:PORT: the server sends its
-:class:`~transferd.domains.verbs.exchange.ChannelSetup` (its queue pair, its receive
+:class:`~transferd.rdma.exchange.ChannelSetup` (its queue pair, its receive
 depth, and its max_message as the size of every receive), the client creates its queue
 pair with receives of that size and answers with its own, the server connects and
 sends one byte, the client connects.  The TCP connection stays open as long as the
@@ -31,12 +31,12 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from transferd.domains.verbs.framing import HELLO_MESSAGE
-from transferd.domains.verbs.msgtransport import MessageTransport
 from transferd.protocol.errors import BadRequest, TransferdError
 
 from .base import Endpoint, Listener, ProtocolFactory, TransportKind, TransportOptions
 from .carriers import Carrier, MessageCarrier
+from .continuation import HELLO_MESSAGE
+from .msgtransport import MessageTransport
 
 log = logging.getLogger("transferd.transports")
 
@@ -113,8 +113,8 @@ class _RdmaListener(Listener):
             task.add_done_callback(self._setups.discard)
 
     async def _setup(self, conn: socket.socket) -> None:
-        from transferd.domains.verbs.channel import RcChannel, hub_for
-        from transferd.domains.verbs.exchange import ChannelSetup
+        from transferd.rdma.channel import RcChannel, hub_for
+        from transferd.rdma.exchange import ChannelSetup
 
         loop = self._loop
         ch = None
@@ -165,9 +165,9 @@ class RdmaKind(TransportKind):
 
     async def listen(self, ep: Endpoint, factory: ProtocolFactory,
                      opts: TransportOptions) -> Listener:
-        from transferd.domains.verbs.bind import rdma_problem
-        from transferd.domains.verbs.channel import device_for
-        from transferd.domains.verbs.loader import VerbsUnavailable
+        from transferd.rdma.channel import device_for
+        from transferd.rdma.devices import rdma_problem
+        from transferd.rdma.loader import VerbsUnavailable
 
         if (why := rdma_problem(ep.url)) is not None:
             raise VerbsUnavailable(why)
@@ -187,10 +187,10 @@ class RdmaKind(TransportKind):
 
     async def connect(self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
                       ) -> tuple[asyncio.BaseTransport, asyncio.BufferedProtocol]:
-        from transferd.domains.verbs.bind import rdma_problem
-        from transferd.domains.verbs.channel import RcChannel, hub_for
-        from transferd.domains.verbs.exchange import ChannelSetup
-        from transferd.domains.verbs.loader import VerbsUnavailable
+        from transferd.rdma.channel import RcChannel, hub_for
+        from transferd.rdma.devices import rdma_problem
+        from transferd.rdma.exchange import ChannelSetup
+        from transferd.rdma.loader import VerbsUnavailable
 
         if (why := rdma_problem(ep.url)) is not None:
             raise VerbsUnavailable(why)

@@ -19,8 +19,9 @@ plus three additions:
   ``max_message`` bytes (the last holds the rest).  Every message is received
   whole, in one ``recvmsg_into`` of a buffer larger than any message allowed
   now, and then scattered into the protocol's buffers; a short, long or merged
-  message is BAD_FRAME.  Writers use :meth:`write_frame`, which cuts a frame
-  into its messages.
+  message is BAD_FRAME (the cutting and the judging are
+  :mod:`.continuation`'s, shared with rdma://).  Writers use :meth:`write_frame`,
+  which cuts a frame into its messages.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from typing import Any, cast
 
 from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
-from transferd.protocol.errors import BadFrame, ProtocolError, TooLarge
+from transferd.protocol.errors import BadFrame, ProtocolError
+
+from .continuation import MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks
 
 log = logging.getLogger("transferd.transports")
 
@@ -54,12 +57,6 @@ _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _MSG_TRUNC = socket.MSG_TRUNC
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 _IOV = 512
-_unpack_lengths = struct.Struct("<8xIIQ").unpack_from  # body_len, reserved, payload_len
-
-# The smallest max_message PROTOCOL.md allows, and what a message transport
-# accepts before the other side's limits are known: HELLO fits 4096 bytes.
-MIN_MAX_MESSAGE = 65536
-HELLO_MESSAGE = HEADER_SIZE + 4096
 
 _scratch = threading.local()
 
@@ -75,26 +72,6 @@ def _scratch_buffer(size: int) -> memoryview:
         view = memoryview(bytearray(max(size, MIN_MAX_MESSAGE)))
         _scratch.view = view
     return view
-
-
-def _message_chunks(views: Sequence[memoryview], size: int) -> Iterable[list[memoryview]]:
-    """Cut payload views into messages of exactly ``size`` bytes (the last: the rest)."""
-    cur: list[memoryview] = []
-    room = size
-    for v in views:
-        if type(v) is not memoryview:
-            v = memoryview(v).cast("B")
-        while len(v):
-            k = min(room, len(v))
-            cur.append(v[:k])
-            v = v[k:]
-            room -= k
-            if room == 0:
-                yield cur
-                cur = []
-                room = size
-    if cur:
-        yield cur
 
 
 class SocketTransport(asyncio.Transport):
@@ -122,10 +99,9 @@ class SocketTransport(asyncio.Transport):
         self._fd = sock.fileno()
         self._protocol = protocol
         self.message = message
-        # The size of every continuation message, both ways.
-        self.max_message = max_message
-        # The largest head (header + body) message accepted now.
-        self.recv_limit = recv_limit if recv_limit is not None else max_message
+        # Where the frame arriving is (payload continuation, continuation.py).
+        self._cont = Continuation(max_message, recv_limit if recv_limit is not None
+                                  else max_message)
         # The connecting process's (pid, uid, gid) on AF_UNIX (SO_PEERCRED).
         self.peercred = _peercred(sock)
         self._extra = {
@@ -151,7 +127,6 @@ class SocketTransport(asyncio.Transport):
         self._lost = False
         # Message mode: continuation bytes still due for the current frame, and
         # the rest of a message whose scatter was paused by the protocol.
-        self._payload_left = 0
         self._stash: memoryview | None = None
         self._protocol.connection_made(self)
         if not self._closing:
@@ -296,9 +271,26 @@ class SocketTransport(asyncio.Transport):
             return
         self._protocol.buffer_updated(n)
 
+    # The continuation size both ways, and the largest header message taken now (the
+    # session sets it to max_message once HELLO is done).
+    @property
+    def max_message(self) -> int:
+        return self._cont.max_message
+
+    @max_message.setter
+    def max_message(self, n: int) -> None:
+        self._cont.max_message = n
+
+    @property
+    def recv_limit(self) -> int:
+        return self._cont.first_limit
+
+    @recv_limit.setter
+    def recv_limit(self, n: int) -> None:
+        self._cont.first_limit = n
+
     def _read_message(self) -> None:
-        left = self._payload_left
-        want = min(left, self.max_message) if left else self.recv_limit
+        want = self._cont.want
         # One byte more than allowed: a longer message shows as MSG_TRUNC or n > want.
         buf = _scratch_buffer(want + 1)
         n, anc, flags, _ = self._sock.recvmsg_into([buf[: want + 1]], _ANC_SPACE, _CLOEXEC)
@@ -307,33 +299,13 @@ class SocketTransport(asyncio.Transport):
         if n == 0:
             self._eof()
             return
-        if left:
-            if n != want or flags & _MSG_TRUNC:
-                raise BadFrame(
-                    f"payload message of {n if n <= want else 'more than ' + str(want)} bytes "
-                    f"where exactly {want} were due"
-                )
-            self._payload_left = left - n
-        else:
-            if n < HEADER_SIZE:
-                raise BadFrame(f"message of {n} bytes is shorter than a frame header")
-            body_len, _reserved, payload_len = _unpack_lengths(buf)
-            if n > want or flags & _MSG_TRUNC:
-                if HEADER_SIZE + body_len > want:
-                    raise TooLarge(
-                        f"frame of {HEADER_SIZE + body_len} bytes is over the message limit "
-                        f"of {want}"
-                    )
-                raise BadFrame("message longer than the frame its header announces")
-            if n != HEADER_SIZE + body_len:
-                # Let the decoder judge the header first (magic, limits, gate):
-                # its error is the more precise one.
-                self._scatter(buf[:HEADER_SIZE])
-                raise BadFrame(
-                    f"message of {n} bytes holds a frame of {HEADER_SIZE + body_len} "
-                    "(header and body are one message)"
-                )
-            self._payload_left = payload_len
+        try:
+            self._cont.judge(buf, n, bool(flags & _MSG_TRUNC))
+        except SplitFrame:
+            # Let the decoder judge the header first (magic, limits, gate): its error
+            # is the more precise one.
+            self._scatter(buf[:HEADER_SIZE])
+            raise
         self._scatter(buf[:n])
 
     def _scatter(self, data: memoryview) -> None:
@@ -408,7 +380,7 @@ class SocketTransport(asyncio.Transport):
         fds, self._send_fds = self._send_fds, []
         msgs: list[tuple[list[memoryview], list[int]]] = [([memoryview(head)], fds)]
         if payload_len:
-            for chunk in _message_chunks(payload, self.max_message):
+            for chunk in chunks(payload, self.max_message):
                 if len(chunk) > _IOV:
                     chunk = [memoryview(b"".join(chunk))]
                     if COUNTING:

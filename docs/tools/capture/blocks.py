@@ -13,6 +13,16 @@ from capture.live import Capture, Wire
 from capture.registry import EXAMPLES, VOLATILE
 from transferd.protocol import HEADER, HEADER_SIZE, Flag, FrameDecoder, command_name
 from transferd.protocol.peer import PeerCommand
+from transferd.protocol.peer_wire import (
+    ACK,
+    SEND,
+    WRITE,
+    WRITE_HEAD,
+    ack_error,
+    frame_size,
+    parse_write,
+    write_table_len,
+)
 
 PEER_COMMANDS = {int(c) for c in PeerCommand}
 
@@ -51,9 +61,75 @@ def _name(cmd: int) -> str:
     return command_name(cmd)
 
 
+# The peer plane's data phase: fixed little-endian headers (transferd/protocol/peer_wire.py),
+# split into their fields as (name, width).
+_DATA_FIELDS = {
+    WRITE: (("cmd", 1), ("flags", 1), ("npages", 2), ("part", 4), ("op", 8), ("rkey", 8),
+            ("imm", 4), ("ext", 4), ("wid", 8), ("payload", 8)),
+    ACK: (("cmd", 1), ("status", 1), ("mlen", 2), ("part", 4), ("op", 8)),
+    SEND: (("cmd", 1), ("flags", 1), ("reserved", 2), ("part", 4), ("op", 8), ("payload", 8)),
+}
+_DATA_NAMES = {WRITE: "PEER_WRITE", ACK: "PEER_ACK", SEND: "PEER_SEND"}
+
+
+def _is_data(raw: bytes) -> bool:
+    return raw[:2] != b"TD" and raw[:1] in (bytes([WRITE]), bytes([ACK]), bytes([SEND]))
+
+
+def _data_parts(raw: bytes) -> tuple[list[bytes], bytes, bytes, dict[str, Any]]:
+    """A data-phase frame: its fixed header's fields, its table (span, pages), its
+    payload (or an ACK's message), and what it says."""
+    cmd = raw[0]
+    fields, pos = [], 0
+    values: dict[str, int] = {}
+    for name, width in _DATA_FIELDS[cmd]:
+        fields.append(raw[pos:pos + width])
+        values[name] = int.from_bytes(raw[pos:pos + width], "little")
+        pos += width
+    shown: dict[str, Any] = {"op": values["op"], "part": values["part"]}
+    if cmd == WRITE:
+        head = WRITE_HEAD.unpack_from(raw)
+        w = parse_write(raw, 0, head)
+        end = 48 + write_table_len(head[1], head[2], head[7])
+        shown["rkey"] = w.rkey
+        if w.imm is not None:
+            shown["imm"] = w.imm
+        if w.wid is not None:
+            shown["wid"] = w.wid
+        if w.again:
+            shown["again"] = True
+        if w.span is not None:
+            shown["span"] = list(w.span)
+        shown["addrs"], shown["lens"] = w.addrs, w.lens
+        return fields, raw[pos:end], raw[end:], shown
+    if cmd == ACK:
+        err = ack_error(values["status"], raw[pos:])
+        shown.update({"ok": True} if err is None else err.to_body())
+    return fields, b"", raw[pos:], shown
+
+
+def _render_data(w: Wire, lines: list[str]) -> None:
+    fields, table, rest, shown = _data_parts(w.raw)
+    arrow = f"{w.me} -> {w.server}" if w.sent else f"{w.server} -> {w.me}"
+    lines.append(f"{arrow}  {_DATA_NAMES[w.raw[0]]}  (data phase)  "
+                 f"header={sum(map(len, fields)) + len(table)}  payload={len(rest)}")
+    lines.append(f"  {'header':<8}" + " | ".join(f.hex(" ") for f in fields))
+    if table:
+        lines += _hex_lines("pages", table)
+    lines.append(f"  {'':<8}= {_show(shown)}")
+    if rest:
+        lines += _hex_lines("message" if w.raw[0] == ACK else "payload", rest)
+    if not w.sent:  # the daemon's bytes are one whole frame, as the project reads them
+        assert frame_size(w.raw) == len(w.raw), "a data frame does not round-trip"
+
+
 def render(cap: Capture) -> str:
     lines = [f"{cap.title}:", "", "```text"]
     for w in cap.wire:
+        if _is_data(w.raw):
+            _render_data(w, lines)
+            lines.append("")
+            continue
         magic, cmd, flags, seq, body_len, _reserved, payload_len = HEADER.unpack_from(w.raw)
         arrow = f"{w.me} -> {w.server}" if w.sent else f"{w.server} -> {w.me}"
         name = _name(cmd) if magic == b"TD" else f"cmd 0x{cmd:02x} (magic {magic!r})"
@@ -186,6 +262,8 @@ class Canon:
                 return [self.name("node", v[0]), v[1]]
             if key == "addrs" and all(type(x) is int for x in v):
                 return [self.name("addr", x) for x in v]
+            if key == "span" and len(v) == 2 and all(type(x) is int for x in v):
+                return [self.name("addr", v[0]), v[1]]
             return [self.value(x, key) for x in v]
         if type(v) is int and key in ("node", "rkey"):
             return self.name(key, v)
@@ -199,6 +277,12 @@ def signature(cap: Capture) -> Any:
     canon = Canon()
     frames = []
     for w in cap.wire:
+        if _is_data(w.raw):
+            _fields, _table, rest, shown = _data_parts(w.raw)
+            # The header's own bytes are what it shows; only per-run values are renamed.
+            frames.append((w.sent, w.me, w.server, "data", w.raw[0], canon.value(shown),
+                           b"" if w.raw[0] == ACK else rest))
+            continue
         magic, cmd, flags, seq, body_len, reserved, _ = HEADER.unpack_from(w.raw)
         body = w.raw[HEADER_SIZE : HEADER_SIZE + body_len]
         decoded = msgpack.unpackb(body, raw=False) if body else None

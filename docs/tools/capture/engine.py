@@ -23,11 +23,11 @@ from capture.registry import (
     request_example,
     session,
 )
-from transferd.domains.tcp import parse_rail, rail_bytes
+from transferd.domains.rails import parse_rail, rail_bytes
 from transferd.protocol import HEADER, Command, Flag, command_name
 from transferd.protocol.frames import Frame, FrameDecoder
-from transferd.protocol.peer import PeerCommand
 from transferd.protocol.peer_handshake import PeerHandshake, PeerIdentity, Role
+from transferd.protocol.peer_wire import encode_send, encode_write
 
 A_NAME, B_NAME = "daemon A", "daemon B"
 
@@ -362,23 +362,24 @@ def ex_peer_plane(ds: Daemons) -> Capture:
             while not hs.done:
                 link.send(0, 0, raw=hs.data_to_send())
                 hs.receive(_frame(link.recv()), time.monotonic())
-            write = {"op": 1, "part": 0, "rkey": rkey, "addrs": [ptr + 16], "lens": [4],
-                     "imm": 3}
-            link.send(PeerCommand.WRITE, 0, write, b"ABCD")
-            link.recv()
-            forged = {**write, "op": 2, "rkey": (rkey + 1) % (1 << 64)}
-            link.send(PeerCommand.WRITE, 0, forged, b"ABCD")
-            link.recv()
-            link.send(PeerCommand.SEND, 0, {"op": 3, "part": 0}, b"ping")
-            link.recv()
+            # The data phase: fixed headers, no msgpack.
+            link.send(0, 0, raw=encode_write(1, 0, rkey, [ptr + 16], [4], 3) + b"ABCD")
+            link.recv_data()
+            forged = (rkey + 1) % (1 << 64)
+            link.send(0, 0, raw=encode_write(2, 0, forged, [ptr + 16], [4], 3) + b"ABCD")
+            link.recv_data()
+            link.send(0, 0, raw=encode_send(3, 0, 4) + b"ping")
+            link.recv_data()
         finally:
             link.close()
     cap.note = (
         "This script plays the initiating daemon, with the cluster secret. B's HELLO reply "
         "proves B knows the secret (`proof` over the peer's `nonce` and B's `challenge`); the "
         "peer's AUTH `mac` proves it knows it too, and B's empty AUTH reply opens the link. "
-        "The forged WRITE's 4 bytes are read and dropped; the SEND is acknowledged once B has "
-        "handed it to the receive its client posted and it is out of B (without one "
+        "From then on the link speaks the data phase's fixed headers: a one-page WRITE is a "
+        "64-byte header and its payload, an ACK 16 bytes (an error's code and message after "
+        "them). The forged WRITE's 4 bytes are read and dropped; the SEND is acknowledged "
+        "once B has handed it to the receive its client posted and it is out of B (without one "
         "posted it would be refused, NOT_FOUND)."
     )
     return cap

@@ -294,6 +294,18 @@ class Conn:
             self.capture.wire.append(Wire(False, raw, self.server, self.me))
         return raw
 
+    def recv_data(self) -> bytes:
+        """One frame of the peer plane's data phase (its size from its fixed header)."""
+        from transferd.protocol.peer_wire import frame_size
+
+        raw = self._read(1)
+        while (n := frame_size(raw)) is None:
+            raw += self._read(1)
+        raw += self._read(n - len(raw))
+        if self.capture is not None:
+            self.capture.wire.append(Wire(False, raw, self.server, self.me))
+        return raw
+
     def expect_close(self) -> None:
         self.sock.settimeout(5)
         if self.sock.recv(1) != b"":

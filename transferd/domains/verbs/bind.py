@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from transferd.rdma.loader import VerbsUnavailable, load_pyverbs, memlock_problem
+
 from . import NAME
-from .loader import VerbsUnavailable, load_pyverbs, memlock_problem
 
 if TYPE_CHECKING:
-    from transferd.domains.base import Domain, DomainOptions
+    from transferd.domains.base import Domain, DomainOptions, Port
 
 
 def preflight(devices: list[str]) -> None:
@@ -29,28 +30,59 @@ def preflight(devices: list[str]) -> None:
         raise VerbsUnavailable(p)
 
 
-def create(receiver: Any, rail: int, host: str, port: int, options: DomainOptions) -> Domain:
-    """The registry's factory for ``verbs``: rail ``rail`` listens for set-up on ``host``
-    and uses ``options.of("verbs")["devices"][rail]`` (engine.rdma_devices), its port
-    ``port`` (engine.rdma_port) and GID index ``gid_index`` (-1 or absent: one is picked)."""
-    settings = options.of(NAME)
-    devices = [str(d) for d in settings.get("devices", ())]
-    preflight(devices)
-    if rail >= len(devices):
-        raise VerbsUnavailable(f"engine.rdma_devices names {len(devices)} device(s); "
-                               f"rail {rail} has none")
-    from .domain import VerbsDomain
+class _Create:
+    """The registry's factory for ``verbs`` (a callable that also says what the Domains
+    it makes can do, without a device)."""
 
-    gid = int(settings.get("gid_index", -1))
-    return VerbsDomain(receiver, rail, host, port, device=devices[rail],
-                       ib_port=int(settings.get("port", 1)),
-                       gid_index=None if gid < 0 else gid)
+    @property
+    def capabilities(self) -> Any:
+        from transferd.domains.base import Capabilities
+
+        # The NIC places writes and counts immediates; no device memory yet.
+        return Capabilities(sees_writes=False, counts_immediates=True, device_memory=False)
+
+    def __call__(self, port: Port, rail: int, host: str, port_number: int,
+                 options: DomainOptions) -> Domain:
+        """Rail ``rail`` listens for set-up on ``host`` and uses
+        ``options.of("verbs")["devices"][rail]`` (engine.rdma_devices), its port
+        ``port`` (engine.rdma_port) and GID index ``gid_index`` (-1 or absent: one is
+        picked)."""
+        settings = options.of(NAME)
+        devices = [str(d) for d in settings.get("devices", ())]
+        preflight(devices)
+        if rail >= len(devices):
+            raise VerbsUnavailable(f"engine.rdma_devices names {len(devices)} device(s); "
+                                   f"rail {rail} has none")
+        from .domain import VerbsDomain
+
+        gid = int(settings.get("gid_index", -1))
+        return VerbsDomain(port, rail, host, port_number, device=devices[rail],
+                           ib_port=int(settings.get("port", 1)),
+                           gid_index=None if gid < 0 else gid)
+
+
+    @staticmethod
+    def config_problems(engine: Any) -> list[str]:
+        """The [engine] keys of verbs, checked against each other (no device touched)."""
+        rails = max(1, len(engine.host_rails))
+        if len(engine.rdma_devices) != rails:
+            return [f"engine.rdma_devices: domain verbs needs one RDMA device per rail "
+                    f"({rails}), got {len(engine.rdma_devices)} "
+                    "(`transferd devices` lists them)"]
+        return []
+
+    @staticmethod
+    def machine_problems(engine: Any) -> list[tuple[str, str]]:
+        return machine_problems(list(engine.rdma_devices), engine.rdma_port)
+
+
+create = _Create()
 
 
 def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
     """(config key, message) for each reason this machine cannot run the verbs Domain
     as configured: what ``transferd serve`` and ``check-config`` report before start."""
-    from .devices import discover
+    from transferd.rdma.devices import discover
 
     report = discover()
     out: list[tuple[str, str]] = []
@@ -71,15 +103,3 @@ def machine_problems(devices: list[str], port: int) -> list[tuple[str, str]]:
                             "not ACTIVE"))
     out += [("engine.domain", f"verbs: {p}") for p in report.problems]
     return out
-
-
-def rdma_problem(url: str) -> str | None:
-    """Why an ``rdma://HOST:PORT`` listener or connection cannot open here, or None."""
-    from .devices import discover
-
-    report = discover()
-    if not report.usable:
-        return f"{url}: no RDMA device with an ACTIVE port: {report.reason}"
-    if (p := memlock_problem()) is not None:
-        return f"{url}: {p}"
-    return None

@@ -31,41 +31,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import socket
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from transferd.parts import SendPart, Transfer, WritePart
+from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     PeerUnreachable,
     TransferdError,
 )
-from transferd.protocol.frames import Frame
+from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
+from transferd.rdma.completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
+from transferd.rdma.cqloop import CqPoller
+from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
+from transferd.rdma.slots import Slots
+from transferd.rdma.wr import RecvSlots, ZeroWriteTemplate, build_chains
 
-from ..base import Domain
+from ..base import Capabilities, Domain, LinkStats, Port, count_links, link_key
 from ..rails import parse_rail, rail_bytes
-from ..tcp import dial_probe
+from ..strangers import RailStrangers
 from . import messages
-from .completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
-from .cqloop import CqPoller
-from .links import InLink, LinkState, OutLink
-from .mrtable import Registration, address_of
-from .resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
+from .bind import create
+from .links import InLink, OutLink
 from .sender import Posted, Sender
 from .sendq import SendQueue
-from .wr import RecvSlots, ZeroWriteTemplate, build_chains
-
-if TYPE_CHECKING:
-    from transferd.engine.regions import Region
-
-    from ..group import DomainGroup
 
 T = TypeVar("T")
+
+CAPABILITIES: Capabilities = create.capabilities
 
 log = logging.getLogger("transferd.verbs")
 
@@ -74,7 +71,6 @@ WRITE_RECV_DEPTH = 1024  # WRITE_WITH_IMMs towards us in flight per peer and rai
 MSG_DEPTH = 32  # message slots per send/recv queue pair, each way
 MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
 WR_IDS = 1 << 16  # work requests in flight per NIC
-MAX_HANDSHAKING = 64  # inbound set-up links not yet authenticated, per rail
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0
 REGISTER_TIMEOUT = 10.0  # ibv_reg_mr pins the pages: large regions take a while
@@ -88,29 +84,6 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(256)
     sock.setblocking(False)
     return sock
-
-
-class _Slots:
-    """Host memory in fixed slots, registered with the NIC (message buffers)."""
-
-    def __init__(self, nic: Nic, count: int, length: int) -> None:
-        self.length = length
-        self.map = mmap.mmap(-1, count * length)
-        self.view = memoryview(self.map)
-        self.addr = address_of(self.view)
-        self.reg: Registration = nic.register(self.addr, count * length)
-        self.free = list(range(count - 1, -1, -1))
-
-    def slot(self, i: int) -> memoryview:
-        return self.view[i * self.length : (i + 1) * self.length]
-
-    def close(self, nic: Nic) -> None:
-        with contextlib.suppress(TransferdError, PyverbsError):
-            nic.deregister(self.addr)
-        # A slot view still held somewhere keeps the mapping until it goes.
-        with contextlib.suppress(BufferError):
-            self.view.release()
-            self.map.close()
 
 
 class QpEnd:
@@ -140,8 +113,8 @@ class QpEnd:
         self.max_sge = nic.choice.max_sge
         self.queue: SendQueue[Posted] = SendQueue(SEND_DEPTH, self._post)
         self.template = ZeroWriteTemplate((nic.sink.buf, 0, nic.sink.lkey)) if write else None
-        self.rx: _Slots | None = None
-        self.tx: _Slots | None = None
+        self.rx: Slots | None = None
+        self.tx: Slots | None = None
         if write:
             # Every write receive names the same sink: WRITE_WITH_IMM writes nothing
             # into a receive buffer, and a stray SEND of more than SINK_LEN breaks the
@@ -149,11 +122,11 @@ class QpEnd:
             self.recv = RecvSlots(int(WrKind.WRITE_RECV), nic.sink.buf, SINK_LEN,
                                   depth if receives else 0, nic.sink.lkey, stride=0)
         else:
-            self.rx = _Slots(nic, MSG_DEPTH, MSG_LEN)
-            self.tx = _Slots(nic, MSG_DEPTH, MSG_LEN)
+            self.rx = Slots(nic, MSG_DEPTH, MSG_LEN)
+            self.tx = Slots(nic, MSG_DEPTH, MSG_LEN)
             self.recv = RecvSlots(int(WrKind.RECV), self.rx.addr, MSG_LEN, MSG_DEPTH,
                                   self.rx.reg.lkey)
-        self._tx_waiting: deque[tuple[int, dict[str, Any], bytes, Any]] = deque()
+        self._tx_waiting: deque[tuple[bytes, bytes, Any]] = deque()
         domain.dispatcher.qps[self.info.qpn] = QpRole(self, write)
         domain.qps[self.info.qpn] = self
         for wr in self.recv.wrs:
@@ -207,20 +180,20 @@ class QpEnd:
             pos += n
         d.kick()
 
-    def send_frame(self, cmd: int, body: dict[str, Any], payload: bytes,
-                   on_done: Any) -> None:
-        """One frame in one SEND, copied into a registered slot (waits for a free one)."""
+    def send_frame(self, head: bytes, payload: bytes, on_done: Any) -> None:
+        """One frame (``head``, then ``payload``) in one SEND, copied into a registered
+        slot (waits for a free one)."""
         assert self.tx is not None
         if self.closed:
             raise PeerUnreachable("queue pair closed")
         if not self.tx.free:
             if len(self._tx_waiting) >= SEND_DEPTH * 4:
                 raise BadRequest("too many messages waiting for a send slot")
-            self._tx_waiting.append((cmd, body, payload, on_done))
+            self._tx_waiting.append((head, payload, on_done))
             return
         i = self.tx.free.pop()
         try:
-            n = messages.encode_into(self.tx.slot(i), cmd, body, payload)
+            n = messages.encode_into(self.tx.slot(i), head, payload)
         except TransferdError:
             self.tx.free.append(i)
             raise
@@ -236,7 +209,7 @@ class QpEnd:
         sge = (self.tx.addr + i * self.tx.length, n, self.tx.reg.lkey)
         self.domain.sender.send(self, sge, sent)
 
-    def received(self, slot: int, nbytes: int) -> Frame:
+    def received(self, slot: int, nbytes: int) -> Any:
         assert self.rx is not None
         try:
             return messages.parse(self.rx.slot(slot)[:nbytes])
@@ -259,7 +232,7 @@ class QpEnd:
             d.sender.completed(p, err)
         for q in waiting:
             d.sender.completed(q, err)
-        for _, _, _, on_done in tx_waiting:
+        for _, _, on_done in tx_waiting:
             if on_done is not None:
                 on_done(err)
         with contextlib.suppress(PyverbsError):
@@ -281,27 +254,30 @@ class VerbsDomain(Domain):
     """
 
     name = "verbs"
+    # The NIC places writes (no receiver code sees them) and counts immediates; it does
+    # not take device memory yet (docs/rdma.md).
+    capabilities = CAPABILITIES
 
-    def __init__(self, group: DomainGroup, rail: int, host: str, port: int = 0, *,
+    def __init__(self, port: Port, rail: int, host: str, port_number: int = 0, *,
                  device: str, ib_port: int = 1, gid_index: int | None = None) -> None:
-        self.group = group
+        self.port = port
         self.rail = rail
         self.host = host
-        self.loop = group.loop
+        self.loop = port.loop
         self.nic = Nic(device, ib_port, gid_index)  # VerbsUnavailable names what is missing
-        self.sender = shared_sender(group)
+        self.sender = shared_sender(port)
         self.wrids: WrIds[Posted] = WrIds(WR_IDS)
         self.qps: dict[int, QpEnd] = {}
         self.dispatcher: Dispatcher[Posted] = Dispatcher(
             self.wrids, on_send_done=self.sender.completed, on_imm=self._on_imm,
             on_message=self._on_message, repost=self._repost, on_broken=self._on_broken)
-        self._listener = _listen(host, port)
-        self.port = self._listener.getsockname()[1]
+        self._listener = _listen(host, port_number)
+        self.port_number = self._listener.getsockname()[1]
         # Keyed by the peer and the address dialled, as the tcp rails' links.
         self._links: dict[tuple[int, int, bytes], OutLink] = {}
         self._inbound: set[InLink] = set()
-        self._probes: dict[bytes, OutLink] = {}
-        self._probing: set[asyncio.Task[None]] = set()
+        self.strangers = RailStrangers(f"verbs rail {rail} ({host}:{self.port_number})",
+                                       port.links.handshake_timeout_s)
         self._cqes = 0
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
                                self.dispatcher.dispatch)
@@ -317,15 +293,15 @@ class VerbsDomain(Domain):
 
     # -- memory -------------------------------------------------------------------------
 
-    def register(self, region: Region) -> int:
+    def register(self, region: RegionInfo) -> int:
         """ibv_reg_mr of the region on this NIC: its rkey for the MrDesc.  The NIC checks
         rkey and bounds of every write that arrives; the region table's own rkeys are
         not used on verbs."""
-        device = str(getattr(getattr(region.buffer, "memory", None), "kind", "cpu"))
+        device = region.device
         return self._on_worker(lambda: self.nic.register(region.ptr, region.size,
                                                          device).rkey)
 
-    def deregister(self, region: Region) -> None:
+    def deregister(self, region: RegionInfo) -> None:
         """ibv_dereg_mr: from its return no remote write lands in the region (one in
         flight fails at its initiator with a remote access error)."""
         def dereg() -> None:
@@ -353,7 +329,7 @@ class VerbsDomain(Domain):
 
     @property
     def address(self) -> bytes:
-        return rail_bytes(self.host, self.port)
+        return rail_bytes(self.host, self.port_number)
 
     def check_address(self, raw: bytes) -> None:
         """A verbs rail's address is its TCP set-up address (the Domain interface's check)."""
@@ -363,7 +339,7 @@ class VerbsDomain(Domain):
         self.link_to(dst)
 
     def link_to(self, dst: NetAddr) -> OutLink:
-        key = (dst.node, dst.group, dst.rails[0])
+        key = link_key(dst)
         link = self._links.get(key)
         if link is None or link.state is LinkState.CLOSED:
             link = OutLink(self, dst)
@@ -377,39 +353,13 @@ class VerbsDomain(Domain):
             transfer.fail(exc)
 
     def forget(self, link: OutLink) -> None:
-        key = (link.dst.node, link.dst.group, link.dst.rails[0])
+        key = link_key(link.dst)
         if self._links.get(key) is link:
             del self._links[key]
 
-    # -- probes (no cluster secret; peer_handshake) ----------------------------------------
-
-    def expect_probe(self, nonce: bytes, link: OutLink) -> None:
-        if len(self._probes) < MAX_HANDSHAKING:
-            self._probes[nonce] = link
-
-    def forget_probe(self, link: OutLink) -> None:
-        if link.hs is not None and self._probes.get(link.hs.nonce) is link:
-            del self._probes[link.hs.nonce]
-
-    def probe_arrived(self, nonce: bytes, token: bytes) -> None:
-        link = self._probes.get(nonce)
-        if link is not None:
-            link.probed(token)
-
-    def send_probe(self, addr: bytes, data: bytes) -> bool:
-        """Dial ``addr`` (the initiator's claimed rail), send a PROBE, hang up."""
-        try:
-            host, port = parse_rail(addr)
-        except BadRequest:
-            return False
-        task = self.loop.create_task(self._probe(host, port, data))
-        self._probing.add(task)
-        task.add_done_callback(self._probing.discard)
-        return True
-
-    async def _probe(self, host: str, port: int, data: bytes) -> None:
-        await dial_probe(self.loop, self.host, host, port, data,
-                         self.group.handshake_timeout_s, f"verbs rail {self.rail}")
+    def link_stats(self) -> LinkStats:
+        return count_links([(lk.state.value, len(lk._waiting)) for lk in self._links.values()],
+                           len(self._inbound))
 
     def fail_wrs_of(self, qp: QpEnd) -> list[Posted]:
         """Take back the work requests of a queue pair that is going away."""
@@ -421,25 +371,32 @@ class VerbsDomain(Domain):
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 log.warning("verbs rail %d: accept failed: %s", self.rail, exc)
                 return
-            if sum(i.state is LinkState.CONNECTING for i in self._inbound) >= MAX_HANDSHAKING:
-                sock.close()  # strangers in their handshake: a bounded number at once
-                continue
-            self._inbound.add(InLink(self, sock))
+            link = InLink(self, sock)
+            self._inbound.add(link)
+            # Strangers in their handshake: a bounded number, a share per source, each
+            # for the handshake timeout (as on a tcp rail: ..strangers).
+            link.ticket = self.strangers.admit(str(addr[0]), self.loop.time(), link)
+            if link.ticket is None:
+                link.close(PeerUnreachable("no handshake slot"))
+
+    def handshake_done(self, link: InLink) -> None:
+        self.strangers.done(link.ticket)
 
     def inbound_closed(self, link: InLink) -> None:
         self._inbound.discard(link)
+        self.strangers.done(link.ticket)
 
     def _on_imm(self, qp: QpEnd, imm: int, nbytes: int) -> None:
         owner = qp.owner
         if isinstance(owner, InLink) and owner.peer is not None:
             # One WRITE_WITH_IMM completion is one unit: it adds 1 (counting.py).
-            self.group.landed_imm(owner.peer, imm, nbytes)
+            self.port.landing.landed_imm(imm, nbytes)
 
     def _on_message(self, qp: QpEnd, qpn: int, slot: int, nbytes: int) -> None:
         try:
@@ -471,8 +428,6 @@ class VerbsDomain(Domain):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
             inbound.close(PeerUnreachable("engine is shutting down"))
-        for task in list(self._probing):
-            task.cancel()
         self.sender.close()
         self.nic.close()
 
@@ -482,7 +437,8 @@ _SENDERS: weakref.WeakKeyDictionary[Any, Sender] = weakref.WeakKeyDictionary()
 
 
 def shared_sender(group: Any) -> Sender:
-    """The group's Sender (its carrier gate spans the group's rails)."""
+    """The group's Sender (its carrier gate spans the group's rails); ``group`` is the
+    group's port, which every rail of it shares."""
     sender = _SENDERS.get(group)
     if sender is None:
         sender = Sender(lambda link: lambda a, n: link.domain.nic.mrs.find(a, n).lkey,

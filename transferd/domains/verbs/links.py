@@ -1,18 +1,21 @@
-"""A verbs rail's links to peers: the authenticated peer handshake over TCP, then the
-queue pair set-up, then RC traffic.
+"""A verbs rail's links to peers: the peer link core over TCP, then RC traffic.
 
 Per peer and direction, one TCP connection to the peer's rail address (the host and
-port in its NetAddr) carries, in order:
+port in its NetAddr) carries, in order, what the sans-IO core of
+:mod:`transferd.protocol.peer_link` says, driven by the same
+:class:`~transferd.domains.link_io.SocketLink` as a tcp rail's links:
 
-1. the peer handshake of :mod:`transferd.protocol.peer_handshake` (HELLO, AUTH, and
-   without a cluster secret a PROBE to the address the initiator claims), exactly as a
-   tcp rail runs it: the peer proves the cluster secret, is bound in the group's peer
-   book, and an initiator checks it reached who it dialled;
-2. then SETUP (``SETUP_CMD``) both ways: the initiator's :class:`~.exchange.RailSetup`
-   (its two queue pairs for this peer), the responder's in the reply after it created
-   and connected its own; the initiator connects;
-3. then nothing more: the connection stays open as long as the queue pairs, and its end
-   tears them down and fails what was in flight.
+1. the peer handshake (HELLO, AUTH, and without a cluster secret a PROBE to the
+   address the initiator claims): the peer proves the cluster secret, is bound in the
+   group's peer book, and an initiator checks it reached who it dialled;
+2. then one SETUP frame each way (the core's SETUP state): the initiator's
+   :class:`~.exchange.RailSetup` (its two queue pairs for this peer), the
+   responder's in reply after it created and connected its own; the initiator
+   connects, and both ends are READY;
+3. then nothing more on it: writes go by RDMA, messages and their ACKs by RC SEND in
+   the peer plane's own frames (:mod:`transferd.protocol.peer_wire`, one frame a
+   message); any other frame on the TCP connection ends the link, and its end tears
+   the queue pairs down and fails what was in flight.
 
 This is where the article's ConnectX Domain uses a UD queue pair (docs/rdma.md: a
 choice; the queue pair numbers come from a peer that authenticated).
@@ -21,64 +24,50 @@ choice; the queue pair numbers come from a peer that authenticated).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import socket
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transferd import authlog
 from transferd.parts import SendPart, Transfer, WritePart
-from transferd.protocol.errors import (
-    BadRequest,
-    PeerUnreachable,
-    TransferdError,
-    error_from_body,
+from transferd.preauth import Ticket, Why
+from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
+from transferd.protocol.peer_handshake import Probe, Ready
+from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_link import (
+    Event,
+    LinkState,
+    ProbeArrived,
+    SetUp,
 )
-from transferd.protocol.frames import Frame
-from transferd.protocol.peer import PeerCommand
-from transferd.protocol.peer_handshake import (
-    MAX_HANDSHAKE_BODY,
-    PeerHandshake,
-    Probe,
-    Ready,
-    Role,
-    State,
-    parse_probe,
-)
+from transferd.protocol.peer_outbound import OutboundLink
+from transferd.protocol.peer_wire import ACK, SEND, encode_ack, encode_send
 from transferd.protocol.values import NetAddr
+from transferd.rdma.exchange import RailSetup, check_pair
 
+from ..link_io import SocketLink
 from ..rails import parse_rail
-from ..stream import FramedStream
-from ..tcp_inbound import _peername
-from .exchange import RailSetup, check_pair
 
 if TYPE_CHECKING:
     from .domain import QpEnd, VerbsDomain
 
-# The verbs set-up frame, after the handshake (in the peer plane's 0x40-0x4F).
-SETUP_CMD = 0x4E
 CONNECT_TIMEOUT = 10.0
-_REPLY, _ERROR = 0x01, 0x02
-
-
-class LinkState(enum.Enum):
-    CONNECTING = "connecting"  # TCP, then the handshake, then the set-up
-    READY = "ready"
-    CLOSED = "closed"
+# A message as parse_message gives it: (cmd, op, part, a SEND's payload, an ACK's error).
+Message = tuple[int, int, int, Any, TransferdError | None]
 
 
 class _SetupLink:
-    """What OutLink and InLink share: the set-up connection and two queue pairs."""
+    """What OutLink and InLink share: the core over TCP, and two queue pairs."""
 
     domain: VerbsDomain
+    core: OutboundLink | InboundLink
+    io: SocketLink | None = None
     send: QpEnd | None = None
     write: QpEnd | None = None
-    stream: FramedStream | None = None
-    hs: PeerHandshake | None = None
-    state = LinkState.CONNECTING
     _timer: asyncio.TimerHandle | None = None
+
+    @property
+    def state(self) -> LinkState:
+        return self.core.state
 
     def _make_qps(self) -> RailSetup:
         from .domain import MSG_DEPTH, MSG_LEN, WRITE_RECV_DEPTH, QpEnd
@@ -86,20 +75,29 @@ class _SetupLink:
         self.send = QpEnd(self.domain, self, write=False)
         # Our own write queue pair is never written to with an immediate: no receives.
         self.write = QpEnd(self.domain, self, write=True, receives=isinstance(self, InLink))
-        g = self.domain.group
-        return RailSetup(g.node, g.index, self.domain.rail, len(g.domains), self.send.info,
+        me = self.domain.port.links.identity
+        return RailSetup(me.node, me.group, self.domain.rail, len(me.addrs), self.send.info,
                          self.write.info, MSG_DEPTH, WRITE_RECV_DEPTH, MSG_LEN,
                          self.domain.nic.choice.max_msg)
 
-    def _connect_qps(self, mine: RailSetup, raw: Any) -> RailSetup:
-        if not isinstance(raw, bytes):
-            raise BadRequest("verbs SETUP without a rail set-up")
+    def _connect_qps(self, mine: RailSetup, raw: bytes) -> RailSetup:
         theirs = RailSetup.from_bytes(raw)
         check_pair(mine, theirs)
         assert self.send is not None and self.write is not None
         self.send.connect(theirs.send_qp)
         self.write.connect(theirs.write_qp)
         return theirs
+
+    def _setup_timer(self) -> None:
+        """The set-up gets as long as the handshake had."""
+        self._timer = self.domain.loop.call_later(
+            self.domain.port.links.handshake_timeout_s, self._setup_late)
+
+    def _setup_late(self) -> None:
+        self._timer = None
+        if self.core.state is not LinkState.READY:
+            self.close(PeerUnreachable(f"verbs rail {self.domain.rail}: no set-up from the "
+                                       "peer in time"))
 
     def _close_qps(self) -> None:
         if self._timer is not None:
@@ -109,11 +107,14 @@ class _SetupLink:
             if qp is not None:
                 qp.close()
         self.send = self.write = None
-        if self.stream is not None:
-            self.stream.close()
+        if self.io is not None:
+            self.io.close(None)
 
     def close(self, error: TransferdError) -> None:
         raise NotImplementedError
+
+    def link_closed(self, link: SocketLink, error: TransferdError | None) -> None:
+        self.close(error or PeerUnreachable("set-up connection closed"))
 
 
 class OutLink(_SetupLink):
@@ -122,11 +123,14 @@ class OutLink(_SetupLink):
     def __init__(self, domain: VerbsDomain, dst: NetAddr) -> None:
         self.domain = domain
         self.dst = dst
-        self.state = LinkState.CONNECTING
+        loop = domain.loop
+        self.core = core = domain.port.links.outbound(domain.rail, dst, loop.time())
+        core.label = f"verbs link to {dst} rail {domain.rail}"
         self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
         self._pending: dict[tuple[int, int], Transfer] = {}
         self._setup: RailSetup | None = None
-        self._task = domain.loop.create_task(self._connect())
+        self._closed = False
+        self._task = loop.create_task(self._connect())
 
     async def _connect(self) -> None:
         try:
@@ -146,92 +150,60 @@ class OutLink(_SetupLink):
             self.close(PeerUnreachable(f"verbs rail {d.rail}: cannot reach {host}:{port}: "
                                        f"{exc or 'timed out'}"))
             return
-        if self.state is LinkState.CLOSED:
+        if self._closed:
             sock.close()
             return
-        self.stream = FramedStream(d.loop, sock, on_frame=self._on_frame,
-                                   on_close=self._on_close, max_body=MAX_HANDSHAKE_BODY,
-                                   max_payload=0)
-        g = d.group
-        self.hs = PeerHandshake(Role.INITIATOR, g.identity, d.rail, g.secret, d.loop.time(),
-                                timeout=g.handshake_timeout_s,
-                                expect=(self.dst.node, self.dst.group, self.dst.rails[0]),
-                                admit=g.bind_peer)
-        self.hs.start()
-        d.expect_probe(self.hs.nonce, self)
-        self._timer = d.loop.call_at(self.hs.deadline, self._tick)
-        self.stream.send_raw(self.hs.data_to_send())
-
-    def _tick(self) -> None:
-        self._timer = None
-        if self.state is LinkState.CONNECTING:
-            if self.hs is not None and not self.hs.done:
-                self._handshake(lambda hs: hs.tick(self.domain.loop.time()))
-            else:  # the handshake is done but the SETUP reply never came
-                self.close(PeerUnreachable(f"verbs link to {self.dst}: no SETUP reply"))
+        core = self.core
+        assert isinstance(core, OutboundLink)
+        core.connected(d.loop.time())
+        links = d.port.links
+        if links.secret is None and not links.probes.expect(core.nonce, self.probed):
+            sock.close()
+            self.close(PeerUnreachable(f"verbs rail {d.rail}: too many links wait for a "
+                                       "probe"))
+            return
+        self.io = SocketLink(d.loop, sock, core, self)
+        self.io.start()
 
     def probed(self, token: bytes) -> None:
         """Our listener got the PROBE for this link's handshake (no cluster secret)."""
-        self._handshake(lambda hs: hs.probe(token, self.domain.loop.time()))
+        if self.io is not None:
+            assert isinstance(self.core, OutboundLink)
+            self.core.probe(token, self.domain.loop.time())
+            self.io._after()
 
-    def _handshake(self, step: Callable[[PeerHandshake], None]) -> None:
-        hs = self.hs
-        if hs is None or self.state is LinkState.CLOSED:
-            return
-        try:
-            step(hs)
-        except TransferdError as exc:
-            # Counted; the broken link's own WARNING names it.
-            authlog.peer_failed(hs, self.dst.rails[0], self.domain.rail, emit=False)
-            kind = BadRequest if type(exc) is BadRequest else PeerUnreachable
-            self.close(kind(f"verbs link to {self.dst} rail {self.domain.rail}: "
-                            f"{exc.message}"))
-            return
-        assert self.stream is not None
-        self.stream.send_raw(hs.data_to_send())
-        if any(isinstance(ev, Ready) for ev in hs.events()):
-            self.domain.forget_probe(self)
+    def link_event(self, link: SocketLink, event: Event) -> None:
+        if isinstance(event, Ready):
+            assert isinstance(self.core, OutboundLink)
+            self.domain.port.links.probes.forget(self.core.nonce)
             try:
                 self._setup = self._make_qps()
             except TransferdError as exc:
                 self.close(exc)
                 return
-            self.stream.send(SETUP_CMD, 0, 0, {"setup": self._setup.to_bytes()})
-            if self._timer is not None:  # the SETUP reply gets the same time
+            self.core.send_setup(self._setup.to_bytes())
+            self._setup_timer()
+        elif isinstance(event, SetUp):
+            if event.error is not None or self._setup is None:
+                self.close(event.error or BadRequest("verbs set-up before ours"))
+                return
+            try:
+                self._connect_qps(self._setup, event.blob)
+            except TransferdError as exc:
+                self.close(exc)
+                return
+            if self._timer is not None:
                 self._timer.cancel()
-            self._timer = self.domain.loop.call_later(self.domain.group.handshake_timeout_s,
-                                                      self._tick)
-
-    def _on_frame(self, frame: Frame) -> None:
-        if self.state is not LinkState.CONNECTING:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        if self.hs is not None and not self.hs.done:
-            self._handshake(lambda hs: hs.receive(frame, self.domain.loop.time()))
-            return
-        if frame.cmd != SETUP_CMD or self._setup is None:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        if frame.is_error:
-            self.close(error_from_body(frame.body))
-            return
-        try:
-            self._connect_qps(self._setup, frame.body.get("setup"))
-        except TransferdError as exc:
-            self.close(exc)
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.state = LinkState.READY
-        waiting, self._waiting = self._waiting, deque()
-        for part, transfer in waiting:
-            self._send(part, transfer)
+                self._timer = None
+            self.core.carrier_ready()
+            waiting, self._waiting = self._waiting, deque()
+            for part, transfer in waiting:
+                self._send(part, transfer)
 
     def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
-        if self.state is LinkState.READY:
+        if self.core.state is LinkState.READY:
             self._send(part, transfer)
-        elif self.state is LinkState.CLOSED:
+        elif self._closed or self.core.closed:
             transfer.fail(PeerUnreachable(f"verbs link to {self.dst} is closed"))
         else:
             self._waiting.append((part, transfer))
@@ -254,36 +226,36 @@ class OutLink(_SetupLink):
                 transfer.fail(err)
 
         try:
-            self.send.send_frame(PeerCommand.SEND, {"op": part.op, "part": part.index},
-                                 part.msg, sent)
+            self.send.send_frame(encode_send(part.op, part.index, len(part.msg)), part.msg,
+                                 sent)
         except TransferdError as exc:
             self._pending.pop(key, None)
             transfer.fail(exc)
 
-    def on_message(self, frame: Frame) -> None:
+    def on_message(self, msg: Message) -> None:
         """An ACK for one of our messages (the peer's client has it, or cannot)."""
-        if frame.cmd != PeerCommand.ACK:
-            self.close(BadRequest(f"unexpected message 0x{frame.cmd:02x} on a verbs link"))
+        cmd, op, part, _payload, error = msg
+        if cmd != ACK:
+            self.close(BadRequest(f"unexpected message 0x{cmd:02x} on a verbs link"))
             return
-        key = (frame.body.get("op", -1), frame.body.get("part", -1))
-        transfer = self._pending.pop(key, None)
+        transfer = self._pending.pop((op, part), None)
         if transfer is not None:
-            transfer.part_done(None if frame.body.get("ok") else error_from_body(frame.body))
-
-    def _on_close(self, exc: BaseException | None) -> None:
-        reason = f": {exc}" if exc else ""
-        self.close(PeerUnreachable(f"verbs link to {self.dst} rail {self.domain.rail} "
-                                   f"closed{reason}"))
+            transfer.part_done(error)
 
     def close(self, error: TransferdError) -> None:
-        if self.state is LinkState.CLOSED:
+        if self._closed:
             return
-        self.state = LinkState.CLOSED
-        self.domain.forget(self)
-        self.domain.forget_probe(self)
+        self._closed = True
+        if not self.core.closed:
+            self.core.close(error)
+        d = self.domain
+        d.forget(self)
+        if isinstance(self.core, OutboundLink):
+            d.port.links.probes.forget(self.core.nonce)
         waiting, self._waiting = self._waiting, deque()
         pending, self._pending = self._pending, {}
         self._close_qps()
+        self._task.cancel()
         for _, transfer in waiting:
             transfer.fail(error)
         for transfer in pending.values():
@@ -300,106 +272,80 @@ class InLink(_SetupLink):
     def __init__(self, domain: VerbsDomain, sock: socket.socket) -> None:
         self.domain = domain
         self.peer: tuple[int, int] | None = None
-        self.state = LinkState.CONNECTING
-        g = domain.group
-        self.hs = PeerHandshake(Role.RESPONDER, g.identity, domain.rail, g.secret,
-                                domain.loop.time(), timeout=g.handshake_timeout_s,
-                                admit=g.bind_peer)
-        self.addr = _peername(sock)  # for the handshake's failures (authlog)
-        self.stream = FramedStream(domain.loop, sock, on_frame=self._on_frame,
-                                   on_close=self._on_close, max_body=MAX_HANDSHAKE_BODY,
-                                   max_payload=0)
-        self._timer = domain.loop.call_at(self.hs.deadline, self._tick)
+        self.ticket: Ticket | None = None  # its pre-auth slot, until the handshake ends
+        port = domain.port
+        self._closed = False
+        # The TCP connection carries the handshake and the set-up only.
+        self.core = port.links.inbound(domain.rail, port.landing, domain.loop.time(),
+                                       stream_frames=False)
+        self.io = SocketLink(domain.loop, sock, self.core, self)
 
-    def _tick(self) -> None:
-        self._timer = None
-        if self.state is LinkState.CONNECTING:
-            hs = self.hs
-            if hs is not None and not hs.done:
-                with contextlib.suppress(TransferdError):
-                    hs.tick(self.domain.loop.time())
-                authlog.peer_failed(hs, self.addr, self.domain.rail)
-            self.close(PeerUnreachable("verbs set-up not finished in time"))
-
-    def _on_frame(self, frame: Frame) -> None:
-        assert self.stream is not None and self.hs is not None
+    def link_event(self, link: SocketLink, event: Event) -> None:
         d = self.domain
-        if self.state is not LinkState.CONNECTING:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        if not self.hs.done:
-            if frame.cmd == PeerCommand.PROBE and self.hs.state is State.AWAIT_HELLO:
-                try:
-                    nonce, token = parse_probe(frame.body)
-                except TransferdError:
-                    self.close(BadRequest("a malformed PROBE"))
-                    return
-                d.probe_arrived(nonce, token)
-                self.close(PeerUnreachable("probe delivered"))
+        links = d.port.links
+        if isinstance(event, Probe):
+            if not links.probes.dial(self, d.host, event.addr, event.data,
+                                     links.handshake_timeout_s, f"verbs rail {d.rail}"):
+                self.close(BadRequest("the peer claims an address we cannot probe"))
+        elif isinstance(event, ProbeArrived):
+            links.probes.arrived(event.nonce, event.token)
+        elif isinstance(event, Ready):
+            links.probes.cancel(self)
+            d.handshake_done(self)
+            self.peer = event.peer.key
+            self._setup_timer()
+        elif isinstance(event, SetUp):
+            if event.error is not None:
+                self.close(event.error)
                 return
             try:
-                self.hs.receive(frame, d.loop.time())
+                mine = self._make_qps()
+                self._connect_qps(mine, event.blob)
             except TransferdError as exc:
-                authlog.peer_failed(self.hs, self.addr, d.rail)
-                self.stream.send_raw(self.hs.data_to_send())
+                self.core.send_setup(None, exc)
                 self.close(exc)
                 return
-            self.stream.send_raw(self.hs.data_to_send())
-            for ev in self.hs.events():
-                if isinstance(ev, Probe) and not d.send_probe(ev.addr, ev.data):
-                    self.close(BadRequest("the peer claims an address we cannot probe"))
-                    return
-                if isinstance(ev, Ready):
-                    self.peer = ev.peer.key
-            return
-        if frame.cmd != SETUP_CMD or self.peer is None:
-            self.close(BadRequest(f"unexpected set-up frame 0x{frame.cmd:02x}"))
-            return
-        try:
-            mine = self._make_qps()
-            self._connect_qps(mine, frame.body.get("setup"))
-        except TransferdError as exc:
-            self.stream.send(SETUP_CMD, _REPLY | _ERROR, 0, exc.to_body())
-            self.close(exc)
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.state = LinkState.READY
-        self.stream.send(SETUP_CMD, _REPLY, 0, {"setup": mine.to_bytes()})
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self.core.send_setup(mine.to_bytes())
+            self.core.carrier_ready()
 
-    def on_message(self, frame: Frame) -> None:
+    def give_way(self, why: Why) -> None:
+        """Its pre-auth slot was taken back (its deadline, or a newcomer's turn)."""
+        self.close(PeerUnreachable(f"verbs rail {self.domain.rail}: a link in its "
+                                   f"handshake closed: {why.value}"))
+
+    def on_message(self, msg: Message) -> None:
         """A two-sided message from the peer this link authenticated."""
-        if frame.cmd != PeerCommand.SEND or self.peer is None:
-            self.close(BadRequest(f"unexpected message 0x{frame.cmd:02x} on a verbs link"))
+        cmd, op, part, payload, _ = msg
+        if cmd != SEND or self.peer is None:
+            self.close(BadRequest(f"unexpected message 0x{cmd:02x} on a verbs link"))
             return
-        ref = {"op": frame.body.get("op"), "part": frame.body.get("part")}
         loop = self.domain.loop
 
         def ack(err: TransferdError | None) -> None:
-            loop.call_soon_threadsafe(self._ack, ref, err)
+            loop.call_soon_threadsafe(self._ack, op, part, err)
 
-        self.domain.group.deliver(self.peer, bytes(frame.payload or b""), ack, self)
+        self.domain.port.deliver(self.peer, bytes(payload), ack, self)
 
-    def _ack(self, ref: dict[str, Any], error: TransferdError | None) -> None:
-        if self.send is None or self.state is LinkState.CLOSED:
+    def _ack(self, op: int, part: int, error: TransferdError | None) -> None:
+        if self.send is None or self._closed:
             return
-        body = dict(ref)
-        body.update({"ok": True} if error is None else error.to_body())
         try:
-            self.send.send_frame(PeerCommand.ACK, body, b"", None)
+            self.send.send_frame(encode_ack(op, part, error), b"", None)
         except TransferdError as exc:
             self.close(exc)
 
-    def _on_close(self, exc: BaseException | None) -> None:
-        if self.state is not LinkState.CLOSED:  # the peer's close, not ours
-            authlog.peer_hung_up(self.hs, self.addr, self.domain.rail)
-        self.close(PeerUnreachable("set-up connection closed"))
-
     def close(self, error: TransferdError) -> None:
-        if self.state is LinkState.CLOSED:
+        if self._closed:
             return
-        self.state = LinkState.CLOSED
-        self.domain.group.sender_gone(self)  # its messages still waiting for a receive go
-        self.domain.inbound_closed(self)
+        self._closed = True
+        if not self.core.closed:
+            self.core.close(error)
+        d = self.domain
+        d.port.links.probes.cancel(self)
+        if self.peer is not None:
+            d.port.sender_gone(self)  # its messages still waiting for a receive go
+        d.inbound_closed(self)
         self._close_qps()

@@ -2,51 +2,42 @@
 a received slot.
 
 On a verbs rail the send/recv queue pair carries two-sided messages (SEND frames) and
-their acknowledgements (ACK frames), each one frame in one message, at most the
-receiver's ``recv_len`` (announced in the set-up).  A receive completion holds exactly
-one message; it is parsed whole from its slot, and a message whose length is not the
-frame its header announces is BAD_FRAME (the link is broken, not resynchronised).
+their acknowledgements (ACK frames), in the peer plane's own data-phase frames
+(:mod:`transferd.protocol.peer_wire`, the same as a tcp rail's), each one frame in one
+message of at most the receiver's ``recv_len`` (announced in the set-up).  A receive
+completion holds exactly one message; it is parsed whole from its slot, and a message
+that is not exactly one SEND or ACK is BAD_FRAME (the link is broken, not
+resynchronised).
 """
 
 from __future__ import annotations
 
 from transferd.copies import COUNTING, count
-from transferd.protocol import frames
-from transferd.protocol.constants import HEADER_SIZE
-from transferd.protocol.errors import BadFrame, BadRequest
-from transferd.protocol.frames import Frame
+from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.peer_wire import parse_message
 
 
-def encode_into(slot: memoryview, cmd: int, body: dict[str, object],
-                payload: bytes | memoryview = b"") -> int:
-    """Write one frame into ``slot``; returns its length (BadRequest if it does not fit)."""
-    raw = frames.pack_body(body)
-    n = HEADER_SIZE + len(raw) + len(payload)
+def encode_into(slot: memoryview, head: bytes, payload: bytes | memoryview = b"") -> int:
+    """Write one frame (``head`` then ``payload``) into ``slot``; returns its length
+    (BadRequest if it does not fit)."""
+    n = len(head) + len(payload)
     if n > len(slot):
         raise BadRequest(f"a frame of {n} bytes does not fit one message of {len(slot)} "
                          "bytes on this verbs rail")
-    slot[:HEADER_SIZE] = frames.encode_header(cmd, 0, 0, len(raw), len(payload))
-    slot[HEADER_SIZE : HEADER_SIZE + len(raw)] = raw
-    slot[HEADER_SIZE + len(raw) : n] = payload
+    slot[:len(head)] = head
+    slot[len(head):n] = payload
     if COUNTING:
         count("verbs.encode", len(payload))
     return n
 
 
-def parse(message: memoryview, max_body: int = 4096) -> Frame:
-    """One whole received message as a frame, its payload copied out of the slot."""
-    n = len(message)
-    if n < HEADER_SIZE:
-        raise BadFrame(f"message of {n} bytes is shorter than a frame header")
-    h = frames.decode_header(message)
-    frames.check_header(h, max_body, n)
-    if HEADER_SIZE + h.body_len + h.payload_len != n:
-        raise BadFrame(f"message of {n} bytes holds a frame of "
-                       f"{HEADER_SIZE + h.body_len + h.payload_len}")
-    body = frames.unpack_body(message[HEADER_SIZE : HEADER_SIZE + h.body_len], h.seq)
-    f = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, h.body_len)
-    if h.payload_len:
-        f.payload = bytearray(message[HEADER_SIZE + h.body_len :])
+def parse(message: memoryview) -> tuple[int, int, int, bytes | None, TransferdError | None]:
+    """One whole received message: (cmd, op, part, a SEND's payload copied out of the
+    slot, an ACK's error)."""
+    cmd, op, part, payload, error = parse_message(message)
+    data = None
+    if payload is not None:
+        data = bytes(payload)
         if COUNTING:
-            count("verbs.parse", h.payload_len)
-    return f
+            count("verbs.parse", len(data))
+    return cmd, op, part, data, error

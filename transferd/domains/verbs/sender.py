@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 from transferd.parts import Transfer, WritePart
 from transferd.protocol.errors import PeerUnreachable, TransferdError
+from transferd.rdma.constants import WrOpcode
+from transferd.rdma.wrplan import LkeyOf, Sge, WrSpec, plan_part
 
-from .constants import WrOpcode
 from .counting import CarrierGate
 from .sendq import SendQueue
-from .wrplan import LkeyOf, Sge, WrSpec, plan_part
 
 
 class Link(Protocol):

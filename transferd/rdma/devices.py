@@ -198,3 +198,13 @@ def _describe(d: Any, name: str, sysfs: Path) -> DeviceInfo:
     except PyverbsError as exc:
         info.fw = f"cannot open: {exc}"
     return info
+
+
+def rdma_problem(url: str) -> str | None:
+    """Why an ``rdma://HOST:PORT`` listener or connection cannot open here, or None."""
+    report = discover()
+    if not report.usable:
+        return f"{url}: no RDMA device with an ACTIVE port: {report.reason}"
+    if (p := memlock_problem()) is not None:
+        return f"{url}: {p}"
+    return None

@@ -29,8 +29,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from transferd.protocol.errors import BadRequest, Timeout
-from transferd.protocol.peer import WriteHeader
+from .errors import BadRequest, Timeout
+from .peer_wire import WriteHeader
 
 # Defaults of engine.write_id_window (per initiating peer) and engine.write_id_ttl_s.
 WINDOW = 16384

@@ -3,11 +3,11 @@
 :class:`MessageTransport` drives an ``asyncio.BufferedProtocol`` (the server's session,
 the client's connection) exactly as the loop's transports do, over a :class:`Carrier`
 that moves whole messages both ways: the RC SEND/RECV channel of ``rdma://``
-(``channel.RcChannel``), or, in the tests, an AF_UNIX SOCK_SEQPACKET socket.  Frames are
-cut and judged by ``framing`` (PROTOCOL.md's message transport: header and body one
-message, payload continuation, each message received whole then scattered, short, long
-or merged = BAD_FRAME).  ``get_extra_info("transferd_message")`` is true; writers use
-:meth:`MessageTransport.write_frame`.
+(``transferd.rdma.channel.RcChannel``), or, in the tests, an AF_UNIX SOCK_SEQPACKET socket.
+Frames are cut and judged by :mod:`.continuation` (PROTOCOL.md's message transport:
+header and body one message, payload continuation, each message received whole then
+scattered, short, long or merged = BAD_FRAME).  ``get_extra_info("transferd_message")``
+is true; writers use :meth:`MessageTransport.write_frame`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from transferd.protocol.errors import BadFrame, BadRequest, ProtocolError, TransferdError
 
-from .framing import MIN_MAX_MESSAGE, MessageReader, cut
+from .continuation import MIN_MAX_MESSAGE, MessageReader, cut
 
 log = logging.getLogger("transferd.transports")
 

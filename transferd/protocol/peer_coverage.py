@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from transferd.protocol.errors import BadRequest
+from .errors import BadRequest
 
 # Split writes whose parts have not all landed (their sender may have died), per
 # peer: that peer's oldest is forgotten past this many, so one peer cannot push

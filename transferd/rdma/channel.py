@@ -30,10 +30,10 @@ from .completions import Dispatcher, QpRole, WrIds, WrKind, wr_id
 from .constants import WrOpcode
 from .cqloop import CqPoller
 from .devices import discover
-from .domain import _Slots
 from .exchange import ChannelSetup
 from .loader import VerbsUnavailable
 from .resources import Nic, PyverbsError, PyverbsRDMAError
+from .slots import Slots
 from .wr import RecvSlots, build_send_wr
 from .wrplan import WrSpec
 
@@ -127,10 +127,10 @@ class RcChannel:
         self.closed = False
         self.qp = nic.create_qp(TX_DEPTH, RECV_DEPTH)
         self.info = nic.qp_info(self.qp)
-        self.rx = _Slots(nic, RECV_DEPTH, slot_len)
+        self.rx = Slots(nic, RECV_DEPTH, slot_len)
         self.recv = RecvSlots(int(WrKind.RECV), self.rx.addr, slot_len, RECV_DEPTH,
                               self.rx.reg.lkey)
-        self.tx: _Slots | None = None
+        self.tx: Slots | None = None
         self.peer_slot = 0
         self._out: deque[list[memoryview]] = deque()
         self.queued = 0  # bytes waiting for a send slot
@@ -148,7 +148,7 @@ class RcChannel:
     def connect(self, theirs: ChannelSetup) -> None:
         self.hub.nic.connect(self.qp, self.info, theirs.qp)
         self.peer_slot = theirs.slot_len
-        self.tx = _Slots(self.hub.nic, min(TX_DEPTH, theirs.recv_depth), theirs.slot_len)
+        self.tx = Slots(self.hub.nic, min(TX_DEPTH, theirs.recv_depth), theirs.slot_len)
 
     # -- sending ----------------------------------------------------------------------
 

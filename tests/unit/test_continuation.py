@@ -12,16 +12,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from transferd.domains.verbs.framing import (
+from transferd.protocol.constants import HEADER_SIZE
+from transferd.protocol.errors import BadFrame, TooLarge
+from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
+from transferd.transports.continuation import (
     HELLO_MESSAGE,
     MIN_MAX_MESSAGE,
     MessageReader,
     cut,
     scatter,
 )
-from transferd.protocol.constants import HEADER_SIZE
-from transferd.protocol.errors import BadFrame, TooLarge
-from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 
 MAX = MIN_MAX_MESSAGE
 

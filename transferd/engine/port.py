@@ -1,0 +1,183 @@
+"""The engine's side of the port its domain groups land writes through.
+
+A domain group knows no region and no counter (``transferd.domains`` imports nothing
+of the engine): its landing rules (:mod:`transferd.protocol.peer_landing`) ask this
+:class:`EnginePort` to check a write against the region its rkey opens and admit it
+(:meth:`place`), and to count an immediate (:meth:`count`); messages and a sender's
+end go to the engine's receives.
+
+A region of host memory gives its pages' views; one of device memory (no host view,
+a staging path) gives chunks of its group's pinned staging to receive into, then
+copies them to the device and says when that completed (:class:`StagedPlacement`):
+the write counts, and is acknowledged, only once its bytes are on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from transferd.memory.staging import GatedLanding
+from transferd.parts import Ack
+from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
+
+from .immcounter import ImmCounter
+from .regions import Admitted, Region, RegionTable
+
+Done = Callable[[TransferdError | None], None]
+Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable], None]
+
+
+class HostPlacement:
+    """A write's pages in host memory, admitted until released."""
+
+    __slots__ = ("_ref", "views")
+    deferred = False
+
+    def __init__(self, views: list[memoryview], ref: Admitted) -> None:
+        self.views = views
+        self._ref = ref
+
+    def land(self, done: Done) -> None:
+        raise AssertionError("host memory: the bytes are in place once received")
+
+    def release(self) -> None:
+        self._ref.release()
+
+
+class StagedPlacement:
+    """A write into device memory: received into staging chunks, copied to the device.
+
+    The chunks come from the group's bounded pool, only those free now (a receiver
+    cannot wait); the link reads nothing more until :meth:`land` said it is done.
+    """
+
+    __slots__ = ("_admitted", "_chunks", "_handed", "_io", "_pages", "views")
+    deferred = True
+
+    def __init__(self, io: Any, chunks: list[Any], pages: list[tuple[int, int]],
+                 admitted: Admitted, nbytes: int) -> None:
+        self._io = io
+        self._chunks = chunks
+        self._pages = pages
+        self._admitted = admitted
+        self._handed = 0  # chunks given to the copies (they go back to the pool after)
+        left, views = nbytes, []
+        for c in chunks:
+            k = min(left, c.size)
+            views.append(c.view[:k])
+            left -= k
+        self.views = views
+
+    def land(self, done: Done) -> None:
+        """Every chunk's H2D copies, then ``done`` on the event waiter's thread: None, or
+        the device's fault (a DeviceFault) when a copy failed."""
+        io, chunks = self._io, self._chunks
+        gate = GatedLanding(io)
+        per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
+        step = io.pool.chunk_size
+        pos = 0
+        for dev, n in self._pages:
+            while n:
+                ci, off = divmod(pos, step)
+                k = min(n, step - off)
+                per_chunk[ci].append((dev, off, k))
+                dev, n, pos = dev + k, n - k, pos + k
+        left = [len(chunks)]
+        faults: list[TransferdError] = []
+
+        def copied(fault: TransferdError | None) -> None:  # once per chunk, waiter's thread
+            if fault is not None:
+                faults.append(fault)
+            left[0] -= 1
+            if not left[0]:
+                # A copy the device failed: nothing of this write counts (it fails).
+                done(faults[0] if faults else None)
+
+        if not chunks:
+            done(None)
+            return
+        for chunk, pieces in zip(chunks, per_chunk, strict=True):
+            self._handed += 1
+            gate.land(chunk, pieces, copied)
+
+    def release(self) -> None:
+        # Chunks never handed to a copy (closed mid-payload) go back unused.
+        for chunk in self._chunks[self._handed:]:
+            self._io.pool.release(chunk)
+        self._chunks = self._chunks[:self._handed]
+        self._admitted.release()
+
+
+class EnginePort:
+    """What the engine's domain groups land writes through (see the module doc)."""
+
+    def __init__(self, regions: RegionTable, counter: ImmCounter, deliver: Deliver,
+                 sender_gone: Callable[[Hashable], None]) -> None:
+        self.regions = regions
+        self.counter = counter
+        self._deliver = deliver
+        self._sender_gone = sender_gone
+
+    def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+              payload_len: int, abort: Callable[[], None] | None
+              ) -> HostPlacement | StagedPlacement:
+        region = self.regions.by_rkey(rkey, rail)
+        io = region.staging
+        if io is not None:
+            return self._staged(region, io, addrs, lens, payload_len, abort)
+        if len(addrs) == 1:
+            views = [region.view(addrs[0], lens[0])]
+            total = lens[0]
+        elif lens and min(lens) == max(lens):
+            # Pages of one length (a paged write): checked once on the lowest and highest.
+            views = region.views(addrs, lens[0])
+            total = lens[0] * len(views)
+        else:
+            views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
+            total = sum(lens)
+        if total != payload_len:
+            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        return HostPlacement(views, region.admit(abort))
+
+    def _staged(self, region: Region, io: Any, addrs: list[int], lens: list[int],
+                payload_len: int, abort: Callable[[], None] | None) -> StagedPlacement:
+        """Device memory: each page's device address (bounds checked), then staging."""
+        pages: list[tuple[int, int]] = []
+        total = 0
+        for a, n in zip(addrs, lens, strict=True):
+            off = a - region.ptr
+            if off < 0 or n < 0 or off + n > region.size:
+                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
+                                  f"[0x{region.ptr:x}, +{region.size})")
+            pages.append((region.device_address(off, n), n))
+            total += n
+        if total != payload_len:
+            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        pool = io.pool
+        need = -(-payload_len // pool.chunk_size)
+        if need > pool.capacity:
+            raise BadRequest(f"a write of {payload_len} bytes into {region.device} memory "
+                             f"is larger than its staging ({pool.capacity} x "
+                             f"{pool.chunk_size} bytes)")
+        admitted = region.admit(abort)
+        chunks: list[Any] = []
+        for _ in range(need):
+            got = pool.try_acquire()
+            if got is None:
+                for c in chunks:
+                    pool.release(c)
+                admitted.release()
+                raise OutOfMemory(f"staging of {region.device} is taken "
+                                  f"({pool.in_use} of {pool.capacity} chunks in use)")
+            chunks.append(got)
+        return StagedPlacement(io, chunks, pages, admitted, payload_len)
+
+    def count(self, imm: int, n: int) -> None:
+        self.counter.add(imm, n)
+
+    def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable) -> None:
+        self._deliver(peer, msg, ack, source)
+
+    def sender_gone(self, source: Hashable) -> None:
+        self._sender_gone(source)

@@ -1,0 +1,386 @@
+"""The end of a peer link a peer dialled, sans-IO (see :mod:`.peer_link`).
+
+It runs the handshake as responder, then every WRITE is claimed, checked and landed or
+failed by the group's :class:`~.peer_landing.Landing` and acknowledged, every SEND handed
+on as a :class:`~.peer_link.Deliver` event and acknowledged when the I/O side says a
+client has it.  It reads only what the frame in hand needs, so that a payload is received
+straight into its pages; it holds (PAUSED) while its ACKs go unread or a landing into
+device memory is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any
+
+from transferd.copies import COUNTING, count
+
+from .errors import BadFrame, BadRequest, TransferdError
+from .keyring import Keyring
+from .peer_handshake import PeerHandshake, PeerIdentity, Role
+from .peer_landing import Admission, Landing
+from .peer_link import (
+    ACK_HIGH,
+    ACK_LOW,
+    HEAD_GUESS,
+    IOV_MAX,
+    RECV_BYTES,
+    Deliver,
+    Land,
+    LinkEnd,
+    LinkInput,
+    LinkState,
+    Peer,
+    Refused,
+)
+from .peer_wire import (
+    KNOWN_FLAGS,
+    MAX_EXT,
+    MAX_PAGES,
+    SEND,
+    SEND_HEAD,
+    WRITE,
+    WRITE_HEAD,
+    check_write_head,
+    encode_ack,
+    parse_write,
+    write_table_len,
+)
+
+
+class InboundLink(LinkEnd):
+    """The end of a link a peer dialled (see the module docstring).
+
+    ``landing`` holds the group's rules; ``abort`` (from any thread) is what the I/O
+    side does when a region is deregistered while one of this link's writes is
+    landing in it (close the link: no more of it lands).  ``max_message`` bounds a
+    SEND's payload (collected in memory: refused before anything is allocated).
+    ``stream_frames``: False for a link whose stream carries only the handshake and
+    the set-up (verbs: writes and messages go by the NIC), where any other frame on
+    it is BadFrame.
+    """
+
+    def __init__(self, me: PeerIdentity, rail: int, secret: bytes | Keyring | None, now: float, *,
+                 landing: Landing, timeout: float, max_message: int,
+                 admit: Callable[[PeerIdentity], None] | None = None,
+                 abort: Callable[[], None] | None = None, stream_frames: bool = True,
+                 random: Callable[[int], bytes] | None = None) -> None:
+        kw: dict[str, Any] = {} if random is None else {"random": random}
+        super().__init__(PeerHandshake(Role.RESPONDER, me, rail, secret, now, timeout=timeout,
+                                       admit=admit, **kw))
+        self.rail = rail
+        self.stream_frames = stream_frames
+        self.landing = landing
+        self.max_message = max_message
+        self._abort = abort
+        self._key: Peer = (0, 0)
+        # The frame whose payload is being received: what it is, where it goes.
+        self._kind = 0
+        self._ref = (0, 0)
+        self._adm: Admission | None = None
+        self._refusal: TransferdError | None = None
+        self._msg: bytearray | None = None
+        self._nbytes = 0
+        self._left = 0
+        self._segs: Sequence[memoryview] = ()
+        self._seg = 0
+        self._pos = 0
+        self._drop = False  # the payload is read and dropped (refused, or a duplicate)
+        self._direct = False
+        self._want = HEAD_GUESS  # bytes to read next (a header's)
+        self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
+        # Reasons to read nothing now: ACKs unread, device landings in flight.
+        self._holds = 0
+        self._ack_held = False
+
+    @property
+    def reading(self) -> bool:
+        """False while the link reads nothing (PAUSED, or closed)."""
+        return self.state is not LinkState.PAUSED and self.state is not LinkState.CLOSED
+
+    @property
+    def in_frame(self) -> bool:
+        return self._kind != 0
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def get_buffers(self) -> list[memoryview]:
+        if self._buf is None:
+            return super().get_buffers()
+        start = self._start
+        if start == self._end:
+            if self._kind:
+                if not self._drop:
+                    # Straight into the pages: the rest of this payload, a socket's worth,
+                    # and when that is all of it, the next frame's header into the
+                    # buffer (headers go there anyway): one receive a frame while they
+                    # come back to back, and a short one says the socket is empty.
+                    self._direct = True
+                    self._start = self._end = 0
+                    segs, i, pos = self._segs, self._seg, self._pos
+                    seg = segs[i]
+                    if len(seg) - pos > RECV_BYTES:
+                        # A socket's worth at a time (a receive offered a gigabyte costs
+                        # the kernel more per byte than one offered a megabyte).
+                        return [seg[pos:pos + RECV_BYTES]]
+                    if len(segs) - i == 1:
+                        return [seg[pos:], self._head]
+                    first = seg[pos:]
+                    views = [first]
+                    total = len(first)
+                    for seg in islice(segs, i + 1, i + IOV_MAX - 1):
+                        if total >= RECV_BYTES:
+                            break
+                        views.append(seg)
+                        total += len(seg)
+                    if total >= self._left:
+                        views.append(self._head)
+                    return views
+            elif self._want == HEAD_GUESS:
+                # The usual case: nothing buffered, a frame's header next.
+                self._direct = False
+                self._start = self._end = 0
+                return [self._head]
+        self._direct = False
+        room = self._room()
+        # Never past the frame in hand: its header, or what of a dropped payload is left.
+        want = min(self._left, len(room)) if self._kind else self._want
+        return [room[:max(1, want)]]
+
+    def _authenticated(self) -> None:
+        super()._authenticated()
+        assert self.peer is not None and self._view is not None
+        self._key = self.peer.key
+        self._head = self._view[:HEAD_GUESS]
+
+    def received(self, n: int, now: float) -> None:
+        if self._direct:
+            self._direct = False
+            left = self._left - n
+            if left > 0:
+                self._advance(n)
+                return
+            # The payload is whole; what came after it is the next header's start.
+            self._end = -left
+            self._left = 0
+            self._finish()
+            if self._end:
+                self._frames()
+            else:
+                self._want = HEAD_GUESS
+            return
+        super().received(n, now)
+
+    def _advance(self, n: int) -> None:
+        """``n`` payload bytes went straight into the segments."""
+        self._left -= n
+        segs = self._segs
+        pos = self._pos + n
+        i = self._seg
+        while i < len(segs) and pos >= len(segs[i]):
+            pos -= len(segs[i])
+            i += 1
+        self._seg, self._pos = i, pos
+
+    def _copy(self, data: memoryview) -> None:
+        """Payload bytes that came into the buffer: to the segments (or dropped)."""
+        self._left -= len(data)
+        if self._drop:
+            return
+        if COUNTING:
+            count("peer.buffered", len(data))  # (only after a header shorter than guessed)
+        segs = self._segs
+        i, off, pos, total = self._seg, self._pos, 0, len(data)
+        if off == 0 and i == 0 and len(segs) == 1 and total == len(segs[0]):
+            segs[0][:] = data  # the whole payload of a one-page write
+            self._seg = 1
+            return
+        while pos < total:
+            seg = segs[i]
+            k = min(len(seg) - off, total - pos)
+            seg[off:off + k] = data[pos:pos + k]
+            pos += k
+            off += k
+            if off == len(seg):
+                i += 1
+                off = 0
+        self._seg, self._pos = i, off
+
+    def _frames(self) -> None:
+        """Every whole frame in the buffer, in order, until one needs more bytes."""
+        if self.state is LinkState.SETUP:
+            self._setup_frames()
+            return
+        if not self.stream_frames and self._end > self._start and not self._messages:
+            self.close(BadFrame("a frame on a link that carries none after its set-up"))
+            return
+        buf, view = self._buf, self._view
+        assert buf is not None and view is not None
+        while self.state is LinkState.READY:
+            start, end = self._start, self._end
+            if self._kind:
+                if start == end:
+                    return
+                k = min(end - start, self._left)
+                self._copy(view[start:start + k])
+                self._start = start + k
+                if self._left:
+                    return
+                self._finish()
+                continue
+            avail = end - start
+            if not avail:
+                self._want = HEAD_GUESS
+                return
+            cmd = buf[start]
+            try:
+                if cmd == WRITE:
+                    if avail < 48:
+                        self._want = HEAD_GUESS - avail
+                        return
+                    head = WRITE_HEAD.unpack_from(buf, start)
+                    flags, npages, ext = head[1], head[2], head[7]
+                    if npages == 1 and not flags & 0xF2 and not ext:
+                        size = 64  # one page, no span (the small write)
+                    else:
+                        if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
+                            check_write_head(flags, npages, ext)
+                        size = 48 + write_table_len(flags, npages, ext)
+                    if avail < size:
+                        self._want = size - avail
+                        return
+                    self._start = start + size
+                    self._open_write(buf, start, head)
+                elif cmd == SEND:
+                    if avail < 24:
+                        self._want = 24 - avail
+                        return
+                    _, _, _, part, op, plen = SEND_HEAD.unpack_from(buf, start)
+                    self._start = start + 24
+                    self._open_send(op, part, plen)
+                else:
+                    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE or a SEND")
+            except TransferdError as exc:  # a frame whose framing cannot be trusted
+                self.close(exc)
+                return
+
+    def _open_write(self, buf: bytearray, start: int, head: tuple[int, ...]) -> None:
+        op, part, plen = head[4], head[3], head[9]
+        self._kind, self._ref, self._nbytes, self._left = WRITE, (op, part), plen, plen
+        self._seg = self._pos = 0
+        try:
+            try:
+                w = parse_write(buf, start, head)
+            except TransferdError as exc:
+                self.landing.refused(exc)
+                raise
+            self._adm = adm = self.landing.open(self._key, self.rail, w, plen, self._abort)
+        except TransferdError as exc:
+            self._adm, self._refusal, self._segs, self._drop = None, exc, (), True
+        else:
+            self._refusal = None
+            self._segs = adm.views
+            self._drop = adm.duplicate
+        if not plen:
+            self._finish()
+
+    def _open_send(self, op: int, part: int, plen: int) -> None:
+        self._kind, self._ref, self._nbytes, self._left = SEND, (op, part), plen, plen
+        self._seg = self._pos = 0
+        self._adm = None
+        if plen > self.max_message:
+            # Collected in memory: a size only the sender vouches for is checked first.
+            self._refusal = BadRequest(f"message of {plen} bytes is over the limit of "
+                                       f"{self.max_message}")
+            self._msg, self._segs, self._drop = None, (), True
+            self._kind = -SEND
+        else:
+            self._refusal = None
+            self._msg = bytearray(plen)
+            self._segs = [memoryview(self._msg)] if plen else ()
+            self._drop = False
+        if not plen:
+            self._finish()
+
+    def _finish(self) -> None:
+        """The frame's payload is whole: land or refuse, and answer."""
+        kind, ref, nbytes = self._kind, self._ref, self._nbytes
+        self._kind = 0
+        if kind == WRITE:
+            adm, self._adm = self._adm, None
+            if adm is None:
+                assert self._refusal is not None
+                self.events.append(Refused(ref, self._refusal))
+                self._ack(ref, self._refusal)
+            elif adm.duplicate:
+                adm.commit(nbytes)
+                self._ack(ref, None)
+            elif adm.deferred:
+                self._hold()
+                self.events.append(Land(adm, ref, nbytes))
+            else:
+                adm.commit(nbytes)
+                self._ack(ref, None)
+        elif kind == SEND:
+            msg, self._msg = self._msg, None
+            self.events.append(Deliver(self._key, bytes(msg or b""), ref))
+        else:  # a refused SEND
+            assert self._refusal is not None
+            self._ack(ref, self._refusal)
+        self._segs = ()
+
+    def _ack(self, ref: tuple[int, int], error: TransferdError | None) -> None:
+        out = self.out
+        out.push(encode_ack(ref[0], ref[1], error))
+        if out.queued > ACK_HIGH and not self._ack_held:
+            self._ack_held = True
+            self._hold()
+
+    def _hold(self) -> None:
+        self._holds += 1
+        if self.state is LinkState.READY:
+            self._move(LinkInput.HOLD)
+
+    def _release(self) -> None:
+        self._holds -= 1
+        if not self._holds and self.state is LinkState.PAUSED:
+            self._move(LinkInput.RELEASE)
+            self._frames()  # what came while held, in order
+
+    # -- answers the I/O side brings back -------------------------------------------------
+
+    def sent(self, n: int) -> None:
+        self.out.sent(n)
+        if self._ack_held and self.out.queued <= ACK_LOW:
+            self._ack_held = False
+            self._release()
+
+    def delivered(self, ref: tuple[int, int], error: TransferdError | None) -> None:
+        """A message's receive has it (None), or cannot (the error goes back)."""
+        if self.state is not LinkState.CLOSED:
+            self._ack(ref, error)
+
+    def landed(self, land: Land, error: TransferdError | None) -> None:
+        """A deferred landing ended: count it (or fail it) and answer; reading goes on."""
+        if error is None:
+            land.admission.commit(land.nbytes)
+        else:
+            land.admission.fail(error)
+            self.events.append(Refused(land.ref, error))
+        if self.state is not LinkState.CLOSED:
+            self._ack(land.ref, error)
+            self._release()
+
+    def _ready(self) -> None:
+        self._frames()
+
+    def _closing(self, error: TransferdError | None) -> None:
+        # What is in :attr:`out` (a refusal's reason, ACKs) may still be sent once.
+        adm, self._adm = self._adm, None
+        if adm is not None and self._kind:
+            adm.fail(None)  # closed mid-payload: nothing of it counts; a retry may land
+        self._kind = 0
+
+
+__all__ = ["InboundLink"]

@@ -1,0 +1,304 @@
+"""The peer plane's data phase on the wire: fixed little-endian headers, no msgpack.
+
+After the handshake (:mod:`.peer_handshake`, 24-byte frames with msgpack bodies) a
+link carries only these frames, each starting with its command byte.  A small write is
+one 64-byte header and its payload; its acknowledgement 16 bytes.  Nothing here is a
+dict or a msgpack body: a header is one ``struct`` unpack.
+
+WRITE  (0x41)  48 bytes: cmd u8, flags u8, npages u16, part u32, op u64, rkey u64,
+               imm u32, ext u32, wid u64, payload u64
+               [span: addr u64, len u64]                     if flags & SPAN
+               pages: npages x (addr u64, len u64), or        (flags & UNIFORM: one len u64,
+               then npages x addr u64)
+               [ext bytes]                                    (reserved, see below)
+               payload: ``payload`` bytes, the pages' bytes concatenated
+ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, op u64
+               [mlen bytes: the error's code, NUL, its message (UTF-8)]
+SEND   (0x43)  24 bytes: cmd u8, 0 u8, 0 u16, part u32, op u64, payload u64
+               payload: the message
+SETUP  (0x4E)  8 bytes: cmd u8, status u8 (0 ok, 1 error), 0 u16, length u32
+               [length bytes, at most 4096: the Domain's own set-up (verbs: its queue
+               pairs), or an error's code, NUL, its message]; one each way, after the
+               handshake and before any other frame, only on a Domain that has one
+
+Flags of a WRITE: IMM (``imm`` counts), SPAN (a part of a single write split in
+several: the whole write's range follows), WID (``wid`` is the client's write id),
+AGAIN (re-sent on another rail after its own failed), UNIFORM (every page has one
+length, given once).
+
+Kept free for what is to come: the commands 0x46 (READ) and 0x47 (READ's data, issue
+19) and ``ext``, the length of an extension block after the page table for a
+per-part checksum and trace id (issue 20).  Today ``ext`` must be 0: a frame
+with a block is refused (BAD_REQUEST; its bytes are skipped, the framing holds).
+
+A receiver never allocates for a length the sender vouches for: a header's size
+comes from ``npages`` (at most :data:`MAX_PAGES`), a SEND's payload is bounded by
+the caller, a WRITE's payload goes to the memory its pages name (checked first) or
+is skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import BadFrame, BadRequest, TransferdError, error_from_body
+
+# The largest page list one WRITE carries (the engine puts 256 in a frame).
+MAX_PAGES = 4096
+# An error message longer than this is cut (an ACK stays small).
+MAX_ERROR_TEXT = 4096
+# The longest extension block a WRITE may announce (none is defined yet).
+MAX_EXT = 4096
+
+
+class Cmd(enum.IntEnum):
+    WRITE = 0x41
+    ACK = 0x42
+    SEND = 0x43
+    # Reserved: one-sided READ and its data (issue 19).
+    READ = 0x46
+    READ_DATA = 0x47
+    SETUP = 0x4E
+
+
+WRITE, ACK, SEND, SETUP = int(Cmd.WRITE), int(Cmd.ACK), int(Cmd.SEND), int(Cmd.SETUP)
+# The longest set-up a Domain exchanges after the handshake.
+MAX_SETUP = 4096
+
+# WRITE flags.
+IMM = 0x01
+SPAN = 0x02
+WID = 0x04
+AGAIN = 0x08
+UNIFORM = 0x10
+KNOWN_FLAGS = IMM | SPAN | WID | AGAIN | UNIFORM
+
+WRITE_HEAD = struct.Struct("<BBHIQQIIQQ")
+ACK_HEAD = struct.Struct("<BBHIQ")
+SEND_HEAD = struct.Struct("<BBHIQQ")
+SETUP_HEAD = struct.Struct("<BBHI")
+SPAN_FMT = struct.Struct("<QQ")
+# A one-page WRITE's header whole: the fixed part and its page (the small write).
+WRITE_ONE = struct.Struct("<BBHIQQIIQQQQ")
+WRITE_ONE_SPAN = struct.Struct("<BBHIQQIIQQQQQQ")
+assert WRITE_HEAD.size == 48 and ACK_HEAD.size == 16 and SEND_HEAD.size == 24
+
+_ack_ok = ACK_HEAD.pack
+_U64 = (1 << 64) - 1
+
+
+def write_table_len(flags: int, npages: int, ext: int) -> int:
+    """Bytes after a WRITE's fixed 48 (span, page table, extension block)."""
+    n = 16 + ext if flags & SPAN else ext
+    return n + (8 + 8 * npages if flags & UNIFORM else 16 * npages)
+
+
+@dataclass(slots=True)
+class WriteHeader:
+    """A WRITE's header, checked."""
+
+    op: int
+    part: int
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+    imm: int | None
+    span: tuple[int, int] | None = None
+    # The client's write id (a retry carries the same): applied at most once.
+    wid: int | None = None
+    # Re-sent on another rail after its own failed: if this very part landed
+    # already, it is acknowledged and neither placed nor counted again.
+    again: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+def encode_write(op: int, part: int, rkey: int, addrs: list[int], lens: list[int],
+                 imm: int | None, span: Sequence[int] | None = None,
+                 wid: int | None = None, again: bool = False) -> bytes:
+    """A WRITE's header (fixed part, span, page table); the payload follows it."""
+    flags = (IMM if imm is not None else 0) | (WID if wid is not None else 0) | \
+        (AGAIN if again else 0)
+    n = len(addrs)
+    plen = sum(lens)
+    if n == 1:
+        if span is None:
+            return WRITE_ONE.pack(WRITE, flags, 1, part, op, rkey, imm or 0, 0, wid or 0, plen,
+                                  addrs[0], lens[0])
+        return WRITE_ONE_SPAN.pack(WRITE, flags | SPAN, 1, part, op, rkey, imm or 0, 0,
+                                   wid or 0, plen, span[0], span[1], addrs[0], lens[0])
+    if span is not None:
+        raise ValueError("a span goes with one range")
+    if n > 1 and min(lens) == max(lens):
+        return (WRITE_HEAD.pack(WRITE, flags | UNIFORM, n, part, op, rkey, imm or 0, 0,
+                                wid or 0, plen)
+                + struct.pack(f"<{n + 1}Q", lens[0], *addrs))
+    table = [x for pair in zip(addrs, lens, strict=True) for x in pair]
+    return (WRITE_HEAD.pack(WRITE, flags, n, part, op, rkey, imm or 0, 0, wid or 0, plen)
+            + struct.pack(f"<{2 * n}Q", *table))
+
+
+def check_write_head(flags: int, npages: int, ext: int) -> None:
+    """BadFrame for a header whose size cannot be trusted (the link cannot go on)."""
+    if flags & ~KNOWN_FLAGS:
+        # A flag unknown here could change the header's size: the framing is lost.
+        raise BadFrame(f"peer WRITE: unknown flag bits 0x{flags & ~KNOWN_FLAGS:02x}")
+    if npages > MAX_PAGES:
+        raise BadFrame(f"peer WRITE of {npages} pages: at most {MAX_PAGES} go in a frame")
+    if ext > MAX_EXT:
+        raise BadFrame(f"peer WRITE with a {ext}-byte extension block (at most {MAX_EXT})")
+
+
+def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, ...]
+                ) -> WriteHeader:
+    """The WRITE whose fixed part ``head`` (already unpacked at ``off``) and table
+    (``write_table_len`` bytes after it) are in ``buf``.  BadRequest for contents
+    that are wrong but framed (the frame is refused, the link goes on)."""
+    _cmd, flags, n, part, op, rkey, imm, ext, wid, plen = head
+    pos = off + 48
+    if n == 1 and not flags & (SPAN | UNIFORM) and not ext:
+        # The small write: one page, its header 64 bytes.
+        a, length = SPAN_FMT.unpack_from(buf, pos)
+        if length != plen:
+            raise BadRequest(f"pages hold {length} bytes but the payload has {plen}")
+        if a + length > _U64 + 1:
+            raise BadRequest("peer WRITE: a page runs past the end of the address space")
+        return WriteHeader(op, part, rkey, [a], [length], imm if flags & IMM else None, None,
+                           wid if flags & WID else None, bool(flags & AGAIN))
+    span: tuple[int, int] | None = None
+    if flags & SPAN:
+        span = SPAN_FMT.unpack_from(buf, pos)
+        pos += 16
+    if flags & UNIFORM:
+        length, *addrs = struct.unpack_from(f"<{n + 1}Q", buf, pos)
+        lens = [length] * n
+    elif n == 1:
+        a, length = SPAN_FMT.unpack_from(buf, pos)
+        addrs, lens = [a], [length]
+    else:
+        table = struct.unpack_from(f"<{2 * n}Q", buf, pos)
+        addrs, lens = list(table[0::2]), list(table[1::2])
+    w = WriteHeader(op, part, rkey, addrs, lens, imm if flags & IMM else None, span,
+                    wid if flags & WID else None, bool(flags & AGAIN))
+    if ext:
+        # Room for a per-part checksum and trace id (issue 20): none is defined yet,
+        # and nothing a sender may rely on is skipped unread.
+        raise BadRequest(f"peer WRITE with a {ext}-byte extension block: this daemon "
+                         "knows none")
+    if span is not None:
+        if n != 1:
+            raise BadRequest("peer WRITE: a span goes with one range")
+        a, ln = addrs[0], lens[0]
+        if a < span[0] or a + ln > span[0] + span[1]:
+            raise BadRequest(f"peer WRITE: range [0x{a:x}, +{ln}) is outside its span "
+                             f"[0x{span[0]:x}, +{span[1]})")
+    if sum(lens) != plen:
+        raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {plen}")
+    if addrs and max(a + ln for a, ln in zip(addrs, lens, strict=True)) > _U64 + 1:
+        raise BadRequest("peer WRITE: a page runs past the end of the address space")
+    return w
+
+
+def frame_size(data: bytes | bytearray | memoryview) -> int | None:
+    """The length of the data-phase frame at the start of ``data`` (header, table and
+    payload), or None until its header is there; BadFrame for an unknown command."""
+    if not data:
+        return None
+    cmd = data[0]
+    if cmd == WRITE:
+        if len(data) < 48:
+            return None
+        head = WRITE_HEAD.unpack_from(data)
+        check_write_head(head[1], head[2], head[7])
+        return 48 + write_table_len(head[1], head[2], head[7]) + head[9]
+    if cmd == ACK:
+        return None if len(data) < 16 else 16 + ACK_HEAD.unpack_from(data)[2]
+    if cmd == SEND:
+        return None if len(data) < 24 else 24 + SEND_HEAD.unpack_from(data)[5]
+    if cmd == SETUP:
+        return None if len(data) < 8 else 8 + SETUP_HEAD.unpack_from(data)[3]
+    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, an ACK or a SEND")
+
+
+def encode_ack(op: int, part: int, error: TransferdError | None = None) -> bytes:
+    """An ACK: 16 bytes, or with an error its code and message after them."""
+    if error is None:
+        return _ack_ok(ACK, 0, 0, part, op)
+    text = (error.code.value + "\0" + error.message).encode("utf-8", "replace")
+    text = text[:MAX_ERROR_TEXT]
+    return ACK_HEAD.pack(ACK, 1, len(text), part, op) + text
+
+
+def ack_error(status: int, text: bytes | bytearray | memoryview) -> TransferdError | None:
+    """The error an ACK carries (None for ok)."""
+    if status == 0:
+        return None
+    code, _, message = bytes(text).decode("utf-8", "replace").partition("\0")
+    return error_from_body({"code": code or "INTERNAL", "message": message})
+
+
+def encode_send(op: int, part: int, length: int) -> bytes:
+    """A SEND's header; the message follows it."""
+    return SEND_HEAD.pack(SEND, 0, 0, part, op, length)
+
+
+def encode_setup(blob: bytes | None, error: TransferdError | None = None) -> bytes:
+    """A SETUP frame: a Domain's set-up, or the error that refused the other's."""
+    if error is not None:
+        blob = (error.code.value + "\0" + error.message).encode("utf-8", "replace")[
+            :MAX_SETUP]
+    assert blob is not None and len(blob) <= MAX_SETUP
+    return SETUP_HEAD.pack(SETUP, 1 if error is not None else 0, 0, len(blob)) + blob
+
+
+def parse_message(msg: bytes | bytearray | memoryview
+                  ) -> tuple[int, int, int, memoryview | None, TransferdError | None]:
+    """A SEND or an ACK that came whole in one message (a message transport):
+    (cmd, op, part, the SEND's payload, the ACK's error); BadFrame unless the message
+    is exactly that one frame."""
+    view = memoryview(msg).cast("B")
+    n = len(view)
+    cmd = view[0] if n else 0
+    if cmd == SEND and n >= 24:
+        _, _, _, part, op, plen = SEND_HEAD.unpack_from(view)
+        if 24 + plen == n:
+            return SEND, op, part, view[24:], None
+    elif cmd == ACK and n >= 16:
+        _, status, mlen, part, op = ACK_HEAD.unpack_from(view)
+        if 16 + mlen == n and (status or not mlen):
+            return ACK, op, part, None, ack_error(status, view[16:])
+    raise BadFrame(f"a message of {n} bytes is not one SEND or ACK frame")
+
+
+__all__ = [
+    "ACK",
+    "ACK_HEAD",
+    "AGAIN",
+    "IMM",
+    "MAX_PAGES",
+    "SEND",
+    "SEND_HEAD",
+    "SETUP",
+    "SPAN",
+    "UNIFORM",
+    "WID",
+    "WRITE",
+    "WRITE_HEAD",
+    "Cmd",
+    "WriteHeader",
+    "ack_error",
+    "check_write_head",
+    "encode_ack",
+    "encode_send",
+    "encode_setup",
+    "encode_write",
+    "frame_size",
+    "parse_message",
+    "parse_write",
+    "write_table_len",
+]

@@ -1,0 +1,140 @@
+"""Payload continuation: frames over a transport of whole messages, as PROTOCOL.md's
+"Transports" says, once for every message transport (seqpacket and rdma alike).
+
+A frame's header and body are one message of at most the receiver's limit; a payload
+follows as ``ceil(payload_len / max_message)`` messages of exactly ``max_message``
+bytes, the last holding the remainder.  Every message is received whole, into a
+buffer of at least the largest message allowed now, and then scattered into its
+destination; a short, long or merged message is BAD_FRAME.
+
+Pure (no socket, no device): :func:`chunks` and :func:`cut` turn a frame into its
+messages, :class:`Continuation` judges each received message (how long the next may
+be, and whether the one that came is right), :class:`MessageReader` judges and hands
+on, :func:`scatter` copies one message into an ``asyncio.BufferedProtocol``'s
+buffers.  ``sockets.SocketTransport`` (seqpacket) and ``msgtransport.MessageTransport``
+(rdma://, or any carrier of whole messages) drive them.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from transferd.copies import COUNTING, count
+from transferd.protocol.constants import HEADER_SIZE
+from transferd.protocol.errors import BadFrame, TooLarge
+
+# PROTOCOL.md: max_message is at least 65536; the HELLO exchange fits 4096 bytes.
+MIN_MAX_MESSAGE = 65536
+HELLO_MESSAGE = HEADER_SIZE + 4096
+_lengths = struct.Struct("<8xIIQ").unpack_from  # body_len, reserved, payload_len
+
+
+class SplitFrame(BadFrame):
+    """A message that holds more or less than its frame's header and body."""
+
+
+def chunks(views: Sequence[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """Payload views cut into messages of exactly ``size`` bytes (the last: the rest)."""
+    cur: list[memoryview] = []
+    room = size
+    for v in views:
+        if type(v) is not memoryview or v.format != "B":
+            v = memoryview(v).cast("B")
+        while len(v):
+            k = min(room, len(v))
+            cur.append(v[:k])
+            v = v[k:]
+            room -= k
+            if room == 0:
+                yield cur
+                cur = []
+                room = size
+    if cur:
+        yield cur
+
+
+def cut(head: bytes | memoryview, payload: Sequence[memoryview], payload_len: int,
+        max_message: int) -> list[list[memoryview]]:
+    """The messages of one frame, each a list of views (gathered by the sender)."""
+    if sum(map(len, payload)) != payload_len:
+        raise ValueError("payload views do not add up to payload_len")
+    return [[memoryview(head)], *chunks(payload, max_message)]
+
+
+class Continuation:
+    """Where a reader of whole messages is in the frame that is arriving."""
+
+    def __init__(self, max_message: int, first_limit: int = HELLO_MESSAGE) -> None:
+        self.max_message = max_message
+        # The largest header-and-body message taken now (HELLO's until it is done).
+        self.first_limit = first_limit
+        self.payload_left = 0
+
+    @property
+    def want(self) -> int:
+        """The most bytes the next message may have (exactly this, for a continuation)."""
+        left = self.payload_left
+        return min(left, self.max_message) if left else self.first_limit
+
+    def judge(self, head: bytes | bytearray | memoryview, n: int,
+              truncated: bool = False) -> None:
+        """One whole message of ``n`` bytes (``head``: at least its first HEADER_SIZE
+        bytes, if it has them; ``truncated``: the carrier cut it) is right here, or
+        BadFrame / TooLarge (SplitFrame for a header message whose length is not its
+        frame's header and body: the decoder may judge that header first)."""
+        want = self.want
+        left = self.payload_left
+        if left:
+            if n != want or truncated:
+                got = n if n <= want and not truncated else f"more than {want}"
+                raise BadFrame(f"payload message of {got} bytes where exactly {want} "
+                               "were due")
+            self.payload_left = left - n
+            return
+        if n < HEADER_SIZE:
+            raise BadFrame(f"message of {n} bytes is shorter than a frame header")
+        body_len, _reserved, payload_len = _lengths(head)
+        if n > want or truncated:
+            if HEADER_SIZE + body_len > want:
+                raise TooLarge(f"frame of {HEADER_SIZE + body_len} bytes is over the message "
+                               f"limit of {want}")
+            raise BadFrame("message longer than the frame its header announces")
+        if n != HEADER_SIZE + body_len:
+            raise SplitFrame(f"message of {n} bytes holds a frame of {HEADER_SIZE + body_len} "
+                             "(header and body are one message)")
+        self.payload_left = payload_len
+
+
+class MessageReader(Continuation):
+    """Judges whole received messages in order; ``deliver`` gets each one that is right."""
+
+    def __init__(self, deliver: Callable[[memoryview], None], *, max_message: int,
+                 first_limit: int = HELLO_MESSAGE) -> None:
+        super().__init__(max_message, first_limit)
+        self._deliver = deliver
+
+    def feed(self, msg: memoryview) -> None:
+        self.judge(msg, len(msg))
+        self._deliver(msg)
+
+
+def scatter(data: memoryview, protocol: Any) -> None:
+    """Copy one whole message into a BufferedProtocol's buffers (the one copy a message
+    transport makes: the message is in a receive buffer, its bytes go where they belong)."""
+    pos, n = 0, len(data)
+    while pos < n:
+        dst = protocol.get_buffer(n - pos)
+        k = min(len(dst), n - pos)
+        if k == 0:
+            raise BadFrame("receive buffer full")
+        dst[:k] = data[pos : pos + k]
+        if COUNTING:
+            count("verbs.scatter", k)
+        pos += k
+        protocol.buffer_updated(k)
+
+
+__all__ = ["HELLO_MESSAGE", "MIN_MAX_MESSAGE", "Continuation", "MessageReader", "SplitFrame",
+           "chunks", "cut", "scatter"]
