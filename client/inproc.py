@@ -34,17 +34,15 @@ import contextlib
 import itertools
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from transferd import __version__
 from transferd.copies import COUNTING, count
-from transferd.discovery.backlog import Backlog
-from transferd.discovery.records import Change, Peer, Value, decode_value, encode_value
+from transferd.discovery.records import Peer, Value, decode_value, encode_value
 from transferd.protocol.constants import PROTO_MAJOR, PROTO_MINOR, PROTO_PATCH
 from transferd.protocol.errors import (
     BadRequest,
-    Cancelled,
     ConnectionLost,
     NotFound,
     TransferdError,
@@ -56,7 +54,7 @@ from .buffers import RemoteBuffer
 from .client import Client
 from .engine import Completion, MessageHandler, MrHandle, PeerGroup
 from .leases import Leases
-from .names import NameInfo, Published
+from .names import NameInfo, Published, Watch
 from .watchers import UvmWatcher
 
 if TYPE_CHECKING:
@@ -175,25 +173,20 @@ class LocalBuffer(RemoteBuffer):
         return client.service.buffers.get(self.id).view(t.offset, t.size)
 
 
-class InprocWatch:
-    """Changes of names under a prefix, from the node's directory: an async iterator
-    and an async context manager, like :class:`client.Watch` (what waits is one change
-    per name, the latest, as there)."""
+class InprocWatch(Watch):
+    """Changes of names under a prefix, from the node's directory: :class:`client.Watch`
+    (its iteration, its one-change-per-name backlog), subscribed in process."""
 
     def __init__(self, client: InprocClient, prefix: str, initial: bool) -> None:
+        super().__init__(cast(Any, None), prefix, initial)  # no wire Names in process
         self.client = client
-        self.prefix = prefix
-        self.initial = initial
-        self.count = 0
-        self._pending = Backlog()
-        self._wake = asyncio.Event()
         self._sub: Subscription | None = None
-        self._error: TransferdError | None = None
-        self._closed = False
 
     async def start(self) -> InprocWatch:
-        if self._sub is not None or self._closed:
+        if self._started or self._closed:
             return self
+        self._started = True
+        self._wake = asyncio.Event()
         c = self.client
         self._sub, now = c.service.names.watch(c.caller, self.prefix, self._push,
                                                initial=self.initial)
@@ -205,41 +198,22 @@ class InprocWatch:
             self._wake.set()
         return self
 
-    def _push(self, change: Change, new: bool) -> None:
-        self._pending.add(change, new)
-        self._wake.set()
-
     def _end(self, error: TransferdError) -> None:
         if self._error is None:
             self._error = error
-        self._wake.set()
-
-    def __aiter__(self) -> InprocWatch:
-        return self
-
-    async def __anext__(self) -> Change:
-        await self.start()
-        while True:
-            if len(self._pending):
-                return self._pending.take()[0]
-            if self._error is not None or self._closed:
-                if self._closed or isinstance(self._error, Cancelled):
-                    raise StopAsyncIteration
-                raise self._error  # type: ignore[misc]
-            self._wake.clear()
-            await self._wake.wait()
-
-    async def next(self, timeout: float | None = None) -> Change:
-        return await asyncio.wait_for(self.__anext__(), timeout)
+        if self._wake is not None:
+            self._wake.set()
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pending.clear()
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
         sub, self._sub = self._sub, None
-        if sub is not None and not self.client.caller.closed:
+        if sub is not None and self.client._caller is not None \
+                and not self.client._caller.closed:
             self.client.service.names.unwatch(sub)
         self.client._watches.discard(self)
 
@@ -247,9 +221,6 @@ class InprocWatch:
 
     async def __aenter__(self) -> InprocWatch:
         return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 class _Forward:
@@ -794,7 +765,7 @@ class InprocClient(Client):
         got = await _confirmed(self.service.names.unpublish(self.caller, name))
         return bool(got.get("synced", False))
 
-    def watch(self, prefix: str = "", *, initial: bool = True) -> InprocWatch:  # type: ignore[override]
+    def watch(self, prefix: str = "", *, initial: bool = True) -> InprocWatch:
         self.caller  # noqa: B018 - a closed client is refused now, not at the first change
         return InprocWatch(self, prefix, initial)
 
