@@ -21,6 +21,8 @@ BENCHMARKS = [
     # The 4 KiB write's steps and domain groups (issue 12)
     "engine_steps",
     "engine_groups",
+    # The engine in the caller's process (issue 21)
+    "engine_inproc",
     # The small write's CPU and rate (issue 17)
     "engine_small",
     # Checksums (issue 20)
