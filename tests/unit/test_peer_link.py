@@ -519,3 +519,17 @@ def test_lost_repeated_delayed_reordered_frames_count_exactly_once(seed: int) ->
             assert bytes(r.data[a - r.ptr:a - r.ptr + n]) == s
     assert sh.memory.counts[5] == expect
     assert r.admitted == 0
+
+
+def test_an_ok_ack_that_announces_text_closes_the_link() -> None:
+    """An ACK is 16 bytes and ``mlen`` more (frame_size); an ok one with text was
+    read as 16, so its text was taken for the next ACKs: a forged ``(op, part)``
+    inside it completed a part the peer never answered."""
+    mem, _, p = _setup()
+    r = mem.region(1 << 16)
+    token = object()
+    p.out.write(token, 5, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"abcd")], 1)
+    drain(p.out)
+    feed(p.out, ACK_HEAD.pack(0x42, 0, 16, 0, 99) + ACK_HEAD.pack(0x42, 0, 0, 0, 5))
+    assert p.out.closed and "ACK" in p.out.error.message
+    assert p.out.completions == [(token, p.out.error)]
