@@ -25,6 +25,8 @@ BENCHMARKS = [
     "engine_small",
     # Memory (issue 7)
     "shm_read",
+    # The RDMA completion-queue loop (issue 24)
+    "cq_idle",
     # Connections (issue 6)
     "transports",
     # How cost grows (issue 12)
