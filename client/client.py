@@ -36,6 +36,7 @@ from .cuda_ipc import CudaIpc
 from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
 from .leases import Lease, Leases, owner_fields
 from .names import NameInfo, Names, Published, Watch
+from .reads import ReadOps
 from .queue import (
     Columns,
     QueuedGet,
@@ -126,6 +127,7 @@ class Client:
         self._shared: dict[int, SharedBuffer] = {}
         # The parts: each takes this Client as the interface of client/calls.py.
         self.engine = EngineOps(self, self._events)
+        self.read_ops = ReadOps(self.engine)
         self.copies = Copies(self)
         self.cuda_ipc = CudaIpc(self)
         self.leases = Leases(self, self.alloc_buffer)
@@ -505,8 +507,9 @@ class Client:
     async def main_address(self) -> NetAddr:
         return await self.engine.main_address()
 
-    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
-        return await self.engine.reg_mr(buf)
+    async def reg_mr(self, buf: RemoteBuffer, access: str = "w") -> tuple[MrHandle, MrDesc]:
+        """``access``: ``"w"`` (peers write, the default), ``"r"`` (peers read), ``"rw"``."""
+        return await self.engine.reg_mr(buf, access)
 
     async def dereg_mr(self, mr: MrHandle) -> None:
         await self.engine.dereg_mr(mr)
@@ -525,6 +528,27 @@ class Client:
     ) -> Completion:
         return await self.engine.submit_paged_writes(page_len, imm, src, dst,
                                                      timeout=timeout, wid=wid)
+
+    # -- one-sided reads (client/reads.py) ----------------------------------------------
+
+    async def submit_single_read(
+        self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        """``length`` bytes of the peer region ``src`` into your region ``dst``."""
+        return await self.read_ops.submit_single_read(length, dst, src, timeout=timeout)
+
+    async def submit_paged_reads(
+        self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.read_ops.submit_paged_reads(page_len, dst, src, timeout=timeout)
+
+    async def submit_gather(
+        self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.read_ops.submit_gather(dst, srcs, timeout=timeout)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         return await self.engine.add_peer_group(addrs)

@@ -143,7 +143,11 @@ def main_address(session: Session, frame: Frame) -> Reply:
 def reg_mr(session: Session, frame: Frame) -> Reply:
     buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
     # Device memory too: the engine reaches it through its group's staging (docs/gpu.md).
-    region, desc = _engine(session).reg_mr(buf)
+    # ``access``: what peers may do through its rkeys ("w", the default; "r"; "rw").
+    access = frame.body.get("access", "w")
+    if not isinstance(access, str):
+        raise BadRequest("field 'access' must be 'w', 'r' or 'rw'")
+    region, desc = _engine(session).reg_mr(buf, access)
     return Reply({"mr": region.id, "desc": desc.to_wire()})
 
 

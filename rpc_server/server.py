@@ -18,6 +18,7 @@ from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
+    read_handlers,  # noqa: F401 - registers SINGLE_READ, PAGED_READS, GATHER
     ownership,
     watcher_handlers,  # registers ALLOC_UVM_WATCHER
 )

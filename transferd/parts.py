@@ -45,6 +45,12 @@ class RegionInfo(Protocol):
         """The memory's device kind: ``cpu``, ``shm``, ``cuda:0``..."""
         ...
 
+    @property
+    def access(self) -> str:
+        """What peers may do: ``"w"`` (write), ``"r"`` (read) or ``"rw"``; a NIC grants
+        its remote rights from it (verbs: IBV_ACCESS_REMOTE_READ only with "r")."""
+        ...
+
 
 class EnginePort(Protocol):
     """What a domain group asks of the engine: a :class:`~transferd.protocol.peer_landing.
@@ -54,6 +60,9 @@ class EnginePort(Protocol):
               payload_len: int, abort: Callable[[], None] | None) -> Placement: ...
 
     def count(self, imm: int, n: int) -> None: ...
+
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Callable[[], None] | None) -> Placement: ...
 
     def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
         """A message from ``peer`` for a posted receive (any thread may ack)."""
@@ -92,6 +101,30 @@ class WritePart:
     # rkeys): where the part may be re-sent if its rail fails (rail failover).
     alts: Sequence[tuple[NetAddr, int]] | None = None
     # Re-sent on another rail: the receiver drops it if its first copy landed.
+    again: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+@dataclass(slots=True)
+class ReadPart:
+    """One READ: ``lens`` bytes at the peer's ``addrs`` (its region ``rkey``) into
+    ``dst`` (views of our own region, in order; received straight into them)."""
+
+    rail: int
+    dst: NetAddr  # the peer rail's address (where the bytes come from)
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+    into: list[memoryview]
+    index: int = 0
+    op: int = 0
+    parts: int = 1
+    # The peer region's (rail address, rkey) on every rail: where it may be re-read.
+    alts: Sequence[tuple[NetAddr, int]] | None = None
+    # Re-read on another rail (a READ has no effect at the peer: nothing to drop).
     again: bool = False
 
     @property

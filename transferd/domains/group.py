@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 
 from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
-from transferd.parts import MAX_MESSAGE, EnginePort, RegionInfo, SendPart, Transfer, WritePart
+from transferd.parts import (
+    MAX_MESSAGE,
+    EnginePort,
+    ReadPart,
+    RegionInfo,
+    SendPart,
+    Transfer,
+    WritePart,
+)
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import Coverage, Landed
@@ -211,7 +219,8 @@ class DomainGroup:
 
     # -- initiator side -------------------------------------------------------------------
 
-    def execute(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+    def execute(self, transfer: Transfer, parts: list[WritePart | SendPart | ReadPart]
+                ) -> None:
         self._deadline(transfer, parts)
         if not parts:
             transfer.part_done()
@@ -224,7 +233,7 @@ class DomainGroup:
             return
         now = self.loop.time()
         for part in parts:
-            if not isinstance(part, WritePart) or part.alts is None:
+            if isinstance(part, SendPart) or part.alts is None:
                 domains[part.rail].post(part, transfer)
                 continue
             # A rail that failed lately is skipped until its probe is due (failover.py).
@@ -233,7 +242,8 @@ class DomainGroup:
                 move(part, rail)
             domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
 
-    def _deadline(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+    def _deadline(self, transfer: Transfer, parts: list[WritePart | SendPart | ReadPart]
+                  ) -> None:
         """The transfer fails with TIMEOUT engine.peer_timeout_s from now unless it ended.
 
         One timeout for every transfer of the group, so deadlines come in the order

@@ -122,7 +122,7 @@ class EnginePort:
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
               ) -> HostPlacement | StagedPlacement:
-        region = self.regions.by_rkey(rkey, rail)
+        region = self.regions.by_rkey(rkey, rail, "w")
         io = region.staging
         if io is not None:
             return self._staged(region, io, addrs, lens, payload_len, abort)
@@ -138,6 +138,24 @@ class EnginePort:
             total = sum(lens)
         if total != payload_len:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        return HostPlacement(views, region.admit(abort))
+
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Callable[[], None] | None) -> HostPlacement:
+        """A peer's READ: the region ``rkey`` opens for reading on ``rail`` (NotFound, as
+        for an unknown rkey, when it was registered without "r"), every page inside it
+        (OutOfBounds), admitted like a write until the bytes were sent (released)."""
+        region = self.regions.by_rkey(rkey, rail, "r")
+        if region.staging is not None:
+            # (Device memory would go D2H through staging first: not built yet.)
+            raise BadRequest(f"a read of {region.device} memory is not supported yet "
+                             "(host and shared memory are)")
+        if len(addrs) == 1:
+            views = [region.view(addrs[0], lens[0])]
+        elif lens and min(lens) == max(lens):
+            views = region.views(addrs, lens[0])
+        else:
+            views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
         return HostPlacement(views, region.admit(abort))
 
     def _staged(self, region: Region, io: Any, addrs: list[int], lens: list[int],

@@ -3,7 +3,9 @@
 It runs the handshake as responder, then every WRITE is claimed, checked and landed or
 failed by the group's :class:`~.peer_landing.Landing` and acknowledged, every SEND handed
 on as a :class:`~.peer_link.Deliver` event and acknowledged when the I/O side says a
-client has it.  It reads only what the frame in hand needs, so that a payload is received
+client has it, every READ checked by the same Landing and answered with a READ_DATA
+whose payload is views of the region (held, admitted, until the socket took them).
+It reads only what the frame in hand needs, so that a payload is received
 straight into its pages; it holds (PAUSED) while its ACKs go unread or a landing into
 device memory is in flight.
 """
@@ -11,6 +13,7 @@ device memory is in flight.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections import deque
 from itertools import islice
 from typing import Any
 
@@ -19,7 +22,7 @@ from transferd.copies import COUNTING, count
 from .errors import BadFrame, BadRequest, TransferdError
 from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
-from .peer_landing import Admission, Landing
+from .peer_landing import Admission, Landing, Placement
 from .peer_link import (
     ACK_HIGH,
     ACK_LOW,
@@ -32,18 +35,24 @@ from .peer_link import (
     LinkInput,
     LinkState,
     Peer,
+    ReadsServed,
     Refused,
 )
 from .peer_wire import (
     KNOWN_FLAGS,
     MAX_EXT,
     MAX_PAGES,
+    READ,
+    READ_HEAD,
     SEND,
     SEND_HEAD,
     WRITE,
     WRITE_HEAD,
+    check_read_head,
     check_write_head,
     encode_ack,
+    encode_read_data,
+    parse_read,
     parse_write,
     write_table_len,
 )
@@ -93,6 +102,11 @@ class InboundLink(LinkEnd):
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
+        # READs answered and not yet sent whole: (where in the output their payload
+        # ends, counted in bytes ever pushed, and the memory held until then).
+        self._serving: deque[tuple[int, Placement]] = deque()
+        self._sent_total = 0
+        self._served_any = False
 
     @property
     def reading(self) -> bool:
@@ -259,8 +273,20 @@ class InboundLink(LinkEnd):
                     _, _, _, part, op, plen = SEND_HEAD.unpack_from(buf, start)
                     self._start = start + 24
                     self._open_send(op, part, plen)
+                elif cmd == READ:
+                    if avail < 32:
+                        self._want = 32 - avail
+                        return
+                    head = READ_HEAD.unpack_from(buf, start)
+                    check_read_head(head[1], head[2])
+                    size = 32 + 16 * head[2]
+                    if avail < size:
+                        self._want = size - avail
+                        return
+                    self._start = start + size
+                    self._serve_read(buf, start, head)
                 else:
-                    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE or a SEND")
+                    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, a SEND or a READ")
             except TransferdError as exc:  # a frame whose framing cannot be trusted
                 self.close(exc)
                 return
@@ -302,6 +328,31 @@ class InboundLink(LinkEnd):
             self._drop = False
         if not plen:
             self._finish()
+
+    def _serve_read(self, buf: bytearray, start: int, head: tuple[int, ...]) -> None:
+        """A READ: checked (rights, bounds) before a byte is touched, then answered with
+        a READ_DATA whose payload is the region's own pages (views), or its refusal."""
+        op, part = head[4], head[3]
+        out = self.out
+        try:
+            r = parse_read(buf, start, head)
+            src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort)
+        except TransferdError as exc:
+            self.events.append(Refused((op, part), exc, "read"))
+            out.push(encode_read_data(op, part, 0, exc))
+        else:
+            if not self._served_any:
+                self._served_any = True
+                self.events.append(ReadsServed())
+            out.push(encode_read_data(op, part, r.nbytes))
+            for v in src.views:
+                out.push(v)
+            self._serving.append((self._sent_total + out.queued, src))
+        if out.queued > ACK_HIGH and not self._ack_held:
+            # The responder's outstanding reads are bounded by what its output holds:
+            # above the watermark it reads no further frame until the peer took them.
+            self._ack_held = True
+            self._hold()
 
     def _finish(self) -> None:
         """The frame's payload is whole: land or refuse, and answer."""
@@ -352,6 +403,13 @@ class InboundLink(LinkEnd):
 
     def sent(self, n: int) -> None:
         self.out.sent(n)
+        if self._serving:
+            self._sent_total += n
+            serving, total = self._serving, self._sent_total
+            while serving and serving[0][0] <= total:
+                serving.popleft()[1].release()  # its bytes are in the kernel's hands
+            if not serving:
+                self._sent_total = 0  # (marks are relative to the output's start)
         if self._ack_held and self.out.queued <= ACK_LOW:
             self._ack_held = False
             self._release()
@@ -376,6 +434,12 @@ class InboundLink(LinkEnd):
         self._frames()
 
     def _closing(self, error: TransferdError | None) -> None:
+        if self._serving:
+            # Reads' bytes are views of regions about to be let go: none of them is
+            # sent after the close (the reader's link fails them, or re-reads).
+            self.out.clear()
+            while self._serving:
+                self._serving.popleft()[1].release()
         # What is in :attr:`out` (a refusal's reason, ACKs) may still be sent once.
         adm, self._adm = self._adm, None
         if adm is not None and self._kind:

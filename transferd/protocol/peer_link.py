@@ -216,10 +216,17 @@ class SetUp:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A WRITE was refused (its ACK carries ``error``): for the log."""
+    """A WRITE (or a READ) was refused (its answer carries ``error``): for the log."""
 
     ref: tuple[int, int]
     error: TransferdError
+    what: str = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadsServed:
+    """The link answered its first READ: from now on it sends bulk data back, not only
+    ACKs (tcp gives its socket a send buffer for that)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +236,7 @@ class Closed:
     error: TransferdError | None
 
 
-Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Closed
+Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | ReadsServed | Closed
 
 
 class LinkEnd:
@@ -444,5 +451,5 @@ class LinkEnd:
 __all__ = [
     "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
     "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
-    "LinkInput", "LinkState", "Output", "ProbeArrived", "Refused", "SetUp",
+    "LinkInput", "LinkState", "Output", "ProbeArrived", "ReadsServed", "Refused", "SetUp",
 ]

