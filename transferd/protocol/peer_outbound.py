@@ -299,7 +299,7 @@ class OutboundLink(LinkEnd):
             inc.advance(n)
         if not inc.left:
             self._in = None
-            if inc.token is not None:
+            if not inc.dropping:  # (an ended transfer is owed nothing)
                 self.completions.append((inc.token, None))
 
     def _read_data(self, start: int, end: int) -> int:
@@ -342,7 +342,7 @@ class OutboundLink(LinkEnd):
             inc.put(view[start:start + k])
         if inc.left:
             self._in = inc
-        elif token is not None:
+        elif not inc.dropping:
             self.completions.append((token, None))
         return start + k
 
@@ -369,8 +369,8 @@ class OutboundLink(LinkEnd):
                         break  # the rest of its payload goes straight into place
                     continue
                 if cmd != ACK:
-                    raise BadFrame(f"peer frame 0x{cmd:02x} on a link that takes ACKs "
-                                   "and READ_DATA only")
+                    raise BadFrame(f"peer frame 0x{cmd:02x} on a link that takes ACKs only "
+                                   "(and the READ_DATA of its reads)")
                 if status:
                     if mlen > MAX_ERROR_TEXT:
                         raise BadFrame(f"an ACK with a {mlen}-byte message (at most "
