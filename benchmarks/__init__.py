@@ -23,6 +23,8 @@ BENCHMARKS = [
     "engine_groups",
     # The small write's CPU and rate (issue 17)
     "engine_small",
+    # One-sided READ against WRITE (issue 19)
+    "engine_reads",
     # Memory (issue 7)
     "shm_read",
     # Connections (issue 6)
@@ -44,7 +46,7 @@ BENCHMARKS = [
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency", "engine_steps",
-               "engine_groups", "engine_small"],
+               "engine_groups", "engine_small", "engine_reads"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
     "workloads": ["workloads_kv", "workloads_rl", "workloads_moe"],

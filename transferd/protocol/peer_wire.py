@@ -69,7 +69,7 @@ class Cmd(enum.IntEnum):
     WRITE = 0x41
     ACK = 0x42
     SEND = 0x43
-    # Reserved: one-sided READ and its data (issue 19).
+    # One-sided READ and its data (issue 19).
     READ = 0x46
     READ_DATA = 0x47
     SETUP = 0x4E
