@@ -253,8 +253,16 @@ async def test_barrier_counts_one(a: Node, b: Node) -> None:
     assert b.counter.value(11) == 1
 
 
+def _needs_reads(a: Node) -> None:
+    """A Domain that says it serves no READs (verbs, for now) is skipped, with why."""
+    if not a.group.capabilities.reads:
+        pytest.skip(f"{a.group.domain} does not serve one-sided READ yet "
+                    "(its work requests are planned: domains/verbs/reads.py)")
+
+
 @conformance
 async def test_single_reads_land_whole(a: Node, b: Node) -> None:
+    _needs_reads(a)
     """A peer region's bytes into ours, whole and split over the rails; nothing counted."""
     _, desc, src_view = b.region(4 << 20, seed=21, access="r")
     _, _, dst_view = a.region(4 << 20)
@@ -269,6 +277,7 @@ async def test_single_reads_land_whole(a: Node, b: Node) -> None:
 
 @conformance
 async def test_paged_reads_land_page_by_page(a: Node, b: Node) -> None:
+    _needs_reads(a)
     page, n = 4096, 300
     _, desc, src_view = b.region(page * 512, seed=22, access="rw")
     _, _, dst_view = a.region(page * 512)
@@ -285,6 +294,7 @@ async def test_paged_reads_land_page_by_page(a: Node, b: Node) -> None:
 
 @conformance
 async def test_read_refusals_leave_memory_untouched(a: Node, b: Node) -> None:
+    _needs_reads(a)
     """A write-only region reads as a forged rkey does (NOT_FOUND); past the end is
     OUT_OF_BOUNDS; a revoked region NOT_FOUND; the reader's memory untouched by all."""
     _, wdesc, _ = b.region(8192, seed=24)

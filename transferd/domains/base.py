@@ -109,6 +109,8 @@ class Capabilities:
     counts_immediates: bool = False
     #: Writes into memory reached only through staging (device memory) land here.
     device_memory: bool = True
+    #: It serves one-sided READs (ReadPart posted, answered from registered regions).
+    reads: bool = True
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ class Reads:
         self.engine = engine
 
     def _local(self, region_id: int) -> Region:
+        if not self.engine.capabilities.reads:
+            raise BadRequest(f"one-sided READ needs a Domain that serves it (tcp, chaos), "
+                             f"not {self.engine.config.domain}")
         region = self.engine.regions.get(region_id)
         if region.staging is not None:
             raise BadRequest(f"a read into {region.buffer.device} memory is not supported "
