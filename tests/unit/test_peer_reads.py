@@ -16,7 +16,7 @@ import pytest
 from tests.peerlink import HostMemory, Pair, drain, feed, identity, link_pair
 from transferd.protocol.errors import BadFrame, NotFound, OutOfBounds, TransferdError
 from transferd.protocol.peer_landing import Landing
-from transferd.protocol.peer_link import ACK_HIGH, LinkState, ReadsServed
+from transferd.protocol.peer_link import READ_HIGH, READ_LOW, LinkState, ReadsServed
 from transferd.protocol.peer_wire import (
     READ_DATA,
     READ_DATA_HEAD,
@@ -186,18 +186,21 @@ def test_a_read_whose_transfer_ended_drops_what_still_arrives() -> None:
 
 
 def test_the_responder_holds_the_region_until_sent_and_reads_no_more_above_water() -> None:
-    p, _, _ = pair(size=4 << 20)
+    n = READ_HIGH + 1
+    p, _, _ = pair(size=n)
     r = p.region  # type: ignore[attr-defined]
-    dst = bytearray(4 << 20)
+    dst = bytearray(n)
     toks = [Token() for _ in range(2)]
     for i, t in enumerate(toks):
-        p.out.read(t, i + 1, 0, r.rkeys[0], [r.ptr], [1 << 20], [memoryview(dst)[:1 << 20]])
+        p.out.read(t, i + 1, 0, r.rkeys[0], [r.ptr], [n], [memoryview(dst)])
     left = to_responder(p, drain(p.out))
     # One answer queued (views: no copy) is over the watermark: the second READ waits.
-    assert p.inb.out.queued > ACK_HIGH and p.inb.state is LinkState.PAUSED
+    assert p.inb.out.queued > READ_HIGH and p.inb.state is LinkState.PAUSED
     assert r.admitted == 1 and left
-    feed(p.out, drain(p.inb, limit=(1 << 19)))  # not all of it yet
-    assert r.admitted == 1
+    feed(p.out, drain(p.inb, limit=n - READ_LOW))  # not all of it yet: still held
+    assert r.admitted == 1 and p.inb.state is LinkState.PAUSED
+    feed(p.out, drain(p.inb, limit=p.inb.out.queued - READ_LOW))  # down to it: reads on
+    assert p.inb.reading
     shuttle(p, to_inb=left)
     complete(p)
     assert [t.error for t in toks] == [None, None] and r.admitted == 0

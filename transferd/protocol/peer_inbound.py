@@ -28,6 +28,8 @@ from .peer_link import (
     ACK_LOW,
     HEAD_GUESS,
     IOV_MAX,
+    READ_HIGH,
+    READ_LOW,
     RECV_BYTES,
     Deliver,
     Land,
@@ -107,6 +109,7 @@ class InboundLink(LinkEnd):
         self._serving: deque[tuple[int, Placement]] = deque()
         self._sent_total = 0
         self._served_any = False
+        self._read_held = False
 
     @property
     def reading(self) -> bool:
@@ -348,10 +351,10 @@ class InboundLink(LinkEnd):
             for v in src.views:
                 out.push(v)
             self._serving.append((self._sent_total + out.queued, src))
-        if out.queued > ACK_HIGH and not self._ack_held:
+        if out.queued > (READ_HIGH if self._serving else ACK_HIGH) and not self._read_held:
             # The responder's outstanding reads are bounded by what its output holds:
             # above the watermark it reads no further frame until the peer took them.
-            self._ack_held = True
+            self._read_held = True
             self._hold()
 
     def _finish(self) -> None:
@@ -410,6 +413,9 @@ class InboundLink(LinkEnd):
                 serving.popleft()[1].release()  # its bytes are in the kernel's hands
             if not serving:
                 self._sent_total = 0  # (marks are relative to the output's start)
+        if self._read_held and self.out.queued <= (READ_LOW if self._serving else ACK_LOW):
+            self._read_held = False
+            self._release()
         if self._ack_held and self.out.queued <= ACK_LOW:
             self._ack_held = False
             self._release()

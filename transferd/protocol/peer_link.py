@@ -119,6 +119,11 @@ LOW_WATER = 16 * 1024 * 1024
 # (a peer that writes without reading its ACKs holds itself back, not our memory).
 ACK_HIGH = 256 * 1024
 ACK_LOW = 64 * 1024
+# Inbound: answers to READs (views of regions, no copies) unsent above READ_HIGH stop
+# reading until READ_LOW: a peer that asks without taking the answers holds back
+# itself; below it the answers stay deep enough to keep the socket busy.
+READ_HIGH = 16 * 1024 * 1024
+READ_LOW = 4 * 1024 * 1024
 
 
 class Output:
@@ -449,7 +454,7 @@ class LinkEnd:
 
 
 __all__ = [
-    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
+    "ACK_HIGH", "ACK_LOW", "BUFFER", "READ_HIGH", "READ_LOW", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
     "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
     "LinkInput", "LinkState", "Output", "ProbeArrived", "ReadsServed", "Refused", "SetUp",
 ]
