@@ -125,3 +125,73 @@ async def test_gather(tcp_cluster: Cluster) -> None:
         got = await a.read(dst)
         assert sha(got[:2 * MiB]) == sha(sb.data)
         assert got[3 * MiB:3 * MiB + 1000] == sc.data[17:1017]
+
+
+@async_test(timeout=60)
+async def test_a_read_of_a_region_being_written_gets_old_or_new_bytes(
+    tcp_cluster: Cluster
+) -> None:
+    """No atomicity (documented): each byte read is the old or the new one, never other."""
+    async with nodes(tcp_cluster.a, tcp_cluster.b, tcp_cluster.c) as (a, b, c):
+        size = 8 * MiB
+        target = await region(b, size, access="rw")            # zeros: the old bytes
+        new = await region(c, size, seed=41)                     # what C writes into it
+        dst = await region(a, size, seed=42)
+        w = await c.client.submit_single_write(size, None, (new.mr, 0), (target.desc, 0))
+        r = await a.client.submit_single_read(size, (dst.mr, 0), (target.desc, 0))
+        await w.wait(WAIT)
+        await r.wait(WAIT)
+        got = await a.read(dst)
+        mixed = sum(1 for i in range(0, size, 4096) if got[i:i + 4096] not in (
+            bytes(4096), bytes(new.data[i:i + 4096])))
+        odd = [i for i in range(0, size, 997) if got[i] not in (0, new.data[i])]
+        assert not odd, odd[:5]
+        print(f"{mixed} page(s) of the read mixed old and new bytes")
+        assert await b.read(target) == bytes(new.data)
+
+
+@async_test(timeout=60)
+async def test_freed_and_connection_owned_regions_are_revoked_for_readers(
+    tcp_cluster: Cluster
+) -> None:
+    async with nodes(tcp_cluster.a, tcp_cluster.b) as (a, b):
+        dst = await region(a, 64 * 1024)
+        src = await region(b, 64 * 1024, seed=43, access="r")
+        await (await a.client.submit_single_read(100, (dst.mr, 0), (src.desc, 0))).wait(WAIT)
+        await b.client.free_buffer(src.buf)
+        b.buffers.remove(src.buf)
+        r = await a.client.submit_single_read(100, (dst.mr, 0), (src.desc, 0))
+        with pytest.raises(NotFound):
+            await r.wait(WAIT)
+        # A connection's buffer goes with the connection, and its read rights with it.
+        async with nodes(tcp_cluster.b) as (b2,):
+            buf = await b2.client.alloc_buffer(4096, owner="connection")
+            _, desc = await b2.client.reg_mr(buf, access="r")
+            await (await a.client.submit_single_read(4096, (dst.mr, 0), (desc, 0))).wait(WAIT)
+        r = await a.client.submit_single_read(4096, (dst.mr, 0), (desc, 0))
+        with pytest.raises(NotFound):
+            await r.wait(WAIT)
+
+
+def test_the_blocking_client_reads(tcp_cluster: Cluster) -> None:
+    from client import SyncClient
+
+    with SyncClient.connect(tcp_cluster.a.url) as a, SyncClient.connect(tcp_cluster.b.url) as b:
+        assert "read" in a.features
+        src = b.alloc_buffer(1 << 20)
+        data = pattern(1 << 20, 44)
+        b.set_tensor(src.tensor(), data)
+        _, desc = b.reg_mr(src, access="r")
+        dst = a.alloc_buffer(1 << 20)
+        mr, _ = a.reg_mr(dst)
+        try:
+            a.wait(a.submit_single_read(1 << 20, (mr, 0), (desc, 0)), WAIT)
+            a.wait(a.submit_paged_reads(4096, (mr, Pages([0, 1], 4096)),
+                                        (desc, Pages([3, 2], 4096))), WAIT)
+            got = bytes(a.get_tensor(dst.tensor()))
+            assert got[8192:] == data[8192:]
+            assert got[:4096] == data[3 * 4096:4 * 4096]
+            assert got[4096:8192] == data[2 * 4096:3 * 4096]
+        finally:
+            a.free_buffer(dst)
+            b.free_buffer(src)
