@@ -355,6 +355,21 @@ class _EngineCollector:
         for reason, n in counts.items():
             refused.add_metric([reason], n)
         yield refused
+        yield c("transferd_engine_served_reads",
+                "Peer READ parts this daemon answered from its regions.",
+                value=total("reads_out"))
+        yield c("transferd_engine_served_read_bytes",
+                "Bytes peers read from this daemon's regions.", value=total("read_bytes_out"))
+        refused_reads = c("transferd_engine_refused_reads",
+                          "Peer READ parts this daemon refused, by reason (the wire code).",
+                          labels=["reason"])
+        counts = dict.fromkeys(REFUSE_REASONS, 0)
+        for st in stats:
+            for code, n in st.reads_refused_by.items():
+                counts[code if code in counts else "other"] += n
+        for reason, n in counts.items():
+            refused_reads.add_metric([reason], n)
+        yield refused_reads
         yield c("transferd_engine_immediates", "Immediates counted here (the sum of counts).",
                 value=total("imms_in"))
         yield c("transferd_engine_messages_delivered",

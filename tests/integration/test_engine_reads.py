@@ -195,3 +195,28 @@ def test_the_blocking_client_reads(tcp_cluster: Cluster) -> None:
         finally:
             a.free_buffer(dst)
             b.free_buffer(src)
+
+
+@async_test(timeout=60)
+async def test_the_responder_counts_what_it_served_and_refused(tcp_cluster: Cluster) -> None:
+    from tests.helpers import metric, scrape
+
+    async with nodes(tcp_cluster.a, tcp_cluster.b) as (a, b):
+        url = tcp_cluster.b.metrics_url or ""
+        before = scrape(url)
+        src = await region(b, 64 * 1024, seed=45, access="r")
+        wonly = await region(b, 4096)
+        dst = await region(a, 64 * 1024)
+        await (await a.client.submit_single_read(5000, (dst.mr, 0), (src.desc, 0))).wait(WAIT)
+        r = await a.client.submit_single_read(100, (dst.mr, 0), (wonly.desc, 0))
+        with pytest.raises(NotFound):
+            await r.wait(WAIT)
+        after = scrape(url)
+        assert metric(after, "transferd_engine_served_reads_total") - metric(
+            before, "transferd_engine_served_reads_total") == 1
+        assert metric(after, "transferd_engine_served_read_bytes_total") - metric(
+            before, "transferd_engine_served_read_bytes_total") == 5000
+        name = "transferd_engine_refused_reads_total"
+        assert metric(after, name, reason="NOT_FOUND") - metric(before, name,
+                                                               reason="NOT_FOUND") == 1
+        assert "peer read refused" in tcp_cluster.b.stderr

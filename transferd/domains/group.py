@@ -68,6 +68,10 @@ class GroupStats:
     write_id_duplicates: int = 0
     peers_known: int = 0
     links: tuple[LinkStats, ...] = ()
+    # Peers' READs of this daemon's regions: answered, their bytes, refused by code.
+    reads_out: int = 0
+    read_bytes_out: int = 0
+    reads_refused_by: dict[str, int] = field(default_factory=dict)
 
 
 class DomainGroup:
@@ -320,7 +324,9 @@ class DomainGroup:
             partial_writes=len(lg.coverage), failovers=self.health.failovers,
             duplicate_parts=lg.duplicates, write_id_duplicates=self.write_ids.duplicates,
             peers_known=len(self._book) if self._book is not None else 0,
-            links=tuple(d.link_stats() for d in self.domains))
+            links=tuple(d.link_stats() for d in self.domains),
+            reads_out=lg.reads_out, read_bytes_out=lg.read_bytes_out,
+            reads_refused_by=dict(lg.reads_refused_by))
 
     def close(self) -> None:
         for d in self.domains:

@@ -168,6 +168,7 @@ class Landing:
         self.refused_by: dict[str, int] = {}
         self.reads_out = 0
         self.read_bytes_out = 0
+        self.reads_refused_by: dict[str, int] = {}
 
     @property
     def duplicates(self) -> int:
@@ -221,7 +222,8 @@ class Landing:
         try:
             src = self.memory.source(rkey, rail, addrs, lens, abort)
         except TransferdError as exc:
-            self.refused(exc)
+            code = exc.code.value
+            self.reads_refused_by[code] = self.reads_refused_by.get(code, 0) + 1
             raise
         self.reads_out += 1
         self.read_bytes_out += sum(lens)
