@@ -155,7 +155,7 @@ def run(opts: Options) -> BenchResult:
                     td.run(td._bulk(op, size))
                     td.run(td._paged(op))
                     td.run(td._lat(op, 50))
-                for x, pair in nixl.items():
+                for pair in nixl.values():
                     pair.bulk(size)
                 for r, op in interleave(["write", "read"], rounds):
                     with quiet_gc():
@@ -165,7 +165,7 @@ def run(opts: Options) -> BenchResult:
                         lat[op] += td.run(td._lat(op, lat_n // rounds))
                     opts.log(f"round {r} {op}: {size / dt / GiB:.2f} GiB/s, paged "
                              f"{paged[op][-1] * 1e3:.1f} ms")
-                for r, x in interleave(list(nixl), rounds):
+                for _, x in interleave(list(nixl), rounds):
                     nixl_t[x].append(nixl[x].bulk(size))
                 # The last op of the last round decides what both regions hold now:
                 # whichever it was, A's and B's are equal (B got A's bytes, or A B's).

@@ -36,7 +36,6 @@ from .cuda_ipc import CudaIpc
 from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
 from .leases import Lease, Leases, owner_fields
 from .names import NameInfo, Names, Published, Watch
-from .reads import ReadOps
 from .queue import (
     Columns,
     QueuedGet,
@@ -47,6 +46,7 @@ from .queue import (
     ranges,
     segments,
 )
+from .reads import ReadOps
 from .replies import out_view
 from .shared import SharedBuffer, map_shared, read_local
 from .switches import Switches

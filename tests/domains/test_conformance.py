@@ -33,9 +33,9 @@ from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.plan import plan_barrier, plan_paged, plan_single
 from transferd.engine.port import EnginePort
+from transferd.engine.reads import plan_paged_reads, plan_single_read
 from transferd.engine.regions import Region, RegionTable
 from transferd.memory import Buffer
-from transferd.engine.reads import plan_paged_reads, plan_single_read
 from transferd.parts import ReadPart, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,

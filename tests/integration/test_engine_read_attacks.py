@@ -7,6 +7,7 @@ is unchanged), fails the read, and goes on serving everyone else."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import socket
 import threading
@@ -74,10 +75,8 @@ class LyingResponder:
                 continue
             with sock:
                 sock.settimeout(5)
-                try:
+                with contextlib.suppress(OSError):
                     self._one(sock, rail)
-                except OSError:
-                    pass
 
     def _one(self, sock: socket.socket, rail: int) -> None:
         core = InboundLink(self.me, rail, SECRET, time.monotonic(),
@@ -102,11 +101,9 @@ class LyingResponder:
         else:
             sock.sendall(encode_ack(op, part))
         # The daemon cuts the link: the connection ends (reset or close).
-        try:
+        with contextlib.suppress(OSError):
             while sock.recv(65536):
                 pass
-        except OSError:
-            pass
         self.cut += 1
 
     @staticmethod

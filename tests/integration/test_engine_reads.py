@@ -5,7 +5,6 @@ as an unknown rkey), revoked and forged rkeys, GATHER, deadline and CANCEL."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 import pytest

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import pytest
 
 from tests.peerlink import HostMemory, Pair, drain, feed, identity, link_pair
-from transferd.protocol.errors import BadFrame, NotFound, OutOfBounds, TransferdError
+from transferd.protocol.errors import NotFound, OutOfBounds, TransferdError
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_link import READ_HIGH, READ_LOW, LinkState, ReadsServed
 from transferd.protocol.peer_wire import (
     READ_DATA,
     READ_DATA_HEAD,
+    READ_HEAD,
     encode_ack,
     encode_read,
     encode_read_data,
     frame_size,
     parse_read,
-    READ_HEAD,
 )
 
 

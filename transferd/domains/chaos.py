@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 from itertools import accumulate
-
 from typing import Any
 
 from transferd.parts import (
@@ -172,10 +171,10 @@ class ChaosDomain(Domain):
         if isinstance(part, ReadPart):
             reads = read_pieces(part, self.options.max_parts)
             self._rng.shuffle(reads)
-            joined: Any = transfer if len(reads) == 1 else _Pieces(transfer, len(reads))
-            for piece in reads:
+            pieces_of: Any = transfer if len(reads) == 1 else _Pieces(transfer, len(reads))
+            for read in reads:
                 delay = self._rng.uniform(0, self.options.max_delay_s)
-                loop.call_later(delay, self.inner.post, piece, joined)
+                loop.call_later(delay, self.inner.post, read, pieces_of)
             return
         todo: list[WritePart | SendPart] = []
         if isinstance(part, WritePart):

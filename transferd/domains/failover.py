@@ -21,7 +21,9 @@ once), and a part that already landed is recognised by (peer, op, part) and
 its pages in a bounded window and acknowledged without landing or counting
 again.
 
-Two-sided SENDs are not re-sent (a message could be delivered twice).
+Two-sided SENDs are not re-sent (a message could be delivered twice).  A READ's part
+is re-read on another rail the same way (a READ changes nothing at the peer; the
+part's bytes are received again, whole, into the same place).
 Everything here runs on the group's worker loop.
 """
 
@@ -31,7 +33,7 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from transferd.parts import Transfer, WritePart
+from transferd.parts import ReadPart, Transfer, WritePart
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 
 if TYPE_CHECKING:
@@ -84,7 +86,7 @@ class RailHealth:
             log.warning("rail %d to node %016x: up again", rail, peer[0])
 
 
-def move(part: WritePart, rail: int) -> None:
+def move(part: WritePart | ReadPart, rail: int) -> None:
     """Point ``part`` at ``rail``: that rail's address and rkey of its destination."""
     assert part.alts is not None
     part.rail = rail
@@ -101,7 +103,8 @@ class Resend:
 
     __slots__ = ("group", "part", "transfer", "tried")
 
-    def __init__(self, group: DomainGroup, transfer: Transfer, part: WritePart) -> None:
+    def __init__(self, group: DomainGroup, transfer: Transfer,
+                 part: WritePart | ReadPart) -> None:
         self.group = group
         self.transfer = transfer
         self.part = part

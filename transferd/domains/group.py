@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from transferd.fds import LinkBudget, link_budget
@@ -223,8 +223,8 @@ class DomainGroup:
 
     # -- initiator side -------------------------------------------------------------------
 
-    def execute(self, transfer: Transfer, parts: list[WritePart | SendPart | ReadPart]
-                ) -> None:
+    def execute(self, transfer: Transfer,
+                parts: Sequence[WritePart | SendPart | ReadPart]) -> None:
         self._deadline(transfer, parts)
         if not parts:
             transfer.part_done()
@@ -246,8 +246,8 @@ class DomainGroup:
                 move(part, rail)
             domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
 
-    def _deadline(self, transfer: Transfer, parts: list[WritePart | SendPart | ReadPart]
-                  ) -> None:
+    def _deadline(self, transfer: Transfer,
+                  parts: Sequence[WritePart | SendPart | ReadPart]) -> None:
         """The transfer fails with TIMEOUT engine.peer_timeout_s from now unless it ended.
 
         One timeout for every transfer of the group, so deadlines come in the order

@@ -38,8 +38,8 @@ from transferd.domains.group import DomainGroup
 from transferd.fds import LinkBudget, link_budget
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
-from transferd.parts import ReadPart
 from transferd.metrics import Metrics
+from transferd.parts import ReadPart
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_handshake import node_of
@@ -535,7 +535,7 @@ class TransferEngine:
     async def wait_slot(self) -> None:
         await self.slots.wait_slot()
 
-    def _submit(self, op: int, parts: list[WritePart | SendPart | ReadPart],
+    def _submit(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                 held: Ref | None = None, group: DomainGroup | None = None
                 ) -> asyncio.Future[None]:
         """Start a transfer on ``group``'s worker (default: the first group's) once its
@@ -548,7 +548,7 @@ class TransferEngine:
             keys, functools.partial(self._start_transfer, op, parts, group),
             held.release if held is not None else None)
 
-    def _start_transfer(self, op: int, parts: list[WritePart | SendPart | ReadPart],
+    def _start_transfer(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                         group: DomainGroup | None = None,
                         releases: tuple[Callable[[], None], ...] = ()
                         ) -> asyncio.Future[None]:

@@ -12,8 +12,8 @@ device memory is in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from collections import deque
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
 

@@ -454,7 +454,8 @@ class LinkEnd:
 
 
 __all__ = [
-    "ACK_HIGH", "ACK_LOW", "BUFFER", "READ_HIGH", "READ_LOW", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
-    "PRE_AUTH_BUFFER", "TRANSITIONS", "Closed", "Deliver", "Event", "Land", "LinkEnd",
-    "LinkInput", "LinkState", "Output", "ProbeArrived", "ReadsServed", "Refused", "SetUp",
+    "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
+    "PRE_AUTH_BUFFER", "READ_HIGH", "READ_LOW", "TRANSITIONS", "Closed", "Deliver", "Event",
+    "Land", "LinkEnd", "LinkInput", "LinkState", "Output", "ProbeArrived", "ReadsServed",
+    "Refused", "SetUp",
 ]

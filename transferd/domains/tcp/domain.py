@@ -64,6 +64,7 @@ ACK_SNDBUF = 128 * 1024
 # Once a link answers READs it sends bulk data back: a send buffer like a dialled
 # link's (what the kernel's autotuning reaches by default), not an ACK's.
 READ_SNDBUF = 4 * 1024 * 1024
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # (Linux; not in typeshed)
 
 LinkKey = tuple[int, int, bytes]
 
@@ -473,8 +474,8 @@ class InboundPeer:
             with contextlib.suppress(OSError):
                 # (SO_SNDBUFFORCE past net.core.wmem_max where allowed, else what it allows.)
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUFFORCE, READ_SNDBUF)
-                except (OSError, AttributeError):
+                    sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, READ_SNDBUF)
+                except OSError:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, READ_SNDBUF)
         elif type(event) is Refused:
             peer = self.core.peer
