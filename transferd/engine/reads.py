@@ -10,6 +10,9 @@ every rail (``alts``) so that a rail that fails is re-read on another
 (:mod:`transferd.domains.failover`): a READ changes nothing at the peer, so a re-read
 is always safe.
 
+A read into device memory (``cuda:N``) goes through its group's pinned staging as a
+write from it does: the bytes are received into staging chunks (waited for: back-
+pressure), copied host to device, and the read completes once that copy's event did.
 A read completes when every byte of every part is in the local region; nothing is
 counted anywhere (a READ carries no immediate).  Its deadline and CANCEL are a
 write's; a read that ended early (timed out, cancelled) writes nothing more into the
@@ -20,13 +23,16 @@ Pure planning here, and the engine's submit (no I/O).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from transferd.memory.staging import Claim
 
 from transferd.parts import ReadPart, split_sizes
 from transferd.protocol.errors import BadRequest, OutOfBounds
 from transferd.protocol.values import MrDesc, Pages
 
+from .device_source import plan_staging
 from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails
 
 if TYPE_CHECKING:
@@ -41,12 +47,29 @@ def _check_src(desc: MrDesc, off: int, length: int) -> None:
                           f"{desc.size}")
 
 
-def plan_single_read(op: int, length: int, into: memoryview, desc: MrDesc, src_off: int,
-                     rails: int, *, split_min: int = SPLIT_MIN) -> list[ReadPart]:
-    """``length`` bytes at ``src_off`` of the peer's region into ``into``."""
+def _cut(views: Sequence[memoryview], start: int, size: int) -> list[memoryview]:
+    """Bytes ``[start, start + size)`` of ``views`` (concatenated), as views."""
+    out: list[memoryview] = []
+    pos = 0
+    for v in views:
+        end = pos + len(v)
+        if end > start and pos < start + size:
+            lo, hi = max(start, pos) - pos, min(start + size, end) - pos
+            out.append(v[lo:hi])
+        pos = end
+    return out
+
+
+def plan_single_read(op: int, length: int, into: memoryview | Sequence[memoryview],
+                     desc: MrDesc, src_off: int, rails: int, *,
+                     split_min: int = SPLIT_MIN) -> list[ReadPart]:
+    """``length`` bytes at ``src_off`` of the peer's region into ``into`` (one view of
+    the local region, or the pieces of staging they go through)."""
     check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
-    if len(into) != length:
-        raise OutOfBounds(f"destination holds {len(into)} bytes for a read of {length}")
+    views = [into] if isinstance(into, memoryview) else list(into)
+    have = sum(len(v) for v in views)
+    if have != length:
+        raise OutOfBounds(f"destination holds {have} bytes for a read of {length}")
     _check_src(desc, src_off, length)
     rkeys = desc.rkeys
     sizes = split_sizes(length, rails) if length >= split_min else [length]
@@ -55,8 +78,9 @@ def plan_single_read(op: int, length: int, into: memoryview, desc: MrDesc, src_o
     for i, size in enumerate(sizes):
         rail = (op + i) % rails
         addr, rkey = rkeys[rail]
+        part_into = [views[0][pos:pos + size]] if len(views) == 1 else _cut(views, pos, size)
         parts.append(ReadPart(rail, addr, rkey, [desc.ptr + src_off + pos], [size],
-                              [into[pos:pos + size]], i, op, len(sizes), alts=rkeys))
+                              part_into, i, op, len(sizes), alts=rkeys))
         pos += size
     return parts
 
@@ -101,17 +125,63 @@ class Reads:
         if not self.engine.capabilities.reads:
             raise BadRequest(f"one-sided READ needs a Domain that serves it (tcp, chaos), "
                              f"not {self.engine.config.domain}")
-        region = self.engine.regions.get(region_id)
-        if region.staging is not None:
-            raise BadRequest(f"a read into {region.buffer.device} memory is not supported "
-                             "yet (host and shared memory are)")
-        return region
+        return self.engine.regions.get(region_id)
+
+    def _into_device(self, op: int, region: Region, pages: list[tuple[int, int]],
+                     plan: Callable[[list[memoryview]], list[ReadPart]]
+                     ) -> asyncio.Future[None]:
+        """A read into device memory: received into pinned staging of the region's group
+        (waiting for chunks: back-pressure), then copied host to device; it completes
+        only once those copies' event completed.  ``pages``: (absolute address, length)
+        in the region, each at most a chunk; the chunks go back once the copies ended."""
+        e = self.engine
+        assert e.loop is not None
+        io, devs, places, need = plan_staging(region, pages)
+        held = region.buffer.ref()
+        if e._staging_lock is None:
+            e._staging_lock = asyncio.Lock()
+        lock = e._staging_lock
+
+        async def run() -> None:
+            claim = Claim(io)
+            try:
+                async with lock:  # one operation takes its chunks at a time
+                    chunks = await claim.take(need)
+                views = [chunks[c].view[off:off + n]
+                         for (c, off), (_, n) in zip(places, pages, strict=True)]
+                reading = e._submit(op, plan(views), None, e.group_of(region))
+                me = asyncio.current_task()
+                entry = e._transfers.get(reading)
+                if me is not None and entry is not None:
+                    e._transfers[me] = entry  # CANCEL of this task ends the transfer
+                try:
+                    await reading
+                finally:
+                    if me is not None:
+                        e._transfers.pop(me, None)
+                # Every byte is in staging (a read that ended early wrote none after):
+                # now onto the device, and done only once it is there.
+                for dev, (c, off), (_, n) in zip(devs, places, pages, strict=True):
+                    io.stream.copy_h2d(dev, chunks[c].ptr + off, n)
+                await io.waiter.wait(claim.fence())
+            finally:
+                held.release()
+                claim.release()
+
+        return asyncio.ensure_future(run())
 
     def single(self, length: int, dst: tuple[int, int], src: tuple[MrDesc, int]
                ) -> asyncio.Future[None]:
         e = self.engine
         e._check_descs([src[0]])
         region = self._local(dst[0])
+        if region.staging is not None:
+            step = region.staging.pool.chunk_size
+            start = region.ptr + dst[1]
+            pages = [(start + k, min(step, length - k)) for k in range(0, length, step)]
+            op = e.next_op()
+            return self._into_device(op, region, pages or [(start, 0)], lambda v: (
+                plan_single_read(op, length, v, src[0], src[1], e.rails)))
         into = region.view(region.ptr + dst[1], length)
         op = e.next_op()
         parts = plan_single_read(op, length, into, src[0], src[1], e.rails)
@@ -130,8 +200,12 @@ class Reads:
             raise BadRequest(f"destination stride {dp.stride} is smaller than the page "
                              f"({page_len})")
         base = region.ptr + dp.offset
-        into = region.views([base + i * dp.stride for i in dp.indices], page_len)
         op = e.next_op()
+        if region.staging is not None:
+            pages = [(base + i * dp.stride, page_len) for i in dp.indices]
+            return self._into_device(op, region, pages, lambda v: (
+                plan_paged_reads(op, page_len, v, src[0], sp, e.rails)))
+        into = region.views([base + i * dp.stride for i in dp.indices], page_len)
         parts = plan_paged_reads(op, page_len, into, src[0], sp, e.rails)
         if not parts:  # zero pages: nothing moves
             return e._submit(op, [], None, e.group_of(region))
@@ -144,6 +218,9 @@ class Reads:
         e = self.engine
         e._check_descs([s[2] for s in srcs])
         region = self._local(region_id)
+        if region.staging is not None:
+            raise BadRequest(f"a GATHER into {region.buffer.device} memory is not supported "
+                             "(single and paged reads are)")
         parts: list[ReadPart] = []
         first = 0
         for length, dst_off, desc, src_off in srcs:
