@@ -1,7 +1,8 @@
 """READs into device memory between two real daemons with the stand-in device
 (tests/standin_daemon.py: no host view, reached only through a stream and staging, as a
 GPU's is): the bytes are received into staging and copied onto the device before the
-read completes; checked by checksum.  A read *of* device memory is refused plainly."""
+read completes; reads *of* device memory are copied into the responder's staging and
+sent from there.  Checked by checksum."""
 
 from __future__ import annotations
 
@@ -72,13 +73,32 @@ async def test_reads_into_device_memory_land_on_the_device(
             r = await a.submit_single_read(CHUNK * CHUNKS, (dmr, 0), (hdesc, 0))
             await r.wait(WAIT)
         assert digest(bytes(await a.get_tensor(dev.tensor()))) == digest(data)
-        # A read of device memory (the responder's side) is refused, not faked.
-        dsrc = await b.alloc_buffer(4096, device="standin:0")
+        # Reads *of* device memory: the responder copies into its staging, then sends.
+        dsrc = await b.alloc_buffer(len(data), device="standin:0")
+        await b.set_tensor(dsrc.tensor(), data[::-1])
         _, ddesc = await b.reg_mr(dsrc, access="r")
-        hdst = await a.alloc_buffer(4096)
+        hdst = await a.alloc_buffer(len(data))
         hmr, _ = await a.reg_mr(hdst)
-        r = await a.submit_single_read(4096, (hmr, 0), (ddesc, 0))
-        with pytest.raises(BadRequest, match="not supported yet"):
+        r = await a.submit_single_read(CHUNK * CHUNKS, (hmr, 0), (ddesc, 0))
+        await r.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(hdst.tensor()))) == digest(data[::-1])
+        r = await a.submit_paged_reads(page, (hmr, Pages(didx, page)), (ddesc, Pages(sidx, page)))
+        await r.wait(WAIT)
+        rev = data[::-1]
+        for s, d in zip(sidx, didx, strict=True):
+            got = bytes(await a.get_tensor(hdst.tensor(d * page, page)))
+            assert got == rev[s * page:(s + 1) * page], (s, d)
+        # Device to device, staging on both sides; then a read larger than the
+        # responder's whole staging is refused (BadRequest), nothing half sent.
+        r = await a.submit_single_read(CHUNK, (dmr, 0), (ddesc, CHUNK))
+        await r.wait(WAIT)
+        assert bytes(await a.get_tensor(dev.tensor(0, CHUNK))) == rev[CHUNK:2 * CHUNK]
+        big = await b.alloc_buffer(2 * CHUNK * CHUNKS, device="standin:0")
+        _, bigdesc = await b.reg_mr(big, access="r")
+        hbig = await a.alloc_buffer(2 * CHUNK * CHUNKS)
+        hbmr, _ = await a.reg_mr(hbig)
+        r = await a.submit_single_read(CHUNK * CHUNKS + 1, (hbmr, 0), (bigdesc, 0))
+        with pytest.raises(BadRequest, match="larger than its staging"):
             await r.wait(WAIT)
     finally:
         await a.close()

@@ -39,6 +39,7 @@ from .peer_link import (
     Peer,
     ReadsServed,
     Refused,
+    StageRead,
 )
 from .peer_wire import (
     KNOWN_FLAGS,
@@ -110,6 +111,8 @@ class InboundLink(LinkEnd):
         self._sent_total = 0
         self._served_any = False
         self._read_held = False
+        # READs of device memory whose bytes are on their way to staging.
+        self._staging: list[Placement] = []
 
     @property
     def reading(self) -> bool:
@@ -347,10 +350,44 @@ class InboundLink(LinkEnd):
             if not self._served_any:
                 self._served_any = True
                 self.events.append(ReadsServed())
-            out.push(encode_read_data(op, part, r.nbytes))
-            for v in src.views:
-                out.push(v)
-            self._serving.append((self._sent_total + out.queued, src))
+            if src.deferred:
+                # Device memory: its bytes go to staging first; nothing more is read
+                # (answers stay in order) until they are there (:meth:`staged`).
+                self._staging.append(src)
+                self._hold()
+                self.events.append(StageRead(src, (op, part), r.nbytes))
+                return
+            self._answer(op, part, r.nbytes, src)
+        self._watch_answers()
+
+    def staged(self, ev: StageRead, error: TransferdError | None) -> None:
+        """A READ's bytes reached staging (None) or could not (the device's fault): answer
+        it, and read on."""
+        src = ev.source
+        if src in self._staging:
+            self._staging.remove(src)
+        if self.state is LinkState.CLOSED:
+            src.release()
+            return
+        op, part = ev.ref
+        if error is not None:
+            src.release()
+            self.events.append(Refused(ev.ref, error, "read"))
+            self.out.push(encode_read_data(op, part, 0, error))
+        else:
+            self._answer(op, part, ev.nbytes, src)
+        self._watch_answers()
+        self._release()
+
+    def _answer(self, op: int, part: int, nbytes: int, src: Placement) -> None:
+        out = self.out
+        out.push(encode_read_data(op, part, nbytes))
+        for v in src.views:
+            out.push(v)
+        self._serving.append((self._sent_total + out.queued, src))
+
+    def _watch_answers(self) -> None:
+        out = self.out
         if out.queued > (READ_HIGH if self._serving else ACK_HIGH) and not self._read_held:
             # The responder's outstanding reads are bounded by what its output holds:
             # above the watermark it reads no further frame until the peer took them.
@@ -446,6 +483,7 @@ class InboundLink(LinkEnd):
             self.out.clear()
             while self._serving:
                 self._serving.popleft()[1].release()
+        # (A READ still staging is let go when its copy reports: staged() sees CLOSED.)
         # What is in :attr:`out` (a refusal's reason, ACKs) may still be sent once.
         adm, self._adm = self._adm, None
         if adm is not None and self._kind:

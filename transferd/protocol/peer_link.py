@@ -229,6 +229,17 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class StageRead:
+    """A READ of memory reached through staging (device memory) was admitted: run
+    ``source.land`` (its bytes into staging), then :meth:`InboundLink.staged` (the link
+    reads nothing meanwhile)."""
+
+    source: Any
+    ref: tuple[int, int]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReadsServed:
     """The link answered its first READ: from now on it sends bulk data back, not only
     ACKs (tcp gives its socket a send buffer for that)."""
@@ -241,7 +252,8 @@ class Closed:
     error: TransferdError | None
 
 
-Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | ReadsServed | Closed
+Event = (Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | ReadsServed
+         | StageRead | Closed)
 
 
 class LinkEnd:
@@ -457,5 +469,5 @@ __all__ = [
     "ACK_HIGH", "ACK_LOW", "BUFFER", "HEAD_GUESS", "HIGH_WATER", "LOW_WATER",
     "PRE_AUTH_BUFFER", "READ_HIGH", "READ_LOW", "TRANSITIONS", "Closed", "Deliver", "Event",
     "Land", "LinkEnd", "LinkInput", "LinkState", "Output", "ProbeArrived", "ReadsServed",
-    "Refused", "SetUp",
+    "Refused", "SetUp", "StageRead",
 ]

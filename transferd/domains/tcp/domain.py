@@ -40,6 +40,7 @@ from transferd.protocol.peer_link import (
     ProbeArrived,
     ReadsServed,
     Refused,
+    StageRead,
 )
 from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
@@ -469,6 +470,16 @@ class InboundPeer:
                 event.admission.land(landed)
             except TransferdError as exc:
                 self._landed(land, exc)
+        elif type(event) is StageRead:
+            loop, stage = d.loop, event
+
+            def staged(err: TransferdError | None) -> None:  # the event waiter's thread
+                loop.call_soon_threadsafe(self._staged, stage, err)
+
+            try:
+                event.source.land(staged)
+            except TransferdError as exc:
+                self._staged(stage, exc)
         elif type(event) is ReadsServed:
             sock = link.sock
             with contextlib.suppress(OSError):
@@ -499,6 +510,11 @@ class InboundPeer:
 
     def _landed(self, land: Land, error: TransferdError | None) -> None:
         self.core.landed(land, error)
+        if not self.io.closed:
+            self.io._after()
+
+    def _staged(self, stage: StageRead, error: TransferdError | None) -> None:
+        self.core.staged(stage, error)
         if not self.io.closed:
             self.io._after()
 
