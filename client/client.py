@@ -264,11 +264,10 @@ class Client:
         nfds = r.body.get("fds", 0)
         if not nfds:
             return RemoteBuffer(buffer_id, got, device)
-        take = getattr(self.conn, "take_fds", None)
         try:
-            if not isinstance(nfds, int) or nfds < 0 or take is None:
+            if not isinstance(nfds, int) or nfds < 0 or not self.conn.carries_fds:
                 raise BadRequest(f"ALLOC_BUFFER reply announces {nfds!r} descriptors")
-            buf = map_shared(buffer_id, got, device, r.body, take(nfds))
+            buf = map_shared(buffer_id, got, device, r.body, self.conn.take_fds(nfds))
         except TransferdError:
             # Nothing mapped: the daemon's buffer is not ours to keep.
             await self._call(Command.FREE_BUFFER, {"buffer": buffer_id})

@@ -6,7 +6,11 @@
    place: refusing it then would report undone what was done).
 2. :func:`in_flight`: what is still running: engine transfers this daemon's
    clients submitted and not yet acknowledged, asynchronous handlers
-   (SYNCHRONIZE, a submit waiting for a slot), and payloads still arriving.
+   (SYNCHRONIZE, a submit waiting for a slot), payloads still arriving, and
+   connections that lingered less than :data:`LINGER_S` since the drain began or
+   their last activity (bytes in, write buffer emptied).  A client that has just
+   read a reply may have its next request on the wire already: closing under it
+   would cut it off ("Broken pipe") where it should be answered CANCELLED.
 3. :func:`fail_in_flight`: once the drain time ran out (and the engine is
    closed: nothing more can be acknowledged), every transfer still pending
    fails with TIMEOUT (outcome unknown, as the peer may have placed it) through
@@ -25,13 +29,22 @@ from transferd.protocol.errors import Timeout
 
 from .context import ServerContext
 
+# How long a connection stays open after the drain began or after its last activity,
+# whichever is later, for a request already on the wire to arrive and be answered.
+LINGER_S = 0.25
+
 
 def begin(ctx: ServerContext) -> None:
     ctx.draining = True
+    now = asyncio.get_running_loop().time()
+    for s in list(ctx.sessions):
+        s.last_active = max(s.last_active, now)
 
 
 def in_flight(ctx: ServerContext) -> int:
-    return sum(len(s.pending) + len(s._tasks) + s.receiving for s in list(ctx.sessions))
+    recent = asyncio.get_running_loop().time() - LINGER_S
+    return sum(len(s.pending) + len(s._tasks) + s.receiving + (s.last_active > recent)
+               for s in list(ctx.sessions))
 
 
 def fail_in_flight(ctx: ServerContext, drain_s: float) -> int:

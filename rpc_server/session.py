@@ -105,6 +105,10 @@ class Session(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.carrier: Carrier | None = None
         self._loop = asyncio.get_running_loop()
+        # When bytes last came in or the write buffer last emptied: the drain at SIGTERM
+        # lingers on a connection active in the last moments (its next request may be
+        # on the wire already), see rpc_server/drain.py.
+        self.last_active = self._loop.time()
         self.conn = ServerConnection(
             settings or ctx.settings_for("tcp"), self._loop.time(), payload_sink=self._sink_for
         )
@@ -197,6 +201,7 @@ class Session(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.conn.decoder.buffer_updated(nbytes)
         self.ctx.stats.bytes_in += nbytes
+        self.last_active = self._loop.time()
         self._pump()
 
     def eof_received(self) -> bool:
@@ -215,6 +220,7 @@ class Session(asyncio.BufferedProtocol):
         # The write buffer is empty (low watermark 0): every payload is out.
         if self.carrier is not None and not self.carrier.drained():
             return  # TLS: chunks still wait (a write here may pause writing again)
+        self.last_active = self._loop.time()
         self.conn.output_drained()
         if self.ctx.engine is not None:
             # Peer messages handed to this connection are out: their senders' ACKs.

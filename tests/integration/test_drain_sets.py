@@ -45,6 +45,38 @@ def test_a_set_whose_payload_is_landing_runs_to_its_end() -> None:
     assert "drained in" in d.stderr
 
 
+def test_a_request_on_the_wire_as_the_drain_begins_is_answered_not_cut() -> None:
+    """A client between two requests when SIGTERM comes: its next request arrives after
+    the drain began, on a connection that had nothing in flight.  It is answered
+    CANCELLED (the connection lingers for it), never met by a closed socket."""
+    with DaemonProcess(["-m", "64"]) as d:
+        assert d.proc is not None
+        with RawConn.to(d, timeout=10) as raw:
+            assert not raw.hello().is_error
+            answers: list[str] = []
+            deadline = time.monotonic() + 20
+            signalled = False
+            while time.monotonic() < deadline:
+                try:
+                    reply = raw.request(Command.STATS, {})
+                except (ConnectionError, OSError) as exc:
+                    answers.append(f"cut: {exc!r}")
+                    break
+                if not reply.is_error:
+                    answers.append("ok")
+                else:
+                    answers.append(str(reply.body.get("message", reply.body)))
+                    break
+                if len(answers) == 10 and not signalled:
+                    d.proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                time.sleep(0.02)  # think time: the signal lands between two requests
+            assert signalled, answers
+            assert answers[-1].startswith("the daemon is stopping"), answers
+            assert raw.closed_by_peer(10)
+        assert d.proc.wait(30) == 0
+
+
 @async_test(timeout=90)
 async def test_large_sets_at_sigterm_are_done_or_cancelled_never_cut() -> None:
     d = DaemonProcess(["-m", "1024"]).start().wait_ready()

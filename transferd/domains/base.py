@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -125,6 +125,25 @@ class LinkStats:
 
 
 LINK_STATES = ("connecting", "ready", "paused", "closed")
+
+#: An outbound link's key in a Domain's table: one link per peer node, group and rail.
+LinkKey = tuple[int, int, bytes]
+
+
+def link_key(dst: NetAddr) -> LinkKey:
+    """The key of the link to ``dst`` (its node, group and first rail's address)."""
+    return (dst.node, dst.group, dst.rails[0])
+
+
+def count_links(links: Iterable[tuple[str, int]], inbound: int) -> LinkStats:
+    """LinkStats of ``(state, parts waiting)`` per outbound link; a state that is
+    none of LINK_STATES (a Domain's own set-up steps) counts as ``connecting``."""
+    states = dict.fromkeys(LINK_STATES, 0)
+    waiting = 0
+    for state, n in links:
+        states[state if state in states else "connecting"] += 1
+        waiting += n
+    return LinkStats(states, waiting, inbound)
 
 
 class Port(Protocol):

@@ -45,7 +45,16 @@ from transferd.protocol.peer_link import (
 from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
 
-from ..base import LINK_STATES, Capabilities, Domain, DomainOptions, LinkStats, Port
+from ..base import (
+    Capabilities,
+    Domain,
+    DomainOptions,
+    LinkKey,
+    LinkStats,
+    Port,
+    count_links,
+    link_key,
+)
 from ..link_io import SocketLink
 from ..rails import parse_rail, rail_bytes
 from ..strangers import RailStrangers
@@ -66,9 +75,6 @@ ACK_SNDBUF = 128 * 1024
 # link's (what the kernel's autotuning reaches by default), not an ACK's.
 READ_SNDBUF = 4 * 1024 * 1024
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # (Linux; not in typeshed)
-
-LinkKey = tuple[int, int, bytes]
-
 
 def tune_link(sock: socket.socket, timeout_s: float) -> None:
     """A peer link's socket gives up on a dead path after about ``timeout_s``.
@@ -164,7 +170,7 @@ class TcpDomain(Domain):
     def link_to(self, dst: NetAddr) -> PeerLink:
         """The link to ``dst``, dialled if there is none (OverLimit past the link budget,
         PeerUnreachable while the address is in its dial back-off)."""
-        key = (dst.node, dst.group, dst.rails[0])
+        key = link_key(dst)
         link = self._links.get(key)
         if link is not None and not link.closed:
             return link
@@ -191,7 +197,7 @@ class TcpDomain(Domain):
         if self.closing:
             transfer.part_done(PeerUnreachable(f"rail {self.rail} is closed"))
             return
-        link = self._links.get((part.dst.node, part.dst.group, part.dst.rails[0]))
+        link = self._links.get(link_key(part.dst))
         if link is None or link.closed:
             try:
                 link = self.link_to(part.dst)
@@ -235,22 +241,18 @@ class TcpDomain(Domain):
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
         """A transfer to ``dst`` timed out: close its link if bytes still wait to go."""
-        link = self._links.get((dst.node, dst.group, dst.rails[0]))
+        link = self._links.get(link_key(dst))
         if link is not None and link.core.stalled:
             link.close(error)
 
     def forget(self, link: PeerLink) -> None:
-        key = (link.dst.node, link.dst.group, link.dst.rails[0])
+        key = link_key(link.dst)
         if self._links.get(key) is link:
             del self._links[key]
 
     def link_stats(self) -> LinkStats:
-        states = dict.fromkeys(LINK_STATES, 0)
-        waiting = 0
-        for link in list(self._links.values()):
-            states[_STATE_LABEL[link.core.state]] += 1
-            waiting += link.core.waiting
-        return LinkStats(states, waiting, len(self._inbound))
+        return count_links([(_STATE_LABEL[lk.core.state], lk.core.waiting)
+                            for lk in self._links.values()], len(self._inbound))
 
     # -- inbound ------------------------------------------------------------------------
 

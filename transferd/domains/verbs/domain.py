@@ -51,7 +51,7 @@ from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAErr
 from transferd.rdma.slots import Slots
 from transferd.rdma.wr import RecvSlots, ZeroWriteTemplate, build_chains
 
-from ..base import LINK_STATES, Capabilities, Domain, LinkStats, Port
+from ..base import Capabilities, Domain, LinkStats, Port, count_links, link_key
 from ..rails import parse_rail, rail_bytes
 from ..strangers import RailStrangers
 from . import messages
@@ -339,7 +339,7 @@ class VerbsDomain(Domain):
         self.link_to(dst)
 
     def link_to(self, dst: NetAddr) -> OutLink:
-        key = (dst.node, dst.group, dst.rails[0])
+        key = link_key(dst)
         link = self._links.get(key)
         if link is None or link.state is LinkState.CLOSED:
             link = OutLink(self, dst)
@@ -359,18 +359,13 @@ class VerbsDomain(Domain):
             transfer.fail(exc)
 
     def forget(self, link: OutLink) -> None:
-        key = (link.dst.node, link.dst.group, link.dst.rails[0])
+        key = link_key(link.dst)
         if self._links.get(key) is link:
             del self._links[key]
 
     def link_stats(self) -> LinkStats:
-        states = dict.fromkeys(LINK_STATES, 0)
-        waiting = 0
-        for link in list(self._links.values()):
-            s = link.state.value
-            states[s if s in states else "connecting"] += 1
-            waiting += len(link._waiting)
-        return LinkStats(states, waiting, len(self._inbound))
+        return count_links([(lk.state.value, len(lk._waiting)) for lk in self._links.values()],
+                           len(self._inbound))
 
     def fail_wrs_of(self, qp: QpEnd) -> list[Posted]:
         """Take back the work requests of a queue pair that is going away."""
