@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from transferd.memory.staging import Claim
-
 from transferd.parts import ReadPart, split_sizes
 from transferd.protocol.errors import BadRequest, OutOfBounds
 from transferd.protocol.values import MrDesc, Pages
