@@ -34,9 +34,16 @@ from transferd.protocol.errors import PeerUnreachable
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
-from transferd.protocol.peer_wire import READ, READ_HEAD, encode_ack, encode_read_data
+from transferd.protocol.peer_wire import (
+    READ,
+    READ_HEAD,
+    encode_ack,
+    encode_read,
+    encode_read_data,
+)
 
 HOST = "127.0.0.1"
+MiB = 1 << 20
 
 
 class LyingResponder:
@@ -159,3 +166,60 @@ async def test_a_lying_responder_is_cut_off_and_nothing_lands(
             assert "peer link broken" in a_d.stderr
     finally:
         liar.close()
+
+
+@async_test(timeout=60)
+async def test_a_reader_that_never_takes_its_answers_holds_back_only_itself(
+    own: list[DaemonProcess]
+) -> None:
+    """A hand-made peer dials B, authenticates, asks for 64 x 64 MiB of a readable
+    region and reads nothing back.  B answers from the region's own pages (no copies),
+    stops reading that link past its watermark, serves everyone else meanwhile, and a
+    DEREG_MR of the region cuts the link after engine.peer_timeout_s instead of waiting
+    for the reader forever."""
+    from tests.integration.fake_peer import FakePeer
+
+    (b_d,) = own
+    async with nodes(b_d) as (b,):
+        src = await region(b, 64 * MiB, seed=51, access="r")
+        (addr, rkey), = src.desc.rkeys
+        with FakePeer(addr, 0, SECRET) as p:
+            p.handshake()
+            p.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            frames = b"".join(encode_read(k, 0, rkey, [src.desc.ptr], [64 * MiB])
+                              for k in range(64))
+            p.conn.sock.sendall(frames)  # 64 x 48 bytes; 4 GiB asked, nothing taken
+            await asyncio.sleep(0.5)
+            rss = _rss(b_d)
+            # B goes on: another client's buffers, a SET and a GET, while the READs wait.
+            other = await b.client.alloc_buffer(MiB)
+            await b.client.set_tensor(other.tensor(), b"\x33" * MiB)
+            assert bytes(await b.client.get_tensor(other.tensor())) == b"\x33" * MiB
+            assert _rss(b_d) - rss < 16 * MiB  # the answers are views, not copies
+            t0 = time.monotonic()
+            await asyncio.wait_for(b.client.dereg_mr(src.mr), WAIT)
+            took = time.monotonic() - t0
+            assert 0.5 < took < 8.0, took  # patience (2 s), then the link is cut
+            p.conn.sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                while p.conn.sock.recv(1 << 20):
+                    pass  # until B's close arrives
+        assert "Traceback" not in b_d.stderr
+
+
+def _rss(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture
+def own() -> Iterator[list[DaemonProcess]]:
+    ds = start_many([{"env": engine_env(RAILS["c"][:1], secret_file=secret_file(),
+                                        peer_timeout_s=2)}])
+    yield ds
+    for d in ds:
+        d.stop()
