@@ -221,11 +221,21 @@ class EnginePort:
         many staging chunks as its bytes need, only those free now (a responder cannot
         wait): OutOfMemory when they are taken, BadRequest when the pool is too small."""
         pages, nbytes = self._device_pages(region, addrs, lens)
+        admitted, chunks = self._take_staging(region, io, nbytes, abort, "a read of", "of")
+        return StagedSource(io, chunks, pages, admitted, nbytes)
+
+    @staticmethod
+    def _take_staging(region: Region, io: Any, nbytes: int,
+                      abort: Callable[[], None] | None, what: str, where: str
+                      ) -> tuple[Admitted, list[Any]]:
+        """Admit ``region`` and take the staging chunks ``nbytes`` need, only those free
+        now (a receiver or responder cannot wait)."""
         pool = io.pool
         need = -(-nbytes // pool.chunk_size)
         if need > pool.capacity:
-            raise BadRequest(f"a read of {nbytes} bytes of {region.device} memory is larger "
-                             f"than its staging ({pool.capacity} x {pool.chunk_size} bytes)")
+            raise BadRequest(f"{what} {nbytes} bytes {where} {region.device} memory is "
+                             f"larger than its staging ({pool.capacity} x "
+                             f"{pool.chunk_size} bytes)")
         admitted = region.admit(abort)
         chunks: list[Any] = []
         for _ in range(need):
@@ -237,7 +247,7 @@ class EnginePort:
                 raise OutOfMemory(f"staging of {region.device} is taken "
                                   f"({pool.in_use} of {pool.capacity} chunks in use)")
             chunks.append(got)
-        return StagedSource(io, chunks, pages, admitted, nbytes)
+        return admitted, chunks
 
     @staticmethod
     def _device_pages(region: Region, addrs: list[int], lens: list[int]
@@ -256,34 +266,11 @@ class EnginePort:
     def _staged(self, region: Region, io: Any, addrs: list[int], lens: list[int],
                 payload_len: int, abort: Callable[[], None] | None) -> StagedPlacement:
         """Device memory: each page's device address (bounds checked), then staging."""
-        pages: list[tuple[int, int]] = []
-        total = 0
-        for a, n in zip(addrs, lens, strict=True):
-            off = a - region.ptr
-            if off < 0 or n < 0 or off + n > region.size:
-                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
-                                  f"[0x{region.ptr:x}, +{region.size})")
-            pages.append((region.device_address(off, n), n))
-            total += n
+        pages, total = self._device_pages(region, addrs, lens)
         if total != payload_len:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
-        pool = io.pool
-        need = -(-payload_len // pool.chunk_size)
-        if need > pool.capacity:
-            raise BadRequest(f"a write of {payload_len} bytes into {region.device} memory "
-                             f"is larger than its staging ({pool.capacity} x "
-                             f"{pool.chunk_size} bytes)")
-        admitted = region.admit(abort)
-        chunks: list[Any] = []
-        for _ in range(need):
-            got = pool.try_acquire()
-            if got is None:
-                for c in chunks:
-                    pool.release(c)
-                admitted.release()
-                raise OutOfMemory(f"staging of {region.device} is taken "
-                                  f"({pool.in_use} of {pool.capacity} chunks in use)")
-            chunks.append(got)
+        admitted, chunks = self._take_staging(region, io, payload_len, abort, "a write of",
+                                              "into")
         return StagedPlacement(io, chunks, pages, admitted, payload_len)
 
     def count(self, imm: int, n: int) -> None:
