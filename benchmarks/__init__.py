@@ -21,12 +21,16 @@ BENCHMARKS = [
     # The 4 KiB write's steps and domain groups (issue 12)
     "engine_steps",
     "engine_groups",
+    # The engine in the caller's process (issue 21)
+    "engine_inproc",
     # The small write's CPU and rate (issue 17)
     "engine_small",
     # One-sided READ against WRITE (issue 19)
     "engine_reads",
     # Memory (issue 7)
     "shm_read",
+    # The RDMA completion-queue loop (issue 24)
+    "cq_idle",
     # Connections (issue 6)
     "transports",
     # How cost grows (issue 12)

@@ -75,8 +75,21 @@ _GET_TENSORS = Command.GET_TENSORS
 _SET_TENSORS = Command.SET_TENSORS
 
 
+def client_class(url: str) -> type[Client]:
+    """The class that serves ``url``: :class:`Client`, or for ``inproc://`` the engine in
+    this process (imported only then: ``import client`` loads no daemon module)."""
+    if url.split(":", 1)[0].lower() == "inproc":
+        from .inproc import InprocClient
+
+        return InprocClient
+    return Client
+
+
 class Client:
     """Async client.  ``async with await Client.connect(url) as c: ...``"""
+
+    # Whether the engine runs in this process (client/inproc.py), not behind a connection.
+    in_process = False
 
     def __init__(
         self,
@@ -139,7 +152,9 @@ class Client:
 
     @classmethod
     async def connect(cls, url: str, token: str | None = None, **kw: Any) -> Client:
-        c = cls(url, token=token, **kw)
+        """A connected client; ``inproc://`` starts the engine in this process instead
+        (client/inproc.py: the same API, no daemon)."""
+        c = client_class(url)(url, token=token, **kw)
         await c.open()
         return c
 

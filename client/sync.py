@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .client import Client
+from .client import Client, client_class
 from .devices import CudaExport, capture_stream, export_cuda
 from .engine import Completion
 from .names import SyncWatch
@@ -33,7 +33,8 @@ class SyncClient:
             target=self._loop.run_forever, name="transferd-client", daemon=True
         )
         self._thread.start()
-        self._client = Client(url, token=token, **kw)
+        # inproc://: the engine runs here, on this client's loop thread.
+        self._client: Client = client_class(url)(url, token=token, **kw)
         try:
             self._run(self._client.open())
         except BaseException:
@@ -86,6 +87,8 @@ class SyncClient:
 
     def register_cuda_memory(self, mem: Any, *, device: str | None = None) -> Any:
         """:meth:`Client.register_cuda_memory`, exported in the caller's thread."""
+        if self._client.in_process:  # the engine is here: the array is registered as it is
+            return self._run(self._client.register_cuda_memory(mem, device=device))
         export = mem if isinstance(mem, CudaExport) else export_cuda(mem)
         return self._run(self._client.register_cuda_memory(export, device=device))
 

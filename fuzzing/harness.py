@@ -168,12 +168,11 @@ class InProcessDaemon:
     async def _up(self) -> None:
         from rpc_server.server import RpcFrontend
         from transferd.daemon import Daemon
-        from transferd.engine import TransferEngine
 
         cfg = self.config
         d = self._daemon = Daemon(cfg)
-        d.engine = TransferEngine(cfg.engine, d.buffers, d.metrics, cfg.server.host)
-        await d.engine.start()
+        await d.node.start_engine()
+        d.node.start_service()
         self._frontend = RpcFrontend()
         (url,) = await self._frontend.start(d)
         self.port = int(url.rpartition(":")[2])
@@ -193,10 +192,8 @@ class InProcessDaemon:
         if self._frontend is not None:
             await self._frontend.close()
         d = self._daemon
-        if d is not None and d.engine is not None:
-            await d.engine.close()
         if d is not None:
-            d.buffers.close()
+            await d.node.close()
 
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
         self._errors.records.append(f"loop: {ctx.get('message')}: {ctx.get('exception')!r}")

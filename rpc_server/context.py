@@ -1,4 +1,9 @@
-"""What every session of one daemon shares: settings, buffers, counters, engine."""
+"""What every session of one daemon shares: settings, counters, and the node's Service.
+
+The buffers, the engine, owners, leases, watchers and names are the node's
+(:class:`transferd.service.Service`, which the inproc client calls too); this
+context adds what only the RPC server has: the protocol's settings and limits,
+the pre-auth admission, the open sessions, STATS' counts and the drain."""
 
 from __future__ import annotations
 
@@ -15,10 +20,12 @@ from transferd.preauth import Admission, Ticket
 from transferd.protocol import auth
 from transferd.protocol.connection import ServerSettings
 from transferd.protocol.constants import DEFAULT_MAX_BODY, DEFAULT_MAX_PAYLOAD, Command
+from transferd.service import Service
 
 log = logging.getLogger("transferd.session")
 
 if TYPE_CHECKING:
+    from transferd.discovery.service import Discovery
     from transferd.engine import TransferEngine
 
 
@@ -40,8 +47,7 @@ class ServerStats:
 
 @dataclass
 class ServerContext:
-    buffers: BufferTable
-    metrics: Metrics
+    service: Service
     minor: int = 2
     token: str = ""
     max_body: int = DEFAULT_MAX_BODY
@@ -51,11 +57,6 @@ class ServerContext:
     max_reply: int = DEFAULT_MAX_PAYLOAD
     # Announced in HELLO on a message transport: the continuation message size.
     max_message: int = 256 * 1024
-    engine: TransferEngine | None = None
-    # Owners (docs/engine.md): the owner of a buffer whose ALLOC_BUFFER names
-    # none ("daemon" or "connection"), and the daemon's named leases.
-    default_owner: str = "daemon"
-    leases: LeaseTable | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     name: str = f"transferd/{__version__}"
     # The shared secret clients prove (b"": none required), the transports on
@@ -77,16 +78,37 @@ class ServerContext:
     draining: bool = False
     # The commands with a handler (None: every command of the minor is tried).
     served: frozenset[int] | None = None
-    # Releases of a gone owner's buffers still waiting for admitted writes to land
-    # (rpc_server/ownership.py): held here, so the loop's weak hold does not lose them.
-    background: set[Any] = field(default_factory=set)
-    # The daemon's names (transferd.discovery.service.Discovery); None: made on first use,
-    # embedded (rpc_server/name_handlers.py).
-    discovery: Any = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secret:
             self.secret = auth.secret_from_text(self.token)
+
+    # The node's parts, as the handlers name them (each is the Service's).
+
+    @property
+    def buffers(self) -> BufferTable:
+        return self.service.buffers
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.service.metrics
+
+    @property
+    def engine(self) -> TransferEngine | None:
+        return self.service.engine
+
+    @property
+    def leases(self) -> LeaseTable | None:
+        return self.service.leases
+
+    @property
+    def discovery(self) -> Discovery | None:
+        """The daemon's names, if it has them yet (an embedded set is made on first use)."""
+        return self.service.discovery if self.service.has_discovery else None
+
+    @property
+    def default_owner(self) -> str:
+        return self.service.default_owner
 
     def settings_for(self, scheme: str, message: bool = False) -> ServerSettings:
         st = self._settings.get(scheme)

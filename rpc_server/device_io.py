@@ -38,7 +38,6 @@ from transferd.memory.staging import (
     Claim,
     DeviceIO,
     StagingChunk,
-    device_to_host,
     device_to_wire,
     host_to_device,
 )
@@ -272,74 +271,8 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
     return stream()
 
 
-# -- COPY and CLEAR -----------------------------------------------------------------------
-
-
-def copy(src: Pair, dst: Pair) -> Awaitable[None]:
-    """COPY_TENSOR with a device side: on the device, or through pinned staging.
-
-    Device to device is one copy on the destination's stream
-    (cudaMemcpyDefault: any GPU pair under unified addressing).  Host to
-    device and back go through the device's pinned staging, chunk by chunk,
-    the host-side copies on the device's worker: the loop never waits on a
-    copy from or into pageable memory.
-    """
-    (sb, st), (db, dt) = src, dst
-    if st.size != dt.size:
-        raise BadRequest(f"copy of {st.size} bytes into a tensor of {dt.size}")
-    sio, dio = sb.staging, db.staging
-    # Every range is checked before anything is enqueued.
-    s = sb.device_address(st.offset, st.size) if sio is not None else None
-    d = db.device_address(dt.offset, dt.size) if dio is not None else None
-    sview = sb.view(st.offset, st.size) if sio is None else None
-    dview = db.view(dt.offset, dt.size) if dio is None else None
-    if (sb is db and st.offset < dt.offset + dt.size and dt.offset < st.offset + st.size
-            and st.size):
-        # An async device copy between overlapping ranges has no defined result.
-        raise BadRequest(f"copy between overlapping ranges of device buffer {sb.id}: "
-                         "copy through a second buffer")
-    refs = [sb.ref(), db.ref()]
-
-    async def run() -> None:
-        try:
-            if s is not None and d is not None:
-                assert sio is not None and dio is not None
-                if sio is not dio:
-                    # The source's device may still have work queued on its own
-                    # stream (a new buffer's zero fill): that goes first.
-                    await sio.waiter.wait(sio.stream.record())
-                dio.stream.copy_d2d(d, s, st.size)
-                await dio.waiter.wait(dio.stream.record())
-            elif d is not None:
-                assert dio is not None and sview is not None
-                await host_to_device(dio, d, sview)
-            else:
-                assert sio is not None and s is not None and dview is not None
-                await device_to_host(sio, dview, s)
-        finally:
-            for r in refs:
-                r.release()
-
-    return run()
-
-
-def clear(buf: Buffer, value: int) -> Awaitable[None]:
-    if not 0 <= value <= 255:
-        raise BadRequest(f"clear value {value} is not a byte (0-255)")
-    io = buf.staging
-    assert io is not None
-    dev = buf.device_address(0, buf.size)
-    ref = buf.ref()
-    io.stream.fill(dev, value, buf.size)
-    done = io.waiter.wait(io.stream.record())
-
-    async def wait() -> None:
-        try:
-            await done
-        finally:
-            ref.release()
-
-    return wait()
+# COPY_TENSOR and BUFFER_CLEAR with a device side are the Service's
+# (transferd/service/tensors.py), for the inproc client as for these handlers.
 
 
 # -- client-owned GPU memory ----------------------------------------------------------------
@@ -360,6 +293,6 @@ def register_ipc(session: Session, frame: Frame, device: str, size: int) -> Any:
         raise BadRequest(f"CUDA IPC memory is registered on a cuda:N device, not {device!r}")
     handle = bytes_field(frame.body, "ipc_handle")
     offset = uint_field(frame.body, "ipc_offset") if "ipc_offset" in frame.body else 0
-    buf = session.ctx.buffers.alloc(
-        device, size, owner=session, create=lambda: source.open_ipc(handle, offset, size))
+    buf = session.ctx.service.adopt_memory(
+        session.caller, device, size, lambda: source.open_ipc(handle, offset, size))
     return Reply({"buffer": buf.id, "size": buf.size, "ipc": True})

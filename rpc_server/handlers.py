@@ -8,13 +8,10 @@ and a batch is checked whole before its first byte moves.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
-from transferd.copies import COUNTING, count
+from transferd.copies import COUNTING
 from transferd.memory import Ref, memory_class
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, OverLimit, TransferdError
@@ -29,10 +26,9 @@ from transferd.protocol.messages import (
 )
 
 from . import device_io
-from .ownership import owner_for, owner_name, patience_of, session_closed, wait_drained
+from .ownership import owner_for, owner_name, session_closed
 
-__all__ = ["HANDLERS", "SINKS", "Reply", "handler", "patience", "session_closed",
-           "wait_drained"]
+__all__ = ["HANDLERS", "SINKS", "Reply", "handler", "session_closed"]
 
 if TYPE_CHECKING:
     from transferd.memory import Buffer, BufferTable
@@ -217,36 +213,33 @@ def carries_fds(session: Session) -> bool:
 def alloc_buffer(session: Session, frame: Frame) -> Reply:
     device = str_field(frame.body, "device", "cpu")
     size = uint_field(frame.body, "size")
-    table = session.ctx.buffers
-    table.pool(device)  # an unknown device is NOT_FOUND before anything else
+    service = session.ctx.service
+    service.buffers.pool(device)  # an unknown device is NOT_FOUND before anything else
     if "ipc_handle" in frame.body:  # a client's own GPU memory (CUDA IPC)
-        if owner_for(session, frame.body, "connection") is not session:
+        if owner_for(session, frame.body, "connection") is not session.caller:
             raise BadRequest("a CUDA IPC registration is the client's own memory: its owner "
                              "is the connection that registered it (owner 'connection')")
         return device_io.register_ipc(session, frame, device, size)
     shared = memory_class(device).needs_fd_passing
-    # Who owns it (docs/engine.md): asked for, else the daemon's default; a
-    # shared buffer's is its connection (the client maps it) unless asked.
-    owner = owner_for(session, frame.body, "connection" if shared else session.ctx.default_owner)
     asked = "owner" in frame.body or "lease" in frame.body
+    if shared:
+        # Shared memory: the client maps the memfd that comes with the reply.
+        if not carries_fds(session):
+            raise BadRequest(f"a {device!r} buffer is shared memory: it needs a connection "
+                             "that passes file descriptors (unix:// or seqpacket://), not "
+                             "this one")
+        if frame.no_reply:
+            raise BadRequest(f"a {device!r} buffer's descriptor comes with the reply: "
+                             "ALLOC_BUFFER cannot be one-way")
+    # Who owns it (docs/engine.md): asked for, else the daemon's default; a shared
+    # buffer's is its connection (the client maps it) unless asked.
+    buf = service.alloc_buffer(session.caller, device, size, owner=frame.body.get("owner"),
+                               lease=frame.body.get("lease"))
+    body: dict[str, Any] = {"buffer": buf.id, "size": buf.size}
     if not shared:
-        buf = table.alloc(device, size, owner=owner)
-        buf.allocated_by = session.peer
-        body: dict[str, Any] = {"buffer": buf.id, "size": buf.size}
         if asked:  # echoed only when asked: a reply older clients know stays byte for byte
-            body["owner"] = owner_name(owner)
+            body["owner"] = owner_name(buf.owner)
         return Reply(body)
-    # Shared memory: the client maps the memfd that comes with the reply.
-    if not carries_fds(session):
-        raise BadRequest(f"a {device!r} buffer is shared memory: it needs a connection that "
-                         "passes file descriptors (unix:// or seqpacket://), not this one")
-    if frame.no_reply:
-        raise BadRequest(f"a {device!r} buffer's descriptor comes with the reply: "
-                         "ALLOC_BUFFER cannot be one-way")
-    # By default owned by this connection: freed when it goes (the client's
-    # mapping is its own).
-    buf = table.alloc(device, size, owner=owner)
-    buf.allocated_by = session.peer
     memory = buf.memory
     assert memory is not None
     fd = memory.fd()
@@ -258,77 +251,21 @@ def alloc_buffer(session: Session, frame: Frame) -> Reply:
         memory.handed_over()
         held.release()
 
-    body = {"buffer": buf.id, "size": buf.size, "fds": 1, **memory.describe()}
+    body.update(fds=1, **memory.describe())
     if asked:
-        body["owner"] = owner_name(owner)
+        body["owner"] = owner_name(buf.owner)
     return Reply(body, (), [Ref(sent)], [fd])
-
-
-def patience(session: Session) -> float:
-    """How long DEREG_MR / FREE_BUFFER wait for a write in flight before cutting it short."""
-    return patience_of(session.ctx)
 
 
 @handler(Command.FREE_BUFFER)
 def free_buffer(session: Session, frame: Frame) -> Awaitable[None] | None:
-    buf = session.ctx.buffers.free_buffer(uint_field(frame.body, "buffer"))
-    engine = session.ctx.engine
-    if engine is None:
-        return None
-    regions = engine.regions.regions_of(buf)
-    engine.buffer_freed(buf)
-    return wait_drained(regions, patience(session))
-
-
-# The most bytes one frame clears or copies before the loop serves others: a
-# few milliseconds of memset/memmove.  Larger clears and copies go on in
-# slices between which other connections' frames run; this connection's next
-# frames wait until the whole operation is done (frames run in order).
-SLICE = 8 << 20
-
-
-async def _sliced(refs: Sequence[Ref], steps: Sequence[Callable[[], None]]) -> None:
-    try:
-        for step in steps:
-            step()
-            await asyncio.sleep(0)  # let the loop serve other connections
-    finally:
-        for r in refs:
-            r.release()
+    return session.ctx.service.free_buffer(session.caller, uint_field(frame.body, "buffer"))
 
 
 @handler(Command.BUFFER_CLEAR)
 def buffer_clear(session: Session, frame: Frame) -> Awaitable[None] | None:
-    buf = session.ctx.buffers.get(uint_field(frame.body, "buffer"))
-    value = uint_field(frame.body, "value", 255)
-    if buf.staging is not None:
-        return device_io.clear(buf, value)
-    if buf.size <= SLICE:
-        buf.clear(value)
-        return None
-    if not 0 <= value <= 255:
-        raise BadRequest(f"clear value {value} is not a byte (0-255)")
-    whole = buf.array(0, buf.size)  # checked (a freed buffer is NOT_FOUND) before any slice
-    steps = [lambda o=o: whole[o : o + SLICE].fill(value) for o in range(0, buf.size, SLICE)]
-    # The ref keeps the memory mapped if the buffer is freed between slices.
-    return _sliced([buf.ref()], steps)
-
-
-def _copy_steps(s: Any, d: Any, size: int, backward: bool) -> list[Callable[[], None]]:
-    """Slices of one copy, in the order that reads no byte an earlier slice wrote."""
-    offs = list(range(0, size, SLICE))
-    if backward:
-        offs.reverse()
-
-    def step(o: int) -> Callable[[], None]:
-        def run() -> None:
-            if COUNTING:
-                count("copy_tensor", min(SLICE, size - o))
-            np.copyto(d[o : o + SLICE], s[o : o + SLICE])
-
-        return run
-
-    return [step(o) for o in offs]
+    return session.ctx.service.buffer_clear(session.caller, uint_field(frame.body, "buffer"),
+                                            uint_field(frame.body, "value", 255))
 
 
 @handler(Command.SET_TENSOR)
@@ -374,32 +311,14 @@ def get_tensors(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
 
 @handler(Command.COPY_TENSOR)
 def copy_tensor(session: Session, frame: Frame) -> Awaitable[None] | None:
-    src = tensor_field(frame.body, "src")
-    dst = tensor_field(frame.body, "dst")
-    table = session.ctx.buffers
-    sb, db = table.get(src.buffer), table.get(dst.buffer)
-    if sb.staging is not None or db.staging is not None:
-        return device_io.copy((sb, src), (db, dst))
-    if src.size > SLICE and src.size == dst.size:
-        s, d = sb.array(src.offset, src.size), db.array(dst.offset, dst.size)
-        # Overlapping ranges of one buffer: a slice must not overwrite
-        # source bytes a later slice reads, so copy towards the overlap.
-        backward = sb is db and dst.offset > src.offset
-        return _sliced([sb.ref(), db.ref()], _copy_steps(s, d, src.size, backward))
-    table.copy(src, dst)
-    return None
+    return session.ctx.service.copy_tensor(session.caller, tensor_field(frame.body, "src"),
+                                           tensor_field(frame.body, "dst"))
 
 
 @handler(Command.SYNCHRONIZE)
-def synchronize(session: Session, frame: Frame) -> Reply | Awaitable[None] | None:
-    if not session.pending:
-        return None
-
-    async def wait() -> None:
-        # Failures of those operations were already reported as events.
-        await asyncio.gather(*list(session.pending), return_exceptions=True)
-
-    return wait()
+def synchronize(session: Session, frame: Frame) -> Awaitable[None] | None:
+    # Failures of those operations were already reported as events.
+    return session.ctx.service.synchronize(session.caller)
 
 
 @handler(Command.STATS)
@@ -411,12 +330,9 @@ def stats(session: Session, frame: Frame) -> Reply:
         body["copies"] = snapshot()
     if frame.body.get("summary") is True:  # uptime, connections, errors (docs/protocol.md)
         body.update(session.ctx.metrics.summary())
+    service = session.ctx.service
     if frame.body.get("discovery") is True:  # where the names live, whether it is up
-        from .name_handlers import discovery_of
-
-        body["discovery"] = discovery_of(session.ctx).status()
+        body["discovery"] = service.names.status()
     if frame.body.get("buffers") is True:  # the listing extension (docs/protocol.md)
-        from transferd.inventory import buffer_listing
-
-        body.update(buffer_listing(session.ctx.buffers, session.ctx.engine, viewer=session))
+        body.update(service.buffer_listing(session.caller))
     return Reply(body)

@@ -17,27 +17,18 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from transferd.memory.leases import LeaseTable
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import BadRequest, UnknownCommand
+from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import str_field, uint_field
 
 from .handlers import Reply, handler
-from .ownership import release_owned
 
 if TYPE_CHECKING:
     from .session import Session
 
 # A ttl in ms fits in a u32 (49 days): more than any max_lease_ttl_s makes sense for.
 MAX_TTL_MS = 0xFFFFFFFF
-
-
-def _leases(session: Session) -> LeaseTable:
-    leases = session.ctx.leases
-    if leases is None:  # pragma: no cover - every RPC front end makes its table
-        raise UnknownCommand("this daemon serves no leases")
-    return leases
 
 
 def _join(body: dict[str, object]) -> bool:
@@ -49,20 +40,17 @@ def _join(body: dict[str, object]) -> bool:
 
 @handler(Command.LEASE)
 def lease(session: Session, frame: Frame) -> Reply:
-    leases = _leases(session)
     name = str_field(frame.body, "lease")
     ttl_ms = uint_field(frame.body, "ttl_ms", MAX_TTL_MS)
-    got, created = leases.renew(name, ttl_ms / 1000.0, session, join=_join(frame.body),
-                                source=session.source)
-    return Reply({"lease": got.name, "ttl_ms": ttl_ms, "created": created,
-                  "buffers": len(session.ctx.buffers.owned_by(got))})
+    got, created, buffers = session.ctx.service.renew_lease(
+        session.caller, name, ttl_ms / 1000.0, join=_join(frame.body))
+    return Reply({"lease": got.name, "ttl_ms": ttl_ms, "created": created, "buffers": buffers})
 
 
 @handler(Command.END_LEASE)
 def end_lease(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
-    ended = _leases(session).end(str_field(frame.body, "lease"), session,
-                                 join=_join(frame.body))
-    n, drained = release_owned(session.ctx, ended)
+    n, drained = session.ctx.service.end_lease(session.caller, str_field(frame.body, "lease"),
+                                               join=_join(frame.body))
     reply = Reply({"buffers": n})
     if drained is None:
         return reply

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -10,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from transferd import transports
 from transferd.config import ServerConfig
-from transferd.memory.leases import LeaseTable
 from transferd.preauth import Admission
 
 from . import (
@@ -18,9 +16,8 @@ from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
-    ownership,
     read_handlers,  # noqa: F401 - registers SINGLE_READ, PAGED_READS, GATHER
-    watcher_handlers,  # registers ALLOC_UVM_WATCHER
+    watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
 from .context import ServerContext
 from .handlers import HANDLERS
@@ -59,9 +56,10 @@ class RpcFrontend:
         self._daemon = daemon
         # Read by the daemon (transferd.secret_files), once, and swapped by its reload.
         keys = daemon.secrets.client
+        service = daemon.service
+        assert service is not None, "the daemon makes its Service before the front ends"
         self.ctx = ServerContext(
-            buffers=daemon.buffers,
-            metrics=daemon.metrics,
+            service=service,
             minor=s.protocol_minor,
             secret=keys.current,
             previous_secret=keys.previous,
@@ -74,20 +72,10 @@ class RpcFrontend:
             max_tensors=s.max_tensors,
             max_reply=s.max_reply,
             max_message=s.max_message,
-            engine=getattr(daemon, "engine", None),
-            default_owner=cfg.memory.default_owner,
-            discovery=getattr(daemon, "discovery", None),
+            name=service.name,
             served=frozenset(HANDLERS),
         )
         ctx = self.ctx
-        m = cfg.memory
-        ctx.leases = LeaseTable(
-            asyncio.get_running_loop(), functools.partial(ownership.lease_expired, ctx),
-            max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
-            max_per_source=m.max_leases_per_source,
-            max_ttl_s=m.max_lease_ttl_s)
-        daemon.metrics.leases.set_function(ctx.leases.__len__)
-        watcher_handlers.configure(ctx, cfg.engine)
         if ctx.secret:
             log.info("clients must authenticate: hmac-sha256 on every listener, token on %s",
                      ", ".join(ctx.token_transports) or "none")
@@ -135,8 +123,6 @@ class RpcFrontend:
         return await drain.close_all(self.ctx, timeout) if self.ctx is not None else 0
 
     async def close(self) -> None:
-        if self.ctx is not None and self.ctx.leases is not None:
-            self.ctx.leases.close()  # no lease timer outlives the front end
         listeners, self._listeners = self._listeners, []
         for lst in listeners:
             with contextlib.suppress(Exception):

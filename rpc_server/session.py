@@ -51,6 +51,7 @@ from transferd.protocol.errors import (
 )
 from transferd.protocol.frames import Frame, Sink
 from transferd.protocol.frames import Phase as DecoderPhase
+from transferd.service import Caller
 from transferd.transports import TransportKind
 from transferd.transports.builtin import Tcp
 from transferd.transports.carriers import Carrier
@@ -121,15 +122,11 @@ class Session(asyncio.BufferedProtocol):
         self._reading = True
         # Set while this connection yields its turn to others (a bounded pump).
         self._again: asyncio.Handle | None = None
-        # Engine operations this connection submitted and that have not
-        # finished; SYNCHRONIZE waits for them.
-        self.pending: set[asyncio.Future[Any]] = set()
+        # This connection as the node's Service knows it: the owner of what it makes,
+        # its pending operations by seq, the submits it has in flight.
+        self.caller = Caller()
         # SET frames whose payload went to device staging, until their handler runs.
         self.landings = Landings()
-        # Resolved when one of this connection's submits ends (it waits at its share).
-        self.room: asyncio.Future[None] | None = None
-        # Per-connection engine state (receive pools, watchers) hangs here.
-        self.engine_state: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
         # Called once the write buffer has drained (WATCH streams send what waited).
         self.drained_hooks: set[Callable[[], None]] = set()
@@ -137,6 +134,12 @@ class Session(asyncio.BufferedProtocol):
     @property
     def state(self) -> ConnState:
         return self.conn.state
+
+    @property
+    def pending(self) -> set[asyncio.Future[Any]]:
+        """Engine operations this connection submitted that have not finished
+        (SYNCHRONIZE and the drain wait for them)."""
+        return self.caller.pending
 
     @property
     def receiving(self) -> bool:
@@ -161,6 +164,7 @@ class Session(asyncio.BufferedProtocol):
         # Reads pause whenever a reply waits (GET payloads are sent from where they lie).
         self.carrier.pause_on_any_byte()
         self.source, self.peer = self.kind.identity(transport)
+        self.caller.source, self.caller.peer = self.source, self.peer
         self.ctx.metrics.connections.inc()
         self.ctx.metrics.connections_accepted.inc()
         admitted = self.ctx.admission.admit(self.source, self._loop.time(), self)
@@ -190,9 +194,7 @@ class Session(asyncio.BufferedProtocol):
         self.ctx.sessions.discard(self)
         if self.carrier is not None:
             self.carrier.close()
-        session_closed(self)  # buffers this connection owned (shared memory)
-        if self.ctx.engine is not None:
-            self.ctx.engine.session_closed(self)
+        session_closed(self)  # what this connection owned and waited on
         log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -222,9 +224,8 @@ class Session(asyncio.BufferedProtocol):
             return  # TLS: chunks still wait (a write here may pause writing again)
         self.last_active = self._loop.time()
         self.conn.output_drained()
-        if self.ctx.engine is not None:
-            # Peer messages handed to this connection are out: their senders' ACKs.
-            self.ctx.engine.session_drained(self)
+        # Peer messages handed to this connection are out: their senders' ACKs.
+        self.ctx.service.drained(self.caller)
         if self.drained_hooks:
             for hook in list(self.drained_hooks):
                 hook()

@@ -19,13 +19,10 @@ Watchers end with their connection, and one on a buffer's word also with that bu
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import weakref
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from transferd.engine.watchers import WORD, Watcher, Watchers, WordPage, buffer_words
+from transferd.engine.watchers import Watcher
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
@@ -34,48 +31,7 @@ from transferd.protocol.messages import uint_field
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
-    from transferd.config import EngineConfig
-
-    from .context import ServerContext
     from .session import Session
-
-# One watcher set per daemon (hung on its context), one word page per connection.
-_ATTR = "_uvm_watchers"
-_PAGES: weakref.WeakKeyDictionary[Session, WordPage] = weakref.WeakKeyDictionary()
-
-
-def _alive(owner: object) -> bool:
-    from .session import State
-
-    return getattr(owner, "state", None) is not State.CLOSED
-
-
-def configure(ctx: ServerContext, engine: EngineConfig) -> None:
-    """The daemon's watcher set, with its configured caps and idle pace."""
-    w = Watchers(alive=_alive, idle_poll_s=engine.watcher_idle_poll_ms / 1000.0,
-                 max_watchers=engine.max_watchers,
-                 max_per_owner=engine.max_watchers_per_connection)
-    setattr(ctx, _ATTR, w)
-    ctx.metrics.registry.register(w)
-
-
-def watchers_of(ctx: ServerContext) -> Watchers:
-    w: Watchers | None = getattr(ctx, _ATTR, None)
-    if w is None:
-        w = Watchers(alive=_alive)
-        setattr(ctx, _ATTR, w)
-    return w
-
-
-def session_closed(session: Session) -> None:
-    """The connection is gone: its watchers and its page go now."""
-    w: Watchers | None = getattr(session.ctx, _ATTR, None)
-    if w is not None:
-        w.owner_closed(session)
-    page = _PAGES.pop(session, None)
-    if page is not None:
-        page.close()
-
 
 # Per connection: watchers whose last EVENT still waits in its write buffer.
 _UNSENT: weakref.WeakKeyDictionary[Session, list[Watcher]] = weakref.WeakKeyDictionary()
@@ -100,37 +56,13 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
     if session.ctx.minor < 2:  # pragma: no cover - the session refuses minor-2 commands first
         raise BadRequest("ALLOC_UVM_WATCHER needs protocol minor 2")
     body = frame.body
-    loop = asyncio.get_running_loop()
     seq = frame.seq
-    watchers = watchers_of(session.ctx)
-    reply: dict[str, object] = {}
-    keep: Any
-    watchers.check_room(session)  # before a word of the page is taken
+    buffer_id = offset = None
     if body.get("buffer") is not None:
-        buf = session.ctx.buffers.get(uint_field(body, "buffer"))
+        buffer_id = uint_field(body, "buffer")
         offset = uint_field(body, "offset") if "offset" in body else 0
-        try:
-            view = buf.view(0, buf.size)
-        except (AttributeError, TypeError):
-            raise BadRequest(f"buffer {buf.id} has no host view to watch") from None
-        (words, index), keep = buffer_words(view, offset), view
-        key: Hashable = ("buffer", buf.id)
-        # Ends once the buffer is freed: its view would hold the memory and the charge.
-        gone: Any = lambda: buf.freed
-    else:
-        page = _PAGES.get(session)
-        if page is None or page.closed:
-            try:
-                page = _PAGES[session] = WordPage()
-            except OSError as exc:
-                raise BadRequest(f"cannot make a shared word page: {exc}") from None
-        offset = page.take()
-        words, index, keep, key, gone = page.words, offset // WORD, page, page, None
-        reply.update(path=str(page.path), offset=offset, page_size=len(page.words) * 8)
-    box: list[Watcher] = []
 
-    def deliver(old: int, new: int) -> None:
-        w = box[0]
+    def changed(w: Watcher, old: int, new: int) -> None:
         session.send_frame(Command.ALLOC_UVM_WATCHER, Flag.EVENT, seq,
                            {"watcher": w.id, "old": old, "new": new})
         if session.write_blocked:
@@ -140,11 +72,6 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         else:
             w.delivered()
 
-    def changed(old: int, new: int) -> None:  # on the watcher thread
-        with contextlib.suppress(RuntimeError):  # the daemon's loop is gone
-            loop.call_soon_threadsafe(deliver, old, new)
-
-    w = watchers.add(session, key, words, index, changed, keep, handoff=True, gone=gone)
-    box.append(w)
-    reply.update(watcher=w.id, value=w.last)
-    return Reply(reply)
+    w, where = session.ctx.service.alloc_uvm_watcher(session.caller, changed, buffer_id,
+                                                     offset or 0)
+    return Reply({**where, "watcher": w.id, "value": w.last})

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import logging
 import signal
@@ -32,15 +31,13 @@ from transferd.lifecycle import (
     watchdog_interval,
 )
 from transferd.logs import fatal, hostport
-from transferd.memory import BufferTable
-from transferd.metrics import Metrics
+from transferd.node import Node
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.keyring import Keyring
 
 if TYPE_CHECKING:
     from transferd.discovery.service import Discovery
     from transferd.engine import TransferEngine
-    from transferd.memory.cuda import CudaDevices
+    from transferd.service import Service
 
 log = logging.getLogger("transferd")
 
@@ -82,34 +79,39 @@ def _starting(what: str) -> Iterator[None]:
 class Daemon:
     def __init__(self, config: Config, loader: Callable[[], Config] | None = None) -> None:
         self.config = config
-        # Every secret, read once here (ConfigError: a file refused) and again, and
-        # compared, on each SIGHUP.
-        self.secrets = secret_files.load(config)
         # Re-reads the configuration (same file, variables and flags) on SIGHUP.
         self.loader = loader
         self.frontends: list[Frontend] = []
         self.watchdog: Watchdog | None = None
-        self.metrics = Metrics()
-        # The GPUs served (their groups: workers, streams, staging), stopped at exit.
-        self.gpus = _gpu_devices(config)
-        self.buffers = BufferTable(config.devices() + (self.gpus.specs if self.gpus else []),
-                                   max_buffers=config.memory.max_buffers)
-        for name, pool in self.buffers.devices.items():
-            # Set once: alerts and dashboards compare the allocated bytes with it.
-            self.metrics.buffer_limit.labels(name).set(pool.limit)
-            # Read when scraped: memory is returned from any thread, late.
-            self.metrics.buffer_bytes.labels(name).set_function(
-                functools.partial(self.buffers.used_on, name))
-            self.metrics.buffer_lingering.labels(name).set_function(
-                functools.partial(self.buffers.lingering_on, name))
+        # The node: buffers, GPUs, metrics, engine, names and the Service its front ends
+        # call (transferd/node.py; an inproc client builds the same).  Every secret is
+        # read here (ConfigError: a file refused) and again, and compared, on SIGHUP.
+        try:
+            self.node = Node(config)
+        except TransferdError as exc:  # gpu.devices: no such GPU here
+            raise StartError(exc.message, Exit.CONFIG) from None
+        self.secrets = self.node.secrets
+        self.metrics = self.node.metrics
+        self.gpus = self.node.gpus
+        self.buffers = self.node.buffers
         self.metrics_url: str | None = None
-        self.engine: TransferEngine | None = None
-        # The cluster's names and nodes ([discovery]); made before the front ends start.
-        self.discovery: Discovery | None = None
         self._stop: asyncio.Event | None = None
         # A second SIGTERM/SIGINT during the drain ends it early.
         self._hurry: asyncio.Event | None = None
-        self._engine_closed = False
+
+    @property
+    def engine(self) -> TransferEngine | None:
+        return self.node.engine
+
+    @property
+    def discovery(self) -> Discovery | None:
+        """The cluster's names and nodes ([discovery]); made before the front ends start."""
+        return self.node.discovery
+
+    @property
+    def service(self) -> Service | None:
+        """What the front ends call (transferd/service/); made before they start."""
+        return self.node.service
 
     async def run(self, frontends: Sequence[Frontend]) -> None:
         self._stop = asyncio.Event()
@@ -122,26 +124,19 @@ class Daemon:
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         started = self.frontends
         try:
-            # A minor-1 server cannot be asked engine commands: no engine then.
-            if self.config.engine.enabled and self.config.server.protocol_minor >= 2:
-                from transferd.engine import TransferEngine
-
-                self.engine = TransferEngine(
-                    self.config.engine, self.buffers, self.metrics, self.config.server.host,
-                    secret=self.secrets.cluster or Keyring())
+            addr = None
+            if self.node.wants_engine:
                 e = self.config.engine
                 rails = ", ".join(e.host_rails) or self.config.server.host
                 with _starting(f"engine.host_rails / engine.peer_port: cannot listen on "
                                f"{rails} port {e.peer_port}"):
                     try:
-                        addr = await self.engine.start()
+                        addr = await self.node.start_engine()
                     except TransferdError as exc:  # e.g. engine.domain verbs, no device
                         raise StartError(f"engine.domain = {e.domain!r}: {exc.message}",
                                          Exit.CONFIG) from exc
-                self.metrics.watch_engine(self.engine)
-            from transferd.discovery.service import Discovery
-
-            self.discovery = Discovery(self.config.discovery, self.metrics)
+            self.node.make_discovery()
+            self.node.start_service()
             urls: list[str] = []
             s = self.config.server
             for fe in frontends:
@@ -163,7 +158,7 @@ class Daemon:
                 print(f"transferd: listening on {url}", flush=True)
             if self.metrics_url:
                 print(f"transferd: metrics on {self.metrics_url}", flush=True)
-            if self.engine is not None:
+            if addr is not None:
                 rails = " ".join(r.decode(errors="backslashreplace") for r in addr.rails)
                 print(f"transferd: engine {addr.node:016x} rails {rails} "
                       f"address {addr.to_bytes().hex()}", flush=True)
@@ -188,12 +183,7 @@ class Daemon:
             for fe in reversed(started):
                 with contextlib.suppress(Exception):
                     await fe.close()
-            if self.engine is not None and not self._engine_closed:
-                await self.engine.close()
-            self.metrics.close()
-            self.buffers.close()
-            if self.gpus is not None:
-                self.gpus.stop()
+            await self.node.close()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -236,9 +226,7 @@ class Daemon:
         # What still runs fails first, with TIMEOUT (the peer may have placed it: outcome
         # unknown), not with the engine's "shutting down", which would read as not done.
         failed = sum(fe.fail_in_flight(drain_s) for fe in drainers)
-        if self.engine is not None:
-            self._engine_closed = True
-            await self.engine.close()
+        await self.node.close_engine()
         aborted = 0
         for fe in drainers:
             with contextlib.suppress(Exception):
@@ -407,19 +395,3 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
         fatal(f"transferd: failed: {exc}")
         sys.exit(Exit.FAILURE)
 
-
-def _gpu_devices(config: Config) -> CudaDevices | None:
-    """Start a group per GPU of gpu.devices (None without any)."""
-    if not config.gpu.devices:
-        return None
-    # CuPy is imported only here, for a daemon told to serve a GPU.
-    from transferd.memory import cuda
-    from transferd.protocol.errors import TransferdError
-
-    g = config.gpu
-    try:
-        return cuda.CudaDevices.start(
-            g.devices, memory_limit_mib=g.memory_limit_mib, staging_mib=g.staging_mib,
-            staging_chunk_kib=g.staging_chunk_kib, pin=config.engine.pin_workers)
-    except TransferdError as exc:
-        raise StartError(f"gpu.devices: {exc.message}", Exit.CONFIG) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.peer_landing import Placement
@@ -34,6 +34,12 @@ class RegionInfo(Protocol):
 
     @property
     def size(self) -> int: ...
+
+    @property
+    def staging(self) -> Any:
+        """Its staging path (a ``transferd.memory.staging.DeviceIO``) when the memory has
+        no host view (device memory), else None."""
+        ...
 
     @property
     def rkeys(self) -> tuple[int, ...]:

@@ -272,13 +272,40 @@ class Node:
             await asyncio.wait_for(self.client.close(), 5)
 
 
+# TRANSFERD_TEST_INPROC=1: :func:`nodes` puts an engine in the test's own process
+# (``Client.connect("inproc://")``, client/inproc.py) in the place of its first daemon's
+# client: the same engine settings (domain, workers, secret), rails of its own.  The engine
+# suites run so (tests/integration/test_inproc.py runs them) to show the inproc client
+# is a peer like any daemon; tests about the first daemon itself (its metrics, its
+# process) do not take part (``inproc_ok``).
+INPROC = os.environ.get("TRANSFERD_TEST_INPROC", "") == "1"
+INPROC_RAILS = ("127.0.0.40", "127.0.0.41")
+
+
+def inproc_settings(d: DaemonProcess) -> dict[str, Any]:
+    """``d``'s engine settings (its TRANSFERD_ENGINE_* variables) for an inproc engine."""
+    out: dict[str, Any] = {}
+    for k, v in d.env.items():
+        if k.startswith("TRANSFERD_ENGINE_"):
+            out["engine." + k.removeprefix("TRANSFERD_ENGINE_").lower()] = v
+    out["engine.host_rails"] = ",".join(INPROC_RAILS[: len(out.get("engine.host_rails",
+                                                                   "x").split(","))])
+    return out
+
+
+async def connect_node(d: DaemonProcess, first: bool = False) -> Client:
+    if INPROC and first:
+        return await Client.connect("inproc://", overrides=inproc_settings(d), timeout=WAIT)
+    return await Client.connect(client_url(d), timeout=WAIT)
+
+
 @contextlib.asynccontextmanager
 async def nodes(*daemons: DaemonProcess) -> AsyncIterator[list[Node]]:
     """One connected Node per daemon, closed (buffers freed) on the way out."""
     opened: list[Node] = []
     try:
-        for d in daemons:
-            opened.append(Node(d, await Client.connect(client_url(d), timeout=WAIT)))
+        for i, d in enumerate(daemons):
+            opened.append(Node(d, await connect_node(d, first=i == 0)))
         yield opened
     finally:
         for n in opened:

@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from client import MrDesc, Pages
+from client import Client, MrDesc, Pages
 from tests.helpers import async_test, pattern
 from tests.integration.engine_cluster import (
     WAIT,
@@ -17,6 +17,7 @@ from tests.integration.engine_cluster import (
     MiB,
     Node,
     Region,
+    client_url,
     nodes,
 )
 from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
@@ -163,9 +164,10 @@ async def test_freed_and_connection_owned_regions_are_revoked_for_readers(
         with pytest.raises(NotFound):
             await r.wait(WAIT)
         # A connection's buffer goes with the connection, and its read rights with it.
-        async with nodes(tcp_cluster.b) as (b2,):
-            buf = await b2.client.alloc_buffer(4096, owner="connection")
-            _, desc = await b2.client.reg_mr(buf, access="r")
+        # (A client of B's daemon itself, never an in-process engine in its place.)
+        async with await Client.connect(client_url(tcp_cluster.b), timeout=WAIT) as b2:
+            buf = await b2.alloc_buffer(4096, owner="connection")
+            _, desc = await b2.reg_mr(buf, access="r")
             await (await a.client.submit_single_read(4096, (dst.mr, 0), (desc, 0))).wait(WAIT)
         r = await a.client.submit_single_read(4096, (dst.mr, 0), (desc, 0))
         with pytest.raises(NotFound):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers import async_test
 from tests.integration import engine_cluster
 from tests.integration.engine_cluster import Cluster, start_cluster
 from tests.integration.test_engine_peers import (  # noqa: F401 - collected here
@@ -21,6 +22,7 @@ from tests.integration.test_engine_peers import (  # noqa: F401 - collected here
     test_scatter_to_two_peers,
     test_send_and_recv,
 )
+from tests.integration.test_engine_registration import _registered_twice
 from tests.integration.test_engine_writes import (  # noqa: F401 - collected here
     test_expectations_before_and_after_landing,
     test_imm_count_under_reordering,
@@ -52,3 +54,9 @@ def verbs_trio() -> Iterator[Cluster]:
 @pytest.fixture
 def cluster(verbs_trio: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     yield from engine_cluster._watch(verbs_trio, request)
+
+
+@async_test(timeout=60)
+async def test_a_buffer_registered_twice_over_verbs(cluster: Cluster) -> None:
+    """Two ibv_reg_mr of one buffer, each rkey revoked on its own (#24.8)."""
+    await _registered_twice(cluster)

@@ -314,6 +314,21 @@ def test_a_part_re_sent_on_another_rail_counts_once(
     assert lg.duplicates == 2 and r.admitted == 0
 
 
+def test_a_rail_that_fails_thousands_of_times_in_a_row_stays_down_at_the_cap() -> None:
+    """Parts failing as fast as they are submitted (an inproc engine, a stopped peer) fail
+    one rail thousands of times in a row: its back-off stays at DOWN_MAX_S (2 ** 1100 s
+    overflowed a float, an OverflowError in the link's timer, the rail never marked)."""
+    from transferd.domains.failover import DOWN_MAX_S, RailHealth
+
+    h = RailHealth(2)
+    peer = (7, 0)
+    for _ in range(1100):
+        h.failed(peer, 1, 100.0)
+    assert h.is_down(peer, 1, 100.0 + DOWN_MAX_S - 0.01)
+    assert not h.is_down(peer, 1, 100.0 + DOWN_MAX_S + 0.01)
+    assert h.pick(peer, 1, 100.0) == 0
+
+
 def test_the_peer_book_is_bounded_and_forgets_what_is_not_renewed() -> None:
     """Least recently bound forgotten first; a binding not renewed for ttl_s goes; this
     daemon's own binding never does, and a forgotten peer binds again."""

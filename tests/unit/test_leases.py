@@ -100,9 +100,9 @@ def test_waiting_for_admitted_writes_is_bounded_even_when_one_cannot_be_cut_shor
     """DEREG_MR / FREE_BUFFER / an owner's release wait for admitted writes, abort them
     after ``patience``, and fail with TIMEOUT ``patience`` later if one still holds on
     (a Domain that gave no abort): nothing waits forever, and nothing is admitted meanwhile."""
-    from rpc_server.ownership import wait_drained
     from transferd.engine.regions import RegionTable
     from transferd.protocol.errors import Timeout
+    from transferd.service.owners import wait_drained
 
     table = BufferTable(1 << 24)
     regions = RegionTable()

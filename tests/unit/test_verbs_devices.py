@@ -167,3 +167,16 @@ def test_verbs_is_a_registry_entry_and_a_domain() -> None:
             registry.create("verbs", g, 0, "127.0.0.1", 0, opts)  # type: ignore[arg-type]
     finally:
         loop.close()
+
+
+def test_devices_say_how_a_verbs_rail_reaches_gpu_memory() -> None:
+    from transferd.rdma.devices import discover, gpu_memory_path, peer_memory_loaded
+
+    report = discover()
+    path = gpu_memory_path()
+    assert report.gpu_memory == path and f"GPU memory: {path}" in report.text()
+    assert report.to_dict()["gpu_memory"] == path
+    if peer_memory_loaded() is None:  # this project's machines
+        assert path.startswith("no GPUDirect RDMA") and "staging" in path
+    else:
+        assert path.startswith("GPUDirect RDMA") and "registered with every NIC" in path

@@ -39,6 +39,7 @@ def test_constants_match_pyverbs() -> None:
     assert WrOpcode.RDMA_WRITE == e.IBV_WR_RDMA_WRITE
     assert WrOpcode.RDMA_WRITE_WITH_IMM == e.IBV_WR_RDMA_WRITE_WITH_IMM
     assert WrOpcode.SEND == e.IBV_WR_SEND
+    assert WrOpcode.SEND_WITH_IMM == e.IBV_WR_SEND_WITH_IMM
     assert WcOpcode.SEND == e.IBV_WC_SEND and WcOpcode.RDMA_WRITE == e.IBV_WC_RDMA_WRITE
     assert WcOpcode.RECV == e.IBV_WC_RECV
     assert WcOpcode.RECV_RDMA_WITH_IMM == e.IBV_WC_RECV_RDMA_WITH_IMM
@@ -65,6 +66,16 @@ def test_plain_write_has_no_immediate() -> None:
     w = vwr.build_send_wr(WrSpec(WrOpcode.RDMA_WRITE, [(0x1000, 8, 1)], 0x2000, 5), 1)
     try:
         assert w.opcode == e.IBV_WR_RDMA_WRITE and w.imm_data == 0
+    finally:
+        w.close()
+
+
+def test_rdma_channel_messages_carry_their_credits_as_the_immediate() -> None:
+    # A credit return: zero bytes, one valid SGE (pyverbs refuses a SendWR without one).
+    w = vwr.build_send_wr(WrSpec(WrOpcode.SEND_WITH_IMM, [(0x1000, 0, 7)], imm=17), 3)
+    try:
+        assert w.opcode == e.IBV_WR_SEND_WITH_IMM and w.num_sge == 1
+        assert w.imm_data == socket.htonl(17) and w.send_flags == e.IBV_SEND_SIGNALED
     finally:
         w.close()
 

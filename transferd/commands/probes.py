@@ -229,7 +229,8 @@ def rdma(config: Config | None) -> Section:
 
     report = discover()
     sec = Section("rdma", items=[d for d in report.to_dict()["devices"]],
-                  note=report.reason or "; ".join(report.problems))
+                  note="; ".join([report.reason or "; ".join(report.problems),
+                                  f"GPU memory: {report.gpu_memory}"]).lstrip("; "))
     if config is not None and config.engine.enabled and "verbs" in config.engine.domain \
             and not report.usable:
         sec.needed.append(f"engine.domain = {config.engine.domain!r} needs an RDMA port: "

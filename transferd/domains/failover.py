@@ -43,6 +43,8 @@ log = logging.getLogger("transferd.domain")
 
 DOWN_MIN_S = 0.25
 DOWN_MAX_S = 10.0
+# How many doublings take DOWN_MIN_S past DOWN_MAX_S (and no more are computed).
+DOUBLINGS = 8
 # (peer, rail) pairs remembered as down; the oldest forgotten first.
 MAX_DOWN = 4096
 
@@ -74,7 +76,10 @@ class RailHealth:
     def failed(self, peer: tuple[int, int], rail: int, now: float) -> None:
         key = (peer, rail)
         n = self._down.pop(key, (0, 0.0))[0] + 1
-        self._down[key] = (n, now + min(DOWN_MIN_S * 2 ** (n - 1), DOWN_MAX_S))
+        # The doubling stops at the cap: 2 ** n for a rail that failed a thousand times
+        # in a row (parts failing as fast as they are submitted) is no float.
+        backoff = DOWN_MIN_S * 2 ** min(n - 1, DOUBLINGS)
+        self._down[key] = (n, now + min(backoff, DOWN_MAX_S))
         if n == 1:
             log.warning("rail %d to node %016x: down; its parts go on the other rails",
                         rail, peer[0])

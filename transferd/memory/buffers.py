@@ -55,6 +55,8 @@ class Buffer:
     # whoever moves bytes asks this, once per buffer, which way they go.
     staging: DeviceIO | None = field(repr=False, default=None)
     _refs: int = field(repr=False, default=0)
+    # What it costs its device's limit until its memory is returned (BufferTable.alloc).
+    charge: int = field(repr=False, default=0)
     _freed: bool = field(repr=False, default=False)
     _lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
@@ -299,15 +301,19 @@ class BufferTable:
     # -- alloc and free ---------------------------------------------------------------
 
     def alloc(self, device: str, size: int, owner: Hashable | None = None,
-              create: Callable[[], Memory] | None = None) -> Buffer:
+              create: Callable[[], Memory] | None = None, *,
+              charge: int | None = None) -> Buffer:
         """A new buffer; ``create`` makes its Memory instead of the device's kind
-        (memory a client registers, such as a CUDA IPC handle it exported)."""
+        (memory a client registers, such as a CUDA IPC handle it exported).
+        ``charge``: what it costs the device's limit, when not what the memory of a
+        buffer of ``size`` costs (memory the caller owns: only its bookkeeping)."""
         pool = self.pool(device)
-        if size > pool.max_size:
-            raise OutOfMemory(
-                f"{size} bytes is over the largest buffer of {pool.max_size} on {device}"
-            )
-        charge = charge_of(size)
+        if charge is None:
+            if size > pool.max_size:
+                raise OutOfMemory(
+                    f"{size} bytes is over the largest buffer of {pool.max_size} on {device}"
+                )
+            charge = charge_of(size)
         self._settle()
         with self._lock:
             if self._held >= self.max_buffers:
@@ -336,6 +342,7 @@ class BufferTable:
                 self._held -= 1
             raise
         buf = Buffer(buffer_id, device, size, memory, owner)
+        buf.charge = charge
         memory.on_gone(lambda: self._returned.append((pool, charge)))
         with self._lock:
             self._buffers[buffer_id] = buf
@@ -381,7 +388,7 @@ class BufferTable:
                     mine.pop(buffer_id, None)
                     if not mine:
                         del self._owned[buf.owner]
-            self.devices[buf.device].lingering += charge_of(buf.size)
+            self.devices[buf.device].lingering += buf.charge
         buf.free()
         return buf
 
@@ -414,7 +421,7 @@ class BufferTable:
             self._owned.clear()
         for buf in buffers:
             with self._lock:
-                self.devices[buf.device].lingering += charge_of(buf.size)
+                self.devices[buf.device].lingering += buf.charge
             buf.free()
 
     def __len__(self) -> int:

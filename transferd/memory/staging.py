@@ -104,6 +104,11 @@ class StagingPool:
         self.max_in_use = 0
 
     @property
+    def chunks(self) -> list[StagingChunk]:
+        """Every chunk, taken or not (what a NIC registers once: docs/rdma.md)."""
+        return list(self._chunks)
+
+    @property
     def in_use(self) -> int:
         return self.capacity - len(self._free)
 

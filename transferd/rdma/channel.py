@@ -5,8 +5,12 @@ device and event loop) by every connection of that loop: one completion queue, o
 poller, one dispatcher.  Each message is one SEND into one of the receiver's posted
 slots (``slot_len`` bytes: the server's max_message), received whole; the channel hands
 it to ``on_message`` and reposts the slot once that returns.  Outgoing messages are
-copied into registered send slots (at most as many as the receiver posts receives, so
-a sender never has more messages in flight than there are receives waiting for them).
+copied into registered send slots and sent only with a credit (:mod:`.credits`): a
+receive the far side posted and we have not used.  Every message is a SEND_WITH_IMM
+whose immediate returns the credits of the receives this end reposted; a zero-byte one
+only returns credits.  A receiver that stops reposting (a paused protocol) makes the
+sender wait, its messages queued, for at most CREDIT_STALL_S, then fail with Timeout;
+an RNR (a peer that broke the credit rule) fails the queue pair after a few retries.
 
 Set-up (``ChannelSetup``: QPN, PSN, GID, LID, MTU, receive depth, slot size) travels
 over the TCP connection at HOST:PORT, which stays open for the connection's life.
@@ -29,6 +33,7 @@ from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdErro
 from .completions import Dispatcher, QpRole, WrIds, WrKind, wr_id
 from .constants import WrOpcode
 from .cqloop import CqPoller
+from .credits import Credits
 from .devices import discover
 from .exchange import ChannelSetup
 from .loader import VerbsUnavailable
@@ -41,8 +46,13 @@ log = logging.getLogger("transferd.verbs")
 
 RECV_DEPTH = 32
 TX_DEPTH = 32
+# Credit-only messages in flight at once (they use no send slot, only a send WR).
+CREDIT_SENDS = 2
+# With credits a compliant peer never meets a missing receive: an RNR is a broken
+# peer, failed after these retries (min_rnr_timer apart) instead of forever.
+RNR_RETRY = 3
 # Completion-queue entries a channel can need at once (its receives and sends).
-_CQ_PER_CHANNEL = RECV_DEPTH + TX_DEPTH
+_CQ_PER_CHANNEL = RECV_DEPTH + TX_DEPTH + CREDIT_SENDS
 CQ_DEPTH = 16384
 
 
@@ -57,8 +67,10 @@ class NicHub:
         self.dispatcher: Dispatcher[tuple[RcChannel, int]] = Dispatcher(
             self.sends, on_send_done=self._sent, on_imm=self._unexpected_imm,
             on_message=self._received, repost=lambda qpn, slot: None,
+            on_credits=lambda ch, n: ch._credited(n),
             on_broken=lambda ch, why: ch.fail(PeerUnreachable(f"rdma://: {why}")))
-        self.poller = CqPoller(loop, self.nic.cq, self.nic.channel, self.dispatcher.dispatch)
+        self.poller = CqPoller(loop, self.nic.cq, self.nic.channel, self.dispatcher.dispatch,
+                               fd=self.nic.channel_fd)
         self.channels: set[RcChannel] = set()
         self.max_channels = max(1, min(CQ_DEPTH, self.nic.choice.max_cqe) // _CQ_PER_CHANNEL)
 
@@ -125,7 +137,7 @@ class RcChannel:
         self.on_close = on_close
         self.on_drain: Callable[[], None] | None = None
         self.closed = False
-        self.qp = nic.create_qp(TX_DEPTH, RECV_DEPTH)
+        self.qp = nic.create_qp(TX_DEPTH + CREDIT_SENDS, RECV_DEPTH)
         self.info = nic.qp_info(self.qp)
         self.rx = Slots(nic, RECV_DEPTH, slot_len)
         self.recv = RecvSlots(int(WrKind.RECV), self.rx.addr, slot_len, RECV_DEPTH,
@@ -136,6 +148,9 @@ class RcChannel:
         self.queued = 0  # bytes waiting for a send slot
         self._paused = False
         self._held: deque[tuple[int, int]] = deque()
+        self.flow: Credits | None = None  # from connect: the far side's receive depth
+        self._credit_sends = 0
+        self._stall: asyncio.TimerHandle | None = None
         hub.dispatcher.qps[self.info.qpn] = QpRole(self, write=False)
         hub.channels.add(self)
         for wr in self.recv.wrs:
@@ -146,7 +161,8 @@ class RcChannel:
         return ChannelSetup(self.info, RECV_DEPTH, self.slot_len)
 
     def connect(self, theirs: ChannelSetup) -> None:
-        self.hub.nic.connect(self.qp, self.info, theirs.qp)
+        self.flow = Credits(theirs.recv_depth, RECV_DEPTH)
+        self.hub.nic.connect(self.qp, self.info, theirs.qp, rnr_retry=RNR_RETRY)
         self.peer_slot = theirs.slot_len
         self.tx = Slots(self.hub.nic, min(TX_DEPTH, theirs.recv_depth), theirs.slot_len)
 
@@ -163,8 +179,10 @@ class RcChannel:
         self._pump()
 
     def _pump(self) -> None:
-        tx = self.tx
-        while tx is not None and tx.free and self._out and not self.closed:
+        tx, flow = self.tx, self.flow
+        if tx is None or flow is None or self.closed:
+            return
+        while tx.free and self._out and flow.can_send():
             views = self._out.popleft()
             i = tx.free.pop()
             slot = tx.slot(i)
@@ -175,31 +193,77 @@ class RcChannel:
             if COUNTING:
                 count("verbs.send_slot", pos)
             self.queued -= pos
-            ident = wr_id(WrKind.SEND, self.hub.sends.put((self, i)))
-            spec = WrSpec(WrOpcode.SEND, [(tx.addr + i * tx.length, pos, tx.reg.lkey)])
-            wr = build_send_wr(spec, ident)
-            try:
-                self.qp.post_send(wr)
-            except PyverbsRDMAError as exc:
-                self.fail(PeerUnreachable(f"rdma://: ibv_post_send failed: {exc}"))
+            if not self._post(i, (tx.addr + i * tx.length, pos, tx.reg.lkey), flow.send()):
                 return
-            finally:
-                wr.close()
+        if self._out and not flow.can_send():
+            flow.waiting(self.hub.loop.time())
+            if self._stall is None:
+                self._stall = self.hub.loop.call_later(flow.stall_s, self._stalled)
+        if flow.credit_due() and self._credit_sends < CREDIT_SENDS:
+            # Zero bytes: the immediate alone (a valid, registered descriptor).
+            self._credit_sends += 1
+            if not self._post(-1, (tx.addr, 0, tx.reg.lkey), flow.send_credits()):
+                return
         self.hub.poller.kick()
+
+    def _post(self, slot: int, sge: tuple[int, int, int], imm: int) -> bool:
+        """One SEND_WITH_IMM from ``slot`` (-1: a credit return); False when it failed
+        (and the channel with it)."""
+        ident = wr_id(WrKind.SEND, self.hub.sends.put((self, slot)))
+        wr = build_send_wr(WrSpec(WrOpcode.SEND_WITH_IMM, [sge], imm=imm), ident)
+        try:
+            self.qp.post_send(wr)
+        except PyverbsRDMAError as exc:
+            self.fail(PeerUnreachable(f"rdma://: ibv_post_send failed: {exc}"))
+            return False
+        finally:
+            wr.close()
+        return True
+
+    def _stalled(self) -> None:
+        self._stall = None
+        flow = self.flow
+        if flow is None or self.closed:
+            return
+        err = flow.check(self.hub.loop.time())
+        if err is not None:
+            self.fail(err)
+        elif flow.stalled_since is not None:  # stalled again since: wait the rest
+            left = flow.stalled_since + flow.stall_s - self.hub.loop.time()
+            self._stall = self.hub.loop.call_later(max(0.0, left), self._stalled)
 
     def _sent(self, slot: int, err: TransferdError | None) -> None:
         if err is not None:
             self.fail(err)
             return
-        if self.tx is not None:
+        if slot < 0:
+            self._credit_sends -= 1
+        elif self.tx is not None:
             self.tx.free.append(slot)
         self._pump()
         if self.on_drain is not None:
             self.on_drain()
 
+    def _credited(self, n: int) -> None:
+        """A message from the far side returned ``n`` credits."""
+        if self.flow is None or self.closed:
+            return
+        try:
+            self.flow.returned(n)
+        except TransferdError as exc:
+            self.fail(exc)
+            return
+        if n:
+            self._pump()
+
     # -- receiving ----------------------------------------------------------------------
 
     def _received(self, slot: int, nbytes: int) -> None:
+        if nbytes == 0:
+            # A credit return (its credits were taken by _credited): no message for
+            # the protocol, so its receive goes back at once, paused or not.
+            self._repost(slot)
+            return
         if self._paused:
             self._held.append((slot, nbytes))
             return
@@ -211,11 +275,19 @@ class RcChannel:
         except TransferdError as exc:
             self.fail(exc)
             return
-        if not self.closed:
-            try:
-                self.qp.post_recv(self.recv.wrs[slot])
-            except PyverbsRDMAError as exc:
-                self.fail(PeerUnreachable(f"rdma://: cannot repost a receive: {exc}"))
+        self._repost(slot)
+
+    def _repost(self, slot: int) -> None:
+        if self.closed:
+            return
+        try:
+            self.qp.post_recv(self.recv.wrs[slot])
+        except PyverbsRDMAError as exc:
+            self.fail(PeerUnreachable(f"rdma://: cannot repost a receive: {exc}"))
+            return
+        if self.flow is not None:
+            self.flow.reposted()
+            self._pump()  # the credit goes back with the next message, or on its own
 
     def pause(self) -> None:
         self._paused = True
@@ -231,6 +303,9 @@ class RcChannel:
         if self.closed:
             return
         self.closed = True
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         hub = self.hub
         hub.channels.discard(self)
         hub.dispatcher.qps.pop(self.info.qpn, None)

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from transferd.protocol.errors import PeerUnreachable, TransferdError
 
-from .constants import WcOpcode, WcStatus, status_name
+from .constants import IBV_WC_WITH_IMM, WcOpcode, WcStatus, status_name
 
 log = logging.getLogger("transferd.verbs")
 T = TypeVar("T")
@@ -128,7 +128,11 @@ class Dispatcher(Generic[T]):
         on_message: Callable[[Any, int, int, int], None],
         repost: Callable[[int, int], None],
         on_broken: Callable[[Any, str], None],
+        on_credits: Callable[[Any, int], None] | None = None,
     ) -> None:
+        """``on_credits(peer, imm)``: a message received with an immediate (rdma://'s
+        credit returns), before ``on_message``; where it is None an immediate on a
+        message is ignored."""
         self.sends = sends
         self.qps: dict[int, QpRole] = {}
         self._on_send_done = on_send_done
@@ -136,6 +140,7 @@ class Dispatcher(Generic[T]):
         self._on_message = on_message  # (peer, qp_num, slot, byte_len)
         self._repost = repost  # (qp_num, slot) for write receives
         self._on_broken = on_broken
+        self._on_credits = on_credits
         self.counted = 0
         self.unknown = 0
 
@@ -174,6 +179,8 @@ class Dispatcher(Generic[T]):
             if c.opcode != WcOpcode.RECV:
                 self._on_broken(role.peer, f"unexpected opcode {c.opcode} on a send QP")
                 return
+            if self._on_credits is not None and c.wc_flags & IBV_WC_WITH_IMM:
+                self._on_credits(role.peer, c.imm)
             self._on_message(role.peer, c.qp_num, index, c.byte_len)
         else:
             self._on_broken(role.peer, f"completion of kind {kind.name} on the wrong QP")

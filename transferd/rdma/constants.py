@@ -15,6 +15,7 @@ class WrOpcode(enum.IntEnum):
     RDMA_WRITE = 0
     RDMA_WRITE_WITH_IMM = 1
     SEND = 2
+    SEND_WITH_IMM = 3
 
 
 class WcOpcode(enum.IntEnum):

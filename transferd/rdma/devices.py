@@ -64,6 +64,10 @@ class DevicesReport:
     # Things that will break use even though devices exist (memlock, ...).
     problems: list[str] = field(default_factory=list)
     memlock: int | None = None  # bytes; None = unlimited
+    # How a verbs rail reaches GPU memory here, in words (gpu_memory_path()).
+    gpu_memory: str = ""
+    # How the completion-queue loop waits with this pyverbs (chanfd.expected_wakeup).
+    cq_wakeup: str = ""
 
     @property
     def usable(self) -> bool:
@@ -90,6 +94,10 @@ class DevicesReport:
         lines += [f"problem: {p}" for p in self.problems]
         lim = "unlimited" if self.memlock is None else f"{self.memlock >> 10} KiB"
         lines.append(f"memlock limit: {lim}")
+        if self.cq_wakeup:
+            lines.append(f"completion queue: {self.cq_wakeup}")
+        if self.gpu_memory:
+            lines.append(f"GPU memory: {self.gpu_memory}")
         return "\n".join(lines)
 
 
@@ -107,6 +115,30 @@ def _numa(sysfs: Path, name: str) -> int | None:
     except ValueError:
         return None
     return n if n >= 0 else None
+
+
+PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem")
+
+
+def peer_memory_loaded(sys_module: Path = Path("/sys/module")) -> str | None:
+    """The loaded module that lets ibv_reg_mr take CUDA addresses (GPUDirect RDMA):
+    nvidia-peermem, or the older nv_peer_mem; None without one."""
+    return next((m for m in PEER_MEMORY_MODULES if (sys_module / m).exists()), None)
+
+
+def gpu_memory_path(sys_module: Path = Path("/sys/module")) -> str:
+    """How a verbs rail reaches GPU buffers on this machine (``transferd devices`` and
+    ``doctor`` say it; docs/rdma.md "GPU memory")."""
+    staged = ("writes from GPU buffers are copied into the group's pinned staging, "
+              "registered with every NIC of the group")
+    module = peer_memory_loaded(sys_module)
+    if module is not None:
+        return (f"GPUDirect RDMA ({module} loaded): GPU buffers are registered with the "
+                f"NIC by their device address and writes into them land in GPU memory; "
+                f"{staged}")
+    return ("no GPUDirect RDMA (nvidia-peermem is not loaded): GPU buffers cannot be "
+            "registered on a verbs rail (dma-buf is not used: pyverbs registers it at iova "
+            f"= offset); once it is loaded, {staged}")
 
 
 def rxe_available() -> str:
@@ -130,7 +162,7 @@ def sysfs_devices(sysfs: Path = SYSFS) -> list[str]:
 
 
 def discover(sysfs: Path = SYSFS, need_memlock: int = MIN_MEMLOCK) -> DevicesReport:
-    report = DevicesReport(memlock=memlock_limit())
+    report = DevicesReport(memlock=memlock_limit(), gpu_memory=gpu_memory_path())
     if (p := memlock_problem(need_memlock)) is not None:
         report.problems.append(p)
     kernel = sysfs_devices(sysfs)
@@ -142,9 +174,13 @@ def discover(sysfs: Path = SYSFS, need_memlock: int = MIN_MEMLOCK) -> DevicesRep
             report.reason += f"; and no RDMA device in the kernel ({sysfs} is empty or " \
                              f"absent: {rxe_available()})"
         return report
+    import pyverbs.cq
     import pyverbs.device as d
     from pyverbs.pyverbs_error import PyverbsError
 
+    from .chanfd import expected_wakeup
+
+    report.cq_wakeup = expected_wakeup(pyverbs.cq.CompChannel)
     try:
         listed = d.get_device_list()
     except PyverbsError:
@@ -172,8 +208,12 @@ def _describe(d: Any, name: str, sysfs: Path) -> DeviceInfo:
     netdevs = sorted(os.listdir(sysfs / name / "device" / "net")) if (
         sysfs / name / "device" / "net").is_dir() else []
     info = DeviceInfo(name, _numa(sysfs, name), "?", "?", netdevs=netdevs)
+    from .chanfd import EVENT_FILES_LOCK
+
     try:
-        with d.Context(name=name) as ctx:
+        with EVENT_FILES_LOCK:  # its async-event file: see chanfd
+            ctx = d.Context(name=name)
+        with ctx:
             attr = ctx.query_device()
             info.fw = str(attr.fw_version)
             info.node_guid = str(attr.node_guid)

@@ -149,6 +149,8 @@ def check_pair(mine: RailSetup, theirs: RailSetup) -> None:
 
 _CHAN = struct.Struct("<4sBxHI")  # magic, version, recv_depth, slot_len
 CHANNEL_MAGIC = b"TDVC"
+# 2: every message a SEND_WITH_IMM returning credits (transferd.rdma.credits).
+CHANNEL_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,15 +164,15 @@ class ChannelSetup:
     slot_len: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.recv_depth <= 4096:
-            raise BadRequest(f"rdma:// receive depth {self.recv_depth} is not 1-4096")
+        if not 2 <= self.recv_depth <= 4096:  # credits keep one for a credit return
+            raise BadRequest(f"rdma:// receive depth {self.recv_depth} is not 2-4096")
         if not 4096 <= self.slot_len <= 64 << 20:
             raise BadRequest(f"rdma:// message size {self.slot_len} is not 4 KiB-64 MiB")
 
     SIZE = _CHAN.size + _QP.size
 
     def to_bytes(self) -> bytes:
-        return _CHAN.pack(CHANNEL_MAGIC, VERSION, self.recv_depth,
+        return _CHAN.pack(CHANNEL_MAGIC, CHANNEL_VERSION, self.recv_depth,
                           self.slot_len) + self.qp.to_bytes()
 
     @classmethod
@@ -180,6 +182,7 @@ class ChannelSetup:
         magic, version, depth, slot = _CHAN.unpack_from(raw)
         if magic != CHANNEL_MAGIC:
             raise BadRequest("rdma:// set-up: bad magic (is this an rdma:// listener?)")
-        if version != VERSION:
-            raise BadRequest(f"rdma:// set-up version {version}, this side speaks {VERSION}")
+        if version != CHANNEL_VERSION:
+            raise BadRequest(f"rdma:// set-up version {version}, this side speaks "
+                             f"{CHANNEL_VERSION} (credit flow control: docs/rdma.md)")
         return cls(QpInfo.from_bytes(raw[_CHAN.size :]), depth, slot)

@@ -2,8 +2,14 @@
 
 A work request's scatter/gather entries name local memory by (address, length,
 lkey); the source views of a write part are plain memoryviews, so the Domain looks up
-the registration that holds each one.  Registrations never overlap within a table
-(one per region per NIC); lookups are a bisect.
+the registration that holds each one.  Lookups are a bisect over the registrations'
+starts.
+
+The same memory may be registered more than once (a second ``reg_mr`` of one buffer, as
+tcp allows: each region has its own rkey, revoked on its own), so one range holds a
+stack of registrations, any of whose lkeys serves a local read; each is removed by
+identity.  Ranges that overlap without being the same are refused: no region is part of
+another.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from transferd.protocol.errors import NotFound
+from transferd.protocol.errors import BadRequest, NotFound
 
 
 def address_of(view: memoryview) -> int:
@@ -39,34 +45,54 @@ class Registration:
 class MrTable:
     def __init__(self) -> None:
         self._starts: list[int] = []
-        self._regs: list[Registration] = []
+        # Per start, the registrations of that very range (the first serves lookups).
+        self._regs: list[list[Registration]] = []
 
     def add(self, reg: Registration) -> None:
-        i = bisect.bisect_right(self._starts, reg.addr)
-        if (i and self._regs[i - 1].end > reg.addr) or (
-                i < len(self._regs) and self._regs[i].addr < reg.end):
-            raise ValueError(f"registration [0x{reg.addr:x}, +{reg.length}) overlaps another")
-        self._starts.insert(i, reg.addr)
-        self._regs.insert(i, reg)
+        i = bisect.bisect_left(self._starts, reg.addr)
+        if i < len(self._starts) and self._starts[i] == reg.addr:
+            same = self._regs[i]
+            if same[0].length == reg.length:
+                same.append(reg)
+                return
+            raise BadRequest(f"registration [0x{reg.addr:x}, +{reg.length}) overlaps "
+                             f"[0x{reg.addr:x}, +{same[0].length}) on this NIC")
+        if i and self._regs[i - 1][0].end > reg.addr:
+            other = self._regs[i - 1][0]
+        elif i < len(self._regs) and self._regs[i][0].addr < reg.end:
+            other = self._regs[i][0]
+        else:
+            self._starts.insert(i, reg.addr)
+            self._regs.insert(i, [reg])
+            return
+        raise BadRequest(f"registration [0x{reg.addr:x}, +{reg.length}) overlaps "
+                         f"[0x{other.addr:x}, +{other.length}) on this NIC")
 
-    def remove(self, addr: int) -> Registration:
-        i = bisect.bisect_left(self._starts, addr)
-        if i == len(self._starts) or self._starts[i] != addr:
-            raise NotFound(f"no registration at 0x{addr:x}")
-        del self._starts[i]
-        return self._regs.pop(i)
+    def remove(self, reg: Registration) -> Registration:
+        """Take ``reg`` (this very registration) out of the table."""
+        i = bisect.bisect_left(self._starts, reg.addr)
+        if i < len(self._starts) and self._starts[i] == reg.addr:
+            same = self._regs[i]
+            for k, r in enumerate(same):
+                if r is reg:
+                    del same[k]
+                    if not same:
+                        del self._starts[i]
+                        del self._regs[i]
+                    return reg
+        raise NotFound(f"no registration [0x{reg.addr:x}, +{reg.length}) on this NIC")
 
     def find(self, addr: int, length: int) -> Registration:
-        """The registration holding all of [addr, addr + length)."""
+        """A registration holding all of [addr, addr + length)."""
         i = bisect.bisect_right(self._starts, addr) - 1
         if i >= 0:
-            reg = self._regs[i]
+            reg = self._regs[i][0]
             if addr + length <= reg.end:
                 return reg
         raise NotFound(f"[0x{addr:x}, +{length}) is not inside memory registered with this NIC")
 
     def __len__(self) -> int:
-        return len(self._regs)
+        return sum(map(len, self._regs))
 
     def __iter__(self) -> Iterator[Registration]:
-        return iter(list(self._regs))
+        return iter([r for same in self._regs for r in same])

@@ -11,12 +11,14 @@ import errno
 import logging
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from transferd.protocol.errors import BadRequest
 
-from .devices import ZERO_GID, discover
+from . import dmabuf
+from .chanfd import EVENT_FILES_LOCK, open_channel
+from .devices import ZERO_GID, discover, peer_memory_loaded
+from .dmabuf import CudaDriver
 from .exchange import MTU_BYTES, QpInfo, path_mtu
 from .loader import VerbsUnavailable, load_pyverbs
 from .mrtable import MrTable, Registration
@@ -46,6 +48,8 @@ ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
           # An optional flag: libibverbs and the kernel drop it where the device
           # cannot honour it, so it is set "where supported" by always asking.
           | e.IBV_ACCESS_RELAXED_ORDERING)
+# What the NIC only reads locally (the source of writes: staging).
+LOCAL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_RELAXED_ORDERING
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def choose(ctx: Any, name: str, port: int, gid_index: int | None) -> NicChoice:
                      dattr.max_cqe)
 
 
-def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo) -> QPAttr:
+def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_RETRY
+                 ) -> QPAttr:
     """The attributes that take our RC queue pair to RTR then RTS, connected to theirs."""
     attr = QPAttr(port_num=port, path_mtu=path_mtu(mine, theirs))
     attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
@@ -107,7 +112,7 @@ def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo) -> QPAttr:
     attr.min_rnr_timer = MIN_RNR_TIMER
     attr.timeout = TIMEOUT
     attr.retry_cnt = RETRY_CNT
-    attr.rnr_retry = RNR_RETRY
+    attr.rnr_retry = rnr_retry
     if any(theirs.gid):
         gr = GlobalRoute(dgid=GID(theirs.gid_text), sgid_index=mine.gid_index,
                          hop_limit=HOP_LIMIT)
@@ -115,29 +120,6 @@ def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo) -> QPAttr:
     else:  # InfiniBand inside one subnet: the LID routes
         attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=theirs.lid)
     return attr
-
-
-def peer_memory_loaded() -> bool:
-    """nvidia-peermem (or the older nv_peer_mem) lets ibv_reg_mr take CUDA addresses."""
-    return any(Path(f"/sys/module/{m}").exists() for m in ("nvidia_peermem", "nv_peer_mem"))
-
-
-def cuda_dmabuf_fd(addr: int, length: int) -> int:
-    """A dma-buf fd for CUDA memory [addr, addr + length), from the CUDA driver API."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        try:
-            from cuda import cuda as cu
-        except ImportError:
-            raise VerbsUnavailable("dma-buf registration of CUDA memory needs "
-                                   "cuda-python (cuMemGetHandleForAddressRange)") from None
-    err, fd = cu.cuMemGetHandleForAddressRange(
-        addr, length, cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
-    if int(err) != 0:
-        raise VerbsUnavailable(f"cuMemGetHandleForAddressRange failed ({err}): the GPU "
-                               "or driver does not export dma-buf")
-    return int(fd)
 
 
 class Nic:
@@ -151,14 +133,21 @@ class Nic:
             why = report.reason or f"the devices here are {', '.join(names)}"
             raise VerbsUnavailable(f"RDMA device {name!r} not found: {why}")
         try:
-            self.ctx = Context(name=name)
+            with EVENT_FILES_LOCK:  # its async-event file: see chanfd
+                self.ctx = Context(name=name)
         except PyverbsError as exc:
             raise VerbsUnavailable(f"cannot open RDMA device {name!r}: {exc}") from None
         self.choice = choose(self.ctx, name, port, gid_index)
         c = self.choice
         self.gid = QpInfo.gid_from_text(self.ctx.query_gid(c.port, c.gid_index).gid)
         self.pd = PD(self.ctx)
-        self.channel = CompChannel(self.ctx)
+        opened = open_channel(lambda: CompChannel(self.ctx))
+        self.channel = opened.channel
+        # What the completion-queue loop waits on (None: it polls on a timer).
+        self.channel_fd = opened.fd
+        self.wakeup = opened.how
+        if opened.fd is None:
+            log.warning("%s: no completion channel descriptor (%s)", name, opened.how)
         self.cq_depth = min(cq_depth, c.max_cqe)
         self.cq = CQ(self.ctx, self.cq_depth, None, self.channel, 0)
         self.cq.req_notify()
@@ -176,13 +165,17 @@ class Nic:
 
     # -- memory ---------------------------------------------------------------------------
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> Registration:
-        """Register [addr, addr + length) for local use and remote writes."""
+    def register(self, addr: int, length: int, device: str = "cpu", *,
+                 remote: bool = True) -> Registration:
+        """Register [addr, addr + length) for local use and (``remote``) remote writes
+        into it (staging: local only, nobody gets its rkey).  The same
+        memory may be registered again (its own rkey, deregistered on its own); every
+        failure is a TransferdError and leaves nothing registered."""
         try:
             if device.startswith("cuda"):
                 mr = self._register_cuda(addr, length)
             else:
-                mr = MR(self.pd, length, ACCESS, address=addr)
+                mr = MR(self.pd, length, ACCESS if remote else LOCAL_ACCESS, address=addr)
         except PyverbsRDMAError as exc:
             if exc.error_code in (errno.ENOMEM, errno.EPERM):
                 raise VerbsUnavailable(
@@ -190,8 +183,15 @@ class Nic:
                     "(docs/rdma.md)") from None
             raise BadRequest(f"ibv_reg_mr of {length} bytes on {self.choice.name} failed: "
                              f"{exc}") from None
+        except PyverbsError as exc:  # pyverbs' own checks (arguments, a closed PD)
+            raise BadRequest(f"cannot register {length} bytes on {self.choice.name}: "
+                             f"{exc}") from None
         reg = Registration(addr, length, mr.lkey, mr.rkey, mr)
-        self.mrs.add(reg)
+        try:
+            self.mrs.add(reg)
+        except BaseException:
+            mr.close()  # refused by the table: not left pinned
+            raise
         return reg
 
     def _register_cuda(self, addr: int, length: int) -> Any:
@@ -208,19 +208,34 @@ class Nic:
             "without it only dma-buf is possible, which pyverbs registers with iova = "
             "offset, not the buffer's address (docs/rdma.md)")
 
-    def register_dmabuf(self, addr: int, length: int) -> tuple[Any, int]:
-        """Register CUDA memory through dma-buf: (the MR, the iova the NIC expects)."""
+    def register_dmabuf(self, addr: int, length: int, ordinal: int,
+                        driver: CudaDriver | None = None) -> tuple[Any, int]:
+        """Register CUDA memory of device ``ordinal`` through dma-buf: (the MR, the iova
+        the NIC expects: the range's offset in its page-aligned dma-buf, as pyverbs
+        registers with iova = offset).  The export runs with that device's context
+        current; the dma-buf fd is closed on every path."""
         from pyverbs.mr import DmaBufMR
 
-        fd = cuda_dmabuf_fd(addr, length)
-        mr = DmaBufMR(self.pd, length, ACCESS, dmabuf=fd, offset=0)
-        return mr, 0
+        fd, offset = dmabuf.export(driver or CudaDriver.load(), addr, length, ordinal)
 
-    def deregister(self, addr: int) -> None:
-        reg = self.mrs.remove(addr)
+        def reg(fd: int) -> Any:
+            try:
+                return DmaBufMR(self.pd, length, ACCESS, dmabuf=fd, offset=offset)
+            except PyverbsError as exc:
+                raise BadRequest(f"ibv_reg_dmabuf_mr of {length} bytes on "
+                                 f"{self.choice.name} failed: {exc}") from None
+
+        return dmabuf.register_closing(fd, reg), offset
+
+    def deregister(self, reg: Registration) -> None:
+        self.mrs.remove(reg)
         # ibv_dereg_mr revokes the rkey in the NIC: a write in flight to it fails at the
         # initiator with REM_ACCESS_ERR, and none lands after this returns.
-        reg.handle.close()
+        try:
+            reg.handle.close()
+        except PyverbsError as exc:
+            raise BadRequest(f"ibv_dereg_mr of [0x{reg.addr:x}, +{reg.length}) on "
+                             f"{self.choice.name} failed: {exc}") from None
 
     # -- queue pairs ------------------------------------------------------------------------
 
@@ -244,9 +259,10 @@ class Nic:
         return QpInfo(qp.qp_num, secrets.randbits(24) if psn is None else psn, c.lid,
                       c.port, self.gid, c.gid_index, c.mtu)
 
-    def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo) -> None:
+    def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo,
+                rnr_retry: int = RNR_RETRY) -> None:
         try:
-            qp.to_rts(rtr_rts_attr(self.choice.port, mine, theirs))
+            qp.to_rts(rtr_rts_attr(self.choice.port, mine, theirs, rnr_retry))
         except PyverbsRDMAError as exc:
             raise BadRequest(f"cannot connect queue pair {mine.qpn} to the peer's "
                              f"{theirs.qpn} (MTU {MTU_BYTES[path_mtu(mine, theirs)]}): "

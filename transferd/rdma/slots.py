@@ -32,7 +32,7 @@ class Slots:
 
     def close(self, nic: Nic) -> None:
         with contextlib.suppress(TransferdError, PyverbsError):
-            nic.deregister(self.addr)
+            nic.deregister(self.reg)
         # A slot view still held somewhere keeps the mapping until it goes.
         with contextlib.suppress(BufferError):
             self.view.release()

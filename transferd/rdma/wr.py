@@ -42,7 +42,7 @@ def build_send_wr(spec: WrSpec, wr_id: int) -> SendWR:
     finally:
         for s in sges:  # copied into the SendWR
             s.close()
-    if spec.opcode != WrOpcode.SEND:
+    if spec.opcode in (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM):
         wr.set_wr_rdma(spec.rkey, spec.remote_addr)
     return wr
 

@@ -28,14 +28,13 @@ This module needs a device; what it builds on (``sender``, ``counting``, ``compl
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
@@ -47,8 +46,10 @@ from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
 from transferd.rdma.completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from transferd.rdma.cqloop import CqPoller
+from transferd.rdma.mrtable import Registration
 from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from transferd.rdma.slots import Slots
+from transferd.rdma.staged import StagingRegistrations
 from transferd.rdma.wr import RecvSlots, ZeroWriteTemplate, build_chains
 
 from ..base import Capabilities, Domain, LinkStats, Port, count_links, link_key
@@ -59,8 +60,7 @@ from .bind import create
 from .links import InLink, OutLink
 from .sender import Posted, Sender
 from .sendq import SendQueue
-
-T = TypeVar("T")
+from .worker_calls import call_on_loop
 
 CAPABILITIES: Capabilities = create.capabilities
 
@@ -279,8 +279,12 @@ class VerbsDomain(Domain):
         self.strangers = RailStrangers(f"verbs rail {rail} ({host}:{self.port_number})",
                                        port.links.handshake_timeout_s)
         self._cqes = 0
+        # Region id -> its registration here and its staging path (device memory).
+        self._regions: dict[int, tuple[Registration, Any]] = {}
+        self.staged = StagingRegistrations(
+            lambda addr, n: self.nic.register(addr, n, remote=False), self.nic.deregister)
         self.poller = CqPoller(self.loop, self.nic.cq, self.nic.channel,
-                               self.dispatcher.dispatch)
+                               self.dispatcher.dispatch, fd=self.nic.channel_fd)
         self.loop.add_reader(self._listener.fileno(), self._accept)
 
     def reserve_cqes(self, n: int) -> None:
@@ -296,34 +300,52 @@ class VerbsDomain(Domain):
     def register(self, region: RegionInfo) -> int:
         """ibv_reg_mr of the region on this NIC: its rkey for the MrDesc.  The NIC checks
         rkey and bounds of every write that arrives; the region table's own rkeys are
-        not used on verbs."""
-        device = region.device
-        return self._on_worker(lambda: self.nic.register(region.ptr, region.size,
-                                                         device).rkey)
+        not used on verbs.  The same buffer may be registered again (its own rkey, as on
+        tcp).  Device memory also holds its staging pool's registration here (writes from
+        it go through staging: ``transferd.rdma.staged``).  Past REGISTER_TIMEOUT the
+        caller gets Timeout and a registration that completes later is undone."""
+        device, staging = region.device, region.staging
+
+        def reg() -> Registration:
+            if region.id in self._regions:
+                raise BadRequest(f"region {region.id} is already registered on verbs "
+                                 f"rail {self.rail}")
+            r = self.nic.register(region.ptr, region.size, device)
+            try:
+                if staging is not None:
+                    self.staged.hold(staging.pool)
+            except BaseException:
+                self.nic.deregister(r)
+                raise
+            self._regions[region.id] = (r, staging)
+            return r
+
+        return call_on_loop(
+            self.loop, reg, timeout=REGISTER_TIMEOUT, undo=lambda r: self._drop(region.id),
+            what=f"registering {region.size} bytes with {self.nic.choice.name}").rkey
 
     def deregister(self, region: RegionInfo) -> None:
         """ibv_dereg_mr: from its return no remote write lands in the region (one in
         flight fails at its initiator with a remote access error)."""
-        def dereg() -> None:
-            with contextlib.suppress(TransferdError):
-                self.nic.deregister(region.ptr)
+        call_on_loop(self.loop, lambda: self._drop(region.id), timeout=REGISTER_TIMEOUT,
+                     what=f"deregistering region {region.id} from {self.nic.choice.name}")
 
-        self._on_worker(dereg)
-
-    def _on_worker(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on this rail's worker loop (register and deregister come from the
-        daemon's loop; the NIC's registration table is the worker's) and wait for it."""
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop or not self.loop.is_running():
-            return fn()
-
-        async def call() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(REGISTER_TIMEOUT)
+    def _drop(self, region_id: int) -> None:
+        """On the worker: a region's registration (and its hold on staging) goes."""
+        held = self._regions.pop(region_id, None)
+        if held is None:
+            return  # never registered here, or undone already
+        reg, staging = held
+        # The region is gone for the engine either way: a failure is logged, and the
+        # staging (and the other rails) still let go of theirs.
+        steps = [lambda: self.nic.deregister(reg)]
+        if staging is not None:
+            steps.append(lambda: self.staged.let_go(staging.pool))
+        for step in steps:
+            try:
+                step()
+            except TransferdError as exc:
+                log.warning("verbs rail %d: %s", self.rail, exc.message)
 
     # -- outbound ---------------------------------------------------------------------
 

@@ -1,0 +1,619 @@
+"""The one interface through which every caller reaches one node's engine, buffers and owners.
+
+Two kinds of caller use it: the RPC server (``rpc_server``: a handler parses a
+frame, calls the method here, and writes what it returns as a reply or an EVENT)
+and the inproc client (``client.inproc``: the engine in the caller's own process,
+``Client.connect("inproc://")``), which calls the same methods with the same values.
+So an operation added here (and to the engine) reaches both; neither has a second
+copy of what an operation checks, whom it charges, or how it ends.
+
+Conventions, the same for every method:
+
+- ``caller`` is the :class:`~.caller.Caller` asking: the owner of what it makes,
+  and the table of its pending operations.
+- An operation that ends later (a submit, an expectation) takes ``key`` (the
+  caller's name for it: an RPC request's seq, an inproc client's count) and
+  ``on_end(error)``: called exactly once, on the node's loop, with None (done) or
+  the TransferdError it ended with (failed, TIMEOUT at its deadline, CANCELLED).
+  It returns the operation's :class:`~.ops.Op` (``cancel(caller, key)`` ends it
+  early), or, when the engine's slots are all taken, an awaitable of it.
+- A method that must wait (for writes admitted into memory being freed) returns
+  an awaitable, else None: the work is done.
+- Bad arguments raise the typed error (transferd.protocol.errors) before anything
+  is touched; the node serves everybody else on.
+
+Adding an operation: a method here (checks, then the engine's call through
+:meth:`Service.submit` if it ends later), a handler in rpc_server that parses its
+frame and calls it, and the Client method that asks for it (client/engine.py for
+the wire, client/inproc.py in process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from transferd import __version__
+from transferd.memory import memory_class
+from transferd.memory.leases import Lease, LeaseTable
+from transferd.protocol.constants import Command
+from transferd.protocol.errors import (
+    BadRequest,
+    Cancelled,
+    NotFound,
+    TransferdError,
+    UnknownCommand,
+)
+from transferd.protocol.messages import Tensor
+from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
+
+from . import tensors
+from .caller import Caller, CallerState
+from .ops import Op, deadline
+from .owners import resolve_owner, wait_drained
+
+if TYPE_CHECKING:
+    from transferd.config import Config
+    from transferd.discovery.service import Discovery
+    from transferd.engine import TransferEngine
+    from transferd.engine.regions import Region
+    from transferd.engine.watchers import Watcher, Watchers
+    from transferd.memory import Buffer, BufferTable
+    from transferd.memory.base import Memory
+    from transferd.metrics import Metrics
+
+    from .names import Names
+
+log = logging.getLogger("transferd.session")
+
+End = Callable[[TransferdError | None], None]
+# A submit's Op, or (the engine's slots all taken) an awaitable of it.
+Admitted = Op | Awaitable[Op]
+# A posted receive's delivery: (sender's (node, group), message) -> whether the caller
+# took it all now (the sender's ACK goes at once) or the engine must wait for
+# Service.drained(caller).
+Arrived = Callable[[tuple[int, int], bytes], bool]
+
+U32 = 0xFFFFFFFF
+
+
+class Service:
+    """One node's buffers, engine, owners, leases, watchers and names, for its callers."""
+
+    def __init__(self, config: Config, buffers: BufferTable, metrics: Metrics, *,
+                 engine: TransferEngine | None = None,
+                 discovery: Discovery | None = None,
+                 name: str = f"transferd/{__version__}") -> None:
+        self.config = config
+        # What this node says it is (HELLO's server, an embedded directory's record).
+        self.name = name
+        self.buffers = buffers
+        self.metrics = metrics
+        self.engine = engine
+        # The owner of a buffer whose allocation names none: "daemon" or "connection".
+        self.default_owner = config.memory.default_owner
+        # Made on the loop (start()): their timers and threads are its.
+        self.leases: LeaseTable | None = None
+        self.watchers: Watchers | None = None
+        self._discovery = discovery
+        self._names: Names | None = None
+        # Releases of a gone owner's buffers still waiting for admitted writes to land:
+        # held here, so the loop's weak hold does not lose them.
+        self.background: set[asyncio.Future[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Make the tables that live on the loop: leases (their timers), watchers."""
+        from transferd.engine.watchers import Watchers
+
+        m, e = self.config.memory, self.config.engine
+        self.leases = LeaseTable(
+            asyncio.get_running_loop(), self._lease_expired,
+            max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
+            max_per_source=m.max_leases_per_source, max_ttl_s=m.max_lease_ttl_s)
+        self.metrics.leases.set_function(self.leases.__len__)
+        self.watchers = Watchers(alive=_alive, idle_poll_s=e.watcher_idle_poll_ms / 1000.0,
+                                 max_watchers=e.max_watchers,
+                                 max_per_owner=e.max_watchers_per_connection)
+        self.metrics.registry.register(self.watchers)
+
+    def close(self) -> None:
+        """No lease timer or watcher outlives the node's front ends."""
+        if self.leases is not None:
+            self.leases.close()
+        if self.watchers is not None:
+            with contextlib.suppress(Exception):
+                self.metrics.registry.unregister(self.watchers)
+            self.watchers.close()
+
+    def closed(self, caller: Caller) -> None:
+        """``caller`` is gone (cleanly or not): what it owned goes, what it waited on ends.
+
+        Its buffers are freed and their rkeys revoked (writes admitted into them finish
+        landing first, in the background); its expectations, streams and posted
+        receives end; leases it held stay, to run out unless another holder renews
+        them; its watchers and word page go; its submits run on to their end.
+        """
+        caller.state = CallerState.CLOSED
+        caller.ops.caller_closed()
+        self.release_in_background(caller, f"connection {caller.peer} closed")
+        if self.leases is not None:
+            self.leases.connection_closed(caller)
+        if self.watchers is not None:
+            self.watchers.owner_closed(caller)
+        page, caller.word_page = caller.word_page, None
+        if page is not None:
+            page.close()
+        if self.engine is not None:
+            self.engine.session_closed(caller)
+
+    def drained(self, caller: Caller) -> None:
+        """``caller`` took everything it was handed (an RPC connection's write buffer
+        emptied): the senders of the messages it was given get their ACKs."""
+        if self.engine is not None:
+            self.engine.session_drained(caller)
+
+    @property
+    def patience(self) -> float:
+        """How long a release waits for a write in flight before cutting it short."""
+        return self.engine.config.peer_timeout_s if self.engine is not None else 30.0
+
+    # -- owners -----------------------------------------------------------------------
+
+    def owner_for(self, caller: Caller, owner: str | None, lease: str | None,
+                  default: str | None = None) -> Hashable | None:
+        """The owner an allocation (or a published name) asks for, else ``default``
+        (else memory.default_owner)."""
+        return resolve_owner(caller, owner, lease, default or self.default_owner, self.leases)
+
+    def release_owned(self, owner: Hashable) -> tuple[int, Awaitable[None] | None]:
+        """Free every buffer ``owner`` holds and revoke their regions' rkeys, now.
+
+        Returns how many buffers went, and an awaitable until the writes admitted
+        into their regions before the revocation have landed (None: none in flight).
+        """
+        if self._names is not None:
+            self._names.owner_gone(owner)
+        table, engine = self.buffers, self.engine
+        regions: list[Region] = []
+        n = 0
+        for buf in table.owned_by(owner):
+            try:
+                table.free_buffer(buf.id)
+            except TransferdError:
+                continue  # freed meanwhile
+            n += 1
+            if engine is not None:
+                regions += engine.regions.regions_of(buf)
+                # Writes in flight into it finish landing (they hold its memory).
+                engine.buffer_freed(buf)
+        return n, wait_drained(regions, self.patience)
+
+    def release_in_background(self, owner: Hashable, why: str) -> int:
+        """:meth:`release_owned` with nobody to answer: the drain runs on its own."""
+        n, drained = self.release_owned(owner)
+        if n:
+            log.info("%s: %d buffer(s) freed", why, n)
+        if drained is not None:
+            task = asyncio.ensure_future(drained)
+            self.background.add(task)
+            task.add_done_callback(functools.partial(self._drained, why))
+        return n
+
+    def _drained(self, why: str, task: asyncio.Future[None]) -> None:
+        self.background.discard(task)
+        exc = task.exception() if not task.cancelled() else None
+        if exc is not None:
+            log.warning("%s: %s", why, exc)
+
+    def _lease_expired(self, lease: Lease) -> None:
+        self.metrics.leases_expired.inc()
+        self.release_in_background(lease, f"lease {lease.name!r} expired unrenewed")
+
+    # -- buffers ----------------------------------------------------------------------
+
+    def devices(self) -> list[dict[str, Any]]:
+        return self.buffers.device_info()
+
+    def alloc_buffer(self, caller: Caller, device: str, size: int, *,
+                     owner: str | None = None, lease: str | None = None) -> Buffer:
+        """A new buffer on ``device``.  Its owner: ``owner`` / ``lease`` if named, else
+        memory.default_owner; a shared (``shm``) buffer's is its caller's (the caller
+        maps it) unless named."""
+        table = self.buffers
+        table.pool(device)  # an unknown device is NOT_FOUND before anything else
+        shared = memory_class(device).needs_fd_passing
+        got = self.owner_for(caller, owner, lease, "connection" if shared else None)
+        buf = table.alloc(device, size, owner=got)
+        buf.allocated_by = caller.peer
+        return buf
+
+    def adopt_memory(self, caller: Caller, device: str, size: int,
+                     create: Callable[[], Memory], *, charge: int | None = None) -> Buffer:
+        """A buffer over memory the caller brings (its CUDA allocation by IPC handle, its
+        own array in process): owned by the caller, let go of (never freed by the
+        node, unless ``create`` made it the node's) when it is freed or the caller goes.
+        ``charge``: what it costs the device's limit (None: as a buffer of that size)."""
+        buf = self.buffers.alloc(device, size, owner=caller, create=create, charge=charge)
+        buf.allocated_by = caller.peer
+        return buf
+
+    def free_buffer(self, caller: Caller, buffer_id: int) -> Awaitable[None] | None:
+        """Out of the table now, its regions' rkeys revoked; the awaitable ends once the
+        writes admitted into them have landed (after it, no byte of a peer write lands
+        in this memory)."""
+        buf = self.buffers.free_buffer(buffer_id)
+        engine = self.engine
+        if engine is None:
+            return None
+        regions = engine.regions.regions_of(buf)
+        engine.buffer_freed(buf)
+        return wait_drained(regions, self.patience)
+
+    def buffer_clear(self, caller: Caller, buffer_id: int, value: int
+                     ) -> Awaitable[None] | None:
+        return tensors.clear(self.buffers.get(buffer_id), value)
+
+    def copy_tensor(self, caller: Caller, src: Tensor, dst: Tensor) -> Awaitable[None] | None:
+        table = self.buffers
+        return tensors.copy((table.get(src.buffer), src), (table.get(dst.buffer), dst))
+
+    def set_tensor(self, caller: Caller, t: Tensor, data: memoryview) -> Awaitable[None] | None:
+        """``data`` into ``t`` (a caller in this process: the RPC server's SETs land from
+        the socket straight into the same views, by its sinks)."""
+        return tensors.write(self.buffers.get(t.buffer), t, data)
+
+    def get_tensor(self, caller: Caller, t: Tensor, out: memoryview) -> Awaitable[None] | None:
+        """``t`` into ``out`` (a caller in this process; the RPC server sends from the view)."""
+        return tensors.read(self.buffers.get(t.buffer), t, out)
+
+    def synchronize(self, caller: Caller) -> Awaitable[None] | None:
+        """Until every submit of ``caller`` started before has ended (their failures were
+        reported through their own ``on_end``)."""
+        if not caller.pending:
+            return None
+
+        async def wait() -> None:
+            await asyncio.gather(*list(caller.pending), return_exceptions=True)
+
+        return wait()
+
+    # -- the engine: regions -------------------------------------------------------------
+
+    def _engine(self) -> TransferEngine:
+        if self.engine is None:
+            raise UnknownCommand("this daemon runs without the transfer engine")
+        return self.engine
+
+    def main_address(self) -> NetAddr:
+        return self._engine().main_address()
+
+    def reg_mr(self, caller: Caller, buffer_id: int, access: str = "w"
+               ) -> tuple[Region, MrDesc]:
+        """A region of buffer ``buffer_id`` (host or device memory) and its MrDesc;
+        ``access``: what peers may do through its rkeys ("w", "r", "rw")."""
+        buf = self.buffers.get(buffer_id)
+        return self._engine().reg_mr(buf, access)
+
+    def dereg_mr(self, caller: Caller, mr: int) -> Awaitable[None] | None:
+        """Revoke region ``mr``'s rkeys; the awaitable ends once the writes admitted into
+        it before have landed (after it, no byte of a peer write lands there)."""
+        engine = self._engine()
+        region = engine.regions.get(mr)
+        engine.dereg_mr(region.id)
+        return wait_drained([region], self.patience)
+
+    # -- the engine: submits -------------------------------------------------------------
+
+    def submit(self, caller: Caller, key: int, label: str | int,
+               start: Callable[[], asyncio.Future[None]], timeout: float | None,
+               on_end: End) -> Admitted:
+        """Hand a checked submit to the engine (``start`` calls it); wait for a slot only
+        when full: first this caller's own share (engine.max_inflight_per_client), then
+        a slot of the engine shared by all.
+
+        Its deadline: ``timeout`` seconds if given (at most engine.peer_timeout_s, which
+        bounds every transfer anyway); a write from device memory, whose staging wait
+        comes before the transfer's own clock starts, gets twice engine.peer_timeout_s
+        unless it names one.
+        """
+        engine = self._engine()
+        peer_timeout = engine.config.peer_timeout_s
+        if timeout is not None:
+            timeout = deadline(timeout, None, peer_timeout,
+                               f"a {label if isinstance(label, str) else Command(label).name}",
+                               "engine.peer_timeout_s")
+
+        def go() -> Op:
+            fut = start()
+            caller.pending.add(fut)
+            op = Op(key, label, lambda err: engine.cancel(fut, err))
+            staged = timeout is None and isinstance(fut, asyncio.Task)
+            caller.ops.add(op, 2 * peer_timeout if staged else timeout)
+            fut.add_done_callback(functools.partial(self._completed, caller, op, on_end))
+            return op
+
+        cap = engine.config.max_inflight_per_client
+        if len(caller.pending) < cap and engine.has_slot():
+            return go()
+
+        async def later() -> Op:
+            await caller.wait_room(cap)
+            await engine.wait_slot()
+            return go()
+
+        return later()
+
+    def _completed(self, caller: Caller, op: Op, on_end: End, fut: asyncio.Future[None]
+                   ) -> None:
+        caller.finished_one(fut)
+        err: TransferdError | None
+        if fut.cancelled():  # a write from device memory stopped while staging: nothing sent
+            err = op.reason or Cancelled(f"{op.what} was cancelled")
+        else:
+            exc = fut.exception()
+            if exc is None or isinstance(exc, TransferdError):
+                err = exc
+            else:
+                from transferd.protocol.errors import Internal
+
+                err = Internal(repr(exc))
+        caller.ops.finished(op, err)
+        if err is not None:
+            self.metrics.error(err.code)
+        on_end(err)
+
+    # One-sided reads (transferd/engine/reads.py): submits like the writes.
+
+    def submit_single_read(self, caller: Caller, key: int, length: int,
+                           dst: tuple[int, int], src: tuple[MrDesc, int], *,
+                           timeout: float | None = None, on_end: End) -> Admitted:
+        """``length`` bytes of the peer region ``src = (desc, offset)`` into our region
+        ``dst = (mr, offset)``; done once every byte is in place."""
+        engine = self._engine()
+        return self.submit(caller, key, Command.SINGLE_READ, lambda: engine.submit_single_read(
+            length, dst, src), timeout, on_end)
+
+    def submit_paged_reads(self, caller: Caller, key: int, page_len: int,
+                           dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
+                           timeout: float | None = None, on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
+            page_len, dst, src), timeout, on_end)
+
+    def submit_gather(self, caller: Caller, key: int, mr: int,
+                      srcs: Sequence[tuple[int, int, MrDesc, int]], *,
+                      timeout: float | None = None, on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.GATHER, lambda: engine.submit_gather(
+            mr, srcs), timeout, on_end)
+
+    def submit_single_write(self, caller: Caller, key: int, length: int, imm: int | None,
+                            src: tuple[int, int], dst: tuple[MrDesc, int], *,
+                            wid: int | None = None, timeout: float | None = None,
+                            on_end: End) -> Admitted:
+        """``length`` bytes from region ``src = (mr, offset)`` to ``dst = (desc,
+        offset)``; ``imm`` counted once at the destination once they are in place.
+        ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
+        are two writes)."""
+        engine = self._engine()
+        return self.submit(caller, key, Command.SINGLE_WRITE, lambda: engine.submit_single_write(
+            length, imm, src, dst, wid, caller), timeout, on_end)
+
+    def submit_paged_writes(self, caller: Caller, key: int, page_len: int, imm: int | None,
+                            src: tuple[int, Pages], dst: tuple[MrDesc, Pages], *,
+                            wid: int | None = None, timeout: float | None = None,
+                            on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
+            page_len, imm, src, dst, wid, caller), timeout, on_end)
+
+    def submit_scatter(self, caller: Caller, key: int, group: int | None, imm: int | None,
+                       mr: int, dsts: Sequence[ScatterDst], *, timeout: float | None = None,
+                       on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
+            group, imm, mr, dsts), timeout, on_end)
+
+    def submit_barrier(self, caller: Caller, key: int, group: int | None, imm: int,
+                       dsts: Sequence[MrDesc], *, timeout: float | None = None,
+                       on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.BARRIER, lambda: engine.submit_barrier(
+            group, imm, dsts), timeout, on_end)
+
+    def submit_send(self, caller: Caller, key: int, addr: NetAddr, msg: bytes, *,
+                    timeout: float | None = None, on_end: End) -> Admitted:
+        """``msg`` (at most 1 MiB, copied now: the caller may reuse its buffer) to a
+        receive posted at ``addr``."""
+        engine = self._engine()
+        return self.submit(caller, key, Command.SEND, lambda: engine.submit_send(addr, msg),
+                           timeout, on_end)
+
+    def add_peer_group(self, caller: Caller, addrs: Sequence[NetAddr]) -> int:
+        """A peer group, its links opened now; it goes with ``caller``."""
+        if not addrs:
+            raise BadRequest("a peer group needs at least one NetAddr")
+        return self._engine().add_peer_group(addrs, caller)
+
+    def submit_recvs(self, caller: Caller, length: int, count: int, arrived: Arrived) -> None:
+        """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
+        self._engine().submit_recvs(caller, length, count, arrived)
+
+    # -- the engine: counts ------------------------------------------------------------
+
+    def expect_imm_count(self, caller: Caller, key: int, imm: int, count: int, *,
+                         timeout: float | None = None, on_end: End) -> Op:
+        """``on_end(None)`` once immediate ``imm`` reached ``count`` (then consumed); past
+        its deadline (engine.expect_timeout_s unless given) ``on_end(Timeout)``, nothing
+        consumed.  It ends with its caller."""
+        engine = self._engine()
+        if not 0 <= imm <= U32 or not 0 <= count <= U32:
+            raise BadRequest(f"imm {imm} and count {count} must be 32-bit unsigned values")
+        cfg = engine.config
+        timeout = deadline(timeout, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
+                           "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
+        ops = caller.ops
+
+        def reached() -> None:
+            ops.finished(op, None)
+            on_end(None)
+
+        def stop(err: TransferdError) -> bool:
+            # Dropped before it fired: nothing of the count is consumed.
+            if not engine.cancel_expectation(caller, handle):
+                return False
+            ops.finished(op, err)
+            on_end(err)
+            return True
+
+        # Fires at the earliest on the loop's next turn, after op exists.
+        handle = engine.expect_imm_count(caller, imm, count, reached)
+        op = ops.add(Op(key, f"EXPECT_IMM_COUNT of {count} on {imm}", stop, with_caller=True),
+                     timeout)
+        return op
+
+    def imm_count(self, imm: int) -> int:
+        return self._engine().imm_value(imm)
+
+    # -- ending one early --------------------------------------------------------------------
+
+    def cancel(self, caller: Caller, key: int) -> bool | Awaitable[bool]:
+        """End ``caller``'s pending operation ``key`` with CANCELLED: True if that is how it
+        ended, False if it had ended first; an awaitable of that while its end is on its
+        way (a transfer ends as soon as its worker sees the cancel).  NotFound: no such
+        operation of this caller (never started, already ended)."""
+        op = caller.ops.get(key)
+        if op is None:
+            raise NotFound(f"no pending operation with seq {key} on this connection (never "
+                           "sent here, already ended, or one CANCEL does not end)")
+        op.halt(Cancelled(f"{op.what} (seq {key}) cancelled by the client"))
+        if op.ended:
+            return op.cancelled_by_us
+
+        async def after() -> bool:
+            await op.wait_ended()
+            return op.cancelled_by_us
+
+        return after()
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def _leases(self) -> LeaseTable:
+        if self.leases is None:  # pragma: no cover - start() makes it
+            raise UnknownCommand("this daemon serves no leases")
+        return self.leases
+
+    def renew_lease(self, caller: Caller, name: str, ttl: float, *, join: bool = False
+                    ) -> tuple[Lease, bool, int]:
+        """Make lease ``name`` (True) or renew it (False) for ``ttl`` seconds from now;
+        with how many buffers it owns.  Another caller's is refused unless ``join``."""
+        got, created = self._leases().renew(name, ttl, caller, join=join, source=caller.source)
+        return got, created, len(self.buffers.owned_by(got))
+
+    def end_lease(self, caller: Caller, name: str, *, join: bool = False
+                  ) -> tuple[int, Awaitable[None] | None]:
+        """End lease ``name`` now: its buffers freed (how many), the awaitable until the
+        writes admitted into their regions have landed."""
+        ended = self._leases().end(name, caller, join=join)
+        return self.release_owned(ended)
+
+    # -- watchers ----------------------------------------------------------------------------
+
+    def alloc_uvm_watcher(self, caller: Caller, changed: Callable[[Watcher, int, int], None],
+                          buffer_id: int | None = None, offset: int = 0
+                          ) -> tuple[Watcher, dict[str, Any]]:
+        """A 64-bit word watched for ``caller``: in its word page (made on first use: a
+        file in /dev/shm, mode 0600, removed when the caller goes) or, with
+        ``buffer_id``, the 8-byte aligned word at ``offset`` of that buffer (which must
+        have a host view).  ``changed(watcher, old, new)`` runs on the node's loop for
+        every change the watcher thread sees; the next is handed on only once the
+        caller called ``watcher.delivered()`` (changes seen meanwhile are merged).
+        Returns the watcher and where its word is (``path``, ``offset``, ``page_size``
+        for a page word)."""
+        from transferd.engine.watchers import WORD, WordPage, buffer_words
+
+        watchers = self.watchers
+        assert watchers is not None, "start() makes the watcher set"
+        loop = asyncio.get_running_loop()
+        where: dict[str, Any] = {}
+        keep: Any
+        gone: Any
+        watchers.check_room(caller)  # before a word of the page is taken
+        if buffer_id is not None:
+            buf = self.buffers.get(buffer_id)
+            if buf.staging is not None:
+                raise BadRequest(f"buffer {buf.id} has no host view to watch")
+            view = buf.view(0, buf.size)
+            (words, index), keep = buffer_words(view, offset), view
+            key: Hashable = ("buffer", buf.id)
+            # Ends once the buffer is freed: its view would hold the memory and the charge.
+            gone = lambda: buf.freed
+        else:
+            page = caller.word_page
+            if page is None or page.closed:
+                try:
+                    page = caller.word_page = WordPage()
+                except OSError as exc:
+                    raise BadRequest(f"cannot make a shared word page: {exc}") from None
+            at = page.take()
+            words, index, keep, key, gone = page.words, at // WORD, page, page, None
+            where.update(path=str(page.path), offset=at, page_size=len(page.words) * 8)
+        box: list[Watcher] = []
+
+        def deliver(old: int, new: int) -> None:
+            if not caller.closed:
+                changed(box[0], old, new)
+
+        def on_thread(old: int, new: int) -> None:  # on the watcher thread
+            with contextlib.suppress(RuntimeError):  # the node's loop is gone
+                loop.call_soon_threadsafe(deliver, old, new)
+
+        w = watchers.add(caller, key, words, index, on_thread, keep, handoff=True, gone=gone)
+        box.append(w)
+        return w, where
+
+    # -- names -------------------------------------------------------------------------------
+
+    @property
+    def names(self) -> Names:
+        """The cluster's names through this node (transferd/service/names.py)."""
+        if self._names is None:
+            from .names import Names
+
+            self._names = Names(self)
+        return self._names
+
+    @property
+    def discovery(self) -> Discovery:
+        """The node's Discovery; a node built without one gets an embedded one."""
+        if self._discovery is None:
+            from transferd.config_discovery import DiscoveryConfig
+            from transferd.discovery.service import Discovery
+
+            disc = self._discovery = Discovery(DiscoveryConfig())
+            disc.directory.node_name = "local"
+            disc.directory.record = {"v": 1, "name": "local", "server": self.name,
+                                     "version": [1, self.config.server.protocol_minor, 0]}
+        return self._discovery
+
+    @property
+    def has_discovery(self) -> bool:
+        return self._discovery is not None
+
+    # -- what a listing shows -------------------------------------------------------------
+
+    def buffer_listing(self, viewer: Caller) -> dict[str, Any]:
+        from transferd.inventory import buffer_listing
+
+        return buffer_listing(self.buffers, self.engine, viewer=viewer)
+
+
+def _alive(owner: Hashable) -> bool:
+    """Whether a watcher's owner is still there (the sweep ends those of gone callers)."""
+    return not getattr(owner, "closed", False)
