@@ -27,6 +27,8 @@ BENCHMARKS = [
     "engine_small",
     # Checksums (issue 20)
     "engine_verify",
+    # One-sided READ against WRITE (issue 19)
+    "engine_reads",
     # Memory (issue 7)
     "shm_read",
     # The RDMA completion-queue loop (issue 24)
@@ -50,7 +52,8 @@ BENCHMARKS = [
 # Names that stand for several benchmarks in ``--only`` (``--only engine``).
 GROUPS = {
     "engine": ["engine_bulk", "engine_paged", "engine_rails", "engine_latency", "engine_steps",
-               "engine_groups", "engine_small", "engine_verify"],
+               "engine_groups", "engine_small", "engine_verify",
+               "engine_reads"],
     "memory": ["shm_read"],
     "scale": ["scale_clients", "scale_pages", "scale_peers", "scale_handoff", "copies"],
     "workloads": ["workloads_kv", "workloads_rl", "workloads_moe"],

@@ -284,7 +284,9 @@ class PeerProcess:
 class PeerPair:
     """A target and an initiator of one kind; ``bulk``/``lat`` ask the initiator."""
 
-    def __init__(self, kind: str, size: int, s: Sides, timeout: float = 90.0) -> None:
+    def __init__(self, kind: str, size: int, s: Sides, timeout: float = 90.0,
+                 extra: Sequence[str] = ()) -> None:
+        """``extra``: more arguments for the initiator (NIXL's ``--xfer READ``)."""
         self.kind = kind
         self.size = size
         self.target = PeerProcess(kind, "t", size, s.target, timeout=timeout).start()
@@ -296,7 +298,7 @@ class PeerPair:
                 args = ["--session", t["session"], "--addr", str(t["addr"])]
             else:
                 args = ["--meta", t["meta"], "--addr", str(t["addr"])]
-            self.initiator = PeerProcess(kind, "i", size, s.initiator, args,
+            self.initiator = PeerProcess(kind, "i", size, s.initiator, [*args, *extra],
                                          timeout=timeout).start()
         except BaseException:
             self.target.stop()

@@ -312,7 +312,8 @@ def nixl_initiator(a: argparse.Namespace) -> None:
         if h is None:
             local = agent.get_xfer_descs([(buf.ptr, n, 0)], "DRAM")
             dst = agent.get_xfer_descs([(a.addr, n, 0)], "DRAM")
-            h = handles[n] = agent.initialize_xfer("WRITE", local, dst, remote, b"")
+            # WRITE: our buffer into the target's; READ: the target's into ours.
+            h = handles[n] = agent.initialize_xfer(a.xfer, local, dst, remote, b"")
         return h
 
     def one(n: int) -> None:
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--session", default="", help="mooncake: the target's host:rpc_port")
     ap.add_argument("--addr", type=int, default=0, help="the target buffer's address")
     ap.add_argument("--meta", default="", help="nixl: the target agent's metadata (hex)")
+    ap.add_argument("--xfer", default="WRITE", choices=("WRITE", "READ"),
+                    help="nixl: the initiator's operation")
     a = ap.parse_args(argv)
     try:
         ROLES[a.role](a)

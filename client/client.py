@@ -46,6 +46,7 @@ from .queue import (
     ranges,
     segments,
 )
+from .reads import ReadOps
 from .replies import out_view
 from .shared import SharedBuffer, map_shared, read_local
 from .switches import Switches
@@ -139,6 +140,7 @@ class Client:
         self._shared: dict[int, SharedBuffer] = {}
         # The parts: each takes this Client as the interface of client/calls.py.
         self.engine = EngineOps(self, self._events)
+        self.read_ops = ReadOps(self.engine)
         self.copies = Copies(self)
         self.cuda_ipc = CudaIpc(self)
         self.leases = Leases(self, self.alloc_buffer)
@@ -519,8 +521,9 @@ class Client:
     async def main_address(self) -> NetAddr:
         return await self.engine.main_address()
 
-    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
-        return await self.engine.reg_mr(buf)
+    async def reg_mr(self, buf: RemoteBuffer, access: str = "w") -> tuple[MrHandle, MrDesc]:
+        """``access``: ``"w"`` (peers write, the default), ``"r"`` (peers read), ``"rw"``."""
+        return await self.engine.reg_mr(buf, access)
 
     async def dereg_mr(self, mr: MrHandle) -> None:
         await self.engine.dereg_mr(mr)
@@ -544,6 +547,27 @@ class Client:
         return await self.engine.submit_paged_writes(page_len, imm, src, dst,
                                                      timeout=timeout, wid=wid, verify=verify,
                                                      traceparent=traceparent)
+
+    # -- one-sided reads (client/reads.py) ----------------------------------------------
+
+    async def submit_single_read(
+        self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        """``length`` bytes of the peer region ``src`` into your region ``dst``."""
+        return await self.read_ops.submit_single_read(length, dst, src, timeout=timeout)
+
+    async def submit_paged_reads(
+        self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.read_ops.submit_paged_reads(page_len, dst, src, timeout=timeout)
+
+    async def submit_gather(
+        self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self.read_ops.submit_gather(dst, srcs, timeout=timeout)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         return await self.engine.add_peer_group(addrs)

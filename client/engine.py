@@ -171,8 +171,13 @@ class EngineOps:
         r = await self._client._call(Command.MAIN_ADDRESS)
         return NetAddr.from_bytes(r.body["addr"])
 
-    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
-        r = await self._client._call(Command.REG_MR, {"buffer": buf.id})
+    async def reg_mr(self, buf: RemoteBuffer, access: str = "w") -> tuple[MrHandle, MrDesc]:
+        """``access``: what peers may do through the MrDesc's rkeys: ``"w"`` write (the
+        default), ``"r"`` read (submit_single_read ...), ``"rw"`` both."""
+        body: dict[str, Any] = {"buffer": buf.id}
+        if access != "w":
+            body["access"] = access  # (a daemon before reads refuses nothing it knows)
+        r = await self._client._call(Command.REG_MR, body)
         return MrHandle(int(r.body["mr"]), buf), MrDesc.from_wire(r.body["desc"])
 
     async def dereg_mr(self, mr: MrHandle) -> None:

@@ -587,10 +587,10 @@ class InprocClient(Client):
     async def main_address(self) -> NetAddr:
         return self.service.main_address()
 
-    async def reg_mr(self, buf: RemoteBuffer) -> tuple[MrHandle, MrDesc]:
+    async def reg_mr(self, buf: RemoteBuffer, access: str = "w") -> tuple[MrHandle, MrDesc]:
         await self.flush()
         self._counted("REG_MR")
-        region, desc = self.service.reg_mr(self.caller, buf.id)
+        region, desc = self.service.reg_mr(self.caller, buf.id, access)
         return MrHandle(region.id, buf), desc
 
     async def dereg_mr(self, mr: MrHandle) -> None:
@@ -637,6 +637,29 @@ class InprocClient(Client):
         return await self._submit("PAGED_WRITES", lambda key, end: self.service.submit_paged_writes(
             self.caller, key, page_len, imm, s, dst, wid=wid, timeout=timeout, on_end=end,
             verify=verify, traceparent=tp))
+
+    async def submit_single_read(
+        self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        d = (dst[0].id, dst[1])
+        return await self._submit("SINGLE_READ", lambda key, end: self.service.submit_single_read(
+            self.caller, key, length, d, src, timeout=timeout, on_end=end))
+
+    async def submit_paged_reads(
+        self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        d = (dst[0].id, dst[1])
+        return await self._submit("PAGED_READS", lambda key, end: self.service.submit_paged_reads(
+            self.caller, key, page_len, d, src, timeout=timeout, on_end=end))
+
+    async def submit_gather(
+        self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
+        *, timeout: float | None = None,
+    ) -> Completion:
+        return await self._submit("GATHER", lambda key, end: self.service.submit_gather(
+            self.caller, key, dst.id, list(srcs), timeout=timeout, on_end=end))
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         self._counted("ADD_PEER_GROUP")

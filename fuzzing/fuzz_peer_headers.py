@@ -1,7 +1,8 @@
 """Fuzz target: the peer plane's data phase (transferd/protocol/peer_link.py, peer_wire.py).
 
-The first byte picks the end: 0 feeds the rest to an inbound link (a peer's WRITEs and
-SENDs, landing in a region of 64 KiB), 1 to an outbound one (the peer's ACKs), each
+The first byte picks the end: 0 feeds the rest to an inbound link (a peer's WRITEs,
+SENDs and READs, landing in or read from a region of 64 KiB), 1 to an outbound one (the
+peer's ACKs and READ_DATA, for a SEND and a READ it made), each
 through an authenticated handshake done in memory.  Whatever the bytes, the link ends
 in ACKs or closed with BAD_FRAME (inbound) or PEER_UNREACHABLE (outbound), no exception
 escapes, nothing is left admitted, and no count moves but by pages that landed."""
@@ -57,6 +58,10 @@ class _Memory:
         if sum(lens) != n:
             raise BadRequest("payload")
         return _Placement(self, views)
+
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: object) -> _Placement:
+        return self.place(rkey, rail, addrs, lens, sum(lens), abort)
 
     def count(self, imm: int, n: int) -> None:
         self.counted += n
@@ -114,11 +119,15 @@ def test_one_input(raw: bytes) -> None:
         # Counts come from pages that landed: a frame of n pages adds at most n.
         assert mem.counted <= len(rest)
     else:
+        into = bytearray(100)
         out.send("token", 1, 0, b"x")
+        out.read("read", 2, 0, RKEY, [BASE], [100], [memoryview(into)])
         _feed(out, rest)
         if out.closed:
             assert out.error is not None and out.error.code.value == "PEER_UNREACHABLE"
-        assert all(t == "token" for t, _ in out.completions)
+        assert all(t in ("token", "read") for t, _ in out.completions)
+        # Bytes land in the read's memory only as its answer, never past it.
+        assert len(into) == 100
 
 
 def main() -> None:

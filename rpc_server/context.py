@@ -164,5 +164,7 @@ class ServerContext:
         feats = ["batched_get", "batched_set", "no_reply_events"]
         if self.engine is not None:
             feats.append("engine")
+            if self.engine.capabilities.reads:  # SINGLE_READ ... GATHER (0x36-0x38)
+                feats.append("read")
         feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

@@ -125,7 +125,12 @@ def main_address(session: Session, frame: Frame) -> Reply:
 @handler(Command.REG_MR)
 def reg_mr(session: Session, frame: Frame) -> Reply:
     # Device memory too: the engine reaches it through its group's staging (docs/gpu.md).
-    region, desc = _service(session).reg_mr(session.caller, uint_field(frame.body, "buffer"))
+    # ``access``: what peers may do through its rkeys ("w", the default; "r"; "rw").
+    access = frame.body.get("access", "w")
+    if not isinstance(access, str):
+        raise BadRequest("field 'access' must be 'w', 'r' or 'rw'")
+    region, desc = _service(session).reg_mr(session.caller, uint_field(frame.body, "buffer"),
+                                            access)
     return Reply({"mr": region.id, "desc": desc.to_wire()})
 
 

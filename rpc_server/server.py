@@ -16,6 +16,7 @@ from . import (
     engine_handlers,  # noqa: F401 - registers the engine commands
     lease_handlers,  # noqa: F401 - registers LEASE and END_LEASE
     name_handlers,  # noqa: F401 - registers PUBLISH ... NAMES
+    read_handlers,  # noqa: F401 - registers SINGLE_READ, PAGED_READS, GATHER
     watcher_handlers,  # noqa: F401 - registers ALLOC_UVM_WATCHER
 )
 from .context import ServerContext

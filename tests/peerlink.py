@@ -47,6 +47,7 @@ class HostRegion:
     rkeys: tuple[int, ...]
     admitted: int = 0
     closed: bool = False
+    access: str = "w"
 
 
 class _Placement:
@@ -77,9 +78,10 @@ class HostMemory:
         self.counts: defaultdict[int, int] = defaultdict(int)
         self._next = 0x10000
 
-    def region(self, size: int) -> HostRegion:
+    def region(self, size: int, access: str = "w") -> HostRegion:
         r = HostRegion(self._next, bytearray(size),
-                       tuple(secrets.randbits(64) | 1 for _ in range(self.rails)))
+                       tuple(secrets.randbits(64) | 1 for _ in range(self.rails)),
+                       access=access)
         self._next += size + 0x10000
         for k in r.rkeys:
             self.regions[k] = r
@@ -92,9 +94,24 @@ class HostMemory:
 
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Any) -> _Placement:
+        r = self._open(rkey, rail, "w")
+        views = self._views(r, addrs, lens)
+        if sum(lens) != payload_len:
+            raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
+        return _Placement(r, views, self.deferred)
+
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Any) -> _Placement:
+        r = self._open(rkey, rail, "r")
+        return _Placement(r, self._views(r, addrs, lens))
+
+    def _open(self, rkey: int, rail: int, right: str) -> HostRegion:
         r = self.regions.get(rkey)
-        if r is None or r.rkeys[rail] != rkey:
+        if r is None or r.rkeys[rail] != rkey or right not in r.access:
             raise NotFound("rkey does not name a registered region on this rail")
+        return r
+
+    def _views(self, r: HostRegion, addrs: list[int], lens: list[int]) -> list[memoryview]:
         view = memoryview(r.data)
         views = []
         for a, n in zip(addrs, lens, strict=True):
@@ -102,9 +119,7 @@ class HostMemory:
             if off < 0 or off + n > len(r.data):
                 raise OutOfBounds(f"[0x{a:x}, +{n}) is outside the region")
             views.append(view[off:off + n])
-        if sum(lens) != payload_len:
-            raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {payload_len}")
-        return _Placement(r, views, self.deferred)
+        return views
 
     def count(self, imm: int, n: int) -> None:
         self.counts[imm] += n

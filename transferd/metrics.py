@@ -300,6 +300,18 @@ LINK_STATES = ("connecting", "ready", "paused", "closed")
 QUEUES = ("link_waiting", "recv_backlog", "recv_posted", "worker_slots")
 
 
+def _by_reason(family: Any, tallies: list[dict[str, int]]) -> Any:
+    """``family`` with one sample per refusal reason (REFUSE_REASONS, the rest "other"),
+    summed over every group's tally."""
+    counts = dict.fromkeys(REFUSE_REASONS, 0)
+    for tally in tallies:
+        for code, n in tally.items():
+            counts[code if code in counts else "other"] += n
+    for reason, n in counts.items():
+        family.add_metric([reason], n)
+    return family
+
+
 def _snapshot(fn: Any, default: Any) -> Any:
     """Read state another thread is changing; a dict resized mid-read is read again."""
     for _ in range(3):
@@ -345,16 +357,17 @@ class _EngineCollector:
                 value=total("writes_in"))
         yield c("transferd_engine_landed_bytes", "Bytes peers wrote into this daemon's regions.",
                 value=total("bytes_in"))
-        refused = c("transferd_engine_refused_writes",
-                    "Peer WRITE parts this daemon refused, by reason (the wire code).",
-                    labels=["reason"])
-        counts = dict.fromkeys(REFUSE_REASONS, 0)
-        for st in stats:
-            for code, n in st.refused_by.items():
-                counts[code if code in counts else "other"] += n
-        for reason, n in counts.items():
-            refused.add_metric([reason], n)
-        yield refused
+        yield _by_reason(c("transferd_engine_refused_writes",
+                           "Peer WRITE parts this daemon refused, by reason (the wire code).",
+                           labels=["reason"]), [st.refused_by for st in stats])
+        yield c("transferd_engine_served_reads",
+                "Peer READ parts this daemon answered from its regions.",
+                value=total("reads_out"))
+        yield c("transferd_engine_served_read_bytes",
+                "Bytes peers read from this daemon's regions.", value=total("read_bytes_out"))
+        yield _by_reason(c("transferd_engine_refused_reads",
+                           "Peer READ parts this daemon refused, by reason (the wire code).",
+                           labels=["reason"]), [st.reads_refused_by for st in stats])
         integrity = c("transferd_engine_integrity_failures",
                       "Peer WRITE parts whose CRC32C did not match the bytes placed here "
                       "(refused, not counted; the sender re-sends once), by peer node and "

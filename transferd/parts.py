@@ -53,6 +53,12 @@ class RegionInfo(Protocol):
         """The memory's device kind: ``cpu``, ``shm``, ``cuda:0``..."""
         ...
 
+    @property
+    def access(self) -> str:
+        """What peers may do: ``"w"`` (write), ``"r"`` (read) or ``"rw"``; a NIC grants
+        its remote rights from it (verbs: IBV_ACCESS_REMOTE_READ only with "r")."""
+        ...
+
 
 class EnginePort(Protocol):
     """What a domain group asks of the engine: a :class:`~transferd.protocol.peer_landing.
@@ -62,6 +68,9 @@ class EnginePort(Protocol):
               payload_len: int, abort: Callable[[], None] | None) -> Placement: ...
 
     def count(self, imm: int, n: int) -> None: ...
+
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Callable[[], None] | None) -> Placement: ...
 
     def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
         """A message from ``peer`` for a posted receive (any thread may ack)."""
@@ -119,6 +128,30 @@ class WritePart:
                 self.crc = crc_of(self.src)
             return encode_ext(self.crc, self.trace)
         return encode_ext(None, self.trace) if self.trace is not None else b""
+
+
+@dataclass(slots=True)
+class ReadPart:
+    """One READ: ``lens`` bytes at the peer's ``addrs`` (its region ``rkey``) into
+    ``dst`` (views of our own region, in order; received straight into them)."""
+
+    rail: int
+    dst: NetAddr  # the peer rail's address (where the bytes come from)
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+    into: list[memoryview]
+    index: int = 0
+    op: int = 0
+    parts: int = 1
+    # The peer region's (rail address, rkey) on every rail: where it may be re-read.
+    alts: Sequence[tuple[NetAddr, int]] | None = None
+    # Re-read on another rail (a READ has no effect at the peer: nothing to drop).
+    again: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
 
 
 @dataclass(slots=True)

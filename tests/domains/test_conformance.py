@@ -33,9 +33,10 @@ from transferd.domains.group import DomainGroup
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.plan import plan_barrier, plan_paged, plan_single
 from transferd.engine.port import EnginePort
+from transferd.engine.reads import plan_paged_reads, plan_single_read
 from transferd.engine.regions import Region, RegionTable
 from transferd.memory import Buffer
-from transferd.parts import SendPart, Transfer, WritePart
+from transferd.parts import ReadPart, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
     NotFound,
@@ -114,13 +115,14 @@ class Node:
         self.messages.append((peer, msg))
         ack(None)
 
-    def region(self, size: int, seed: int | None = None) -> tuple[Region, MrDesc, memoryview]:
+    def region(self, size: int, seed: int | None = None, access: str = "w"
+               ) -> tuple[Region, MrDesc, memoryview]:
         buf = Buffer.host(next(_ids), size)
         self.buffers.append(buf)
         view = buf.view(0, size)
         if seed is not None:
             view[:] = random.Random(seed).randbytes(size)
-        region = self.regions.register(buf, RAILS)
+        region = self.regions.register(buf, RAILS, access)
         rkeys = self.group.register(region)
         desc = MrDesc(region.ptr, [(self.group.rail_address(i), k)
                                    for i, k in enumerate(rkeys)], size)
@@ -130,7 +132,7 @@ class Node:
         self.regions.deregister(region.id)
         self.group.deregister(region)
 
-    async def run(self, parts: list[WritePart | SendPart]) -> TransferdError | None:
+    async def run(self, parts: list[WritePart | SendPart | ReadPart]) -> TransferdError | None:
         """Execute planned parts; the transfer's error (None: every part acknowledged)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TransferdError | None] = loop.create_future()
@@ -249,6 +251,69 @@ async def test_barrier_counts_one(a: Node, b: Node) -> None:
     op = a.op()
     assert await a.run(list(plan_barrier(op, 11, [desc], RAILS))) is None
     assert b.counter.value(11) == 1
+
+
+def _needs_reads(a: Node) -> None:
+    """A Domain that says it serves no READs (verbs, for now) is skipped, with why."""
+    if not a.group.capabilities.reads:
+        pytest.skip(f"{a.group.domain} does not serve one-sided READ yet "
+                    "(its work requests are planned: domains/verbs/reads.py)")
+
+
+@conformance
+async def test_single_reads_land_whole(a: Node, b: Node) -> None:
+    _needs_reads(a)
+    """A peer region's bytes into ours, whole and split over the rails; nothing counted."""
+    _, desc, src_view = b.region(4 << 20, seed=21, access="r")
+    _, _, dst_view = a.region(4 << 20)
+    for length, dst_off, src_off in [(100, 4096, 7), (3 << 20, 1, 65536)]:
+        parts: list[WritePart | SendPart | ReadPart] = list(plan_single_read(
+            a.op(), length, dst_view[dst_off:dst_off + length], desc, src_off, RAILS))
+        assert await a.run(parts) is None
+        assert digest(dst_view[dst_off:dst_off + length]) == digest(
+            src_view[src_off:src_off + length])
+    assert not b.counter.value(0) and not a.counter.value(0)
+
+
+@conformance
+async def test_paged_reads_land_page_by_page(a: Node, b: Node) -> None:
+    _needs_reads(a)
+    page, n = 4096, 300
+    _, desc, src_view = b.region(page * 512, seed=22, access="rw")
+    _, _, dst_view = a.region(page * 512)
+    rng = random.Random(23)
+    s_idx, d_idx = rng.sample(range(512), n), rng.sample(range(512), n)
+    into = [dst_view[i * page:(i + 1) * page] for i in d_idx]
+    parts: list[WritePart | SendPart | ReadPart] = list(
+        plan_paged_reads(a.op(), page, into, desc, Pages(s_idx, page), RAILS))
+    assert await a.run(parts) is None
+    for s, d in zip(s_idx, d_idx, strict=True):
+        assert digest(dst_view[d * page:(d + 1) * page]) == digest(
+            src_view[s * page:(s + 1) * page])
+
+
+@conformance
+async def test_read_refusals_leave_memory_untouched(a: Node, b: Node) -> None:
+    _needs_reads(a)
+    """A write-only region reads as a forged rkey does (NOT_FOUND); past the end is
+    OUT_OF_BOUNDS; a revoked region NOT_FOUND; the reader's memory untouched by all."""
+    _, wdesc, _ = b.region(8192, seed=24)
+    rregion, rdesc, _ = b.region(8192, seed=25, access="r")
+    _, _, dst_view = a.region(8192, seed=26)
+    before = digest(dst_view)
+    forged = MrDesc(rdesc.ptr, [(ad, k ^ 0x5A5A) for ad, k in rdesc.rkeys], rdesc.size)
+    unsized = MrDesc(rdesc.ptr, rdesc.rkeys, 0)
+    errors = []
+    for d, off, kind in [(wdesc, 0, NotFound), (forged, 0, NotFound),
+                         (unsized, 8192 - 100, OutOfBounds)]:
+        err = await a.run(list(plan_single_read(a.op(), 200, dst_view[:200], d, off, RAILS)))
+        assert isinstance(err, kind), (kind, err)
+        errors.append(err)
+    assert errors[0].message == errors[1].message
+    b.revoke(rregion)
+    err = await a.run(list(plan_single_read(a.op(), 200, dst_view[:200], rdesc, 0, RAILS)))
+    assert isinstance(err, NotFound)
+    assert digest(dst_view) == before
 
 
 @conformance

@@ -419,7 +419,8 @@ NOT_FOR_INPROC = (
     "tests/integration/test_engine_writes.py::test_main_address_and_registration",
     "tests/integration/test_engine_writes.py::test_rails_each_bind_their_own_address",
 )
-SUITES = ("tests/integration/test_engine_writes.py", "tests/integration/test_engine_peers.py")
+SUITES = ("tests/integration/test_engine_writes.py", "tests/integration/test_engine_peers.py",
+          "tests/integration/test_engine_reads.py")
 
 
 def test_the_engine_suites_pass_with_an_inproc_engine_in_place_of_a_daemon() -> None:

@@ -131,7 +131,7 @@ async def _main(src: str, dst: str, op_name: str, sizes: list[int], window: int,
         if why is not None:
             raise BenchError(f"--op {op_name}: {why}")
         pair = Pair(clients[0], clients[1])
-        await pair.take(max(sizes))
+        await pair.take(max(sizes), op.access)
         results = []
         for i, size in enumerate(sizes):
             progress(i, size, 0.0)

@@ -124,6 +124,7 @@ class Operation(Protocol):
     """One kind of transfer the bench times (``--op``)."""
 
     name: str
+    access: str
 
     def missing(self, source: Any) -> str | None:
         """Why this build or this daemon cannot do it, or None."""
@@ -136,6 +137,7 @@ class Write:
     """One-sided writes: the local region's bytes into the remote one."""
 
     name = "write"
+    access = "w"  # what the remote region must grant
 
     def missing(self, source: Any) -> str | None:
         return None if "engine" in source.features else "the source daemon has no engine"
@@ -147,11 +149,12 @@ class Write:
 class Read:
     """One-sided reads (issue 19): the remote region's bytes into the local one.
 
-    The client method and the daemon's feature come with that issue; until then
-    :meth:`missing` says so and nothing is submitted.
+    A daemon without the feature (HELLO's ``read``) is told apart by :meth:`missing`,
+    and nothing is submitted.
     """
 
     name = "read"
+    access = "r"
 
     def missing(self, source: Any) -> str | None:
         if not hasattr(source, "submit_single_read"):
@@ -214,7 +217,7 @@ class Pair:
     local_buf: Any = None
     remote_buf: Any = None
 
-    async def take(self, size: int) -> None:
+    async def take(self, size: int, access: str = "w") -> None:
         """A buffer of ``size`` on each side, filled with random bytes, registered."""
         a, b = self.source, self.destination
         # The connection's: a bench killed before its clean-up (SIGKILL) leaves nothing
@@ -227,7 +230,8 @@ class Pair:
         await b.set_tensor(self.remote_buf.tensor(), os.urandom(size))
         self.local_mr, _ = await a.reg_mr(self.local_buf)
         self.held.append(functools.partial(a.dereg_mr, self.local_mr))
-        remote_mr, self.remote_desc = await b.reg_mr(self.remote_buf)
+        # (The remote region grants what the operation needs of it: "r" for reads.)
+        remote_mr, self.remote_desc = await b.reg_mr(self.remote_buf, access)
         self.held.append(functools.partial(b.dereg_mr, remote_mr))
 
     async def same(self, size: int) -> bool:

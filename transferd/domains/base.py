@@ -18,11 +18,16 @@ What a Domain does, and when (every call on its group's worker loop):
 - ``register(region) -> rkey`` / ``deregister(region)``: make a registered region
   writable through this NIC; the rkey goes in the region's MrDesc.  Called on the
   daemon's loop: a Domain whose NIC must be touched from its worker hops there.
-- ``post(part, transfer)``: send one WritePart or SendPart to ``part.dst``; call
-  ``transfer.part_done()`` once the peer acknowledged it (the bytes are in place,
-  or a client has the message) or ``transfer.part_done(error)``.  With more than
+- ``post(part, transfer)``: send one WritePart, SendPart or ReadPart to
+  ``part.dst``; call ``transfer.part_done()`` once the peer acknowledged it (the
+  bytes are in place, or a client has the message; a read's bytes are in its
+  ``into`` views) or ``transfer.part_done(error)``.  A ReadPart's views may be
+  written only while ``transfer.finished`` is False (after that the memory may be
+  its owner's again): what arrives later is dropped.  With more than
   one rail ``transfer`` may stand for one part only (a :class:`~.failover.Resend`):
   use only its ``part_done``, ``fail``, ``finished`` and ``op``.
+- inbound READs: ``port.landing.read(rail, rkey, addrs, lens, abort)`` checks the
+  rights ("r"), the bounds and admits; send its ``views``, then ``release()``.
 - inbound: ``port.landing.open(peer, rail, header, payload_len, abort)`` before
   any byte lands, land the bytes in its views, then ``commit(nbytes)`` or
   ``fail(error)`` (a NIC that places and counts itself: ``port.landing.
@@ -50,7 +55,7 @@ from transferd.protocol.errors import TransferdError
 from transferd.protocol.values import NetAddr
 
 if TYPE_CHECKING:
-    from transferd.parts import SendPart, Transfer, WritePart
+    from transferd.parts import ReadPart, SendPart, Transfer, WritePart
     from transferd.protocol.peer_landing import Landing
 
     from .links import LinkContext
@@ -106,6 +111,8 @@ class Capabilities:
     counts_immediates: bool = False
     #: Writes into memory reached only through staging (device memory) land here.
     device_memory: bool = True
+    #: It serves one-sided READs (ReadPart posted, answered from registered regions).
+    reads: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,8 +197,9 @@ class Domain(abc.ABC):
         """No more writes into ``region`` through this NIC."""
 
     @abc.abstractmethod
-    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
-        """Send ``part``; ``transfer.part_done([error])`` when the peer acknowledged it."""
+    def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
+        """Send ``part``; ``transfer.part_done([error])`` when the peer acknowledged it
+        (a ReadPart: when every byte it asked is in its ``into`` views)."""
 
     def connect(self, dst: NetAddr) -> None:  # noqa: B027 - optional, a no-op by default
         """Open the link to ``dst`` (one rail) ahead of its first part."""

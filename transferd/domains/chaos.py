@@ -14,6 +14,11 @@ a piece drawn for it is sent from a copy of its bytes with one byte flipped, nev
 the source; a verified piece's checksum is taken from the source first, so the
 receiver sees the mismatch (and the initiator re-sends), while an unverified one
 lands corrupted.
+
+A READ is cut the same way (a frame of pages into one READ per page, a range into
+aligned pieces), each piece after its own delay, its answer landing straight in its
+own slice of the reader's region: the read completes when every piece's bytes did,
+in whatever order they came.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ import random
 from itertools import accumulate
 from typing import Any
 
-from transferd.parts import SPLIT_ALIGN, RegionInfo, SendPart, Transfer, WritePart, split_sizes
+from transferd.parts import (
+    SPLIT_ALIGN,
+    ReadPart,
+    RegionInfo,
+    SendPart,
+    Transfer,
+    WritePart,
+    split_sizes,
+)
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.peer_coverage import MAX_PIECES as SPAN_PIECES
 from transferd.protocol.values import NetAddr
@@ -137,6 +150,64 @@ def _pieces(part: WritePart, max_parts: int) -> list[WritePart]:
     return [part]
 
 
+def read_pieces(part: ReadPart, max_parts: int) -> list[ReadPart]:
+    """A READ in pieces, each into its own slice of the reader's views."""
+    n = len(part.addrs)
+    if 1 < n <= MAX_PIECES:
+        intos = _cut(part.into, part.lens)
+        return [ReadPart(part.rail, part.dst, part.rkey, [a], [ln], into,
+                         (part.index << 8) | k, part.op, part.parts, part.alts, part.again)
+                for k, (a, ln, into) in enumerate(zip(part.addrs, part.lens, intos,
+                                                      strict=True))]
+    if n == 1 and part.lens[0] >= 2 * SPLIT_ALIGN:
+        length = part.lens[0]
+        sizes = split_sizes(length, min(max_parts, MAX_PIECES, length // SPLIT_ALIGN))
+        if len(sizes) > 1:
+            starts = [0, *accumulate(sizes)][:-1]
+            return [ReadPart(part.rail, part.dst, part.rkey, [part.addrs[0] + s], [size],
+                             into, (part.index << 8) | k, part.op, part.parts, part.alts,
+                             part.again)
+                    for k, (s, size, into) in enumerate(
+                        zip(starts, sizes, _cut(part.into, sizes), strict=True))]
+    return [part]
+
+
+class _Pieces:
+    """The transfer a read's pieces complete: done when all are, failed by the first
+    failure; finished as soon as the part's own transfer is (a link then drops what
+    still arrives instead of writing it into memory that may be its owner's again)."""
+
+    __slots__ = ("_ended", "left", "outer")
+
+    def __init__(self, outer: Any, n: int) -> None:
+        self.outer = outer
+        self.left = n
+        self._ended = False
+
+    @property
+    def op(self) -> int:
+        return int(self.outer.op)
+
+    @property
+    def finished(self) -> bool:
+        return self._ended or bool(self.outer.finished)
+
+    def part_done(self, error: TransferdError | None = None) -> None:
+        if self._ended:
+            return
+        if error is not None:
+            self._ended = True
+            self.outer.part_done(error)
+            return
+        self.left -= 1
+        if not self.left:
+            self._ended = True
+            self.outer.part_done()
+
+    def fail(self, error: TransferdError) -> None:
+        self.part_done(error)
+
+
 class ChaosDomain(Domain):
     name = "chaos"
 
@@ -166,8 +237,16 @@ class ChaosDomain(Domain):
     def deregister(self, region: RegionInfo) -> None:
         self.inner.deregister(region)
 
-    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         loop = self.port.loop
+        if isinstance(part, ReadPart):
+            reads = read_pieces(part, self.options.max_parts)
+            self._rng.shuffle(reads)
+            pieces_of: Any = transfer if len(reads) == 1 else _Pieces(transfer, len(reads))
+            for read in reads:
+                delay = self._rng.uniform(0, self.options.max_delay_s)
+                loop.call_later(delay, self.inner.post, read, pieces_of)
+            return
         todo: list[WritePart | SendPart] = []
         if isinstance(part, WritePart):
             todo.extend(pieces(part, self.options.max_parts))

@@ -26,7 +26,9 @@ receiver counted nothing of it) is re-sent once, on another rail if there is
 one, without marking its rail down; a second mismatch fails the transfer with
 that IntegrityError (docs/integrity.md).
 
-Two-sided SENDs are not re-sent (a message could be delivered twice).
+Two-sided SENDs are not re-sent (a message could be delivered twice).  A READ's part
+is re-read on another rail the same way (a READ changes nothing at the peer; the
+part's bytes are received again, whole, into the same place).
 Everything here runs on the group's worker loop.
 """
 
@@ -37,7 +39,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from transferd.logs import trace_fields
-from transferd.parts import Transfer, WritePart
+from transferd.parts import ReadPart, Transfer, WritePart
 from transferd.protocol.errors import IntegrityError, PeerUnreachable, TransferdError
 
 if TYPE_CHECKING:
@@ -95,7 +97,7 @@ class RailHealth:
             log.warning("rail %d to node %016x: up again", rail, peer[0])
 
 
-def move(part: WritePart, rail: int) -> None:
+def move(part: WritePart | ReadPart, rail: int) -> None:
     """Point ``part`` at ``rail``: that rail's address and rkey of its destination."""
     assert part.alts is not None
     part.rail = rail
@@ -112,7 +114,8 @@ class Resend:
 
     __slots__ = ("group", "part", "rechecked", "transfer", "tried")
 
-    def __init__(self, group: DomainGroup, transfer: Transfer, part: WritePart) -> None:
+    def __init__(self, group: DomainGroup, transfer: Transfer,
+                 part: WritePart | ReadPart) -> None:
         self.group = group
         self.transfer = transfer
         self.part = part
@@ -179,6 +182,7 @@ class Resend:
         g.integrity_resends += 1
         log.warning("part %d of op %d: checksum mismatch at node %016x rail %d (%s); "
                     "re-sent on rail %d", part.index, part.op, part.dst.node, was,
-                    error.message, part.rail, extra=trace_fields(part.trace))
+                    error.message, part.rail,
+                    extra=trace_fields(part.trace if type(part) is WritePart else None))
         g.domains[part.rail].post(part, self)  # type: ignore[arg-type]
         return True

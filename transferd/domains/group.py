@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
-from transferd.parts import MAX_MESSAGE, EnginePort, RegionInfo, SendPart, Transfer, WritePart
+from transferd.parts import (
+    MAX_MESSAGE,
+    EnginePort,
+    ReadPart,
+    RegionInfo,
+    SendPart,
+    Transfer,
+    WritePart,
+)
 from transferd.protocol.errors import BadRequest, Timeout, TransferdError
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import Coverage, Landed
@@ -64,6 +72,10 @@ class GroupStats:
     integrity_resends: int = 0
     peers_known: int = 0
     links: tuple[LinkStats, ...] = ()
+    # Peers' READs of this daemon's regions: answered, their bytes, refused by code.
+    reads_out: int = 0
+    read_bytes_out: int = 0
+    reads_refused_by: dict[str, int] = field(default_factory=dict)
 
 
 class DomainGroup:
@@ -222,7 +234,8 @@ class DomainGroup:
 
     # -- initiator side -------------------------------------------------------------------
 
-    def execute(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+    def execute(self, transfer: Transfer,
+                parts: Sequence[WritePart | SendPart | ReadPart]) -> None:
         self._deadline(transfer, parts)
         if not parts:
             transfer.part_done()
@@ -239,7 +252,7 @@ class DomainGroup:
             return
         now = self.loop.time()
         for part in parts:
-            if not isinstance(part, WritePart) or part.alts is None:
+            if isinstance(part, SendPart) or part.alts is None:
                 domains[part.rail].post(part, transfer)
                 continue
             # A rail that failed lately is skipped until its probe is due (failover.py).
@@ -248,7 +261,8 @@ class DomainGroup:
                 move(part, rail)
             domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
 
-    def _deadline(self, transfer: Transfer, parts: list[WritePart | SendPart]) -> None:
+    def _deadline(self, transfer: Transfer,
+                  parts: Sequence[WritePart | SendPart | ReadPart]) -> None:
         """The transfer fails with TIMEOUT engine.peer_timeout_s from now unless it ended.
 
         One timeout for every transfer of the group, so deadlines come in the order
@@ -327,7 +341,9 @@ class DomainGroup:
             integrity_failures=dict(lg.integrity_failures),
             integrity_resends=self.integrity_resends,
             peers_known=len(self._book) if self._book is not None else 0,
-            links=tuple(d.link_stats() for d in self.domains))
+            links=tuple(d.link_stats() for d in self.domains),
+            reads_out=lg.reads_out, read_bytes_out=lg.read_bytes_out,
+            reads_refused_by=dict(lg.reads_refused_by))
 
     def incoming(self) -> list[Any]:
         """The peer writes being received now, every rail's (a snapshot, any thread)."""

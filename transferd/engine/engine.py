@@ -40,6 +40,7 @@ from transferd.logs import trace_fields
 from transferd.memory import Buffer, BufferTable, Ref
 from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
+from transferd.parts import ReadPart
 from transferd.protocol import crc, trace
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.keyring import Keyring
@@ -64,11 +65,15 @@ from .plan import (
     plan_single,
 )
 from .port import EnginePort
+from .reads import Reads
 from .receives import Deliver, Receives
 from .regions import Region, RegionTable
 from .secret import load_secret, loopback
 from .transfer import Transfer
 from .write_scope import WriteIdScope
+
+# What `transferd inflight` calls a transfer, by its parts' type.
+_KINDS: dict[type, str] = {WritePart: "write", ReadPart: "read", SendPart: "send"}
 
 log = logging.getLogger("transferd.engine")
 
@@ -100,6 +105,8 @@ class TransferEngine:
         # What the configured kind of Domain can do (asked, never its name).
         self.capabilities = registry.capabilities(config.domain)
         self._ops = itertools.count(1)
+        # One-sided READs (reads.py).
+        self.reads = Reads(self)
         # Write ids by the connection that submitted them (write_scope.py).
         self.write_ids = WriteIdScope(time.monotonic, config.write_id_window,
                                       config.write_id_ttl_s)
@@ -251,8 +258,12 @@ class TransferEngine:
 
     # -- memory ---------------------------------------------------------------------
 
-    def reg_mr(self, buffer: Buffer) -> tuple[Region, MrDesc]:
-        region = self.regions.register(buffer, self.rails)
+    def next_op(self) -> int:
+        return next(self._ops)
+
+    def reg_mr(self, buffer: Buffer, access: str = "w") -> tuple[Region, MrDesc]:
+        """Register ``buffer``; peers may write it (``"w"``), read it (``"r"``) or both."""
+        region = self.regions.register(buffer, self.rails, access)
         group = self.group_of(region)
         try:
             # Each rail's rkey comes from the Domain that registered the memory.
@@ -330,6 +341,22 @@ class TransferEngine:
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
                             self.group_of(region), owner)
+
+    # -- one-sided reads (reads.py) ----------------------------------------------------
+
+    def submit_single_read(self, length: int, dst: tuple[int, int],
+                           src: tuple[MrDesc, int]) -> asyncio.Future[None]:
+        """``length`` bytes of the peer region ``src`` into our region ``dst``."""
+        return self.reads.single(length, dst, src)
+
+    def submit_paged_reads(self, page_len: int, dst: tuple[int, Pages],
+                           src: tuple[MrDesc, Pages]) -> asyncio.Future[None]:
+        return self.reads.paged(page_len, dst, src)
+
+    def submit_gather(self, dst_region: int, srcs: Sequence[tuple[int, int, MrDesc, int]]
+                      ) -> asyncio.Future[None]:
+        """Several peer ranges ``(len, dst_off, desc, src_off)`` into our region, as one."""
+        return self.reads.gather(dst_region, srcs)
 
     def _check_wid(self, wid: int | None) -> None:
         """A write id this engine can honour (before anything else is looked up)."""
@@ -575,7 +602,7 @@ class TransferEngine:
     async def wait_slot(self) -> None:
         await self.slots.wait_slot()
 
-    def _submit(self, op: int, parts: list[WritePart | SendPart],
+    def _submit(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                 held: Ref | None = None, group: DomainGroup | None = None,
                 owner: Hashable = None) -> asyncio.Future[None]:
         """Start a transfer on ``group``'s worker (default: the first group's) once its
@@ -589,7 +616,7 @@ class TransferEngine:
         if entry is None and parts:
             p0 = parts[0]
             entry = inflight.add_transfer(
-                op, "write" if type(p0) is WritePart else "send", owner, parts,
+                op, _KINDS.get(type(p0), "send"), owner, parts,
                 p0.trace if type(p0) is WritePart else None, Stage.WAITING_PEER)
         elif entry is not None:  # a write from device memory, staged
             entry.plan = parts
@@ -601,7 +628,7 @@ class TransferEngine:
             fut.add_done_callback(lambda _: inflight.remove(op))
         return fut
 
-    def _start_transfer(self, op: int, parts: list[WritePart | SendPart],
+    def _start_transfer(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                         group: DomainGroup | None = None,
                         releases: tuple[Callable[[], None], ...] = ()
                         ) -> asyncio.Future[None]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from transferd.memory.staging import GatedLanding
+from transferd.memory.staging import GatedLanding, release_after
 from transferd.parts import Ack
 from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
 
@@ -109,6 +109,64 @@ class StagedPlacement:
         self._admitted.release()
 
 
+def _pieces(pages: list[tuple[int, int]], step: int, chunks: int
+            ) -> list[list[tuple[int, int, int]]]:
+    """Pages (device address, length), laid end to end over chunks of ``step`` bytes:
+    per chunk, its (device address, offset in the chunk, length) pieces."""
+    per_chunk: list[list[tuple[int, int, int]]] = [[] for _ in range(chunks)]
+    pos = 0
+    for dev, n in pages:
+        while n:
+            ci, off = divmod(pos, step)
+            k = min(n, step - off)
+            per_chunk[ci].append((dev, off, k))
+            dev, n, pos = dev + k, n - k, pos + k
+    return per_chunk
+
+
+class StagedSource:
+    """A peer's READ of device memory: copied device to host into staging chunks of the
+    region's group (:meth:`land`), then sent from them (``views``); the chunks go back
+    once the bytes were sent and the last copy on them ended (:meth:`release`)."""
+
+    __slots__ = ("_admitted", "_chunks", "_fence", "_io", "_pages", "views")
+    deferred = True
+
+    def __init__(self, io: Any, chunks: list[Any], pages: list[tuple[int, int]],
+                 admitted: Admitted, nbytes: int) -> None:
+        self._io = io
+        self._chunks = chunks
+        self._pages = pages
+        self._admitted = admitted
+        self._fence: Any = None
+        left, views = nbytes, []
+        for c in chunks:
+            k = min(left, c.size)
+            views.append(c.view[:k])
+            left -= k
+        self.views = views
+
+    def land(self, done: Done) -> None:
+        """The D2H copies into staging, then ``done`` (the waiter's thread): None, or the
+        device's fault (nothing of it may be sent)."""
+        io = self._io
+        if not self._chunks:
+            done(None)
+            return
+        stream = io.stream
+        for chunk, pieces in zip(self._chunks, _pieces(self._pages, io.pool.chunk_size,
+                                                       len(self._chunks)), strict=True):
+            for dev, off, n in pieces:
+                stream.copy_d2h(chunk.ptr + off, dev, n)
+        self._fence = event = stream.record()
+        io.waiter.watch(event, done)
+
+    def release(self) -> None:
+        chunks, self._chunks = self._chunks, []
+        release_after(self._io, chunks, self._fence)
+        self._admitted.release()
+
+
 class EnginePort:
     """What the engine's domain groups land writes through (see the module doc)."""
 
@@ -122,7 +180,7 @@ class EnginePort:
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
               ) -> HostPlacement | StagedPlacement:
-        region = self.regions.by_rkey(rkey, rail)
+        region = self.regions.by_rkey(rkey, rail, "w")
         io = region.staging
         if io is not None:
             return self._staged(region, io, addrs, lens, payload_len, abort)
@@ -140,25 +198,43 @@ class EnginePort:
             raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
         return HostPlacement(views, region.admit(abort))
 
-    def _staged(self, region: Region, io: Any, addrs: list[int], lens: list[int],
-                payload_len: int, abort: Callable[[], None] | None) -> StagedPlacement:
-        """Device memory: each page's device address (bounds checked), then staging."""
-        pages: list[tuple[int, int]] = []
-        total = 0
-        for a, n in zip(addrs, lens, strict=True):
-            off = a - region.ptr
-            if off < 0 or n < 0 or off + n > region.size:
-                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
-                                  f"[0x{region.ptr:x}, +{region.size})")
-            pages.append((region.device_address(off, n), n))
-            total += n
-        if total != payload_len:
-            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Callable[[], None] | None) -> HostPlacement | StagedSource:
+        """A peer's READ: the region ``rkey`` opens for reading on ``rail`` (NotFound, as
+        for an unknown rkey, when it was registered without "r"), every page inside it
+        (OutOfBounds), admitted like a write until the bytes were sent (released)."""
+        region = self.regions.by_rkey(rkey, rail, "r")
+        io = region.staging
+        if io is not None:
+            return self._staged_source(region, io, addrs, lens, abort)
+        if len(addrs) == 1:
+            views = [region.view(addrs[0], lens[0])]
+        elif lens and min(lens) == max(lens):
+            views = region.views(addrs, lens[0])
+        else:
+            views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
+        return HostPlacement(views, region.admit(abort))
+
+    def _staged_source(self, region: Region, io: Any, addrs: list[int], lens: list[int],
+                       abort: Callable[[], None] | None) -> StagedSource:
+        """A READ of device memory: each page's device address (bounds checked), then as
+        many staging chunks as its bytes need, only those free now (a responder cannot
+        wait): OutOfMemory when they are taken, BadRequest when the pool is too small."""
+        pages, nbytes = self._device_pages(region, addrs, lens)
+        admitted, chunks = self._take_staging(region, io, nbytes, abort, "a read of", "of")
+        return StagedSource(io, chunks, pages, admitted, nbytes)
+
+    @staticmethod
+    def _take_staging(region: Region, io: Any, nbytes: int,
+                      abort: Callable[[], None] | None, what: str, where: str
+                      ) -> tuple[Admitted, list[Any]]:
+        """Admit ``region`` and take the staging chunks ``nbytes`` need, only those free
+        now (a receiver or responder cannot wait)."""
         pool = io.pool
-        need = -(-payload_len // pool.chunk_size)
+        need = -(-nbytes // pool.chunk_size)
         if need > pool.capacity:
-            raise BadRequest(f"a write of {payload_len} bytes into {region.device} memory "
-                             f"is larger than its staging ({pool.capacity} x "
+            raise BadRequest(f"{what} {nbytes} bytes {where} {region.device} memory is "
+                             f"larger than its staging ({pool.capacity} x "
                              f"{pool.chunk_size} bytes)")
         admitted = region.admit(abort)
         chunks: list[Any] = []
@@ -171,6 +247,30 @@ class EnginePort:
                 raise OutOfMemory(f"staging of {region.device} is taken "
                                   f"({pool.in_use} of {pool.capacity} chunks in use)")
             chunks.append(got)
+        return admitted, chunks
+
+    @staticmethod
+    def _device_pages(region: Region, addrs: list[int], lens: list[int]
+                      ) -> tuple[list[tuple[int, int]], int]:
+        pages: list[tuple[int, int]] = []
+        total = 0
+        for a, n in zip(addrs, lens, strict=True):
+            off = a - region.ptr
+            if off < 0 or n < 0 or off + n > region.size:
+                raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
+                                  f"[0x{region.ptr:x}, +{region.size})")
+            pages.append((region.device_address(off, n), n))
+            total += n
+        return pages, total
+
+    def _staged(self, region: Region, io: Any, addrs: list[int], lens: list[int],
+                payload_len: int, abort: Callable[[], None] | None) -> StagedPlacement:
+        """Device memory: each page's device address (bounds checked), then staging."""
+        pages, total = self._device_pages(region, addrs, lens)
+        if total != payload_len:
+            raise BadRequest(f"pages hold {total} bytes but the payload has {payload_len}")
+        admitted, chunks = self._take_staging(region, io, payload_len, abort, "a write of",
+                                              "into")
         return StagedPlacement(io, chunks, pages, admitted, payload_len)
 
     def count(self, imm: int, n: int) -> None:

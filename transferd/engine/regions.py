@@ -6,6 +6,13 @@ rkey of the rail it arrived on and stay inside the region, and is checked
 before any byte is written.  Deregistration removes the rkeys, so a write
 that presents one afterwards is refused.
 
+A region's access rights (``"w"``, the default: peers may write; ``"r"``: peers
+may read; ``"rw"``: both) are part of what its rkeys mean: :meth:`RegionTable.
+by_rkey` opens a region only for a right it was registered with, and refuses
+any other exactly as it refuses an unknown rkey (NOT_FOUND, the same message),
+so a peer learns nothing about which regions exist.  Reads are admitted and
+drained like writes: deregistration revokes both and waits for both.
+
 A write is *admitted* (:meth:`Region.admit`) on the receiving worker after
 those checks and before its first byte lands, and released once the bytes
 landed or the write failed; while any is admitted the region keeps its
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transferd.memory import Buffer, Ref
-from transferd.protocol.errors import NotFound, OutOfBounds
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
 
 
 @dataclass(eq=False)
@@ -36,6 +43,8 @@ class Region:
     ptr: int
     size: int
     rkeys: tuple[int, ...]
+    # What peers may do through the rkeys: "w", "r" or "rw" (see the module doc).
+    access: str = "w"
     _admitted: int = field(default=0, repr=False)
     _closed: bool = field(default=False, repr=False)
     _drained: Future[None] = field(default_factory=Future, repr=False)
@@ -184,6 +193,17 @@ class Admitted:
         return not self._region
 
 
+ACCESS = ("w", "r", "rw")
+
+
+def check_access(access: str) -> str:
+    """``access`` as a region's rights (BadRequest for anything else)."""
+    if access not in ACCESS:
+        raise BadRequest(f"access {access!r} is not one of 'w' (peers write), 'r' (peers "
+                         "read) or 'rw' (both)")
+    return access
+
+
 class RegionTable:
     def __init__(self) -> None:
         self._by_id: dict[int, Region] = {}
@@ -191,14 +211,16 @@ class RegionTable:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def register(self, buffer: Buffer, rails: int) -> Region:
+    def register(self, buffer: Buffer, rails: int, access: str = "w") -> Region:
+        check_access(access)
         with self._lock:
             rkeys: list[int] = []
             while len(rkeys) < rails:
                 k = secrets.randbits(64)
                 if k and k not in self._by_rkey and k not in rkeys:
                     rkeys.append(k)
-            region = Region(next(self._ids), buffer, buffer.address, buffer.size, tuple(rkeys))
+            region = Region(next(self._ids), buffer, buffer.address, buffer.size, tuple(rkeys),
+                            access)
             self._by_id[region.id] = region
             for k in rkeys:
                 self._by_rkey[k] = region
@@ -220,10 +242,12 @@ class RegionTable:
         except KeyError:
             raise NotFound(f"no registered region {region_id}") from None
 
-    def by_rkey(self, rkey: int, rail: int) -> Region:
-        """The region an rkey opens, checked against the rail it came in on."""
+    def by_rkey(self, rkey: int, rail: int, right: str = "w") -> Region:
+        """The region an rkey opens for ``right`` ("w" or "r"), checked against the rail
+        it came in on; a region without that right is refused as an unknown rkey is."""
         region = self._by_rkey.get(rkey)
-        if region is None or rail >= len(region.rkeys) or region.rkeys[rail] != rkey:
+        if region is None or rail >= len(region.rkeys) or region.rkeys[rail] != rkey \
+                or right not in region.access:
             raise NotFound("rkey does not name a registered region on this rail")
         return region
 

@@ -72,6 +72,10 @@ class Command(enum.IntEnum):
     WATCH = 0x33
     PEERS = 0x34
     NAMES = 0x35
+    # One-sided reads (docs/protocol.md): HELLO lists "read".
+    SINGLE_READ = 0x36
+    PAGED_READS = 0x37
+    GATHER = 0x38
     EVENT = 0x3F
 
 

@@ -3,13 +3,16 @@
 It runs the handshake as responder, then every WRITE is claimed, checked and landed or
 failed by the group's :class:`~.peer_landing.Landing` and acknowledged, every SEND handed
 on as a :class:`~.peer_link.Deliver` event and acknowledged when the I/O side says a
-client has it.  It reads only what the frame in hand needs, so that a payload is received
+client has it, every READ checked by the same Landing and answered with a READ_DATA
+whose payload is views of the region (held, admitted, until the socket took them).
+It reads only what the frame in hand needs, so that a payload is received
 straight into its pages; it holds (PAUSED) while its ACKs go unread or a landing into
 device memory is in flight.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
@@ -19,12 +22,14 @@ from transferd.copies import COUNTING, count
 from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
-from .peer_landing import Admission, Landing
+from .peer_landing import Admission, Landing, Placement
 from .peer_link import (
     ACK_HIGH,
     ACK_LOW,
     HEAD_GUESS,
     IOV_MAX,
+    READ_HIGH,
+    READ_LOW,
     RECV_BYTES,
     Deliver,
     Incoming,
@@ -34,18 +39,25 @@ from .peer_link import (
     LinkState,
     Peer,
     Placed,
+    ReadsServed,
     Refused,
+    StageRead,
 )
 from .peer_wire import (
     KNOWN_FLAGS,
     MAX_EXT,
     MAX_PAGES,
+    READ,
+    READ_HEAD,
     SEND,
     SEND_HEAD,
     WRITE,
     WRITE_HEAD,
+    check_read_head,
     check_write_head,
     encode_ack,
+    encode_read_data,
+    parse_read,
     parse_write,
     write_table_len,
 )
@@ -112,6 +124,14 @@ class InboundLink(LinkEnd):
         # Reasons to read nothing now: ACKs unread, device landings in flight.
         self._holds = 0
         self._ack_held = False
+        # READs answered and not yet sent whole: (where in the output their payload
+        # ends, counted in bytes ever pushed, and the memory held until then).
+        self._serving: deque[tuple[int, Placement]] = deque()
+        self._sent_total = 0
+        self._served_any = False
+        self._read_held = False
+        # READs of device memory whose bytes are on their way to staging.
+        self._staging: list[Placement] = []
 
     @property
     def reading(self) -> bool:
@@ -288,8 +308,20 @@ class InboundLink(LinkEnd):
                     _, _, _, part, op, plen = SEND_HEAD.unpack_from(buf, start)
                     self._start = start + 24
                     self._open_send(op, part, plen)
+                elif cmd == READ:
+                    if avail < 32:
+                        self._want = 32 - avail
+                        return
+                    head = READ_HEAD.unpack_from(buf, start)
+                    check_read_head(head[1], head[2])
+                    size = 32 + 16 * head[2]
+                    if avail < size:
+                        self._want = size - avail
+                        return
+                    self._start = start + size
+                    self._serve_read(buf, start, head)
                 else:
-                    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE or a SEND")
+                    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, a SEND or a READ")
             except TransferdError as exc:  # a frame whose framing cannot be trusted
                 self.close(exc)
                 return
@@ -341,6 +373,65 @@ class InboundLink(LinkEnd):
             self._collect = True
         if not plen:
             self._finish()
+
+    def _serve_read(self, buf: bytearray, start: int, head: tuple[int, ...]) -> None:
+        """A READ: checked (rights, bounds) before a byte is touched, then answered with
+        a READ_DATA whose payload is the region's own pages (views), or its refusal."""
+        op, part = head[4], head[3]
+        out = self.out
+        try:
+            r = parse_read(buf, start, head)
+            src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort)
+        except TransferdError as exc:
+            self.events.append(Refused((op, part), exc, what="read"))
+            out.push(encode_read_data(op, part, 0, exc))
+        else:
+            if not self._served_any:
+                self._served_any = True
+                self.events.append(ReadsServed())
+            if src.deferred:
+                # Device memory: its bytes go to staging first; nothing more is read
+                # (answers stay in order) until they are there (:meth:`staged`).
+                self._staging.append(src)
+                self._hold()
+                self.events.append(StageRead(src, (op, part), r.nbytes))
+                return
+            self._answer(op, part, r.nbytes, src)
+        self._watch_answers()
+
+    def staged(self, ev: StageRead, error: TransferdError | None) -> None:
+        """A READ's bytes reached staging (None) or could not (the device's fault): answer
+        it, and read on."""
+        src = ev.source
+        if src in self._staging:
+            self._staging.remove(src)
+        if self.state is LinkState.CLOSED:
+            src.release()
+            return
+        op, part = ev.ref
+        if error is not None:
+            src.release()
+            self.events.append(Refused(ev.ref, error, what="read"))
+            self.out.push(encode_read_data(op, part, 0, error))
+        else:
+            self._answer(op, part, ev.nbytes, src)
+        self._watch_answers()
+        self._release()
+
+    def _answer(self, op: int, part: int, nbytes: int, src: Placement) -> None:
+        out = self.out
+        out.push(encode_read_data(op, part, nbytes))
+        for v in src.views:
+            out.push(v)
+        self._serving.append((self._sent_total + out.queued, src))
+
+    def _watch_answers(self) -> None:
+        out = self.out
+        if out.queued > (READ_HIGH if self._serving else ACK_HIGH) and not self._read_held:
+            # The responder's outstanding reads are bounded by what its output holds:
+            # above the watermark it reads no further frame until the peer took them.
+            self._read_held = True
+            self._hold()
 
     def _finish(self) -> None:
         """The frame's payload is whole: land or refuse, and answer."""
@@ -418,6 +509,16 @@ class InboundLink(LinkEnd):
 
     def sent(self, n: int) -> None:
         self.out.sent(n)
+        if self._serving:
+            self._sent_total += n
+            serving, total = self._serving, self._sent_total
+            while serving and serving[0][0] <= total:
+                serving.popleft()[1].release()  # its bytes are in the kernel's hands
+            if not serving:
+                self._sent_total = 0  # (marks are relative to the output's start)
+        if self._read_held and self.out.queued <= (READ_LOW if self._serving else ACK_LOW):
+            self._read_held = False
+            self._release()
         if self._ack_held and self.out.queued <= ACK_LOW:
             self._ack_held = False
             self._release()
@@ -445,6 +546,13 @@ class InboundLink(LinkEnd):
         self._frames()
 
     def _closing(self, error: TransferdError | None) -> None:
+        if self._serving:
+            # Reads' bytes are views of regions about to be let go: none of them is
+            # sent after the close (the reader's link fails them, or re-reads).
+            self.out.clear()
+            while self._serving:
+                self._serving.popleft()[1].release()
+        # (A READ still staging is let go when its copy reports: staged() sees CLOSED.)
         # What is in :attr:`out` (a refusal's reason, ACKs) may still be sent once.
         adm, self._adm = self._adm, None
         if adm is not None and self._kind:

@@ -77,6 +77,16 @@ class Memory(Protocol):
     def count(self, imm: int, n: int) -> None:
         """Add ``n`` to immediate ``imm`` (thread safe)."""
 
+    def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
+               abort: Callable[[], None] | None) -> Placement:
+        """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
+        ``rail``, checked and admitted (its ``views`` are what is sent back).
+
+        NotFound (no such region, or one registered without "r": the same answer),
+        OutOfBounds (a page outside it), BadRequest (memory it cannot read from).
+        """
+        ...
+
 
 class Admission:
     """One opened WRITE: where its payload goes, then :meth:`commit` or :meth:`fail`."""
@@ -191,6 +201,9 @@ class Landing:
         self.bytes_in = 0
         self.imms_in = 0
         self.refused_by: dict[str, int] = {}
+        self.reads_out = 0
+        self.read_bytes_out = 0
+        self.reads_refused_by: dict[str, int] = {}
 
     @property
     def duplicates(self) -> int:
@@ -241,6 +254,21 @@ class Landing:
                 self.refused(exc)
                 raise
         return Admission(self, peer, w, placement, partial, claimed, rail)
+
+    def read(self, rail: int, rkey: int, addrs: list[int], lens: list[int],
+             abort: Callable[[], None] | None = None) -> Placement:
+        """Check a peer's READ against memory and admit it (release once sent); raises
+        the TransferdError that refuses it (counted).  Nothing is counted: a READ
+        carries no immediate."""
+        try:
+            src = self.memory.source(rkey, rail, addrs, lens, abort)
+        except TransferdError as exc:
+            code = exc.code.value
+            self.reads_refused_by[code] = self.reads_refused_by.get(code, 0) + 1
+            raise
+        self.reads_out += 1
+        self.read_bytes_out += sum(lens)
+        return src
 
     def landed_imm(self, imm: int, nbytes: int) -> None:
         """A unit with its immediate landed where the NIC counts (verbs WRITE_WITH_IMM):

@@ -119,6 +119,11 @@ LOW_WATER = 16 * 1024 * 1024
 # (a peer that writes without reading its ACKs holds itself back, not our memory).
 ACK_HIGH = 256 * 1024
 ACK_LOW = 64 * 1024
+# Inbound: answers to READs (views of regions, no copies) unsent above READ_HIGH stop
+# reading until READ_LOW: a peer that asks without taking the answers holds back
+# itself; below it the answers stay deep enough to keep the socket busy.
+READ_HIGH = 16 * 1024 * 1024
+READ_LOW = 4 * 1024 * 1024
 
 
 class Output:
@@ -216,12 +221,13 @@ class SetUp:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A WRITE was refused (its ACK carries ``error``): for the log (with the part's
-    trace id, if it carried one)."""
+    """A WRITE (or a READ) was refused (its answer carries ``error``): for the log (with
+    the part's trace id, if it carried one)."""
 
     ref: tuple[int, int]
     error: TransferdError
     trace: bytes | None = None
+    what: str = "write"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,13 +255,31 @@ class Placed:
 
 
 @dataclass(frozen=True, slots=True)
+class StageRead:
+    """A READ of memory reached through staging (device memory) was admitted: run
+    ``source.land`` (its bytes into staging), then :meth:`InboundLink.staged` (the link
+    reads nothing meanwhile)."""
+
+    source: Any
+    ref: tuple[int, int]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadsServed:
+    """The link answered its first READ: from now on it sends bulk data back, not only
+    ACKs (tcp gives its socket a send buffer for that)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Closed:
     """The link is over; ``error`` says why (None: closed on purpose)."""
 
     error: TransferdError | None
 
 
-Event = Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Placed | Closed
+Event = (Probe | Ready | ProbeArrived | Deliver | Land | SetUp | Refused | Placed
+         | ReadsServed | StageRead | Closed)
 
 
 class LinkEnd:
@@ -475,6 +499,8 @@ __all__ = [
     "HIGH_WATER",
     "LOW_WATER",
     "PRE_AUTH_BUFFER",
+    "READ_HIGH",
+    "READ_LOW",
     "TRANSITIONS",
     "Closed",
     "Deliver",
@@ -487,6 +513,8 @@ __all__ = [
     "Output",
     "Placed",
     "ProbeArrived",
+    "ReadsServed",
     "Refused",
     "SetUp",
+    "StageRead",
 ]

@@ -1,9 +1,16 @@
 """Our end of a peer link we dialled, sans-IO (see :mod:`.peer_link`).
 
-It runs the handshake as initiator, then takes parts to send (WRITE and SEND frames,
-each with a token of the Domain's) and gives back their completions as the peer's ACKs
-come; while the link is not yet READY, or PAUSED over its send watermark, parts wait in
-order.
+It runs the handshake as initiator, then takes parts to send (WRITE, SEND and READ
+frames, each with a token of the Domain's) and gives back their completions as the
+peer's ACKs (and READ_DATA) come; while the link is not yet READY, or PAUSED over its
+send watermark, parts wait in order.
+
+A READ's answer is received straight into the views the part names (our region),
+never through a bytes object: only the bytes that came in the link's buffer with the
+header are copied there from it.  A READ_DATA for a read this link never asked, or of
+another length than asked, cuts the link before any of its bytes is touched.  The
+payload of a read whose transfer already ended (timed out, cancelled) is received and
+dropped, never written to memory its owner may have had back.
 """
 
 from __future__ import annotations
@@ -22,7 +29,78 @@ from .peer_link import (
     LinkInput,
     LinkState,
 )
-from .peer_wire import ACK, ACK_HEAD, MAX_ERROR_TEXT, ack_error, encode_send, encode_write
+from .peer_wire import (
+    ACK,
+    ACK_HEAD,
+    MAX_ERROR_TEXT,
+    READ_DATA,
+    READ_DATA_HEAD,
+    ack_error,
+    encode_read,
+    encode_send,
+    encode_write,
+)
+
+# The most views one receive of a READ's payload is offered, and its bytes.
+_IOV = 512
+_RECV = 1 << 20
+
+
+class _Incoming:
+    """The READ_DATA whose payload is being received: where its bytes go."""
+
+    __slots__ = ("left", "pos", "seg", "segs", "token")
+
+    def __init__(self, token: Any, segs: Sequence[memoryview], left: int) -> None:
+        self.token = token
+        self.segs = segs
+        self.seg = 0
+        self.pos = 0
+        self.left = left
+
+    @property
+    def dropping(self) -> bool:
+        # Its transfer ended (the memory may be its owner's again): bytes are dropped.
+        return self.token is None or bool(getattr(self.token, "finished", False))
+
+    def put(self, data: memoryview) -> None:
+        """Bytes of the payload that came in the link's buffer."""
+        self.left -= len(data)
+        if self.dropping:
+            return
+        segs, i, off, pos, total = self.segs, self.seg, self.pos, 0, len(data)
+        while pos < total:
+            seg = segs[i]
+            k = min(len(seg) - off, total - pos)
+            seg[off:off + k] = data[pos:pos + k]
+            pos += k
+            off += k
+            if off == len(seg):
+                i += 1
+                off = 0
+        self.seg, self.pos = i, off
+
+    def views(self) -> list[memoryview]:
+        """The rest of the payload, straight into place (a socket's worth)."""
+        segs, i = self.segs, self.seg
+        first = segs[i][self.pos:]
+        if len(first) >= _RECV:
+            return [first[:_RECV]]
+        out, total = [first], len(first)
+        for seg in segs[i + 1:i + _IOV]:
+            if total >= _RECV:
+                break
+            out.append(seg)
+            total += len(seg)
+        return out
+
+    def advance(self, n: int) -> None:
+        self.left -= n
+        segs, pos, i = self.segs, self.pos + n, self.seg
+        while i < len(segs) and pos >= len(segs[i]):
+            pos -= len(segs[i])
+            i += 1
+        self.seg, self.pos = i, pos
 
 
 class OutboundLink(LinkEnd):
@@ -49,6 +127,10 @@ class OutboundLink(LinkEnd):
         # Parts taken before the link was ready or while it was paused, in order.
         self._waiting: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._pending: dict[tuple[int, int], Any] = {}
+        # Reads asked and not yet answered: where each one's bytes go.
+        self._reads: dict[tuple[int, int], Sequence[memoryview]] = {}
+        self._in: _Incoming | None = None
+        self._dropped = False  # the last receive went to the buffer (a dropped payload)
         self.completions: list[tuple[Any, TransferdError | None]] = []
 
     @property
@@ -132,6 +214,20 @@ class OutboundLink(LinkEnd):
         else:
             self._waiting.append((self.send, (token, op, part, message)))
 
+    def read(self, token: Any, op: int, part: int, rkey: int, addrs: list[int],
+             lens: list[int], into: Sequence[memoryview]) -> None:
+        """Send a READ of the peer's pages; its answer lands in ``into`` (views of our
+        own memory, ``lens`` bytes in all), and ``token`` completes when it is whole."""
+        if self.state is LinkState.READY:
+            key = (op, part)
+            self._pending[key] = token
+            self._reads[key] = into
+            self.out.push(encode_read(op, part, rkey, addrs, lens))
+        elif self.state is LinkState.CLOSED:
+            self.completions.append((token, self._closed_error()))
+        else:
+            self._waiting.append((self.read, (token, op, part, rkey, addrs, lens, into)))
+
     def forget(self, op: int, part: int) -> Any:
         """Stop waiting for the ACK of ``(op, part)`` (its transfer ended); its token."""
         return self._pending.pop((op, part), None)
@@ -172,6 +268,8 @@ class OutboundLink(LinkEnd):
         for token in self._pending.values():
             self.completions.append((token, err))
         self._pending.clear()
+        self._reads.clear()
+        self._in = None
 
     # -- the peer's ACKs -------------------------------------------------------------------
 
@@ -179,6 +277,80 @@ class OutboundLink(LinkEnd):
         # ACKs are 16 bytes (an error's message at most 4 KiB more).
         self._buf = bytearray(64 * 1024)
         self._view = memoryview(self._buf)
+
+    @property
+    def in_frame(self) -> bool:
+        return self._in is not None
+
+    def get_buffers(self) -> list[memoryview]:
+        inc = self._in
+        if inc is None or self._buf is None:
+            return super().get_buffers()
+        view = self._view
+        assert view is not None
+        if inc.dropping:
+            self._dropped = True
+            return [view[:min(inc.left, len(view))]]
+        self._dropped = False
+        return inc.views()
+
+    def received(self, n: int, now: float) -> None:
+        inc = self._in
+        if inc is None or self._buf is None:
+            super().received(n, now)
+            return
+        if self._dropped:
+            inc.left -= n
+        else:
+            inc.advance(n)
+        if not inc.left:
+            self._in = None
+            if not inc.dropping:  # (an ended transfer is owed nothing)
+                self.completions.append((inc.token, None))
+
+    def _read_data(self, start: int, end: int) -> int:
+        """The READ_DATA at ``start``: its answer, or its payload begun; where the next
+        frame starts, or -1 until its header is whole.  BadFrame for one nobody asked."""
+        buf = self._buf
+        assert buf is not None
+        _, status, mlen, part, op, plen = READ_DATA_HEAD.unpack_from(buf, start)
+        key = (op, part)
+        if status:
+            if mlen > MAX_ERROR_TEXT or plen:
+                raise BadFrame(f"a refused READ_DATA with a {mlen}-byte message and "
+                               f"{plen} bytes")
+            if end - start < 24 + mlen:
+                return -1
+            if key not in self._reads:
+                raise BadFrame(f"READ_DATA for op {op} part {part}: no such read asked")
+            del self._reads[key]
+            token = self._pending.pop(key, None)
+            if token is not None:
+                self.completions.append((token, ack_error(status, buf[start + 24:
+                                                                    start + 24 + mlen])))
+            return start + 24 + mlen
+        into = self._reads.pop(key, None)
+        if into is None:
+            # Nothing of it is read: the link is cut before any byte lands anywhere.
+            raise BadFrame(f"READ_DATA of {plen} bytes for op {op} part {part}: no such "
+                           "read was asked on this link")
+        want = sum(len(v) for v in into)
+        if plen != want:
+            raise BadFrame(f"READ_DATA of {plen} bytes for op {op} part {part}, which "
+                           f"asked for {want}")
+        token = self._pending.pop(key, None)
+        start += 24
+        inc = _Incoming(token, into, plen)
+        k = min(end - start, plen)
+        if k:
+            view = self._view
+            assert view is not None
+            inc.put(view[start:start + k])
+        if inc.left:
+            self._in = inc
+        elif not inc.dropping:
+            self.completions.append((token, None))
+        return start + k
 
     def _frames(self) -> None:
         if self.state is LinkState.SETUP:
@@ -192,8 +364,19 @@ class OutboundLink(LinkEnd):
         try:
             while end - start >= 16:
                 cmd, status, mlen, part, op = unpack(buf, start)
+                if cmd == READ_DATA:
+                    if end - start < 24:
+                        break
+                    nxt = self._read_data(start, end)
+                    if nxt < 0:
+                        break
+                    start = nxt
+                    if self._in is not None:
+                        break  # the rest of its payload goes straight into place
+                    continue
                 if cmd != ACK:
-                    raise BadFrame(f"peer frame 0x{cmd:02x} on a link that takes ACKs only")
+                    raise BadFrame(f"peer frame 0x{cmd:02x} on a link that takes ACKs only "
+                                   "(and the READ_DATA of its reads)")
                 if status:
                     if mlen > MAX_ERROR_TEXT:
                         raise BadFrame(f"an ACK with a {mlen}-byte message (at most "
@@ -208,6 +391,9 @@ class OutboundLink(LinkEnd):
                 else:
                     error = None
                     start += 16
+                if (op, part) in self._reads:
+                    # A read completes only with its bytes, never by an ACK.
+                    raise BadFrame(f"an ACK for op {op} part {part}, a read")
                 token = pending.pop((op, part), None)
                 if token is not None:
                     done.append((token, error))

@@ -16,6 +16,12 @@ ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, 
                [mlen bytes: the error's code, NUL, its message (UTF-8)]
 SEND   (0x43)  24 bytes: cmd u8, 0 u8, 0 u16, part u32, op u64, payload u64
                payload: the message
+READ   (0x46)  32 bytes: cmd u8, 0 u8, npages u16, part u32, op u64, rkey u64, total u64
+               pages: npages x (addr u64, len u64), at the responder, adding up to total
+READ_DATA (0x47) 24 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32,
+               op u64, payload u64
+               [mlen bytes: the error's code, NUL, its message]  (status 1: payload 0)
+               payload: exactly the READ's ``total`` bytes, its pages in order
 SETUP  (0x4E)  8 bytes: cmd u8, status u8 (0 ok, 1 error), 0 u16, length u32
                [length bytes, at most 4096: the Domain's own set-up (verbs: its queue
                pairs), or an error's code, NUL, its message]; one each way, after the
@@ -26,8 +32,13 @@ several: the whole write's range follows), WID (``wid`` is the client's write id
 AGAIN (re-sent on another rail after its own failed), UNIFORM (every page has one
 length, given once).
 
-Kept free for what is to come: the commands 0x46 (READ) and 0x47 (READ's data, issue
-19).  ``ext`` is the length of an extension block after the page table
+A READ (issue 19) goes on the link the reader dialled, like a WRITE; the responder
+answers on the same connection with one READ_DATA whose payload it sends straight from
+the region (views, never copied); the reader receives it straight into its own region,
+and cuts the link, before a byte lands, on a READ_DATA for a read it never asked or of
+another length than asked.
+
+``ext`` is the length of an extension block after a WRITE's page table
 (:mod:`.peer_ext`: a per-part CRC32C and a trace id, issue 20); a block this daemon
 cannot read refuses the frame (BAD_REQUEST; its bytes are skipped, the framing holds).
 An ACK refusing a part whose checksum did not match carries the code ``INTEGRITY``
@@ -61,13 +72,14 @@ class Cmd(enum.IntEnum):
     WRITE = 0x41
     ACK = 0x42
     SEND = 0x43
-    # Reserved: one-sided READ and its data (issue 19).
+    # One-sided READ and its data (issue 19).
     READ = 0x46
     READ_DATA = 0x47
     SETUP = 0x4E
 
 
 WRITE, ACK, SEND, SETUP = int(Cmd.WRITE), int(Cmd.ACK), int(Cmd.SEND), int(Cmd.SETUP)
+READ, READ_DATA = int(Cmd.READ), int(Cmd.READ_DATA)
 # The longest set-up a Domain exchanges after the handshake.
 MAX_SETUP = 4096
 
@@ -87,6 +99,9 @@ SPAN_FMT = struct.Struct("<QQ")
 # A one-page WRITE's header whole: the fixed part and its page (the small write).
 WRITE_ONE = struct.Struct("<BBHIQQIIQQQQ")
 WRITE_ONE_SPAN = struct.Struct("<BBHIQQIIQQQQQQ")
+READ_HEAD = struct.Struct("<BBHIQQQ")
+READ_DATA_HEAD = struct.Struct("<BBHIQQ")
+assert READ_HEAD.size == 32 and READ_DATA_HEAD.size == 24
 assert WRITE_HEAD.size == 48 and ACK_HEAD.size == 16 and SEND_HEAD.size == 24
 
 _ack_ok = ACK_HEAD.pack
@@ -212,6 +227,62 @@ def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, 
     return w
 
 
+@dataclass(slots=True)
+class ReadHeader:
+    """A READ's header, checked: the responder's pages to send back, in order."""
+
+    op: int
+    part: int
+    rkey: int
+    addrs: list[int]
+    lens: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+def encode_read(op: int, part: int, rkey: int, addrs: Sequence[int],
+                lens: Sequence[int]) -> bytes:
+    """A READ: its fixed 32 bytes and its page table (no payload)."""
+    n = len(addrs)
+    table = [x for pair in zip(addrs, lens, strict=True) for x in pair]
+    return (READ_HEAD.pack(READ, 0, n, part, op, rkey, sum(lens))
+            + struct.pack(f"<{2 * n}Q", *table))
+
+
+def check_read_head(flags: int, npages: int) -> None:
+    """BadFrame for a READ header whose size cannot be trusted."""
+    if flags:
+        raise BadFrame(f"peer READ: unknown flag bits 0x{flags:02x}")
+    if npages > MAX_PAGES:
+        raise BadFrame(f"peer READ of {npages} pages: at most {MAX_PAGES} go in a frame")
+
+
+def parse_read(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, ...]
+               ) -> ReadHeader:
+    """The READ whose fixed part ``head`` was unpacked at ``off`` and whose table
+    (16 bytes a page) follows it in ``buf``; BadRequest for framed but wrong contents."""
+    _cmd, _flags, n, part, op, rkey, total = head
+    table = struct.unpack_from(f"<{2 * n}Q", buf, off + 32)
+    addrs, lens = list(table[0::2]), list(table[1::2])
+    if sum(lens) != total:
+        raise BadRequest(f"peer READ: pages hold {sum(lens)} bytes but it asks for {total}")
+    if addrs and max(a + ln for a, ln in zip(addrs, lens, strict=True)) > _U64 + 1:
+        raise BadRequest("peer READ: a page runs past the end of the address space")
+    return ReadHeader(op, part, rkey, addrs, lens)
+
+
+def encode_read_data(op: int, part: int, nbytes: int,
+                     error: TransferdError | None = None) -> bytes:
+    """A READ_DATA's header (``nbytes`` of payload follow it), or a refusal."""
+    if error is None:
+        return READ_DATA_HEAD.pack(READ_DATA, 0, 0, part, op, nbytes)
+    text = (error.code.value + "\0" + error.message).encode("utf-8", "replace")
+    text = text[:MAX_ERROR_TEXT]
+    return READ_DATA_HEAD.pack(READ_DATA, 1, len(text), part, op, 0) + text
+
+
 def frame_size(data: bytes | bytearray | memoryview) -> int | None:
     """The length of the data-phase frame at the start of ``data`` (header, table and
     payload), or None until its header is there; BadFrame for an unknown command."""
@@ -230,7 +301,18 @@ def frame_size(data: bytes | bytearray | memoryview) -> int | None:
         return None if len(data) < 24 else 24 + SEND_HEAD.unpack_from(data)[5]
     if cmd == SETUP:
         return None if len(data) < 8 else 8 + SETUP_HEAD.unpack_from(data)[3]
-    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, an ACK or a SEND")
+    if cmd == READ:
+        if len(data) < 32:
+            return None
+        head = READ_HEAD.unpack_from(data)
+        check_read_head(head[1], head[2])
+        return 32 + 16 * head[2]
+    if cmd == READ_DATA:
+        if len(data) < 24:
+            return None
+        _, _, mlen, _, _, plen = READ_DATA_HEAD.unpack_from(data)
+        return 24 + mlen + plen
+    raise BadFrame(f"peer frame 0x{cmd:02x}: not a WRITE, an ACK, a SEND or a READ")
 
 
 def encode_ack(op: int, part: int, error: TransferdError | None = None) -> bytes:
@@ -292,6 +374,10 @@ __all__ = [
     "AGAIN",
     "IMM",
     "MAX_PAGES",
+    "READ",
+    "READ_DATA",
+    "READ_DATA_HEAD",
+    "READ_HEAD",
     "SEND",
     "SEND_HEAD",
     "SETUP",
@@ -301,15 +387,20 @@ __all__ = [
     "WRITE",
     "WRITE_HEAD",
     "Cmd",
+    "ReadHeader",
     "WriteHeader",
     "ack_error",
+    "check_read_head",
     "check_write_head",
     "encode_ack",
+    "encode_read",
+    "encode_read_data",
     "encode_send",
     "encode_setup",
     "encode_write",
     "frame_size",
     "parse_message",
+    "parse_read",
     "parse_write",
     "write_table_len",
 ]

@@ -293,10 +293,12 @@ class Service:
     def main_address(self) -> NetAddr:
         return self._engine().main_address()
 
-    def reg_mr(self, caller: Caller, buffer_id: int) -> tuple[Region, MrDesc]:
-        """A region of buffer ``buffer_id`` (host or device memory) and its MrDesc."""
+    def reg_mr(self, caller: Caller, buffer_id: int, access: str = "w"
+               ) -> tuple[Region, MrDesc]:
+        """A region of buffer ``buffer_id`` (host or device memory) and its MrDesc;
+        ``access``: what peers may do through its rkeys ("w", "r", "rw")."""
         buf = self.buffers.get(buffer_id)
-        return self._engine().reg_mr(buf)
+        return self._engine().reg_mr(buf, access)
 
     def dereg_mr(self, caller: Caller, mr: int) -> Awaitable[None] | None:
         """Revoke region ``mr``'s rkeys; the awaitable ends once the writes admitted into
@@ -365,6 +367,31 @@ class Service:
         if err is not None:
             self.metrics.error(err.code)
         on_end(err)
+
+    # One-sided reads (transferd/engine/reads.py): submits like the writes.
+
+    def submit_single_read(self, caller: Caller, key: int, length: int,
+                           dst: tuple[int, int], src: tuple[MrDesc, int], *,
+                           timeout: float | None = None, on_end: End) -> Admitted:
+        """``length`` bytes of the peer region ``src = (desc, offset)`` into our region
+        ``dst = (mr, offset)``; done once every byte is in place."""
+        engine = self._engine()
+        return self.submit(caller, key, Command.SINGLE_READ, lambda: engine.submit_single_read(
+            length, dst, src), timeout, on_end)
+
+    def submit_paged_reads(self, caller: Caller, key: int, page_len: int,
+                           dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
+                           timeout: float | None = None, on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
+            page_len, dst, src), timeout, on_end)
+
+    def submit_gather(self, caller: Caller, key: int, mr: int,
+                      srcs: Sequence[tuple[int, int, MrDesc, int]], *,
+                      timeout: float | None = None, on_end: End) -> Admitted:
+        engine = self._engine()
+        return self.submit(caller, key, Command.GATHER, lambda: engine.submit_gather(
+            mr, srcs), timeout, on_end)
 
     def submit_single_write(self, caller: Caller, key: int, length: int, imm: int | None,
                             src: tuple[int, int], dst: tuple[MrDesc, int], *,

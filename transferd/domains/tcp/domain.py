@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning, trace_fields
-from transferd.parts import RegionInfo, SendPart, Transfer, WritePart
+from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import (
     BadRequest,
@@ -40,7 +40,9 @@ from transferd.protocol.peer_link import (
     LinkState,
     Placed,
     ProbeArrived,
+    ReadsServed,
     Refused,
+    StageRead,
 )
 from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
@@ -71,6 +73,10 @@ MAX_DIAL_FAILURES = 4096
 # What goes back on an inbound link is ACKs (and the handshake): a small kernel send
 # buffer bounds the kernel memory an unread link holds as well.
 ACK_SNDBUF = 128 * 1024
+# Once a link answers READs it sends bulk data back: a send buffer like a dialled
+# link's (what the kernel's autotuning reaches by default), not an ACK's.
+READ_SNDBUF = 4 * 1024 * 1024
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # (Linux; not in typeshed)
 
 def tune_link(sock: socket.socket, timeout_s: float) -> None:
     """A peer link's socket gives up on a dead path after about ``timeout_s``.
@@ -189,7 +195,7 @@ class TcpDomain(Domain):
         self._sweep_later()
         return link
 
-    def post(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         if self.closing:
             transfer.part_done(PeerUnreachable(f"rail {self.rail} is closed"))
             return
@@ -386,13 +392,16 @@ class PeerLink:
             self.core.probe(token, self.domain.loop.time())
             self.io._after()
 
-    def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def submit(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         core = self.core
         self.last_used = self.domain.loop.time()
         if type(part) is WritePart:
             core.write(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
                        part.src, part.imm, part.span, part.wid, part.again,
                        part.ext if part.verify or part.trace is not None else b"")
+        elif type(part) is ReadPart:
+            core.read(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
+                      part.into)
         else:
             assert isinstance(part, SendPart)
             core.send(transfer, part.op, part.index, part.msg)
@@ -503,9 +512,27 @@ class InboundPeer:
                           event.ref[1], event.ref[0],
                           f"{peer.node:016x}" if peer else "?", event.nbytes,
                           extra=trace_fields(event.trace))
+        elif type(event) is StageRead:
+            loop, stage = d.loop, event
+
+            def staged(err: TransferdError | None) -> None:  # the event waiter's thread
+                loop.call_soon_threadsafe(self._staged, stage, err)
+
+            try:
+                event.source.land(staged)
+            except TransferdError as exc:
+                self._staged(stage, exc)
+        elif type(event) is ReadsServed:
+            sock = link.sock
+            with contextlib.suppress(OSError):
+                # (SO_SNDBUFFORCE past net.core.wmem_max where allowed, else what it allows.)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, READ_SNDBUF)
+                except OSError:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, READ_SNDBUF)
         elif type(event) is Refused:
             peer = self.core.peer
-            peer_warning("peer write refused", peer.node if peer else None, d.rail,
+            peer_warning(f"peer {event.what} refused", peer.node if peer else None, d.rail,
                          link.peername(), event.error, event.trace)
         elif isinstance(event, Probe):
             links = d.port.links
@@ -525,6 +552,11 @@ class InboundPeer:
 
     def _landed(self, land: Land, error: TransferdError | None) -> None:
         self.core.landed(land, error)
+        if not self.io.closed:
+            self.io._after()
+
+    def _staged(self, stage: StageRead, error: TransferdError | None) -> None:
+        self.core.staged(stage, error)
         if not self.io.closed:
             self.io._after()
 

@@ -39,7 +39,9 @@ class _Create:
         from transferd.domains.base import Capabilities
 
         # The NIC places writes and counts immediates; no device memory yet.
-        return Capabilities(sees_writes=False, counts_immediates=True, device_memory=False)
+        # READ work requests are planned (reads.py), not posted yet.
+        return Capabilities(sees_writes=False, counts_immediates=True, device_memory=False,
+                            reads=False)
 
     def __call__(self, port: Port, rail: int, host: str, port_number: int,
                  options: DomainOptions) -> Domain:

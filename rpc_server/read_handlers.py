@@ -1,0 +1,79 @@
+"""Handlers for the one-sided READ commands (0x36-0x38, minor 2; HELLO lists "read").
+
+SINGLE_READ, PAGED_READS and GATHER are submits like the writes
+(:mod:`.engine_handlers`, through the engine service, transferd/service): checked and
+handed to the engine at once, answered by an
+EVENT frame with the request's cmd and seq once every byte is in the local region
+(``{"ok": true}``) or the read failed (ERROR, ``{"code", "message"}``); deadline
+(``timeout_ms``) and CANCEL as for a write.  The local side (``dst``) is a region of
+this daemon (its ``mr``); the remote side (``src``) an MrDesc of a region its owner
+registered with ``access`` "r" or "rw".  docs/protocol.md has every body field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from transferd.protocol.constants import Command
+from transferd.protocol.errors import BadRequest
+from transferd.protocol.frames import Frame
+from transferd.protocol.messages import field, uint_field
+from transferd.protocol.values import MrDesc, Pages
+
+from .engine_handlers import _admitted, _ended, _pair, _service, _timeout, _uint
+from .handlers import Reply, handler
+
+if TYPE_CHECKING:
+    from .session import Session
+
+# The most reads one GATHER carries (its body is bounded anyway; this bounds the plan).
+MAX_GATHER = 4096
+
+
+@handler(Command.SINGLE_READ)
+def single_read(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    service = _service(session)
+    length = uint_field(b, "len")
+    mr, dst_off = _pair(b, "dst")
+    desc, src_off = _pair(b, "src")
+    dst = (_uint(mr, "dst mr"), _uint(dst_off, "dst offset"))
+    src = (MrDesc.from_wire(desc), _uint(src_off, "src offset"))
+    return _admitted(frame, service.submit_single_read(
+        session.caller, frame.seq, length, dst, src, timeout=_timeout(frame),
+        on_end=_ended(session, frame)))
+
+
+@handler(Command.PAGED_READS)
+def paged_reads(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    service = _service(session)
+    page_len = uint_field(b, "page_len")
+    mr, dst_pages = _pair(b, "dst")
+    desc, src_pages = _pair(b, "src")
+    dst = (_uint(mr, "dst mr"), Pages.from_wire(dst_pages))
+    src = (MrDesc.from_wire(desc), Pages.from_wire(src_pages))
+    return _admitted(frame, service.submit_paged_reads(
+        session.caller, frame.seq, page_len, dst, src, timeout=_timeout(frame),
+        on_end=_ended(session, frame)))
+
+
+@handler(Command.GATHER)
+def gather(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
+    b = frame.body
+    service = _service(session)
+    mr = uint_field(b, "mr")
+    raw = field(b, "srcs")
+    if not isinstance(raw, list) or len(raw) > MAX_GATHER:
+        raise BadRequest(f"field 'srcs' must be a list of at most {MAX_GATHER} "
+                         "[len, dst_offset, desc, src_offset]")
+    srcs = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, list) or len(s) != 4:
+            raise BadRequest(f"srcs[{i}] must be [len, dst_offset, desc, src_offset]")
+        srcs.append((_uint(s[0], f"srcs[{i}].len"), _uint(s[1], f"srcs[{i}].dst"),
+                     MrDesc.from_wire(s[2]), _uint(s[3], f"srcs[{i}].src")))
+    return _admitted(frame, service.submit_gather(
+        session.caller, frame.seq, mr, srcs, timeout=_timeout(frame),
+        on_end=_ended(session, frame)))

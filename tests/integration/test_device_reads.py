@@ -1,0 +1,105 @@
+"""READs into device memory between two real daemons with the stand-in device
+(tests/standin_daemon.py: no host view, reached only through a stream and staging, as a
+GPU's is): the bytes are received into staging and copied onto the device before the
+read completes; reads *of* device memory are copied into the responder's staging and
+sent from there.  Checked by checksum."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client, Pages
+from tests.helpers import DaemonProcess, async_test, digest
+from tests.integration.engine_cluster import engine_env, secret_file
+from transferd.protocol.errors import BadRequest
+
+KiB = 1024
+WAIT = 20.0
+CHUNK, CHUNKS = 256 * KiB, 4
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    daemons = []
+    for rail in ("127.0.0.12", "127.0.0.13"):
+        env = engine_env([rail], secret_file=secret_file())
+        env.update({"STANDIN_CHUNK": str(CHUNK), "STANDIN_CHUNKS": str(CHUNKS)})
+        daemons.append(DaemonProcess(
+            command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1",
+                     "-p", "0", "--metrics-port", "-1"], env=env))
+    try:
+        for d in daemons:
+            d.start()
+        for d in daemons:
+            d.wait_ready()
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+@async_test(timeout=90)
+async def test_reads_into_device_memory_land_on_the_device(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    a = await Client.connect(pair[0].url)
+    b = await Client.connect(pair[1].url)
+    try:
+        data = os.urandom(CHUNK * CHUNKS)
+        host = await b.alloc_buffer(len(data))
+        await b.set_tensor(host.tensor(), data)
+        _, hdesc = await b.reg_mr(host, access="r")
+        dev = await a.alloc_buffer(len(data), device="standin:0")
+        dmr, _ = await a.reg_mr(dev)
+        # A single read of the whole pool's worth (one chunk per page), at offsets.
+        n = CHUNK * CHUNKS - 8192
+        r = await a.submit_single_read(n, (dmr, 4096), (hdesc, 8192))
+        await r.wait(WAIT)
+        got = bytes(await a.get_tensor(dev.tensor(4096, n)))
+        assert digest(got) == digest(data[8192:8192 + n])
+        # Paged, scattered: every page on the device where it was asked.
+        page = 16 * KiB
+        sidx, didx = list(range(0, 40, 2)), list(range(63, 43, -1))
+        r = await a.submit_paged_reads(page, (dmr, Pages(didx, page)), (hdesc, Pages(sidx, page)))
+        await r.wait(WAIT)
+        for s, d in zip(sidx, didx, strict=True):
+            got = bytes(await a.get_tensor(dev.tensor(d * page, page)))
+            assert got == data[s * page:(s + 1) * page], (s, d)
+        # Staging went back: the same again works (the pool is 4 chunks).
+        for _ in range(3):
+            r = await a.submit_single_read(CHUNK * CHUNKS, (dmr, 0), (hdesc, 0))
+            await r.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(dev.tensor()))) == digest(data)
+        # Reads *of* device memory: the responder copies into its staging, then sends.
+        dsrc = await b.alloc_buffer(len(data), device="standin:0")
+        await b.set_tensor(dsrc.tensor(), data[::-1])
+        _, ddesc = await b.reg_mr(dsrc, access="r")
+        hdst = await a.alloc_buffer(len(data))
+        hmr, _ = await a.reg_mr(hdst)
+        r = await a.submit_single_read(CHUNK * CHUNKS, (hmr, 0), (ddesc, 0))
+        await r.wait(WAIT)
+        assert digest(bytes(await a.get_tensor(hdst.tensor()))) == digest(data[::-1])
+        r = await a.submit_paged_reads(page, (hmr, Pages(didx, page)), (ddesc, Pages(sidx, page)))
+        await r.wait(WAIT)
+        rev = data[::-1]
+        for s, d in zip(sidx, didx, strict=True):
+            got = bytes(await a.get_tensor(hdst.tensor(d * page, page)))
+            assert got == rev[s * page:(s + 1) * page], (s, d)
+        # Device to device, staging on both sides; then a read larger than the
+        # responder's whole staging is refused (BadRequest), nothing half sent.
+        r = await a.submit_single_read(CHUNK, (dmr, 0), (ddesc, CHUNK))
+        await r.wait(WAIT)
+        assert bytes(await a.get_tensor(dev.tensor(0, CHUNK))) == rev[CHUNK:2 * CHUNK]
+        big = await b.alloc_buffer(2 * CHUNK * CHUNKS, device="standin:0")
+        _, bigdesc = await b.reg_mr(big, access="r")
+        hbig = await a.alloc_buffer(2 * CHUNK * CHUNKS)
+        hbmr, _ = await a.reg_mr(hbig)
+        r = await a.submit_single_read(CHUNK * CHUNKS + 1, (hbmr, 0), (bigdesc, 0))
+        with pytest.raises(BadRequest, match="larger than its staging"):
+            await r.wait(WAIT)
+    finally:
+        await a.close()
+        await b.close()

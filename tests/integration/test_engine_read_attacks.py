@@ -1,0 +1,225 @@
+"""A responder that lies about a READ, against a live daemon: a hand-made peer (its own
+listeners, the real handshake with the cluster secret, then raw fixed headers) answers
+the daemon's READ with bytes for a read nobody made, with more bytes than were asked,
+or with an ACK.  The daemon cuts that link before any byte lands (the reader's region
+is unchanged), fails the read, and goes on serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from client import MrDesc, NetAddr
+from tests.helpers import DaemonProcess, async_test, digest
+from tests.integration.engine_cluster import (
+    RAILS,
+    SECRET,
+    WAIT,
+    engine_env,
+    nodes,
+    secret_file,
+    start_many,
+)
+from tests.integration.test_engine_reads import region
+from tests.peerlink import HostMemory, drain, feed
+from transferd.domains.rails import rail_bytes
+from transferd.protocol.errors import PeerUnreachable
+from transferd.protocol.peer_handshake import PeerIdentity
+from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_landing import Landing
+from transferd.protocol.peer_wire import (
+    READ,
+    READ_HEAD,
+    encode_ack,
+    encode_read,
+    encode_read_data,
+)
+
+HOST = "127.0.0.1"
+MiB = 1 << 20
+
+
+class LyingResponder:
+    """A peer node with two rails (listeners on HOST) that authenticates for real and
+    then answers every READ with ``lie`` instead of its bytes."""
+
+    def __init__(self, lie: str) -> None:
+        self.lie = lie
+        self.listeners = []
+        for _ in range(2):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            s.listen(8)
+            s.settimeout(0.2)
+            self.listeners.append(s)
+        addrs = tuple(rail_bytes(*s.getsockname()) for s in self.listeners)
+        self.me = PeerIdentity(secrets.randbits(62) + 1, 0, addrs)
+        self.reads_seen = 0
+        self.cut = 0  # connections the daemon closed after a lie
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True)
+                         for r in range(2)]
+        for t in self._threads:
+            t.start()
+
+    def desc(self, size: int) -> MrDesc:
+        return MrDesc(0x10000, [(NetAddr(self.me.node, 0, (a,)), 0x1234 + r)
+                                for r, a in enumerate(self.me.addrs)], size)
+
+    def _serve(self, rail: int) -> None:
+        lst = self.listeners[rail]
+        while not self._stop.is_set():
+            try:
+                sock, _ = lst.accept()
+            except (TimeoutError, OSError):
+                continue
+            with sock:
+                sock.settimeout(5)
+                with contextlib.suppress(OSError):
+                    self._one(sock, rail)
+
+    def _one(self, sock: socket.socket, rail: int) -> None:
+        core = InboundLink(self.me, rail, SECRET, time.monotonic(),
+                           landing=Landing(HostMemory(2), 2), timeout=5, max_message=1024)
+        while not core.authenticated:  # the real handshake, through the sans-IO core
+            sock.sendall(drain(core))
+            data = sock.recv(65536)
+            if not data:
+                return
+            feed(core, data, time.monotonic())
+        sock.sendall(drain(core))
+        # From here on, raw fixed headers: take the READ, answer with the lie.
+        head = self._exact(sock, 32)
+        cmd, _, npages, part, op, _, total = READ_HEAD.unpack(head)
+        assert cmd == READ
+        self._exact(sock, 16 * npages)
+        self.reads_seen += 1
+        if self.lie == "unasked":
+            sock.sendall(encode_read_data(op + 1000, part, total) + b"\xAA" * total)
+        elif self.lie == "more":
+            sock.sendall(encode_read_data(op, part, total + 4096) + b"\xAA" * (total + 4096))
+        else:
+            sock.sendall(encode_ack(op, part))
+        # The daemon cuts the link: the connection ends (reset or close).
+        with contextlib.suppress(OSError):
+            while sock.recv(65536):
+                pass
+        self.cut += 1
+
+    @staticmethod
+    def _exact(sock: socket.socket, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            data = sock.recv(n - len(buf))
+            if not data:
+                raise ConnectionError("closed")
+            buf += data
+        return buf
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(2)
+        for s in self.listeners:
+            s.close()
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProcess]]:
+    ds = start_many([{"env": engine_env(RAILS[n], secret_file=secret_file())} for n in "ab"])
+    yield ds
+    for d in ds:
+        d.stop()
+    for d in ds:
+        assert "Traceback" not in d.stderr, d.output()
+
+
+@pytest.mark.parametrize("lie", ["unasked", "more", "ack"])
+@async_test(timeout=60)
+async def test_a_lying_responder_is_cut_off_and_nothing_lands(
+    daemons: list[DaemonProcess], lie: str
+) -> None:
+    a_d, b_d = daemons
+    liar = LyingResponder(lie)
+    try:
+        async with nodes(a_d, b_d) as (a, b):
+            dst = await region(a, 64 * 1024, seed=31)
+            r = await a.client.submit_single_read(4096, (dst.mr, 0), (liar.desc(64 * 1024), 0))
+            with pytest.raises(PeerUnreachable):
+                await r.wait(WAIT)
+            assert liar.reads_seen >= 1
+            assert digest(await a.read(dst)) == digest(bytes(dst.data))  # untouched
+            # The daemon serves on: a real read from B lands whole.
+            src = await region(b, 64 * 1024, seed=32, access="r")
+            r = await a.client.submit_single_read(64 * 1024, (dst.mr, 0), (src.desc, 0))
+            await r.wait(WAIT)
+            assert digest(await a.read(dst)) == digest(bytes(src.data))
+            await asyncio.sleep(0.2)
+            assert liar.cut == liar.reads_seen  # every lying link was cut
+            assert "peer link broken" in a_d.stderr
+    finally:
+        liar.close()
+
+
+@async_test(timeout=60)
+async def test_a_reader_that_never_takes_its_answers_holds_back_only_itself(
+    own: list[DaemonProcess]
+) -> None:
+    """A hand-made peer dials B, authenticates, asks for 64 x 64 MiB of a readable
+    region and reads nothing back.  B answers from the region's own pages (no copies),
+    stops reading that link past its watermark, serves everyone else meanwhile, and a
+    DEREG_MR of the region cuts the link after engine.peer_timeout_s instead of waiting
+    for the reader forever."""
+    from tests.integration.fake_peer import FakePeer
+
+    (b_d,) = own
+    async with nodes(b_d) as (b,):
+        src = await region(b, 64 * MiB, seed=51, access="r")
+        (addr, rkey), = src.desc.rkeys
+        with FakePeer(addr, 0, SECRET) as p:
+            p.handshake()
+            p.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            frames = b"".join(encode_read(k, 0, rkey, [src.desc.ptr], [64 * MiB])
+                              for k in range(64))
+            p.conn.sock.sendall(frames)  # 64 x 48 bytes; 4 GiB asked, nothing taken
+            await asyncio.sleep(0.5)
+            rss = _rss(b_d)
+            # B goes on: another client's buffers, a SET and a GET, while the READs wait.
+            other = await b.client.alloc_buffer(MiB)
+            await b.client.set_tensor(other.tensor(), b"\x33" * MiB)
+            assert bytes(await b.client.get_tensor(other.tensor())) == b"\x33" * MiB
+            assert _rss(b_d) - rss < 16 * MiB  # the answers are views, not copies
+            t0 = time.monotonic()
+            await asyncio.wait_for(b.client.dereg_mr(src.mr), WAIT)
+            took = time.monotonic() - t0
+            assert 0.5 < took < 8.0, took  # patience (2 s), then the link is cut
+            p.conn.sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                while p.conn.sock.recv(1 << 20):
+                    pass  # until B's close arrives
+        assert "Traceback" not in b_d.stderr
+
+
+def _rss(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture
+def own() -> Iterator[list[DaemonProcess]]:
+    ds = start_many([{"env": engine_env(RAILS["c"][:1], secret_file=secret_file(),
+                                        peer_timeout_s=2)}])
+    yield ds
+    for d in ds:
+        d.stop()

@@ -1,0 +1,225 @@
+"""READ and READ_DATA on the sans-IO peer link, in memory (tests/peerlink.py).
+
+The reader's end (an OutboundLink) asks, the responder's (an InboundLink) answers from
+its region, checked by the landing rules (rights, bounds, admission); bytes are
+compared end to end.  A responder that lies (bytes for a read nobody asked, more or
+fewer than asked, an ACK for a read) gets the link cut before any byte lands.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from tests.peerlink import HostMemory, Pair, drain, feed, identity, link_pair
+from transferd.protocol.errors import NotFound, OutOfBounds, TransferdError
+from transferd.protocol.peer_landing import Landing
+from transferd.protocol.peer_link import READ_HIGH, READ_LOW, LinkState, ReadsServed
+from transferd.protocol.peer_wire import (
+    READ_DATA,
+    READ_DATA_HEAD,
+    READ_HEAD,
+    encode_ack,
+    encode_read,
+    encode_read_data,
+    frame_size,
+    parse_read,
+)
+
+
+@dataclass
+class Token:
+    """What a Domain hands a link with a part: completed once, finished after."""
+
+    finished: bool = False
+    error: TransferdError | None = None
+    done: int = 0
+
+    def part_done(self, error: TransferdError | None = None) -> None:
+        self.done += 1
+        self.error = error
+        self.finished = True
+
+
+def pair(access: str = "r", size: int = 1 << 20) -> tuple[Pair, HostMemory, bytearray]:
+    mem = HostMemory(rails=1)
+    region = mem.region(size, access)
+    region.data[:] = os.urandom(size)
+    p = link_pair(Landing(mem, 1), identity(1), identity(1), rail=0)
+    p.region = region  # type: ignore[attr-defined]
+    return p, mem, region.data
+
+
+def to_responder(p: Pair, data: bytes) -> bytes:
+    """Feed the responder while it reads; what it did not take (still in the 'kernel')."""
+    while data and p.inb.reading:
+        buf = p.inb.get_buffers()[0]
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        p.inb.received(n, 0.0)
+        data = data[n:]
+    return data
+
+
+def shuttle(p: Pair, chunk: int = 1 << 30, rounds: int = 1000, to_inb: bytes = b"") -> None:
+    """Move bytes both ways, as sockets would: the responder is fed only while it
+    reads (a paused link's bytes wait in the 'kernel'), until both ends are quiet."""
+    for _ in range(rounds):
+        to_inb = to_responder(p, to_inb + drain(p.out))
+        back = drain(p.inb, limit=chunk * 8)
+        if back:
+            feed(p.out, back, chunk=chunk)
+        if not to_inb and not back and not p.out.out.queued and not p.inb.out.queued:
+            return
+    raise AssertionError("the link never went quiet")
+
+
+def complete(p: Pair) -> list[tuple[Token, TransferdError | None]]:
+    done, p.out.completions = p.out.completions, []
+    for tok, err in done:
+        tok.part_done(err)
+    return done
+
+
+def test_wire_round_trip() -> None:
+    frame = encode_read(7, 3, 0xABCDEF, [0x1000, 0x9000], [100, 4096])
+    assert frame_size(frame) == len(frame) == 32 + 32
+    head = READ_HEAD.unpack_from(frame)
+    r = parse_read(frame, 0, head)
+    assert (r.op, r.part, r.rkey, r.addrs, r.lens, r.nbytes) == (
+        7, 3, 0xABCDEF, [0x1000, 0x9000], [100, 4096], 4196)
+    data = encode_read_data(7, 3, 4196)
+    assert frame_size(data) == 24 + 4196
+    refused = encode_read_data(7, 3, 0, NotFound("no"))
+    assert frame_size(refused) == len(refused)
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 4096, 7])
+def test_single_and_paged_reads_land_in_place(chunk: int) -> None:
+    p, _, src = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(1 << 20)
+    dv = memoryview(dst)
+    one, paged = Token(), Token()
+    p.out.read(one, 1, 0, r.rkeys[0], [r.ptr + 5], [300_000], [dv[10:300_010]])
+    pages = [(i * 4096, (200 - i) * 4096) for i in range(100)]
+    p.out.read(paged, 2, 0, r.rkeys[0], [r.ptr + s for s, _ in pages], [4096] * 100,
+               [dv[500_000 + d - 100 * 4096 + 4096:][:4096] for _, d in pages])
+    shuttle(p, chunk, rounds=200_000)
+    assert not p.out.closed
+    assert [e for _, e in complete(p)] == [None, None]
+    assert dst[10:300_010] == src[5:300_005]
+    for s, d in pages:
+        o = 500_000 + d - 100 * 4096 + 4096
+        assert dst[o:o + 4096] == src[s:s + 4096]
+    assert r.admitted == 0  # sent whole: the responder let its region go
+    assert any(isinstance(e, ReadsServed) for e in p.inb.events)
+
+
+def test_a_region_without_read_rights_answers_as_an_unknown_rkey() -> None:
+    p, mem, _ = pair(access="w")
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(4096)
+    t1, t2, t3 = Token(), Token(), Token()
+    p.out.read(t1, 1, 0, r.rkeys[0], [r.ptr], [4096], [memoryview(dst)])
+    p.out.read(t2, 2, 0, r.rkeys[0] ^ 2, [r.ptr], [4096], [memoryview(dst)])
+    shuttle(p)
+    complete(p)
+    assert isinstance(t1.error, NotFound) and isinstance(t2.error, NotFound)
+    assert t1.error.message == t2.error.message
+    # Past the region's end, on a readable one.
+    rr = mem.region(8192, "r")
+    p.out.read(t3, 3, 0, rr.rkeys[0], [rr.ptr + 8000], [4096], [memoryview(dst)])
+    shuttle(p)
+    complete(p)
+    assert isinstance(t3.error, OutOfBounds)
+    assert dst == bytearray(4096) and not p.out.closed and not p.inb.closed
+
+
+def _answered(p: Pair, data: bytes) -> None:
+    """The responder's bytes (forged), to the reader."""
+    feed(p.out, data)
+
+
+@pytest.mark.parametrize("lie", ["unasked", "more", "fewer", "ack"])
+def test_a_lying_responder_is_cut_off_before_a_byte_lands(lie: str) -> None:
+    p, _, _ = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(b"\x55" * 8192)
+    tok = Token()
+    p.out.read(tok, 9, 0, r.rkeys[0], [r.ptr], [4096], [memoryview(dst)[:4096]])
+    drain(p.out)  # the READ went; the peer answers with a lie
+    if lie == "unasked":
+        forged = encode_read_data(10, 0, 4096) + b"\xAA" * 4096
+    elif lie == "more":
+        forged = encode_read_data(9, 0, 8192) + b"\xAA" * 8192
+    elif lie == "fewer":
+        forged = encode_read_data(9, 0, 100) + b"\xAA" * 100
+    else:
+        forged = encode_ack(9, 0)
+    _answered(p, forged)
+    assert p.out.closed and isinstance(p.out.error, TransferdError)
+    assert dst == bytearray(b"\x55" * 8192)  # nothing touched
+    complete(p)
+    assert tok.error is not None  # the read failed with the link (another rail may re-read)
+
+
+def test_a_read_whose_transfer_ended_drops_what_still_arrives() -> None:
+    p, _, src = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(200_000)
+    tok = Token()
+    p.out.read(tok, 1, 0, r.rkeys[0], [r.ptr], [200_000], [memoryview(dst)])
+    feed(p.inb, drain(p.out))
+    answer = drain(p.inb)
+    feed(p.out, answer[:50_000])  # some of it lands ...
+    assert p.out.in_frame
+    tok.finished = True  # ... then the transfer times out (or is cancelled)
+    feed(p.out, answer[50_000:], chunk=4096)
+    assert not p.out.closed and not p.out.in_frame
+    landed = 50_000 - 24
+    assert dst[:landed] == src[:landed]
+    assert dst[landed:] == bytes(200_000 - landed)  # nothing after the end
+    assert not p.out.completions  # and nothing completes twice
+
+
+def test_the_responder_holds_the_region_until_sent_and_reads_no_more_above_water() -> None:
+    n = READ_HIGH + 1
+    p, _, _ = pair(size=n)
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(n)
+    toks = [Token() for _ in range(2)]
+    for i, t in enumerate(toks):
+        p.out.read(t, i + 1, 0, r.rkeys[0], [r.ptr], [n], [memoryview(dst)])
+    left = to_responder(p, drain(p.out))
+    # One answer queued (views: no copy) is over the watermark: the second READ waits.
+    assert p.inb.out.queued > READ_HIGH and p.inb.state is LinkState.PAUSED
+    assert r.admitted == 1 and left
+    feed(p.out, drain(p.inb, limit=n - READ_LOW))  # not all of it yet: still held
+    assert r.admitted == 1 and p.inb.state is LinkState.PAUSED
+    feed(p.out, drain(p.inb, limit=p.inb.out.queued - READ_LOW))  # down to it: reads on
+    assert p.inb.reading
+    shuttle(p, to_inb=left)
+    complete(p)
+    assert [t.error for t in toks] == [None, None] and r.admitted == 0
+
+
+def test_a_responder_that_closes_lets_its_regions_go_and_sends_nothing_more() -> None:
+    p, _, _ = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(1 << 20)
+    tok = Token()
+    p.out.read(tok, 1, 0, r.rkeys[0], [r.ptr], [1 << 20], [memoryview(dst)])
+    feed(p.inb, drain(p.out))
+    assert r.admitted == 1
+    p.inb.close(None)
+    assert r.admitted == 0 and not p.inb.out.queued
+    p.out.close(None)
+    complete(p)
+    assert tok.error is not None
+
+
+def test_read_data_header_constants() -> None:
+    assert READ_DATA_HEAD.size == 24 and READ_DATA == 0x47
