@@ -197,9 +197,10 @@ class EngineConfig:
         4096,
         "Most peer links (one file descriptor each, outbound and inbound, every rail "
         "together) the engine holds. Never more than RLIMIT_NOFILE less engine.fd_reserve. "
-        "At the cap an idle link (nothing in flight) is closed to make room; if none is "
-        "idle a transfer that needs a new link fails with TOO_LARGE and an inbound link "
-        "is closed at once.",
+        "At the cap an idle link (nothing in flight) is closed to make room, else the "
+        "oldest inbound link of the source address holding the most (a local process "
+        "that keeps its links cannot hold them all); with none of either a transfer that "
+        "needs a new link fails with TOO_LARGE and an inbound link is closed at once.",
         min=1, max=1 << 20,
     )
     fd_reserve: int = key(

@@ -215,6 +215,36 @@ async def test_a_waiting_message_goes_only_to_the_connection_that_posted(
 
 
 @async_test(timeout=60)
+async def test_each_post_of_a_connection_gets_its_own_messages(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """Two SUBMIT_RECVS on one connection, of different lengths, each with its own
+    callback: a message goes to the callback of the pool it was placed in (the smallest
+    length that holds it).  Before, every message went to the first post's callback."""
+    a_d, b_d = pair
+    a = await Client.connect(a_d.url, timeout=WAIT)
+    r = await Client.connect(b_d.url, timeout=WAIT)
+    try:
+        addr_b = await r.main_address()
+        small: list[bytes] = []
+        large: list[bytes] = []
+        r.submit_recvs(64, 4, small.append)
+        r.submit_recvs(MiB, 4, large.append)
+        await r.imm_count(0)  # a round trip: both posts are in
+        msgs = [b"s" * 40, message(5, 256 * 1024), b"t" * 64, message(6, MiB)]
+        for m in msgs:
+            await (await a.submit_send(addr_b, m)).wait(WAIT)
+        for _ in range(200):
+            if len(small) + len(large) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert [digest(g) for g in small] == [digest(msgs[0]), digest(msgs[2])]
+        assert [digest(g) for g in large] == [digest(msgs[1]), digest(msgs[3])]
+    finally:
+        await r.close()
+        await a.close()
+
+
+@async_test(timeout=60)
 async def test_messages_of_a_sending_link_that_dies_are_dropped(
         pair: tuple[DaemonProcess, DaemonProcess]) -> None:
     """A peer link's messages waiting for a busy receive go when that link closes

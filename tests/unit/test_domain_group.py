@@ -26,7 +26,7 @@ from transferd.protocol.errors import (
     PeerUnreachable,
     TransferdError,
 )
-from transferd.protocol.peer_coverage import Coverage
+from transferd.protocol.peer_coverage import MAX_PARTIAL, MAX_RANGES, Coverage
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_wire import WriteHeader
 
@@ -168,6 +168,24 @@ def test_coverage_table_is_bounded() -> None:
         cov.reserve((3, 0, 1), (0, 100), 0, 10, None)
     assert cov.landed((2, 0, 1), other, 100)
     cov.reserve((3, 0, 1), (0, 100), 0, 10, None)  # peer 2 is done: room again
+
+
+def test_split_writes_of_every_peer_together_are_bounded() -> None:
+    """Each peer's table was bounded (MAX_PARTIAL of MAX_PIECES ranges) but not all of
+    them together: without a secret peers are minted at will, and 1024 of them could
+    hold 35 GiB of ranges.  Now MAX_RANGES in all, the busiest peer's oldest split
+    write forgotten past it; a quiet peer's write is kept and counts."""
+    cov = Coverage()
+    quiet = cov.reserve((9999, 0, 1), (0, 100), 0, 50, None)
+    for peer in range(1, 10):  # 9 peers, each filling its own table: 294,912 ranges
+        for op in range(MAX_PARTIAL):
+            for k in range(8):
+                cov.reserve((peer, 0, op), (0, 1 << 20), k * 10, 10, None)
+    held = sum(len(p.ranges) for t in cov._by_peer.values() for p in t.values())
+    assert held <= MAX_RANGES == 1 << 18
+    assert held == cov.ranges  # (the count it keeps is what the table holds)
+    cov.reserve((9999, 0, 1), (0, 100), 50, 50, None)
+    assert cov.landed((9999, 0, 1), quiet, 100)
 
 
 def test_paged_and_barrier_counts(setup: tuple[Landing, Region, ImmCounter]) -> None:

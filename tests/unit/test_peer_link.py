@@ -519,3 +519,51 @@ def test_lost_repeated_delayed_reordered_frames_count_exactly_once(seed: int) ->
             assert bytes(r.data[a - r.ptr:a - r.ptr + n]) == s
     assert sh.memory.counts[5] == expect
     assert r.admitted == 0
+
+
+def test_an_ok_ack_that_announces_text_closes_the_link() -> None:
+    """An ACK is 16 bytes and ``mlen`` more (frame_size); an ok one with text was
+    read as 16, so its text was taken for the next ACKs: a forged ``(op, part)``
+    inside it completed a part the peer never answered."""
+    mem, _, p = _setup()
+    r = mem.region(1 << 16)
+    token = object()
+    p.out.write(token, 5, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"abcd")], 1)
+    drain(p.out)
+    feed(p.out, ACK_HEAD.pack(0x42, 0, 16, 0, 99) + ACK_HEAD.pack(0x42, 0, 0, 0, 5))
+    assert p.out.closed and "ACK" in p.out.error.message
+    assert p.out.completions == [(token, p.out.error)]
+
+
+def test_acks_never_owed_complete_nothing() -> None:
+    """An ACK for a part never sent, a second ACK for one answered, and an ACK for a
+    part of another link (rail 1's, on rail 0) complete nothing and keep the link."""
+    mem, landing, p = _setup(rails=2)
+    q = link_pair(landing, p.out.hs.me, p.inb.hs.me, rail=1)
+    r = mem.region(1 << 16)
+    mine, theirs = object(), object()
+    p.out.write(mine, 5, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"abcd")], 1)
+    q.out.write(theirs, 6, 0, r.rkeys[1], [r.ptr + 8], [4], [memoryview(b"efgh")], 1)
+    drain(p.out), drain(q.out)
+    feed(p.out, encode_ack(77, 0) + encode_ack(6, 0))  # never sent here; rail 1's part
+    assert p.out.completions == [] and q.out.completions == []
+    feed(p.out, encode_ack(5, 0) + encode_ack(5, 0, BadRequest("late")))  # twice
+    assert p.out.completions == [(mine, None)] and not p.out.closed
+    feed(q.out, encode_ack(6, 0))
+    assert q.out.completions == [(theirs, None)]
+
+
+@pytest.mark.parametrize("n", [4096, 4097])
+def test_ack_error_text_of_the_maximum_and_one_more(n: int) -> None:
+    mem, _, p = _setup()
+    r = mem.region(1 << 16)
+    token = object()
+    p.out.write(token, 5, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"abcd")], 1)
+    drain(p.out)
+    feed(p.out, ACK_HEAD.pack(0x42, 1, n, 0, 5) + b"NOT_FOUND\0" + b"m" * (n - 10))
+    if n == 4096:
+        assert p.out.completions == [(token, p.out.completions[0][1])] and not p.out.closed
+        assert isinstance(p.out.completions[0][1], NotFound)
+        assert len(p.out.completions[0][1].message) == 4086
+    else:
+        assert p.out.closed and isinstance(p.out.error, PeerUnreachable)

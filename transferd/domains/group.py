@@ -34,6 +34,7 @@ from transferd.protocol.values import NetAddr
 from . import registry
 from .base import Ack, Capabilities, Domain, DomainOptions, LinkStats
 from .failover import RailHealth, Resend, move
+from .inbound_room import InboundRoom
 from .links import LinkContext
 from .peers import PeerBook
 from .probes import Probes
@@ -89,13 +90,17 @@ class DomainGroup:
         # One descriptor per peer link, every rail's and group's together (transferd.fds).
         self.link_budget: LinkBudget = self.options.link_budget or LinkBudget(
             link_budget(self.options.max_links, self.options.fd_reserve))
-        self.probes = Probes(loop, self.link_budget)
+        # At the budget's cap the busiest source's oldest proved inbound link makes
+        # room for a newcomer (a stranger's links cannot hold every descriptor).
+        self.room = InboundRoom(self.link_budget)
+        self.probes = Probes(loop, self.link_budget, self.room.take)
         # The cluster secret every link proves (None: links can only be held to the
         # addresses they claim; see peer_handshake).  The engine swaps it on a reload
         # (``secret``); each handshake keeps the one it started with.
         self.links = LinkContext(lambda: self.identity, Keyring.of(secret) or None,
                                  handshake_timeout_s,
-                                 self.link_budget, lambda: self.book, self.probes, max_message)
+                                 self.link_budget, lambda: self.book, self.probes, max_message,
+                                 self.room)
         # Writes with a client's write id applied here (a retry lands at most once).
         self.write_ids = WriteIds()
         self.landing = Landing(port, 1, self.write_ids, Coverage(), Landed())

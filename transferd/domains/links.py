@@ -20,6 +20,7 @@ from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
 
+from .inbound_room import InboundRoom
 from .peers import PeerBook
 from .probes import Probes
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 class LinkContext:
     def __init__(self, identity: Callable[[], PeerIdentity], secret: Keyring | None,
                  handshake_timeout_s: float, budget: LinkBudget, book: Callable[[], PeerBook],
-                 probes: Probes, max_message: int) -> None:
+                 probes: Probes, max_message: int, room: InboundRoom | None = None) -> None:
         self._identity = identity
         # Every group's addresses of this daemon (the engine sets them once all are
         # bound): without a secret an initiator lists them, its node id is theirs.
@@ -38,6 +39,9 @@ class LinkContext:
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
         self.budget = budget
+        # The proved inbound links of every rail: at the budget's cap a newcomer takes
+        # the place of the busiest source's oldest (inbound_room.py).
+        self.room = room if room is not None else InboundRoom(budget)
         self._book = book
         self.probes = probes
         self.max_message = max_message

@@ -55,9 +55,12 @@ async def dial_probe(loop: asyncio.AbstractEventLoop, bind_host: str, host: str,
 
 
 class Probes:
-    def __init__(self, loop: asyncio.AbstractEventLoop, budget: LinkBudget) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, budget: LinkBudget,
+                 take: Callable[[], bool] | None = None) -> None:
         self.loop = loop
         self.budget = budget
+        # How a dial gets its descriptor (the group's: room made at the cap).
+        self._take = take or budget.take
         self._expected: dict[bytes, Callable[[bytes], None]] = {}
         self._dials: dict[Hashable, asyncio.Task[None]] = {}
         self._log = LogEvery(log)
@@ -96,7 +99,7 @@ class Probes:
         except BadRequest as exc:
             log.info("%s: peer claims a bad address: %s", label, exc.message)
             return False
-        if len(self._dials) >= MAX_DIALS or owner in self._dials or not self.budget.take():
+        if len(self._dials) >= MAX_DIALS or owner in self._dials or not self._take():
             self.refused += 1
             self._log(logging.WARNING, "%s: probe to %s not sent: %d probes in flight, %d of "
                       "%d peer links open", label, addr.decode(errors="replace"),

@@ -60,6 +60,9 @@ class RecvPool:
     length: int
     count: int
     free: int
+    # The SUBMIT_RECVS that posted it: a message goes to its pool's caller (each post
+    # of a connection has its own callback, its own EVENT seq).
+    deliver: Deliver
 
 
 @dataclass(eq=False)
@@ -81,7 +84,6 @@ class Owner:
     """One client connection's receive state."""
 
     key: Hashable
-    deliver: Deliver
     pools: list[RecvPool] = field(default_factory=list)
     # Messages assigned to this connection, waiting for one of its receives (in order).
     waiting: dict[Message, None] = field(default_factory=dict)
@@ -173,8 +175,8 @@ class Receives:
             raise OverLimit(f"{self.pools} receive pools are posted on this daemon "
                             f"(engine.max_recv_pools_total = {self.max_pools_total})")
         if owner is None:
-            owner = self._owners[key] = Owner(key, deliver)
-        pool = RecvPool(owner, length, count, count)
+            owner = self._owners[key] = Owner(key)
+        pool = RecvPool(owner, length, count, count, deliver)
         owner.pools.append(pool)
         self.pools += 1
         self._posted.add(pool)
@@ -286,7 +288,7 @@ class Receives:
             m.timer = None
         m.owner, m.pool = owner, pool
         try:
-            taken = owner.deliver(m.peer, m.data)
+            taken = pool.deliver(m.peer, m.data)
         except Exception as exc:  # the connection's write failed: this one is lost
             log.exception("delivering a message failed")
             self._done(m, Cancelled(f"the receiving connection failed: {exc!r}"))

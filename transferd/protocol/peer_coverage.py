@@ -29,6 +29,11 @@ MAX_PEERS = 1024
 # Parts one split write may arrive in (the engine splits into at most 8, chaos
 # into at most 8 per part).
 MAX_PIECES = 64
+# Ranges taken, over every peer's split writes (each costs ~140 bytes): past this the
+# oldest split write of the peer holding the most ranges is forgotten, so peers
+# minted by the thousand (no cluster secret) cannot hold MAX_PEERS x MAX_PARTIAL x
+# MAX_PIECES of them (35 GiB).
+MAX_RANGES = 1 << 18
 
 Key = tuple[int, int, int]  # (peer node, peer group, op)
 
@@ -82,11 +87,16 @@ class Landed:
 
 class Coverage:
     def __init__(self, max_partial: int = MAX_PARTIAL, max_pieces: int = MAX_PIECES,
-                 max_peers: int = MAX_PEERS) -> None:
+                 max_peers: int = MAX_PEERS, max_ranges: int = MAX_RANGES) -> None:
         self.max_partial = max_partial
         self.max_pieces = max_pieces
         self.max_peers = max_peers
+        self.max_ranges = max_ranges
         self._by_peer: dict[tuple[int, int], OrderedDict[int, Partial]] = {}
+        # Ranges held by the split writes in the table, in all and per peer.
+        self.ranges = 0
+        self._ranges: dict[tuple[int, int], int] = {}
+        self.forgotten = 0  # split writes forgotten at a bound (their sender may be gone)
 
     def __len__(self) -> int:
         return sum(len(t) for t in list(self._by_peer.values()))
@@ -123,8 +133,29 @@ class Coverage:
         if op not in table:
             table[op] = p
             while len(table) > self.max_partial:
-                table.popitem(last=False)
+                self._forget(peer, table, next(iter(table)))
+        self._add(peer, 1)
+        while self.ranges > self.max_ranges:
+            busiest = max(self._ranges, key=self._ranges.__getitem__)
+            t = self._by_peer[busiest]
+            self._forget(busiest, t, next(iter(t)))
         return p
+
+    def _add(self, peer: tuple[int, int], n: int) -> None:
+        self.ranges += n
+        left = self._ranges.get(peer, 0) + n
+        if left:
+            self._ranges[peer] = left
+        else:
+            self._ranges.pop(peer, None)
+
+    def _forget(self, peer: tuple[int, int], table: OrderedDict[int, Partial],
+                op: int) -> None:
+        """Take the split write ``op`` of ``peer`` out of the table (its ranges too)."""
+        p = table.pop(op)
+        self._add(peer, -len(p.ranges))
+        if not table:
+            del self._by_peer[peer]
 
     def unreserve(self, key: Key, p: Partial, addr: int, length: int) -> None:
         """A reserved part did not land (refused, or its link closed mid-payload): its
@@ -132,6 +163,10 @@ class Coverage:
         r = (addr, addr + length)
         if r in p.ranges:
             p.ranges.remove(r)
+            peer = (key[0], key[1])
+            table = self._by_peer.get(peer)
+            if table is not None and table.get(key[2]) is p:
+                self._add(peer, -1)
 
     def landed(self, key: Key, p: Partial, nbytes: int, addr: int | None = None) -> bool:
         """``nbytes`` of a reserved part (at ``addr``) are in place; True once the span
@@ -146,9 +181,7 @@ class Coverage:
         peer = (key[0], key[1])
         table = self._by_peer.get(peer)
         if table is not None and table.get(key[2]) is p:
-            del table[key[2]]
-            if not table:
-                del self._by_peer[peer]
+            self._forget(peer, table, key[2])
         return True
 
 

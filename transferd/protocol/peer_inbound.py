@@ -87,6 +87,9 @@ class InboundLink(LinkEnd):
         self._seg = 0
         self._pos = 0
         self._drop = False  # the payload is read and dropped (refused, or a duplicate)
+        # A SEND's payload is collected as it comes (the memory it takes grows with the
+        # bytes received, never to the length its header names before they are here).
+        self._collect = False
         self._direct = False
         self._want = HEAD_GUESS  # bytes to read next (a header's)
         self._head = memoryview(b"")  # the buffer's first HEAD_GUESS bytes, once it has one
@@ -111,7 +114,7 @@ class InboundLink(LinkEnd):
         start = self._start
         if start == self._end:
             if self._kind:
-                if not self._drop:
+                if not self._drop and not self._collect:
                     # Straight into the pages: the rest of this payload, a socket's worth,
                     # and when that is all of it, the next frame's header into the
                     # buffer (headers go there anyway): one receive a frame while they
@@ -187,6 +190,10 @@ class InboundLink(LinkEnd):
         """Payload bytes that came into the buffer: to the segments (or dropped)."""
         self._left -= len(data)
         if self._drop:
+            return
+        if self._collect:
+            assert self._msg is not None
+            self._msg += data
             return
         if COUNTING:
             count("peer.buffered", len(data))  # (only after a header shorter than guessed)
@@ -297,9 +304,10 @@ class InboundLink(LinkEnd):
             self._kind = -SEND
         else:
             self._refusal = None
-            self._msg = bytearray(plen)
-            self._segs = [memoryview(self._msg)] if plen else ()
+            self._msg = bytearray()
+            self._segs = ()
             self._drop = False
+            self._collect = True
         if not plen:
             self._finish()
 
@@ -307,6 +315,7 @@ class InboundLink(LinkEnd):
         """The frame's payload is whole: land or refuse, and answer."""
         kind, ref, nbytes = self._kind, self._ref, self._nbytes
         self._kind = 0
+        self._collect = False
         if kind == WRITE:
             adm, self._adm = self._adm, None
             if adm is None:
@@ -381,6 +390,8 @@ class InboundLink(LinkEnd):
         if adm is not None and self._kind:
             adm.fail(None)  # closed mid-payload: nothing of it counts; a retry may land
         self._kind = 0
+        self._collect = False
+        self._msg = None
 
 
 __all__ = ["InboundLink"]

@@ -196,6 +196,9 @@ class OutboundLink(LinkEnd):
                         break
                     error = ack_error(status, buf[start + 16:start + 16 + mlen])
                     start += 16 + mlen
+                elif mlen:
+                    # (Read as 16 bytes, its text would be taken for the next ACKs.)
+                    raise BadFrame(f"an ok ACK announcing a {mlen}-byte message")
                 else:
                     error = None
                     start += 16

@@ -178,7 +178,7 @@ class TcpDomain(Domain):
                 f"rail {self.rail}: not dialling {dst.rails[0].decode(errors='replace')} "
                 f"again for {failed[1] - now:.2f} s after {failed[0]} failed attempt(s): "
                 f"{failed[2].message}")
-        if not self.budget.take() and not (self._reclaim_idle() and self.budget.take()):
+        if not self._take_budget():
             raise OverLimit(f"rail {self.rail}: {self.budget.used} peer links open, the "
                             f"most this daemon holds (engine.max_links, and "
                             f"RLIMIT_NOFILE less engine.fd_reserve), none of them idle")
@@ -252,7 +252,7 @@ class TcpDomain(Domain):
 
     def _accept(self) -> None:
         for sock, addr in self._guard.accept_burst():
-            if not self.budget.take():
+            if not self._take_budget():
                 self._log(logging.WARNING, "rail %d: inbound link refused: %d of %d peer "
                           "links open", self.rail, self.budget.used, self.budget.limit)
                 sock.close()
@@ -266,10 +266,27 @@ class TcpDomain(Domain):
             if peer.ticket is None:
                 peer.io.close(None)
 
+    def _take_budget(self) -> bool:
+        """A descriptor of the link budget for a new link; at the cap an idle link of
+        ours goes first, else the busiest source's oldest proved inbound link."""
+        budget, room = self.budget, self.port.links.room
+        if budget.take() or (self._reclaim_idle() and budget.take()):
+            return True
+        given = room.given
+        if room.take():
+            self._log(logging.WARNING, "rail %d: the link budget is full (%d peer links): "
+                      "the oldest inbound link of the source holding the most closed for a "
+                      "newcomer (%d so far)", self.rail, budget.limit, given + 1)
+            return True
+        return False
+
     def handshake_done(self, peer: InboundPeer) -> None:
         self.strangers.done(peer.ticket)
+        source = peer.io.source
+        self.port.links.room.add(str(source[0]) if source else "?", peer)
 
     def inbound_closed(self, peer: InboundPeer) -> None:
+        self.port.links.room.discard(peer)
         if peer in self._inbound:
             self._inbound.discard(peer)
             self.budget.release()
@@ -435,6 +452,11 @@ class InboundPeer:
                                                     abort=self._abort)
         self.ticket: Ticket | None = None  # its pre-auth slot, until the handshake ends
         self.io = SocketLink(loop, sock, self.core, self)
+
+    def give_room(self) -> None:
+        """A newcomer at the link budget's cap takes its descriptor (inbound_room.py)."""
+        self.io.close(PeerUnreachable(f"rail {self.domain.rail}: closed to make room for "
+                                      "a newer link (the link budget is full)"))
 
     def give_way(self, why: Why) -> None:
         """Its pre-auth slot was taken back (its deadline, or a newcomer's turn)."""
