@@ -73,10 +73,19 @@ class Engine:
 
 
 class Placement(Protocol):
-    """Which engine each node's role talks to; ``engines`` yields one per node."""
+    """Which engine each node's role talks to; ``engines`` yields one per node.
+
+    ``arm``: the benchmark arm's name on this placement; ``role_env``: what a role's
+    process needs in its environment to reach (or to be) its engine."""
 
     @property
     def label(self) -> str: ...
+
+    @property
+    def arm(self) -> str: ...
+
+    @property
+    def role_env(self) -> dict[str, str]: ...
 
     def engines(self, pins: Sequence[Pinning]
                 ) -> contextlib.AbstractContextManager[list[Engine]]:
@@ -100,7 +109,13 @@ class Daemons:
 
     @property
     def label(self) -> str:
-        return f"daemons over tcp, {self.rails} rail{'s' if self.rails > 1 else ''} each"
+        return f"daemons over tcp, {_rails(self.rails)} each"
+
+    arm = "transferd"
+
+    @property
+    def role_env(self) -> dict[str, str]:
+        return {}
 
     def _argv(self) -> list[str]:
         base = daemon_command()
@@ -132,6 +147,40 @@ class Daemons:
         finally:
             for p in procs:
                 p.stop()
+
+
+@dataclass
+class Inproc:
+    """Each node's engine in its role's own process (``inproc://``, issue 21), ``rails``
+    loopback rails each; the engines are each other's peers over tcp, as daemons are.
+
+    Nothing starts here: each role's ``Client.connect("inproc://")`` starts its engine,
+    which reads its rails from the role's environment (``role_env``) as a daemon would."""
+
+    rails: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"inproc engines (each in its role's process) over tcp, {_rails(self.rails)} each"
+
+    arm = "transferd inproc"
+
+    @property
+    def role_env(self) -> dict[str, str]:
+        return {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails))}
+
+    @contextlib.contextmanager
+    def engines(self, pins: Sequence[Pinning]) -> Iterator[list[Engine]]:
+        yield [Engine("inproc://") for _ in pins]
+
+
+def placements(rails: int) -> list[Placement]:
+    """The placements every workload benchmark runs transferd on, each an arm of its own."""
+    return [Daemons(rails=rails), Inproc(rails=rails)]
+
+
+def _rails(n: int) -> str:
+    return f"{n} rail{'s' if n > 1 else ''}"
 
 
 def load_steps(path: Path) -> list[tuple[str, int]]:

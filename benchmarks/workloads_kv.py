@@ -64,6 +64,7 @@ from .workloads_common import (
     load_steps,
     p50,
     p99,
+    placements,
     roles,
 )
 
@@ -234,14 +235,17 @@ def shape_args(layers: int, pages: int, page_len: int = PAGE) -> dict[str, int]:
     return {"layers": layers, "pages": pages, "page_len": page_len}
 
 
-def _td_roles(engines: list[Engine], shape: dict[str, int], pins: list[Pinning]
-              ) -> tuple[contextlib.ExitStack, RoleProcess, RoleProcess]:
+def _td_roles(where: Placement, engines: list[Engine], shape: dict[str, int],
+              pins: list[Pinning]) -> tuple[contextlib.ExitStack, RoleProcess, RoleProcess]:
     """The transferd nodes on ``engines`` (prefill's, decode's), entered as a stack."""
     stack = contextlib.ExitStack()
+    env = where.role_env
     (decode,) = stack.enter_context(roles([(MODULE, "td-decode", {"url": engines[1].url,
-                                                                  "shape": shape}, pins[1])]))
+                                                                  "shape": shape}, pins[1])],
+                                          env=env))
     (prefill,) = stack.enter_context(roles([(MODULE, "td-prefill", {
-        "url": engines[0].url, "shape": shape, "desc": decode.ready["desc"]}, pins[0])]))
+        "url": engines[0].url, "shape": shape, "desc": decode.ready["desc"]}, pins[0])],
+        env=env))
     return stack, prefill, decode
 
 
@@ -306,16 +310,21 @@ PEER_ARMS = {"nixl": _nixl_arm}
 
 
 @contextlib.contextmanager
-def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
+def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinning],
             peers: Sequence[str] = ()) -> Iterator[tuple[list[Arm], dict[str, str]]]:
-    """The transferd arm on ``where``, the floor, and each of ``peers`` that starts (the
-    others map to the reason), each a prefill and a decode role."""
-    with where.engines(pins) as engines:
-        stack, prefill, decode = _td_roles(engines, shape, pins)
-        with stack, roles([(MODULE, "floor-decode", {"shape": shape}, pins[1])]) as (fd,), \
+    """A transferd arm on each of ``wheres`` (named by its ``arm``), the floor, and each of
+    ``peers`` that starts (the others map to the reason), each a prefill and a decode role."""
+    with contextlib.ExitStack() as stack:
+        arms = []
+        for where in wheres:
+            engines = stack.enter_context(where.engines(pins))
+            td, prefill, decode = _td_roles(where, engines, shape, pins)
+            stack.enter_context(td)
+            arms.append(Arm(where.arm, prefill, decode))
+        with roles([(MODULE, "floor-decode", {"shape": shape}, pins[1])]) as (fd,), \
                 roles([(MODULE, "floor-prefill", {"shape": shape, "port": fd.ready["port"]},
                         pins[0])]) as (fp,), contextlib.ExitStack() as more:
-            arms = [Arm("transferd", prefill, decode), Arm("plain sockets", fp, fd)]
+            arms.append(Arm("plain sockets", fp, fd))
             missing = {}
             for kind in peers:
                 try:
@@ -328,14 +337,14 @@ def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    where: Placement = placement or Daemons(rails=1)
+    wheres = [placement] if placement else placements(rails=1)
     layers, pages = LAYERS, PAGES
     shape = shape_args(layers, pages)
     rounds, per_round = opts.pick(5, 2), opts.pick(4, 3)
     pins = [cpu_of(opts, 0), cpu_of(opts, 1)]
     seeds = iter(range(1, 1 << 30))
     samples: dict[str, list[list[dict[str, Any]]]] = {}
-    with arms_of(where, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
+    with arms_of(wheres, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
         for arm in arms:  # warm: links open, pages touched
             arm.request(next(seeds), COMPUTE_S)
             samples[arm.label] = []
@@ -345,16 +354,16 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
             opts.log(f"round {r} {arm.label}: bump -> usable p50 "
                      f"{p50([x for g in got for x in g['layer_ms']]):.2f} ms")
     steps: dict[str, list[float]] = {}
-    if isinstance(where, Daemons) and not opts.quick:  # (a full run's: two more daemons)
+    if any(isinstance(w, Daemons) for w in wheres) and not opts.quick:  # two more daemons
         steps = _steps_pass(opts, shape, pins)
     _report(res, samples, steps, rounds, per_round, layers, pages)
     for kind, why in missing.items():
         res.notes.append(f"{LABELS[kind]}: not available: {why}")
-    res.notes.append(f"placement: transferd on {where.label}; "
-                     + describe_cpus(pins, ["prefill side (daemon A, the prefill role; the "
-                                            "floor's prefill process)",
-                                            "decode side (daemon B, the decode role; the "
-                                            "floor's decode process)"]))
+    res.notes.append("placement: " + "; ".join(f"{w.arm} on {w.label}" for w in wheres) + "; "
+                     + describe_cpus(pins, ["prefill side (daemon A or the inproc engine, the "
+                                            "prefill role; the floor's prefill process)",
+                                            "decode side (daemon B or the inproc engine, the "
+                                            "decode role; the floor's decode process)"]))
     res.notes.append(load_note(load0, load_now()))
     return res
 
@@ -366,7 +375,7 @@ def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
         placement = Daemons(rails=1, steps_dir=Path(tmp))
         reqs = []
         with placement.engines(pins) as engines:
-            stack, prefill, decode = _td_roles(engines, shape, pins)
+            stack, prefill, decode = _td_roles(placement, engines, shape, pins)
             with stack:
                 arm = Arm("transferd (steps)", prefill, decode)
                 arm.request(1 << 30, COMPUTE_S, check=False)
@@ -379,12 +388,14 @@ def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
 def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
             steps: dict[str, list[float]], rounds: int, per_round: int, layers: int,
             pages: int) -> None:
-    td, fl = samples["transferd"], samples["plain sockets"]
+    fl = samples["plain sockets"]
+    td_arms = [a for a in samples if a.startswith("transferd")]
+    main = td_arms[0]  # the daemons' arm when it ran: the figure of record
 
     def layer_ms(rs: list[dict[str, Any]]) -> list[float]:
         return [x for r in rs for x in r["layer_ms"]]
 
-    def ratio(key: Any, arm: str = "transferd") -> float:
+    def ratio(key: Any, arm: str = main) -> float:
         return median([key(a) / key(b) for a, b in zip(samples[arm], fl, strict=True)])
 
     def p50_of(rs: list[dict[str, Any]]) -> float:
@@ -400,7 +411,8 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
         return median([r["tail_ms"] for r in rs])
 
     r_p50, r_p99, r_req, r_tail = (ratio(f) for f in (p50_of, p99_of, request_of, tail_of))
-    late = sum(r["late"] for rs in td for r in rs)
+    lates = {a: sum(r["late"] for rs in samples[a] for r in rs) for a in td_arms}
+    late = lates[main]
     t = Table(f"{layers} layers x {pages} pages of {PAGE >> 10} KiB ({layers * pages * PAGE >> 20}"
               f" MiB a request), compute {COMPUTE_S * 1e3:g} ms a layer; {rounds} alternating "
               f"rounds x {per_round} requests per arm; ms (ratio per round, then the median)",
@@ -415,12 +427,14 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
             t.add(f"{arm} / floor", *(fmt_ratio(ratio(f, arm))
                                       for f in (p50_of, p99_of, request_of, tail_of)), "")
     res.tables.append(t)
-    res.checks.append(Check("(1) KV bump -> usable p50 / plain-socket floor", r_p50, "<=",
-                            TARGET_LAYER, "x"))
-    res.checks.append(Check("(1) KV whole request / plain-socket floor", r_req, "<=",
-                            TARGET_REQUEST, "x"))
-    res.checks.append(Check("(1) KV layers whose write waited for a later layer's compute",
-                            late, "<=", 0))
+    for arm in td_arms:
+        on = "" if arm == "transferd" else f" ({arm.removeprefix('transferd ')})"
+        res.checks.append(Check(f"(1) KV bump -> usable p50 / plain-socket floor{on}",
+                                ratio(p50_of, arm), "<=", TARGET_LAYER, "x"))
+        res.checks.append(Check(f"(1) KV whole request / plain-socket floor{on}",
+                                ratio(request_of, arm), "<=", TARGET_REQUEST, "x"))
+        res.checks.append(Check(f"(1) KV layers whose write waited for a later layer's "
+                                f"compute{on}", lates[arm], "<=", 0))
     if steps and steps[STEPS[-1][0]]:
         st = Table(f"where a layer's time goes: median us since the bump, over "
                    f"{len(steps[STEPS[-1][0]])} layers (daemons with engine_steps' timestamps; "
@@ -434,7 +448,7 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
                    f"{med[label] - base:+,.0f} (after {number[ref] if ref else 'bump'})")
         res.tables.append(st)
     res.notes.append("every request's pages checked: CRC-32 of each layer's pages in order, "
-                     "prefill against decode (both arms)")
+                     "prefill against decode (every arm)")
     res.data = {
         "layers": layers, "pages": pages, "page": PAGE, "compute_s": COMPUTE_S,
         "ratios": {"p50": r_p50, "p99": r_p99, "request": r_req, "tail": r_tail},
@@ -442,7 +456,7 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
                                                                ("request", request_of),
                                                                ("tail", tail_of))}
                           for arm in samples if arm != "plain sockets"},
-        "late": late,
+        "late": late, "late_by_arm": lates,
         "arms": {k: [[{x: r[x] for x in ("layer_ms", "request_ms", "tail_ms", "late")}
                       for r in g] for g in v] for k, v in samples.items()},
         "steps_us": {k: median(v) for k, v in steps.items() if v},

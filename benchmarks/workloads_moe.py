@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
     ClientRole,
-    Daemons,
     Placement,
     RoleProcess,
     all_of,
@@ -42,6 +41,7 @@ from .workloads_common import (
     load_now,
     p50,
     p99,
+    placements,
     process_cpu_s,
     roles,
 )
@@ -233,17 +233,27 @@ class Arm:
 
 
 @contextlib.contextmanager
-def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Iterator[list[Arm]]:
-    """The transferd arm on ``where`` and the floor, a role per rank each (``pins[i]``)."""
+def _td_arm(where: Placement, shape: dict[str, int], pins: list[Pinning]) -> Iterator[Arm]:
+    """transferd on ``where``: a role per rank (``pins[i]``), joined."""
     with where.engines(pins) as engines, \
             roles([(MODULE, "td-rank", {"url": e.url, "shape": shape, "rank": i}, p)
-                   for i, (e, p) in enumerate(zip(engines, pins, strict=True))]) as td, \
+                   for i, (e, p) in enumerate(zip(engines, pins, strict=True))],
+                  env=where.role_env) as td:
+        all_of(td, op="join", infos=[r.ready["info"] for r in td])
+        # (An inproc engine has no pid of its own: its role's counts it.)
+        yield Arm(where.arm, td, [r.pid for r in td] + [e.pid for e in engines if e.pid])
+
+
+@contextlib.contextmanager
+def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinning]
+            ) -> Iterator[list[Arm]]:
+    """A transferd arm on each of ``wheres`` and the floor, a role per rank each."""
+    with contextlib.ExitStack() as stack, \
             roles([(MODULE, "floor-rank", {"shape": shape, "rank": i}, p)
                    for i, p in enumerate(pins)]) as fl:
-        all_of(td, op="join", infos=[r.ready["info"] for r in td])
+        arms = [stack.enter_context(_td_arm(w, shape, pins)) for w in wheres]
         all_of(fl, op="join", ports=[r.ready["port"] for r in fl])
-        yield [Arm("transferd", td, [r.pid for r in td] + [e.pid for e in engines if e.pid]),
-               Arm("plain sockets", fl, [r.pid for r in fl])]
+        yield [*arms, Arm("plain sockets", fl, [r.pid for r in fl])]
 
 
 def _us(times: list[list[int]], a: int, b: int) -> list[float]:
@@ -253,7 +263,7 @@ def _us(times: list[list[int]], a: int, b: int) -> list[float]:
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    where: Placement = placement or Daemons(rails=1)
+    wheres = [placement] if placement else placements(rails=1)
     seqs = opts.pick(SEQUENCES, QUICK_SEQUENCES)
     # Each round runs every sequence length (the order reversed every other round), so
     # that the machine's load drifting over a run weighs on every length alike.
@@ -265,7 +275,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     offset = 0
     pins = [cpu_of(opts, i) for i in range(max(RANKS))]
     for ranks in RANKS:
-        with arms_of(where, {"ranks": ranks, "tokens": TOKENS}, pins[:ranks]) as arms:
+        with arms_of(wheres, {"ranks": ranks, "tokens": TOKENS}, pins[:ranks]) as arms:
             for arm in arms:  # warm: every link open, every page touched
                 arm.sequence(4, offset)
             offset += 4
@@ -277,16 +287,17 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
                             samples.setdefault((arm.label, ranks, seq), []).extend(got)
                             by_round.setdefault((arm.label, ranks, seq, r), []).extend(got)
                         offset += seq
-                    opts.log(f"{ranks} ranks, round {r}, {seq} in a row: transferd step p50 "
-                             f"{p50(_us(by_round[('transferd', ranks, seq, r)], 0, 4)):,.0f}"
-                             " us")
+                    opts.log(f"{ranks} ranks, round {r}, {seq} in a row: step p50 " + ", ".join(
+                        f"{w.arm} {p50(_us(by_round[(w.arm, ranks, seq, r)], 0, 4)):,.0f} us"
+                        for w in wheres))
             for arm in arms:
                 for seq in seqs:
                     cpu[(arm.label, ranks, seq)] = arm.cpu_ms_per_step(seq)
                 arm.check(seed=ranks, offset=offset)
             offset += 1
     _report(res, samples, by_round, rounds, seqs, cpu)
-    res.notes.append(f"placement: transferd on {where.label}; rank i (its daemon and role; "
+    res.notes.append("placement: " + "; ".join(f"{w.arm} on {w.label}" for w in wheres)
+                     + "; rank i (its daemon or inproc engine and its role; "
                      f"the floor's rank process) on CPU i mod {len({str(p.server) for p in pins})}"
                      f" ({describe_cpus(pins[:2], ['rank 0', 'rank 1'])})")
     res.notes.append(load_note(load0, load_now()))
@@ -300,43 +311,54 @@ def _report(res: BenchResult, samples: dict[tuple[str, int, int], list[list[int]
               "skewed routing (seed 2025); us, p50 / p99 over every rank and step",
               ["ranks", "in a row", "arm", "dispatch p50", "p99", "combine p50", "p99",
                "step p50", "scatter acked p50", "CPU ms/step"])
-    ratios: dict[str, float] = {}
+    td_arms = sorted({k[0] for k in samples if k[0].startswith("transferd")},
+                     key=lambda a: (a != "transferd", a))  # the daemons' arm first
+    ratios: dict[str, float] = {}  # the first arm's (the daemons' when it ran)
     flat: dict[int, float] = {}
+    by_arm: dict[str, dict[str, float]] = {a: {} for a in td_arms}
     for ranks in RANKS:
         for seq in seqs:
-            for label in ("transferd", "plain sockets"):
+            for label in (*td_arms, "plain sockets"):
                 xs = samples[(label, ranks, seq)]
                 d, c = _us(xs, 0, 2), _us(xs, 2, 4)
                 t.add(str(ranks), str(seq), label, f"{p50(d):,.0f}", f"{p99(d):,.0f}",
                       f"{p50(c):,.0f}", f"{p99(c):,.0f}", f"{p50(_us(xs, 0, 4)):,.0f}",
                       f"{p50(_us(xs, 0, 1)):,.0f}", f"{cpu[(label, ranks, seq)]:.1f}")
-        td = [x for s in seqs for x in samples[("transferd", ranks, s)]]
         fl = [x for s in seqs for x in samples[("plain sockets", ranks, s)]]
-        for name, a, b in (("dispatch", 0, 2), ("combine", 2, 4)):
-            ratios[f"{name} {ranks}"] = p50(_us(td, a, b)) / p50(_us(fl, a, b))
-            res.checks.append(Check(f"(3) MoE {name} p50, {ranks} ranks / plain-socket floor",
-                                    ratios[f"{name} {ranks}"], "<=", TARGET, "x"))
-        flat[ranks] = median([
-            p50(_us(by_round[("transferd", ranks, seqs[-1], r)], 0, 4))
-            / p50(_us(by_round[("transferd", ranks, seqs[0], r)], 0, 4)) for r in range(rounds)])
-        res.checks.append(Check(f"(3) MoE step p50, {seqs[-1]} in a row / 1, {ranks} ranks",
-                                flat[ranks], "<=", TARGET_FLAT, "x"))
+        for arm in td_arms:
+            on = "" if arm == "transferd" else f" ({arm.removeprefix('transferd ')})"
+            td = [x for s in seqs for x in samples[(arm, ranks, s)]]
+            for name, a, b in (("dispatch", 0, 2), ("combine", 2, 4)):
+                by_arm[arm][f"{name} {ranks}"] = p50(_us(td, a, b)) / p50(_us(fl, a, b))
+                res.checks.append(Check(f"(3) MoE {name} p50, {ranks} ranks / plain-socket "
+                                        f"floor{on}", by_arm[arm][f"{name} {ranks}"], "<=",
+                                        TARGET, "x"))
+            by_arm[arm][f"flat {ranks}"] = median([
+                p50(_us(by_round[(arm, ranks, seqs[-1], r)], 0, 4))
+                / p50(_us(by_round[(arm, ranks, seqs[0], r)], 0, 4)) for r in range(rounds)])
+            res.checks.append(Check(f"(3) MoE step p50, {seqs[-1]} in a row / 1, {ranks} "
+                                    f"ranks{on}", by_arm[arm][f"flat {ranks}"], "<=",
+                                    TARGET_FLAT, "x"))
+        ratios.update({k: v for k, v in by_arm[td_arms[0]].items() if not k.startswith("flat")})
+        flat[ranks] = by_arm[td_arms[0]][f"flat {ranks}"]
     res.tables.append(t)
-    r = Table(f"transferd / floor, p50 over every sequence; flat: transferd's step p50 at "
-              f"{seqs[-1]} in a row / at 1, per round ({rounds}), then the median",
-              ["ranks", "dispatch", "combine", f"step: {seqs[-1]} in a row / 1"])
+    r = Table(f"each transferd arm / floor, p50 over every sequence; flat: the arm's step p50 "
+              f"at {seqs[-1]} in a row / at 1, per round ({rounds}), then the median",
+              ["ranks", "arm", "dispatch", "combine", f"step: {seqs[-1]} in a row / 1"])
     for ranks in RANKS:
-        r.add(str(ranks), fmt_ratio(ratios[f"dispatch {ranks}"]),
-              fmt_ratio(ratios[f"combine {ranks}"]), fmt_ratio(flat[ranks]))
+        for arm in td_arms:
+            r.add(str(ranks), arm, fmt_ratio(by_arm[arm][f"dispatch {ranks}"]),
+                  fmt_ratio(by_arm[arm][f"combine {ranks}"]),
+                  fmt_ratio(by_arm[arm][f"flat {ranks}"]))
     res.tables.append(r)
     res.notes.append("dispatch: the step's start -> every other rank's barrier counted here; "
                      "combine: -> every answer's barrier counted; scatter acked: the rank's own "
                      "dispatch scatter acknowledged by every destination; CPU ms/step: CPU "
-                     "time of every process of the arm (daemons and roles; the floor's ranks) "
-                     "per step, all ranks together, over 2 CPUs. One step per rank count "
-                     "checked token by token on every rank (both arms).")
+                     "time of every process of the arm (daemons and roles; inproc: the roles; "
+                     "the floor's ranks) per step, all ranks together, over 2 CPUs. One step "
+                     "per rank count checked token by token on every rank (every arm).")
     res.data = {
-        "tokens": TOKENS, "ratios": ratios, "flat": flat,
+        "tokens": TOKENS, "ratios": ratios, "flat": flat, "ratios_by_arm": by_arm,
         "cpu_ms_per_step": {f"{k[0]} {k[1]} ranks x{k[2]}": v for k, v in cpu.items()},
         "p50_us": {f"{k[0]} {k[1]} ranks x{k[2]}": {
             "dispatch": p50(_us(v, 0, 2)), "combine": p50(_us(v, 2, 4)),

@@ -37,7 +37,6 @@ from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, med
 from .workloads_common import (
     SECTION,
     ClientRole,
-    Daemons,
     Placement,
     RoleProcess,
     all_of,
@@ -45,6 +44,7 @@ from .workloads_common import (
     describe_cpus,
     load_note,
     load_now,
+    placements,
     process_cpu_s,
     roles,
 )
@@ -263,31 +263,41 @@ PEER_ARMS = {"nixl": _nixl_arm}
 
 
 @contextlib.contextmanager
-def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
-            groups: tuple[int, ...] = RECEIVERS, peers: Sequence[str] = ()
-            ) -> Iterator[tuple[list[Arm], dict[str, str]]]:
-    """The transferd arm on ``where``, the floor, and each of ``peers`` that starts (the
-    others map to the reason): a trainer (``pins[0]``) and an inference node for each of
-    ``pins[1:]``; an update may go to the first n of them for every n of ``groups``."""
-    size = shape["size"]
+def _td_arm(where: Placement, shape: dict[str, int], pins: list[Pinning],
+            groups: tuple[int, ...]) -> Iterator[Arm]:
+    """transferd on ``where``: a trainer role (``pins[0]``) and a receiver per ``pins[1:]``."""
+    env = where.role_env
     with where.engines(pins) as engines, \
             roles([(MODULE, "td-receiver", {"url": e.url, "shape": shape}, p)
-                   for e, p in zip(engines[1:], pins[1:], strict=True)]) as td_rx, \
+                   for e, p in zip(engines[1:], pins[1:], strict=True)], env=env) as td_rx, \
             roles([(MODULE, "td-trainer", {
                 "url": engines[0].url, "shape": shape,
                 "descs": [r.ready["desc"] for r in td_rx],
                 "addrs": [r.ready["addr"] for r in td_rx], "groups": list(groups)},
-                pins[0])]) as (td_tx,), \
+                pins[0])], env=env) as (td_tx,):
+        pid = [e.pid for e in engines]  # (None in process: the role's pid counts it)
+        yield Arm(where.arm, td_tx, td_rx, shape["size"],
+                  ([td_tx.pid, *[p for p in pid[:1] if p]],
+                   [r.pid for r in td_rx] + [p for p in pid[1:] if p]))
+
+
+@contextlib.contextmanager
+def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinning],
+            groups: tuple[int, ...] = RECEIVERS, peers: Sequence[str] = ()
+            ) -> Iterator[tuple[list[Arm], dict[str, str]]]:
+    """A transferd arm on each of ``wheres``, the floor, and each of ``peers`` that starts
+    (the others map to the reason): a trainer (``pins[0]``) and an inference node for each
+    of ``pins[1:]``; an update may go to the first n of them for every n of ``groups``."""
+    size = shape["size"]
+    with contextlib.ExitStack() as stack, \
             roles([(MODULE, "floor-receiver", {"shape": shape}, p) for p in pins[1:]]) as fl_rx, \
             roles([(MODULE, "floor-trainer", {"shape": shape, "rails": RAILS,
                                               "ports": [r.ready["port"] for r in fl_rx]},
                     pins[0])]) as (fl_tx,), contextlib.ExitStack() as more:
-        pid = [e.pid for e in engines]
-        td = Arm("transferd", td_tx, td_rx, size,
-                 ([td_tx.pid, *[p for p in pid[:1] if p]],
-                  [r.pid for r in td_rx] + [p for p in pid[1:] if p]))
-        fl = Arm("plain sockets", fl_tx, fl_rx, size, ([fl_tx.pid], [r.pid for r in fl_rx]))
-        arms, missing = [td, fl], {}
+        arms = [stack.enter_context(_td_arm(w, shape, pins, groups)) for w in wheres]
+        arms.append(Arm("plain sockets", fl_tx, fl_rx, size,
+                        ([fl_tx.pid], [r.pid for r in fl_rx])))
+        missing = {}
         for kind in peers:
             try:
                 arms.append(more.enter_context(PEER_ARMS[kind](shape, pins)))
@@ -299,14 +309,14 @@ def arms_of(where: Placement, shape: dict[str, int], pins: list[Pinning],
 def run(opts: Options, placement: Placement | None = None) -> BenchResult:
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    where: Placement = placement or Daemons(rails=RAILS)
+    wheres = [placement] if placement else placements(rails=RAILS)
     size = opts.pick(256 << 20, 64 << 20)
     shape = {"size": size, "shards": SHARDS}
     rounds = opts.pick(3, 1)
     seeds = iter(range(1, 1 << 30))
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     pins = [cpu_of(opts, 0)] + [cpu_of(opts, 1)] * max(RECEIVERS)
-    with arms_of(where, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
+    with arms_of(wheres, shape, pins, peers=tuple(PEER_ARMS)) as (arms, missing):
         for arm in arms:  # warm: every node's links open, every page touched
             arm.update(max(RECEIVERS), next(seeds))
         for r in range(rounds):
@@ -332,7 +342,7 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
                 by_arm.setdefault(label, {})[n] = median(
                     [a["total"] / b["total"] for a, b in zip(samples[(label, n)], fl,
                                                              strict=True)])
-        ratios[n] = by_arm["transferd"][n]
+        ratios[n] = by_arm[labels[0]][n]  # the daemons' arm when it ran
         for label in labels:
             xs = samples[(label, n)]
             t.add(str(n), label, f"{median([x['seconds'] for x in xs]) * 1e3:.0f}",
@@ -342,17 +352,21 @@ def run(opts: Options, placement: Placement | None = None) -> BenchResult:
                   f"{median([x['cpu_per_gib'][0] for x in xs]):.2f}",
                   f"{median([x['cpu_per_gib'][1] for x in xs]):.2f}",
                   fmt_ratio(by_arm[label][n]) if label in by_arm else "")
-        res.checks.append(Check(f"(2) RL aggregate GiB/s, {n} node(s) / plain-socket floor",
-                                ratios[n], ">=", TARGET, "x"))
+        for label in labels:
+            if label.startswith("transferd"):
+                on = "" if label == "transferd" else f" ({label.removeprefix('transferd ')})"
+                res.checks.append(Check(f"(2) RL aggregate GiB/s, {n} node(s) / plain-socket "
+                                        f"floor{on}", by_arm[label][n], ">=", TARGET, "x"))
     res.tables.append(t)
     for kind, why in missing.items():
         res.notes.append(f"{LABELS[kind]}: not available: {why}")
-    res.notes.append(f"placement: transferd on {where.label}; "
-                     + describe_cpus(pins[:2], ["the trainer side (its daemon, its role; the "
-                                                "floor's trainer)", "every inference node "
-                                                "(daemons, roles; the floor's receivers)"]))
+    res.notes.append("placement: " + "; ".join(f"{w.arm} on {w.label}" for w in wheres) + "; "
+                     + describe_cpus(pins[:2], ["the trainer side (its daemon or inproc "
+                                                "engine, its role; the floor's trainer)",
+                                                "every inference node (daemons or inproc "
+                                                "engines, roles; the floor's receivers)"]))
     res.notes.append("every update's shards checked on every node (CRC-32 per shard, "
-                     "trainer against node, both arms); CPU s/GiB: CPU time of each side's "
+                     "trainer against node, every arm); CPU s/GiB: CPU time of each side's "
                      "processes over the update, per GiB delivered in all")
     res.notes.append(load_note(load0, load_now()))
     res.data = {"size": size, "shards": SHARDS, "rails": RAILS, "ratios": ratios,

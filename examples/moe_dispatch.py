@@ -251,7 +251,13 @@ def check_step(digests: Sequence[dict[str, list[int]]]) -> list[str]:
 
 
 async def connect_ranks(urls: Sequence[str], shape: MoeShape) -> list[MoeRank]:
-    ranks = [MoeRank(await Client.connect(u), shape, i) for i, u in enumerate(urls)]
+    return await join_ranks([await Client.connect(u) for u in urls], shape)
+
+
+async def join_ranks(clients: Sequence[Client], shape: MoeShape) -> list[MoeRank]:
+    """Rank i on ``clients[i]`` (any placement: a daemon's client, an inproc engine),
+    every rank's regions registered and every rank joined to every other."""
+    ranks = [MoeRank(c, shape, i) for i, c in enumerate(clients)]
     infos = [await r.setup() for r in ranks]
     for r in ranks:
         await r.join(infos)

@@ -1,12 +1,15 @@
 """The TransferEngine article's three systems, end to end, at a small size, every byte checked.
 
 Each runs the code of its example (``examples/kv_cache.py``, ``weight_update.py``,
-``moe_dispatch.py``) on real daemons over tcp with two rails (and on the chaos Domain,
-which delivers out of order on purpose): every page of every layer, every shard on every
-node, every token of every step dispatched and combined back is compared (CRC-32) with
-what its source holds.  Then the benchmark's own path (``benchmarks.workloads_*``: each
-node a role process, and the plain-socket floor beside it) at its smallest, so that
-``python -m benchmarks --only workloads`` stays runnable; and the floor's node on its own.
+``moe_dispatch.py``) on real daemons over tcp with two rails, and again with each node's
+engine in this process (``inproc://``, the engines peers of each other over tcp), each on
+tcp and on the chaos Domain (which delivers out of order on purpose): every page of every
+layer, every shard on every node, every token of every step dispatched and combined back
+is compared (CRC-32) with what its source holds.  Then the benchmark's own path
+(``benchmarks.workloads_*``: each node a role process, on a daemon or holding its own
+inproc engine, and the plain-socket floor beside it) at its smallest, every byte checked,
+so that ``python -m benchmarks --only workloads`` stays runnable; and the floor's node on
+its own.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
 from benchmarks import workloads_kv, workloads_moe, workloads_rl
 from benchmarks.harness import Pinning
-from benchmarks.workloads_common import Daemons
+from benchmarks.workloads_common import Daemons, Inproc
 from benchmarks.workloads_floor import DATA, HDR, FloorNode
 from client import Client, Tensor
 from examples import kv_cache, moe_dispatch, weight_update
@@ -48,6 +52,29 @@ def daemons(n: int, domain: str = "tcp", rails: tuple[str, ...] = RAILS
             d.stop()
 
 
+# Where each node's engine runs: a daemon of its own (the node's client talks to it over
+# tcp), or in this process (``inproc://``, an engine per node, peers of each other over tcp
+# exactly as daemons are: the same rails, Domain, seed and cluster secret).
+PLACEMENTS = ["daemons", "inproc"]
+
+
+@contextlib.asynccontextmanager
+async def placed(n: int, domain: str, where: str, rails: tuple[str, ...] = RAILS
+                ) -> AsyncIterator[list[Client]]:
+    """``n`` nodes' clients, each on an engine of its own placed as ``where`` says."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = ([d.url for d in stack.enter_context(daemons(n, domain, rails))]
+                if where == "daemons" else ["inproc://"] * n)
+        clients = []
+        for i, url in enumerate(urls):
+            kw: dict[str, Any] = {} if where == "daemons" else {"overrides": {
+                "engine.host_rails": ",".join(rails), "engine.domain": domain,
+                "engine.chaos_seed": i + 1, "engine.secret_file": secret_file()}}
+            clients.append(c := await Client.connect(url, **kw))
+            stack.push_async_callback(asyncio.wait_for, c.close(), 30)
+        yield clients
+
+
 async def flip(c: Client, t: Tensor) -> None:
     """Change the byte at ``t`` (one byte) to another value."""
     old = bytes(await c.get_tensor(t))
@@ -57,111 +84,103 @@ async def flip(c: Client, t: Tensor) -> None:
 # -- (1) the KV cache, layer by layer -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", PLACEMENTS)
 @pytest.mark.parametrize("domain", ["tcp", "chaos"])
 @async_test(timeout=90)
-async def test_kv_cache_every_page_of_every_layer_lands_after_its_bump(domain: str) -> None:
+async def test_kv_cache_every_page_of_every_layer_lands_after_its_bump(domain: str,
+                                                                       where: str) -> None:
     shape = kv_cache.KvShape(layers=6, pages=8, page_len=4096)
-    with daemons(2, domain) as (da, db):
-        a, b = await Client.connect(da.url), await Client.connect(db.url)
-        try:
-            prefill, decode = kv_cache.Prefill(a, shape), kv_cache.Decode(b, shape)
-            await prefill.setup()
-            await decode.setup()
-            for seed in (1, 2, 3):  # fresh pages and bytes per request, the same counters
-                r = await kv_cache.one_request(prefill, decode, seed, compute_s=0.002)
-                assert r.ok, f"request {seed}: the decode node holds other pages"
-                t = r.times
-                for layer in range(shape.layers):
-                    # Sent only once computed (its bump), usable only after that.
-                    assert t.bump[layer] <= t.event[layer] <= t.submitted[layer]
-                    assert t.bump[layer] < r.usable[layer]
-                    assert t.acked[layer] > 0
-            # The check reads what landed: one page of layer 3 changed on the decode node
-            # shows as layer 3, and only it.
-            plan = kv_cache.plan_request(shape, 3)
-            good = await decode.digests(plan)
-            await flip(b, decode.cache.tensor(plan.dst[3][5] * shape.page_len + 17, 1))
-            changed = [i for i, (x, y) in enumerate(zip(good, await decode.digests(plan),
-                                                        strict=True)) if x != y]
-            assert changed == [3]
-        finally:
-            await a.close()
-            await b.close()
+    async with placed(2, domain, where) as (a, b):
+        prefill, decode = kv_cache.Prefill(a, shape), kv_cache.Decode(b, shape)
+        await prefill.setup()
+        await decode.setup()
+        for seed in (1, 2, 3):  # fresh pages and bytes per request, the same counters
+            r = await kv_cache.one_request(prefill, decode, seed, compute_s=0.002)
+            assert r.ok, f"request {seed}: the decode node holds other pages"
+            t = r.times
+            for layer in range(shape.layers):
+                # Sent only once computed (its bump), usable only after that.
+                assert t.bump[layer] <= t.event[layer] <= t.submitted[layer]
+                assert t.bump[layer] < r.usable[layer]
+                assert t.acked[layer] > 0
+        # The check reads what landed: one page of layer 3 changed on the decode node
+        # shows as layer 3, and only it.
+        plan = kv_cache.plan_request(shape, 3)
+        good = await decode.digests(plan)
+        await flip(b, decode.cache.tensor(plan.dst[3][5] * shape.page_len + 17, 1))
+        changed = [i for i, (x, y) in enumerate(zip(good, await decode.digests(plan),
+                                                    strict=True)) if x != y]
+        assert changed == [3]
 
 
 # -- (2) the RL weight update -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", PLACEMENTS)
 @pytest.mark.parametrize("domain", ["tcp", "chaos"])
 @async_test(timeout=90)
-async def test_weight_update_every_shard_on_every_node_before_its_barrier(domain: str) -> None:
+async def test_weight_update_every_shard_on_every_node_before_its_barrier(domain: str,
+                                                                          where: str) -> None:
     # 2 MiB shards: each single write is split over both rails.
     shape = weight_update.WeightShape(size=8 << 20, shards=4)
-    with daemons(3, domain) as ds:
-        clients = [await Client.connect(d.url) for d in ds]
-        try:
-            trainer = weight_update.Trainer(clients[0], shape)
-            await trainer.setup()
-            nodes = [weight_update.Receiver(c, shape) for c in clients[1:]]
-            for node in nodes:
-                await node.setup()
-            group = await trainer.group([node.addr for node in nodes])
-            for seed in (1, 2):  # new weights each time, the same regions and counter
-                r = await weight_update.one_update(trainer, group, nodes, seed)
-                assert r.ok, "a node holds other shards than the trainer wrote"
-                # The barrier goes out once every write is acknowledged, so no node
-                # counts it before its shards are in place.
-                assert all(a > r.times.written for a in r.arrived)
-                assert r.times.written <= r.times.barrier and r.total_gib_s > 0
-            # The check reads what landed: one byte of shard 2 changed on node 1 shows
-            # as shard 2, and only it.
-            want = await nodes[1].digests()
-            await flip(clients[2], nodes[1].weights.tensor(2 * shape.shard_len + 9, 1))
-            got = await nodes[1].digests()
-            assert [i for i in range(shape.shards) if got[i] != want[i]] == [2]
-        finally:
-            for c in clients:
-                await c.close()
+    async with placed(3, domain, where) as clients:
+        trainer = weight_update.Trainer(clients[0], shape)
+        await trainer.setup()
+        nodes = [weight_update.Receiver(c, shape) for c in clients[1:]]
+        for node in nodes:
+            await node.setup()
+        group = await trainer.group([node.addr for node in nodes])
+        for seed in (1, 2):  # new weights each time, the same regions and counter
+            r = await weight_update.one_update(trainer, group, nodes, seed)
+            assert r.ok, "a node holds other shards than the trainer wrote"
+            # The barrier goes out once every write is acknowledged, so no node
+            # counts it before its shards are in place.
+            assert all(a > r.times.written for a in r.arrived)
+            assert r.times.written <= r.times.barrier and r.total_gib_s > 0
+        # The check reads what landed: one byte of shard 2 changed on node 1 shows
+        # as shard 2, and only it.
+        want = await nodes[1].digests()
+        await flip(clients[2], nodes[1].weights.tensor(2 * shape.shard_len + 9, 1))
+        got = await nodes[1].digests()
+        assert [i for i in range(shape.shards) if got[i] != want[i]] == [2]
 
 
 # -- (3) MoE dispatch and combine ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", PLACEMENTS)
 @pytest.mark.parametrize("domain", ["tcp", "chaos"])
 @async_test(timeout=120)
-async def test_moe_every_token_of_every_step_dispatched_and_combined(domain: str) -> None:
+async def test_moe_every_token_of_every_step_dispatched_and_combined(domain: str,
+                                                                     where: str) -> None:
     shape = moe_dispatch.MoeShape(ranks=4, tokens=4, topk=2)  # some ranks get nothing
     steps = 4
     plan = moe_dispatch.routing(shape, steps)
     assert any(plan[k][s][d] == 0 for k in range(steps) for s in range(4) for d in range(4)
                if s != d), "the routing should leave some rank without tokens from another"
-    with daemons(4, domain, rails=RAILS[:1]) as ds:
-        ranks = await moe_dispatch.connect_ranks([d.url for d in ds], shape)
-        try:
-            for k in range(steps):  # every step checked, each with bytes of its own
-                for r in ranks:
-                    await r.fill(seed=100 + k)
-                times = await asyncio.gather(*(r.step(plan[k]) for r in ranks))
-                digests = [await r.digests(plan[k]) for r in ranks]
-                assert moe_dispatch.check_step(digests) == [], f"step {k}"
-                for t in times:
-                    assert t.start < t.scattered < t.dispatched <= t.answered < t.combined
-            # Steps in a row (no fill between), then one checked: still every token.
-            more = moe_dispatch.routing(shape, 9, seed=77)
-            await asyncio.gather(*(r.steps(more[:8]) for r in ranks))
+    async with placed(4, domain, where, rails=RAILS[:1]) as clients:
+        ranks = await moe_dispatch.join_ranks(clients, shape)
+        for k in range(steps):  # every step checked, each with bytes of its own
             for r in ranks:
-                await r.fill(seed=200)
-            await asyncio.gather(*(r.step(more[8]) for r in ranks))
-            digests = [await r.digests(more[8]) for r in ranks]
-            assert moe_dispatch.check_step(digests) == []
-            # The check reads what landed: a changed received token is reported.
-            src = next(s for s in range(1, 4) if more[8][s][0])
-            await flip(ranks[0].client, ranks[0].recv_buf.tensor(src * shape.slot + 3, 1))
-            changed = moe_dispatch.check_step([await r.digests(more[8]) for r in ranks])
-            assert changed == [f"rank 0 holds other tokens than rank {src} dispatched to it"]
-        finally:
-            for r in ranks:
-                await r.client.close()
+                await r.fill(seed=100 + k)
+            times = await asyncio.gather(*(r.step(plan[k]) for r in ranks))
+            digests = [await r.digests(plan[k]) for r in ranks]
+            assert moe_dispatch.check_step(digests) == [], f"step {k}"
+            for t in times:
+                assert t.start < t.scattered < t.dispatched <= t.answered < t.combined
+        # Steps in a row (no fill between), then one checked: still every token.
+        more = moe_dispatch.routing(shape, 9, seed=77)
+        await asyncio.gather(*(r.steps(more[:8]) for r in ranks))
+        for r in ranks:
+            await r.fill(seed=200)
+        await asyncio.gather(*(r.step(more[8]) for r in ranks))
+        digests = [await r.digests(more[8]) for r in ranks]
+        assert moe_dispatch.check_step(digests) == []
+        # The check reads what landed: a changed received token is reported.
+        src = next(s for s in range(1, 4) if more[8][s][0])
+        await flip(ranks[0].client, ranks[0].recv_buf.tensor(src * shape.slot + 3, 1))
+        changed = moe_dispatch.check_step([await r.digests(more[8]) for r in ranks])
+        assert changed == [f"rank 0 holds other tokens than rank {src} dispatched to it"]
 
 
 # -- the benchmarks' own path, at their smallest ------------------------------------------------
@@ -172,18 +191,25 @@ def _unpinned(n: int) -> list[Pinning]:
     return [p] * n
 
 
-def test_kv_benchmark_arms_move_the_same_pages() -> None:
+# Each benchmark's transferd arm on either placement (inproc: each role's process holds
+# its engine, a peer of the others over tcp), beside the floor.
+ARM_PLACEMENTS = [pytest.param(Daemons, id="daemons"), pytest.param(Inproc, id="inproc")]
+
+
+@pytest.mark.parametrize("where", ARM_PLACEMENTS)
+def test_kv_benchmark_arms_move_the_same_pages(where: type[Daemons | Inproc]) -> None:
     shape = workloads_kv.shape_args(layers=4, pages=4, page_len=4096)
-    with workloads_kv.arms_of(Daemons(rails=1), shape, _unpinned(2)) as (arms, _):
+    with workloads_kv.arms_of([where(rails=1)], shape, _unpinned(2)) as (arms, _):
         for seed, arm in enumerate(arms, start=1):  # each request checks its pages
             r = arm.request(seed, compute_s=0.002)
             assert len(r["layer_ms"]) == 4 and all(x > 0 for x in r["layer_ms"])
             assert r["request_ms"] >= 4 * 2.0 and 0 < r["tail_ms"] < r["request_ms"]
 
 
-def test_rl_benchmark_arms_move_the_same_shards() -> None:
+@pytest.mark.parametrize("where", ARM_PLACEMENTS)
+def test_rl_benchmark_arms_move_the_same_shards(where: type[Daemons | Inproc]) -> None:
     shape = {"size": 4 << 20, "shards": 2}
-    with workloads_rl.arms_of(Daemons(rails=2), shape, _unpinned(3),
+    with workloads_rl.arms_of([where(rails=2)], shape, _unpinned(3),
                               groups=(1, 2)) as (arms, _):
         for arm in arms:
             for n in (1, 2):  # each update checks every node's shards
@@ -191,9 +217,10 @@ def test_rl_benchmark_arms_move_the_same_shards() -> None:
                 assert len(r["per_node"]) == n and r["total"] > 0
 
 
-def test_moe_benchmark_arms_move_the_same_tokens() -> None:
+@pytest.mark.parametrize("where", ARM_PLACEMENTS)
+def test_moe_benchmark_arms_move_the_same_tokens(where: type[Daemons | Inproc]) -> None:
     shape = {"ranks": 3, "tokens": 4}
-    with workloads_moe.arms_of(Daemons(rails=1), shape, _unpinned(3)) as arms:
+    with workloads_moe.arms_of([where(rails=1)], shape, _unpinned(3)) as arms:
         for arm in arms:
             times = arm.sequence(3, offset=0)
             assert len(times) == 3 * 3
