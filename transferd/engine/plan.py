@@ -15,7 +15,7 @@ Each part also carries its destination's address and rkey on every rail
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from transferd.parts import SPLIT_ALIGN, SendPart, WritePart, split_sizes
@@ -104,22 +104,29 @@ def plan_paged(
     addrs = [desc.ptr + off for off in offsets]
     total = len(src_views)
     parts: list[WritePart] = []
-    # Contiguous blocks of pages per rail, each block cut into frames.
+    for rail, f, end in paged_frames(total, rails, op, pages_per_frame):
+        addr, rkey = desc.rkeys[rail]
+        parts.append(WritePart(
+            rail, addr, rkey, addrs[f:end], [page_len] * (end - f), list(src_views[f:end]),
+            imm, None, len(parts), op, 1, alts=desc.rkeys,
+        ))
+    if not parts:  # zero pages: nothing moves, nothing is counted
+        return []
+    return parts
+
+
+def paged_frames(total: int, rails: int, op: int,
+                 per_frame: int) -> Iterator[tuple[int, int, int]]:
+    """``(rail, first, end)`` of every frame of ``total`` pages: a contiguous block of
+    pages per rail (the rails in turn from ``op``'s), each block cut into frames of at
+    most ``per_frame`` pages (paged writes and paged reads alike)."""
     per_rail = split_sizes(total, rails, align=1) if total >= rails else [total]
     start = 0
     for r, count in enumerate(per_rail):
         rail = (op + r) % rails
-        addr, rkey = desc.rkeys[rail]
-        for f in range(start, start + count, pages_per_frame):
-            end = min(f + pages_per_frame, start + count)
-            parts.append(WritePart(
-                rail, addr, rkey, addrs[f:end], [page_len] * (end - f), list(src_views[f:end]),
-                imm, None, len(parts), op, 1, alts=desc.rkeys,
-            ))
+        for f in range(start, start + count, per_frame):
+            yield rail, f, min(f + per_frame, start + count)
         start += count
-    if not parts:  # zero pages: nothing moves, nothing is counted
-        return []
-    return parts
 
 
 def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[WritePart]:

@@ -32,7 +32,7 @@ from transferd.protocol.errors import BadRequest, OutOfBounds
 from transferd.protocol.values import MrDesc, Pages
 
 from .device_source import plan_staging
-from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails
+from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails, paged_frames
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
@@ -101,16 +101,10 @@ def plan_paged_reads(op: int, page_len: int, into: Sequence[memoryview], desc: M
     addrs = [desc.ptr + off for off in offsets]
     total = len(into)
     parts: list[ReadPart] = []
-    per_rail = split_sizes(total, rails, align=1) if total >= rails else [total]
-    start = 0
-    for r, count in enumerate(per_rail):
-        rail = (op + r) % rails
+    for rail, f, end in paged_frames(total, rails, op, pages_per_frame):
         addr, rkey = desc.rkeys[rail]
-        for f in range(start, start + count, pages_per_frame):
-            end = min(f + pages_per_frame, start + count)
-            parts.append(ReadPart(rail, addr, rkey, addrs[f:end], [page_len] * (end - f),
-                                  list(into[f:end]), len(parts), op, 1, alts=desc.rkeys))
-        start += count
+        parts.append(ReadPart(rail, addr, rkey, addrs[f:end], [page_len] * (end - f),
+                              list(into[f:end]), len(parts), op, 1, alts=desc.rkeys))
     return parts
 
 
