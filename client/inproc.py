@@ -117,6 +117,9 @@ class InprocCompletion(Completion):
         super().__init__(what)
         self._client = client
         self._key = key
+        # Until it ends: the client's close ends what the node dropped with its caller.
+        client._completions[key] = self
+        self._future.add_done_callback(lambda _: client._completions.pop(key, None))
 
     def end(self, err: TransferdError | None, value: Any = _OK) -> None:
         if err is None:
@@ -288,6 +291,9 @@ class InprocClient(Client):
         self._ops: collections.deque[Callable[[], Awaitable[None] | None]] = \
             collections.deque()
         self._watches: set[InprocWatch] = set()
+        # Completions not ended yet, by key (bounded as the node's tables of them are:
+        # engine.max_inflight_per_client submits, engine.max_expectations expectations).
+        self._completions: dict[int, InprocCompletion] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._bytes_out = self._bytes_in = 0
         self._forwarded: _Forward | None = None
@@ -369,6 +375,10 @@ class InprocClient(Client):
                 with contextlib.suppress(Exception):
                     self.registry.unregister(self._forwarded)
             await node.close()
+            # What ended with the caller without a word (an expectation: over the wire
+            # the connection's loss ends it), or that the node's close left: ended now.
+            for c in list(self._completions.values()):
+                c.end(ConnectionLost(f"{c.what}: the inproc node closed before it ended"))
 
     @property
     def service(self) -> Service:

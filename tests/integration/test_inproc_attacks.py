@@ -1,0 +1,149 @@
+"""The engine in the caller's process, attacked as a careless user would: the caller's own
+memory changed under the engine, odd buffers, memory registered twice, a client closed
+with operations pending.  Each fixed break has its test here (docs/security.md, "The
+engine in the caller's process, attacked"); the engines are real inproc nodes writing
+to each other over loopback, every byte checked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import mmap
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client import Client
+from client.inproc import InprocClient
+from tests.helpers import async_test
+from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
+
+WAIT = 30.0
+
+
+@contextlib.asynccontextmanager
+async def engine(**overrides: Any) -> AsyncIterator[InprocClient]:
+    # The defaults: loopback, ephemeral ports (two engines in one process never collide).
+    c = await Client.connect("inproc://", overrides=overrides, timeout=WAIT)
+    assert isinstance(c, InprocClient)
+    try:
+        yield c
+    finally:
+        await asyncio.wait_for(c.close(), WAIT)
+
+
+def sha(b: Any) -> str:
+    return hashlib.sha256(memoryview(b).cast("B")).hexdigest()
+
+
+@async_test(timeout=60)
+async def test_a_registered_numpy_array_cannot_be_reallocated_under_the_engine() -> None:
+    # numpy's resize(refcheck=False) ignores buffer exports: before the fix it moved the
+    # array's data while the engine still wrote into the old, freed block.
+    async with engine() as me:
+        a = np.zeros(1 << 16, np.uint8)
+        buf = await me.register_memory(a)
+        with pytest.raises(ValueError, match="resize"):
+            a.resize(1 << 22, refcheck=False)
+        # A view registered: the array owning its data is held too.
+        base = np.zeros(1 << 16, np.uint8)
+        vbuf = await me.register_memory(base[4096:])
+        with pytest.raises(ValueError, match="resize"):
+            base.resize(1 << 22, refcheck=False)
+        # Freed: the array is the caller's again, to resize.
+        await me.free_buffer(buf)
+        await me.free_buffer(vbuf)
+        a.resize(1 << 17, refcheck=False)
+        base.resize(1 << 17, refcheck=False)
+
+
+@async_test(timeout=60)
+async def test_odd_buffers_are_refused_typed_and_exports_hold() -> None:
+    async with engine() as me:
+        # A dtype with no buffer format (before: numpy's ValueError escaped untyped).
+        with pytest.raises(BadRequest, match="no buffer"):
+            await me.register_memory(np.zeros(4, "M8[s]"))
+        ro = np.zeros(8, np.uint8)
+        ro.flags.writeable = False
+        for bad in (ro, np.zeros((4, 4))[:, 1], np.asfortranarray(np.zeros((4, 4))), b"x", 7):
+            with pytest.raises(BadRequest):
+                await me.register_memory(bad)
+        # What held: an mmap or a bytearray registered can be neither closed nor resized
+        # (the view is an export); dropped by the caller, the object lives on while held.
+        mm = mmap.mmap(-1, 1 << 16)
+        mbuf = await me.register_memory(mm)
+        with pytest.raises(BufferError):
+            mm.close()
+        with pytest.raises(BufferError):
+            mm.resize(1 << 20)
+        ba = bytearray(4096)
+        await me.register_memory(ba)
+        with pytest.raises(BufferError):
+            ba.extend(b"x" * 10)
+        x = np.zeros(4096, np.uint8)
+        ref = weakref.ref(x)
+        xbuf = await me.register_memory(x)
+        del x
+        gc.collect()
+        assert ref() is not None
+        await me.free_buffer(xbuf)
+        gc.collect()
+        assert ref() is None
+        await me.free_buffer(mbuf)
+        mm.close()
+
+
+@async_test(timeout=90)
+async def test_memory_registered_twice_and_writes_at_the_edges_of_a_caller_region() -> None:
+    async with engine() as a, engine() as b:
+        assert (await a.main_address()) != (await b.main_address())
+        dst = np.zeros(4096, np.uint8)
+        src = np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8)
+        d1, d2 = await b.register_memory(dst), await b.register_memory(dst)
+        assert d1.id != d2.id
+        _, desc1 = await b.reg_mr(d1)
+        _, desc2 = await b.reg_mr(d2)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        for length, so, do in ((4097, 0, 0), (4096, 1, 0), (4096, 0, 1), (1, 4096, 0),
+                               (1, 0, 4096), (1, -1, 0), (2 ** 64 - 1, 0, 0)):
+            c = await a.submit_single_write(length, None, (smr, so), (desc1, do), timeout=10)
+            with pytest.raises(TransferdError):
+                await c
+        assert not dst.any()  # nothing landed of a refused write
+        await (await a.submit_single_write(2048, None, (smr, 0), (desc1, 0), timeout=10))
+        await (await a.submit_single_write(2048, None, (smr, 2048), (desc2, 2048),
+                                           timeout=10))
+        await (await a.submit_single_write(1, None, (smr, 4095), (desc2, 4095), timeout=10))
+        assert sha(dst) == sha(src)
+        # One of the two freed: the other still reaches the same bytes.
+        await b.free_buffer(d1)
+        await (await a.submit_single_write(4096, None, (smr, 0), (desc2, 0), timeout=10))
+        assert sha(dst) == sha(src)
+
+
+@async_test(timeout=90)
+async def test_closing_the_client_ends_every_pending_completion_typed() -> None:
+    # Before the fix an expectation pending at close never ended (the node dropped it
+    # with its caller, and nothing told the Completion): `await` hung for ever.
+    async with engine() as b:
+        a = await Client.connect("inproc://", timeout=WAIT)
+        mine = await a.expect_imm_count(4242, 3, wait=False)
+        dst = np.zeros(1 << 20, np.uint8)
+        _, desc = await b.reg_mr(await b.register_memory(dst))
+        src = np.ones(1 << 20, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        writes = [await a.submit_single_write(1 << 20, 9, (smr, 0), (desc, 0), timeout=20)
+                  for _ in range(16)]
+        await asyncio.wait_for(a.close(), WAIT)
+        with pytest.raises(ConnectionLost):
+            await asyncio.wait_for(mine, 5)
+        ends = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 5)
+        assert all(r is not None and not isinstance(r, BaseException)
+                   or isinstance(r, TransferdError) for r in ends), ends
+        with pytest.raises(ConnectionLost):
+            await a.expect_imm_count(1, 1, wait=False)
