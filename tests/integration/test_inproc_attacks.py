@@ -11,6 +11,7 @@ import contextlib
 import gc
 import hashlib
 import mmap
+import threading
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import Client
+from client import Client, SyncClient
 from client.inproc import InprocClient
 from tests.helpers import async_test
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
@@ -147,3 +148,50 @@ async def test_closing_the_client_ends_every_pending_completion_typed() -> None:
                    or isinstance(r, TransferdError) for r in ends), ends
         with pytest.raises(ConnectionLost):
             await a.expect_imm_count(1, 1, wait=False)
+
+
+def test_a_sync_client_used_from_two_threads_and_closed_from_a_third() -> None:
+    # Before the fix a thread blocked in sc.wait() when another thread closed the client
+    # waited for ever (the loop stopped under its call), and any call after the close
+    # raised RuntimeError("Event loop is closed").
+    sc = SyncClient.connect("inproc://", timeout=WAIT)
+    got: dict[str, BaseException | str] = {}
+    ready = threading.Event()
+
+    def waiter() -> None:
+        e = sc.expect_imm_count(99, 2, wait=False)
+        ready.set()
+        try:
+            sc.wait(e)
+            got["wait"] = "ended without its count"
+        except BaseException as exc:  # noqa: BLE001 - what it ended with is the result
+            got["wait"] = exc
+
+    def worker(name: str) -> None:
+        n = 0
+        try:
+            while n < 10_000:  # bounded: the close ends it long before
+                b = sc.alloc_buffer(4096)
+                sc.set_tensor((b.id, 0, 4), name.encode()[:4].ljust(4))
+                assert bytes(sc.get_tensor((b.id, 0, 4))) == name.encode()[:4].ljust(4)
+                sc.free_buffer(b)
+                n += 1
+            got[name] = "ran out"
+        except BaseException as exc:  # noqa: BLE001
+            got[name] = exc
+
+    threads = [threading.Thread(target=waiter), threading.Thread(target=worker, args=("one",)),
+               threading.Thread(target=worker, args=("two",))]
+    for t in threads:
+        t.start()
+    assert ready.wait(WAIT)
+    closer = threading.Thread(target=sc.close)
+    closer.start()
+    closer.join(WAIT)
+    for t in threads:
+        t.join(10)
+    assert not closer.is_alive() and not any(t.is_alive() for t in threads)
+    assert all(isinstance(got[k], ConnectionLost) for k in ("wait", "one", "two")), got
+    sc.close()  # a second close is nothing
+    with pytest.raises(ConnectionLost):
+        sc.alloc_buffer(16)
