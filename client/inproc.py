@@ -324,7 +324,14 @@ class InprocClient(Client):
         cfg = self.load_config()
         node = Node(cfg, name=self.name)
         try:
-            await asyncio.wait_for(node.start_engine(), self.connect_timeout)
+            try:
+                await asyncio.wait_for(node.start_engine(), self.connect_timeout)
+            except OSError as exc:  # a rail cannot listen: say which, as the daemon does
+                e = cfg.engine
+                raise BadRequest(
+                    f"the engine's rails cannot listen (engine.host_rails "
+                    f"{','.join(e.host_rails) or cfg.server.host}, engine.peer_port "
+                    f"{e.peer_port}): {exc.strerror or exc}") from exc
             disc = node.make_discovery()
             service = node.start_service()
             addr = node.engine.main_address() if node.engine is not None else None
@@ -336,7 +343,13 @@ class InprocClient(Client):
             await disc.start(urls=urls, server=self.name, minor=cfg.server.protocol_minor,
                              features=["names"], addr=addr, capabilities=caps)
             if self.metrics_port is not None:
-                port = node.metrics.serve(self.metrics_host, self.metrics_port)
+                try:
+                    port = node.metrics.serve(self.metrics_host, self.metrics_port)
+                except OSError as exc:
+                    raise BadRequest(
+                        f"metrics_port {self.metrics_port} on {self.metrics_host} cannot "
+                        f"listen: {exc.strerror or exc} (0: the system picks a free "
+                        "port)") from exc
                 self.metrics_url = f"http://{self.metrics_host}:{port}/metrics"
             if self.registry is not None:
                 self._forwarded = _Forward(node.metrics.registry)

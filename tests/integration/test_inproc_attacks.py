@@ -11,9 +11,12 @@ import contextlib
 import gc
 import hashlib
 import mmap
+import os
+import socket
 import threading
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,7 @@ import pytest
 from client import Client, SyncClient
 from client.inproc import InprocClient
 from tests.helpers import async_test
+from transferd.config import ConfigError
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
 
 WAIT = 30.0
@@ -195,3 +199,46 @@ def test_a_sync_client_used_from_two_threads_and_closed_from_a_third() -> None:
     sc.close()  # a second close is nothing
     with pytest.raises(ConnectionLost):
         sc.alloc_buffer(16)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@async_test(timeout=60)
+async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_running(
+        tmp_path: Path) -> None:
+    # Before the fix a port in use was a bare OSError naming neither the key nor the port.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        threads, fds = threading.active_count(), _open_fds()
+        with pytest.raises(BadRequest, match=f"metrics_port {port} .*in use"):
+            await Client.connect("inproc://", metrics_port=port)
+        with pytest.raises(BadRequest, match=f"engine.peer_port {port}.*in use"):
+            await Client.connect("inproc://", overrides={"engine.peer_port": port})
+        # What held: a bad key, a secret others can read: ConfigError naming the key.
+        bad = tmp_path / "bad.toml"
+        bad.write_text("[engine]\nhost_railz = '127.0.0.1'\n")
+        with pytest.raises(ConfigError, match="engine.host_railz: unknown key"):
+            await Client.connect(f"inproc://?config={bad}")
+        secret = tmp_path / "secret"
+        secret.write_text("s" * 32)
+        secret.chmod(0o644)
+        with pytest.raises(ConfigError, match="engine.secret_file.*chmod 600"):
+            await Client.connect("inproc://", overrides={"engine.secret_file": str(secret)})
+        # (a failed bind's socket lives in the error's frames until they are collected)
+        gc.collect()
+        assert threading.active_count() == threads
+        assert _open_fds() == fds
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+    # Two engines with every default, and two metrics ports of 0: no collision.
+    async with engine() as a, engine() as b:
+        assert (await a.main_address()) != (await b.main_address())
+    x = await Client.connect("inproc://", metrics_port=0)
+    y = await Client.connect("inproc://", metrics_port=0)
+    assert isinstance(x, InprocClient) and isinstance(y, InprocClient)
+    assert x.metrics_url and y.metrics_url and x.metrics_url != y.metrics_url
+    await x.close()
+    await y.close()
