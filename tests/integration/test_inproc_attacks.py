@@ -213,7 +213,7 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        threads, fds = threading.active_count(), _open_fds()
+        threads, fds, tasks = threading.active_count(), _open_fds(), asyncio.all_tasks()
         with pytest.raises(BadRequest, match=f"metrics_port {port} .*in use"):
             await Client.connect("inproc://", metrics_port=port)
         with pytest.raises(BadRequest, match=f"engine.peer_port {port}.*in use"):
@@ -232,7 +232,7 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
         gc.collect()
         assert threading.active_count() == threads
         assert _open_fds() == fds
-        assert asyncio.all_tasks() == {asyncio.current_task()}
+        assert asyncio.all_tasks() == tasks
     # Two engines with every default, and two metrics ports of 0: no collision.
     async with engine() as a, engine() as b:
         assert (await a.main_address()) != (await b.main_address())
