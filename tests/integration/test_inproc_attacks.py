@@ -14,8 +14,9 @@ import mmap
 import os
 import socket
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ import pytest
 
 from client import Client, SyncClient
 from client.inproc import InprocClient
-from tests.helpers import async_test
+from tests.helpers import async_test, pattern
+from tests.integration import engine_cluster
+from tests.integration.engine_cluster import Cluster, MiB, client_url
 from transferd.config import ConfigError
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
 
 WAIT = 30.0
+clusters = engine_cluster.clusters
 
 
 @contextlib.asynccontextmanager
@@ -137,6 +141,7 @@ async def test_closing_the_client_ends_every_pending_completion_typed() -> None:
     # with its caller, and nothing told the Completion): `await` hung for ever.
     async with engine() as b:
         a = await Client.connect("inproc://", timeout=WAIT)
+        assert isinstance(a, InprocClient)
         mine = await a.expect_imm_count(4242, 3, wait=False)
         dst = np.zeros(1 << 20, np.uint8)
         _, desc = await b.reg_mr(await b.register_memory(dst))
@@ -148,7 +153,7 @@ async def test_closing_the_client_ends_every_pending_completion_typed() -> None:
         with pytest.raises(ConnectionLost):
             await asyncio.wait_for(mine, 5)
         ends = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 5)
-        assert all(r is not None and not isinstance(r, BaseException)
+        assert all((r is not None and not isinstance(r, BaseException))
                    or isinstance(r, TransferdError) for r in ends), ends
         with pytest.raises(ConnectionLost):
             await a.expect_imm_count(1, 1, wait=False)
@@ -168,7 +173,7 @@ def test_a_sync_client_used_from_two_threads_and_closed_from_a_third() -> None:
         try:
             sc.wait(e)
             got["wait"] = "ended without its count"
-        except BaseException as exc:  # noqa: BLE001 - what it ended with is the result
+        except BaseException as exc:
             got["wait"] = exc
 
     def worker(name: str) -> None:
@@ -181,7 +186,7 @@ def test_a_sync_client_used_from_two_threads_and_closed_from_a_third() -> None:
                 sc.free_buffer(b)
                 n += 1
             got[name] = "ran out"
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             got[name] = exc
 
     threads = [threading.Thread(target=waiter), threading.Thread(target=worker, args=("one",)),
@@ -213,20 +218,21 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
+        gc.collect()
         threads, fds, tasks = threading.active_count(), _open_fds(), asyncio.all_tasks()
         with pytest.raises(BadRequest, match=f"metrics_port {port} .*in use"):
             await Client.connect("inproc://", metrics_port=port)
-        with pytest.raises(BadRequest, match=f"engine.peer_port {port}.*in use"):
+        with pytest.raises(BadRequest, match=rf"engine\.peer_port {port}.*in use"):
             await Client.connect("inproc://", overrides={"engine.peer_port": port})
         # What held: a bad key, a secret others can read: ConfigError naming the key.
         bad = tmp_path / "bad.toml"
         bad.write_text("[engine]\nhost_railz = '127.0.0.1'\n")
-        with pytest.raises(ConfigError, match="engine.host_railz: unknown key"):
+        with pytest.raises(ConfigError, match=r"engine\.host_railz: unknown key"):
             await Client.connect(f"inproc://?config={bad}")
         secret = tmp_path / "secret"
         secret.write_text("s" * 32)
         secret.chmod(0o644)
-        with pytest.raises(ConfigError, match="engine.secret_file.*chmod 600"):
+        with pytest.raises(ConfigError, match=r"engine\.secret_file.*chmod 600"):
             await Client.connect("inproc://", overrides={"engine.secret_file": str(secret)})
         # (a failed bind's socket lives in the error's frames until they are collected)
         gc.collect()
@@ -242,3 +248,45 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
     assert x.metrics_url and y.metrics_url and x.metrics_url != y.metrics_url
     await x.close()
     await y.close()
+
+
+@async_test(timeout=120)
+async def test_a_callback_that_blocks_the_engines_loop_costs_the_peer_a_timeout_not_bytes(
+        clusters: Callable[[str], Cluster]) -> None:
+    # The engine runs on the caller's loop: a receive callback that sleeps stops it.  A
+    # daemon writing into the caller's array meanwhile may time out; it never lands
+    # wrong bytes, and once the loop runs again every write lands whole.
+    from tests.integration.test_inproc import inproc
+
+    cl = clusters("tcp")
+    async with inproc("tcp") as me:
+        a = await Client.connect(client_url(cl.a), timeout=WAIT)
+        try:
+            size = 4 * MiB
+            dst = np.zeros(size, np.uint8)
+            _, desc = await me.reg_mr(await me.register_memory(dst))
+            sbuf = await a.alloc_buffer(size)
+            data = pattern(size, 11)
+            await a.set_tensor(sbuf.tensor(), data)
+            smr, _ = await a.reg_mr(sbuf)
+            writes = [await a.submit_single_write(size, None, (smr, 0), (desc, 0), timeout=1.0)
+                      for _ in range(4)]
+            # The writes are on their way from the daemon: a callback of the user's
+            # (any code on this loop) now holds the loop, past the writes' deadline.
+            t0 = time.monotonic()
+            asyncio.get_running_loop().call_soon(time.sleep, 3.0)
+            ends = await asyncio.gather(*writes, return_exceptions=True)
+            assert time.monotonic() - t0 >= 3.0
+            assert all(not isinstance(e, BaseException) or isinstance(e, TransferdError)
+                       for e in ends), ends
+            await asyncio.sleep(0.5)
+            # Whatever landed is the source's bytes, whole or in part (never foreign).
+            assert sha(dst) in (sha(data), sha(bytes(size))) or all(
+                dst[i:i + 65536].tobytes() in (data[i:i + 65536], bytes(65536))
+                for i in range(0, size, 65536))
+            dst[:] = 0
+            await (await a.submit_single_write(size, None, (smr, 0), (desc, 0), timeout=10))
+            assert sha(dst) == sha(data)
+        finally:
+            await a.close()
+    cl.check_alive("after writing into an inproc engine whose loop was blocked")
