@@ -28,6 +28,7 @@ from client.inproc import InprocClient
 from tests.helpers import async_test, pattern
 from tests.integration import engine_cluster
 from tests.integration.engine_cluster import Cluster, MiB, client_url
+from tests.integration.fake_peer import FakePeer
 from transferd.config import ConfigError
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
 
@@ -290,3 +291,62 @@ async def test_a_callback_that_blocks_the_engines_loop_costs_the_peer_a_timeout_
         finally:
             await a.close()
     cl.check_alive("after writing into an inproc engine whose loop was blocked")
+
+
+@async_test(timeout=90)
+async def test_a_hostile_peer_cannot_reach_past_the_callers_array() -> None:
+    # A raw peer after a real handshake (no secret: a local process proving the
+    # address it listens at) writes at the edges of a region over the middle of the
+    # caller's array, with a wrong rkey, and with the rkey of a region freed: every one
+    # is refused, the array's bytes around the region never change.
+    async with engine() as me:
+        whole = np.full(3 * 4096, 0xEE, np.uint8)
+        mid = whole[4096:8192]  # the region: a view over the middle of the array
+        buf = await me.register_memory(mid)
+        _, desc = await me.reg_mr(buf)
+        addr = await me.main_address()
+        (_, rkey), = desc.rkeys
+        base, size = desc.ptr, desc.size
+        assert size == 4096
+        data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+        def attack() -> list[bool]:
+            oks = []
+            with FakePeer(addr, 0, None) as p:
+                p.handshake()
+                for op, (a, n) in enumerate([(base + size - 1, 2), (base - 1, 1),
+                                             (base + size, 1), (base - 4096, 4096),
+                                             (base, size + 1), (2 ** 64 - 1, 1)], 1):
+                    oks.append(bool(p.write(rkey, [a], [n], b"\x11" * n, op=op)
+                                    .body.get("ok")))
+                oks.append(bool(p.write(rkey ^ 0x5A5A, [base], [1], b"\x22", op=20)
+                                .body.get("ok")))
+                oks.append(bool(p.write(rkey, [base], [size], data, op=21).body.get("ok")))
+            return oks
+
+        oks = await asyncio.to_thread(attack)
+        assert oks == [False] * 7 + [True], oks
+        assert mid.tobytes() == data
+        assert not (whole[:4096] != 0xEE).any() and not (whole[8192:] != 0xEE).any()
+        # Freed: its rkey is revoked at once, for a link that was up and a new one.
+        await me.free_buffer(buf)
+
+        def after_free() -> bool:
+            with FakePeer(addr, 0, None) as p:
+                p.handshake()
+                return bool(p.write(rkey, [base], [1], b"\x33", op=1).body.get("ok"))
+
+        assert not await asyncio.to_thread(after_free)
+        assert mid.tobytes() == data  # freed: nothing more landed
+        # The engine serves on: a fresh region takes a whole write.
+        again = np.zeros(4096, np.uint8)
+        _, desc2 = await me.reg_mr(await me.register_memory(again))
+        (_, rkey2), = desc2.rkeys
+
+        def honest() -> bool:
+            with FakePeer(addr, 0, None) as p:
+                p.handshake()
+                return bool(p.write(rkey2, [desc2.ptr], [4096], data, op=1).body.get("ok"))
+
+        assert await asyncio.to_thread(honest)
+        assert again.tobytes() == data
