@@ -10,9 +10,13 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import json
 import mmap
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -23,11 +27,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import Client, SyncClient
+from client import Client, MrDesc, SyncClient
 from client.inproc import InprocClient
 from tests.helpers import async_test, pattern
 from tests.integration import engine_cluster
-from tests.integration.engine_cluster import Cluster, MiB, client_url
+from tests.integration.engine_cluster import (
+    HANDSHAKE_TIMEOUT_S,
+    Cluster,
+    MiB,
+    client_url,
+    engine_env,
+    fresh_imm,
+    secret_file,
+    settle,
+    start_many,
+)
 from tests.integration.fake_peer import FakePeer
 from transferd.config import ConfigError
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
@@ -350,3 +364,59 @@ async def test_a_hostile_peer_cannot_reach_past_the_callers_array() -> None:
 
         assert await asyncio.to_thread(honest)
         assert again.tobytes() == data
+
+
+@async_test(timeout=120)
+async def test_a_process_killed_mid_write_and_mid_receive_leaves_the_daemon_clean() -> None:
+    # The inproc process floods the daemon with writes (8 in flight) while the daemon
+    # writes 32 x 1 MiB into the process's own array; SIGKILL in the middle of both.
+    from tests.integration.test_inproc import _links, poll_value
+
+    [d] = start_many([{"env": engine_env(["127.0.0.32"], secret_file=secret_file(),
+                                         handshake_timeout_s=HANDSHAKE_TIMEOUT_S)}])
+    proc: subprocess.Popen[str] | None = None
+    try:
+        assert d.metrics_url is not None
+        url = d.metrics_url
+        b = await Client.connect(d.url, timeout=WAIT)
+        region = await b.alloc_buffer(MiB)
+        mr, desc = await b.reg_mr(region)
+        imm, slots = fresh_imm(), 4
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.inproc_peer", secret_file(), "127.0.0.33",
+             desc.to_bytes().hex(), str(imm), str(slots), "flood"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdin is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), WAIT)
+        assert line, proc.stderr.read() if proc.stderr else ""
+        theirs = MrDesc.from_bytes(bytes.fromhex(json.loads(line)["desc"]))
+        await asyncio.wait_for(b.expect_imm_count(imm, slots), WAIT)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        said = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), WAIT)
+        assert said.strip() == "flooding", proc.stderr.read() if proc.stderr else ""
+        into = [await b.submit_single_write(MiB, None, (mr, 0), (theirs, 0), timeout=20)
+                for _ in range(32)]
+        proc.kill()
+        assert await asyncio.to_thread(proc.wait, WAIT) == -signal.SIGKILL
+        # Every write into the gone process ends, typed or done, within its deadline.
+        ends = await asyncio.wait_for(settle(into), WAIT)
+        assert all(e is None or isinstance(e, TransferdError) for e in ends), ends
+        assert await poll_value(lambda: _links(url, "transferd_engine_inbound_links"), 0) == 0
+        assert await poll_value(lambda: _links(url, "transferd_engine_links",
+                                               state="ready"), 0) == 0
+        # What it counted stays as it is: nothing of the dead process counts later.
+        counted = await b.imm_count(imm)
+        await asyncio.sleep(1.0)
+        assert await b.imm_count(imm) == counted
+        # The daemon serves on.
+        await b.set_tensor(region.tensor(0, 4), b"live")
+        assert bytes(await b.get_tensor(region.tensor(0, 4))) == b"live"
+        await b.close()
+        assert d.alive()
+        assert "Traceback" not in d.stderr and " ERROR " not in d.stderr, d.output()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        d.stop()
