@@ -118,6 +118,9 @@ class InprocCompletion(Completion):
         super().__init__(what)
         self._client = client
         self._key = key
+        # Until it ends: the client's close ends what the node dropped with its caller.
+        client._completions[key] = self
+        self._future.add_done_callback(lambda _: client._completions.pop(key, None))
 
     def end(self, err: TransferdError | None, value: Any = _OK) -> None:
         if err is None:
@@ -289,6 +292,9 @@ class InprocClient(Client):
         self._ops: collections.deque[Callable[[], Awaitable[None] | None]] = \
             collections.deque()
         self._watches: set[InprocWatch] = set()
+        # Completions not ended yet, by key (bounded as the node's tables of them are:
+        # engine.max_inflight_per_client submits, engine.max_expectations expectations).
+        self._completions: dict[int, InprocCompletion] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self._bytes_out = self._bytes_in = 0
         self._forwarded: _Forward | None = None
@@ -319,7 +325,14 @@ class InprocClient(Client):
         cfg = self.load_config()
         node = Node(cfg, name=self.name)
         try:
-            await asyncio.wait_for(node.start_engine(), self.connect_timeout)
+            try:
+                await asyncio.wait_for(node.start_engine(), self.connect_timeout)
+            except OSError as exc:  # a rail cannot listen: say which, as the daemon does
+                e = cfg.engine
+                raise BadRequest(
+                    f"the engine's rails cannot listen (engine.host_rails "
+                    f"{','.join(e.host_rails) or cfg.server.host}, engine.peer_port "
+                    f"{e.peer_port}): {exc.strerror or exc}") from exc
             disc = node.make_discovery()
             service = node.start_service()
             addr = node.engine.main_address() if node.engine is not None else None
@@ -331,7 +344,13 @@ class InprocClient(Client):
             await disc.start(urls=urls, server=self.name, minor=cfg.server.protocol_minor,
                              features=["names"], addr=addr, capabilities=caps)
             if self.metrics_port is not None:
-                port = node.metrics.serve(self.metrics_host, self.metrics_port)
+                try:
+                    port = node.metrics.serve(self.metrics_host, self.metrics_port)
+                except OSError as exc:
+                    raise BadRequest(
+                        f"metrics_port {self.metrics_port} on {self.metrics_host} cannot "
+                        f"listen: {exc.strerror or exc} (0: the system picks a free "
+                        "port)") from exc
                 self.metrics_url = f"http://{self.metrics_host}:{port}/metrics"
             if self.registry is not None:
                 self._forwarded = _Forward(node.metrics.registry)
@@ -370,6 +389,10 @@ class InprocClient(Client):
                 with contextlib.suppress(Exception):
                     self.registry.unregister(self._forwarded)
             await node.close()
+            # What ended with the caller without a word (an expectation: over the wire
+            # the connection's loss ends it), or that the node's close left: ended now.
+            for c in list(self._completions.values()):
+                c.end(ConnectionLost(f"{c.what}: the inproc node closed before it ended"))
 
     @property
     def service(self) -> Service:

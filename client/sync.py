@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from transferd.protocol.errors import ConnectionLost
+
 from .client import Client, client_class
 from .devices import CudaExport, capture_stream, export_cuda
 from .engine import Completion
@@ -38,6 +40,8 @@ class SyncClient:
             target=self._loop.run_forever, name="transferd-client", daemon=True
         )
         self._thread.start()
+        # Set by the first close: a call after it (from any thread) is ConnectionLost.
+        self._closing = False
         # inproc://: the engine runs here, on this client's loop thread.
         self._client: Client = client_class(url)(url, token=token, **kw)
         try:
@@ -51,7 +55,17 @@ class SyncClient:
         return cls(url, token=token, **kw)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed: so is this client
+            coro.close()
+            raise ConnectionLost("this SyncClient is closed") from None
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closing:  # cut short by a close (from another thread)
+                raise ConnectionLost("this SyncClient closed while the call waited") from None
+            raise
 
     def _call_soon(self, fn: Callable[[], T]) -> T:
         """Run a plain method on the loop thread and return its result."""
@@ -121,10 +135,28 @@ class SyncClient:
             lambda: self._client.watch(prefix, initial=initial)))
 
     def close(self) -> None:
+        """Close the client (once; from any thread): a call another thread is blocked in
+        ends, with its Completion's error or ConnectionLost, before the loop stops."""
+        if self._closing:
+            return
+        self._closing = True
         try:
-            self._run(self._client.close())
+            self._run(self._close())
         finally:
             self._stop_loop()
+
+    async def _close(self) -> None:
+        await self._client.close()
+        # Other threads' calls still on the loop: what the close ended wakes (give it a
+        # moment); the rest is cancelled, so that no thread waits on a stopped loop.
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me]
+        if others:
+            _, left = await asyncio.wait(others, timeout=0.2)
+            for t in left:
+                t.cancel()
+            if left:
+                await asyncio.wait(left, timeout=5)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -7,7 +7,8 @@ bytes, hex), registers 1 MiB of its own memory, and prints one JSON line: its
 address, that region's MrDesc (hex) and the sha256 of what it wrote.  Then it reads
 stdin: on a line or EOF, END ``close`` closes the client and exits 0; END ``exit``
 returns without closing it (the interpreter's end takes the sockets); END ``kill``
-waits for the test to SIGKILL it.
+waits for the test to SIGKILL it; END ``flood`` writes on into that region (8 in
+flight, printing ``flooding`` once they flow) until the test SIGKILLs it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ async def main(secret: str, rail: str, desc_hex: str, imm: int, writes: int, end
         await c.close()
     elif end == "kill":
         await asyncio.sleep(3600)
+    elif end == "flood":
+        # Writes without end (bounded: 100,000), 8 in flight, until the test kills it.
+        window: list = []
+        for i in range(100_000):
+            window.append(await c.submit_single_write(
+                len(src), imm, (smr, 0), (dst, (i % writes) * len(src))))
+            if len(window) >= 8:
+                await window.pop(0).wait(20)
+            if i == 16:
+                print("flooding", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ engine), and its charge to the device's limit is only its bookkeeping.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,9 @@ def host_view_of(obj: Any) -> memoryview:
     except TypeError:
         raise BadRequest(f"a {type(obj).__name__} is not a buffer: register a numpy array, "
                          "a bytearray, an mmap or another writable buffer") from None
+    except (ValueError, BufferError) as exc:  # numpy: a dtype with no buffer format
+        raise BadRequest(f"a {type(obj).__name__} gives no buffer ({exc}): register its "
+                         "bytes (a.view(numpy.uint8))") from None
     if view.readonly:
         view.release()
         raise BadRequest(f"a read-only {type(obj).__name__} cannot be registered: peers "
@@ -48,6 +52,7 @@ class CallerHostMemory(Memory):
     def __init__(self, device: str, view: memoryview) -> None:
         super().__init__(device, view.nbytes)
         self._view: memoryview | None = view
+        self._pins = _pin_arrays(view.obj)
         self._addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
     @classmethod
@@ -77,8 +82,25 @@ class CallerHostMemory(Memory):
             # way, and charged nothing, so it is gone for the node now.
             with contextlib.suppress(BufferError):
                 view.release()
+        self._pins = []
         self._report_gone()
         return True
+
+
+def _pin_arrays(obj: Any) -> list[weakref.ref[Any]]:
+    """Weak references to every numpy array whose data ``obj``'s bytes are.
+
+    A buffer export keeps a bytearray or an mmap from being resized or closed, but not
+    a numpy array: ``a.resize(n, refcheck=False)`` reallocates its data under the
+    engine, which would then write into freed memory.  numpy refuses that resize (even
+    without refcheck) for an array something holds a weak reference to, so one is held
+    on the array and on every array its data comes from (a view's bases), while the
+    memory is registered."""
+    pins: list[weakref.ref[Any]] = []
+    while isinstance(obj, np.ndarray):
+        pins.append(weakref.ref(obj))
+        obj = obj.base
+    return pins
 
 
 class CallerCudaMemory(CudaMemory):
