@@ -42,6 +42,11 @@ class SyncClient:
         self._thread.start()
         # Set by the first close: a call after it (from any thread) is ConnectionLost.
         self._closing = False
+        # Calls handed to the loop and not yet answered (under _lock): a call another
+        # thread handed over as the loop stopped would never be answered; the close
+        # ends those with ConnectionLost once the loop is closed.
+        self._lock = threading.Lock()
+        self._waiting: set[concurrent.futures.Future[Any]] = set()
         # inproc://: the engine runs here, on this client's loop thread.
         self._client: Client = client_class(url)(url, token=token, **kw)
         try:
@@ -55,17 +60,21 @@ class SyncClient:
         return cls(url, token=token, **kw)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        except RuntimeError:  # the loop is closed: so is this client
-            coro.close()
-            raise ConnectionLost("this SyncClient is closed") from None
+        with self._lock:
+            try:
+                fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            except RuntimeError:  # the loop is closed: so is this client
+                coro.close()
+                raise ConnectionLost("this SyncClient is closed") from None
+            self._waiting.add(fut)
         try:
             return fut.result()
         except concurrent.futures.CancelledError:
             if self._closing:  # cut short by a close (from another thread)
                 raise ConnectionLost("this SyncClient closed while the call waited") from None
             raise
+        finally:
+            self._waiting.discard(fut)
 
     def _call_soon(self, fn: Callable[[], T]) -> T:
         """Run a plain method on the loop thread and return its result."""
@@ -161,7 +170,13 @@ class SyncClient:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-        self._loop.close()
+        with self._lock:
+            self._loop.close()
+            # Handed over as the loop stopped: never to be answered (see __init__).
+            for fut in list(self._waiting):
+                if not fut.done() and fut.set_running_or_notify_cancel():
+                    fut.set_exception(ConnectionLost("this SyncClient closed before the "
+                                                     "call ran"))
 
     def __enter__(self) -> SyncClient:
         return self
