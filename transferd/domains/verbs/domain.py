@@ -58,6 +58,7 @@ from ..strangers import RailStrangers
 from . import messages
 from .bind import create
 from .links import InLink, OutLink
+from .reads import ReadWindow
 from .sender import Posted, Sender
 from .sendq import SendQueue
 from .worker_calls import call_on_loop
@@ -112,6 +113,8 @@ class QpEnd:
         self.max_msg = nic.choice.max_msg
         self.max_sge = nic.choice.max_sge
         self.queue: SendQueue[Posted] = SendQueue(SEND_DEPTH, self._post)
+        # Our READs on this queue pair: at most max_rd_atomic in flight (reads.py).
+        self.reads = ReadWindow(nic.choice.rd_atomic[0], domain.sender.post_read)
         self.template = ZeroWriteTemplate((nic.sink.buf, 0, nic.sink.lkey)) if write else None
         self.rx: Slots | None = None
         self.tx: Slots | None = None
@@ -133,7 +136,9 @@ class QpEnd:
             self.qp.post_recv(wr)
 
     def connect(self, theirs: Any) -> None:
-        self.domain.nic.connect(self.qp, self.info, theirs)
+        # A write queue pair posts READs (ours) and serves them (the peer's); a region
+        # may be read only where its own MR grants remote read (Nic.register).
+        self.domain.nic.connect(self.qp, self.info, theirs, reads=self.write)
 
     def repost(self, slot: int) -> None:
         try:
@@ -226,8 +231,16 @@ class QpEnd:
         d.dispatcher.qps.pop(self.info.qpn, None)
         d.qps.pop(self.info.qpn, None)
         err = PeerUnreachable("queue pair closed")
+        # Destroyed before anything it carried is failed: a READ's memory is let go when
+        # its work request fails here, and from ibv_destroy_qp's return the NIC writes
+        # nothing more into it.
+        with contextlib.suppress(PyverbsError):
+            self.qp.close()
+        unread = self.reads.drain()
         waiting = self.queue.drain()
         tx_waiting, self._tx_waiting = self._tx_waiting, deque()
+        for r in unread:
+            d.sender.not_posted(r, err)
         for p in d.fail_wrs_of(self):
             d.sender.completed(p, err)
         for q in waiting:
@@ -235,8 +248,6 @@ class QpEnd:
         for _, _, on_done in tx_waiting:
             if on_done is not None:
                 on_done(err)
-        with contextlib.suppress(PyverbsError):
-            self.qp.close()
         d.reserve_cqes(-self.cqes)
         self.recv.close()
         if self.template is not None:
@@ -254,8 +265,8 @@ class VerbsDomain(Domain):
     """
 
     name = "verbs"
-    # The NIC places writes (no receiver code sees them) and counts immediates; it does
-    # not take device memory yet (docs/rdma.md).
+    # The NIC places writes (no receiver code sees them), counts immediates and serves
+    # READs; it does not take device memory yet (docs/rdma.md).
     capabilities = CAPABILITIES
 
     def __init__(self, port: Port, rail: int, host: str, port_number: int = 0, *,
@@ -310,7 +321,9 @@ class VerbsDomain(Domain):
             if region.id in self._regions:
                 raise BadRequest(f"region {region.id} is already registered on verbs "
                                  f"rail {self.rail}")
-            r = self.nic.register(region.ptr, region.size, device)
+            # Remote read only for a region granted "r" (reads.mr_access): the NIC refuses
+            # any other READ of it.
+            r = self.nic.register(region.ptr, region.size, device, access=region.access)
             try:
                 if staging is not None:
                     self.staged.hold(staging.pool)
@@ -369,12 +382,6 @@ class VerbsDomain(Domain):
         return link
 
     def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
-        if isinstance(part, ReadPart):
-            # RDMA READ's work requests are planned (reads.py), not yet posted: said so,
-            # never sent as something else.
-            transfer.fail(BadRequest(f"verbs rail {self.rail}: one-sided READ is not "
-                                     "served on verbs yet (tcp and chaos serve it)"))
-            return
         try:
             self.link_to(part.dst).submit(part, transfer)
         except TransferdError as exc:
