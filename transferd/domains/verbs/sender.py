@@ -125,7 +125,9 @@ class Sender:
             try:
                 window.offer(posted)
             except TransferdError as exc:  # the window's waiting room is full
-                self.not_posted(posted, exc)
+                # Without its traceback: the transfer keeps its error, and this frame
+                # holds the part's views.
+                self.not_posted(posted, exc.with_traceback(None))
                 return
 
     def send(self, link: Link, sge: Sge, on_done: Callable[[TransferdError | None], None]
@@ -171,7 +173,7 @@ class Sender:
             posted.link.queue.submit([posted])
         except TransferdError as exc:
             posted.window.done()  # its slot back: the next waiting READ goes
-            self.not_posted(posted, exc)
+            self.not_posted(posted, exc.with_traceback(None))
 
     def _release(self, carrier: Posted) -> None:
         assert carrier.part is not None
