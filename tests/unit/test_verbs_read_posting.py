@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from transferd.domains.verbs.reads import ReadWindow
+from transferd.domains.verbs.reads import READ_MAX, ReadWindow
 from transferd.domains.verbs.sender import Posted, Sender
 from transferd.domains.verbs.sendq import SendQueue
 from transferd.parts import ReadPart, Transfer
@@ -195,3 +195,13 @@ def test_a_read_into_unregistered_memory_is_refused_before_anything_is_posted() 
     with pytest.raises(TransferdError):
         f.sender.read(link, part, Transfer(1, 1, 0, f.results.append))
     assert not link.posted and link.reads.in_flight == 0
+
+
+def test_reads_are_cut_at_read_max_whatever_the_port_allows() -> None:
+    f = Fabric(local_size=3 * READ_MAX)
+    f.remote = np.zeros(3 * READ_MAX, np.uint8)
+    f.remote_base = address_of(memoryview(f.remote))
+    link = ReadLink(f.sender, rd_atomic=16, max_msg=1 << 31, max_sge=1)
+    f.sender.read(link, f.part([(0, 3 * READ_MAX)], [(0, 3 * READ_MAX)]),
+                  Transfer(1, 1, 0, f.results.append))
+    assert [p.spec.nbytes for p in link.posted] == [READ_MAX] * 3

@@ -37,6 +37,11 @@ IBV_WC_RDMA_READ = 2
 
 # READs waiting for the window, per queue pair, before a new one is refused.
 MAX_WAITING = 4096
+# The largest READ posted, whatever the port's max_msg_sz (often 2 GiB): the window
+# then pipelines a large part, and a read that ended early has at most
+# max_rd_atomic * READ_MAX bytes per queue pair still landing (nothing can recall a
+# posted READ).
+READ_MAX = 1 << 20
 
 
 @dataclass(slots=True)
@@ -131,5 +136,15 @@ class ReadWindow:
         return out
 
 
-__all__ = ["IBV_ACCESS_REMOTE_READ", "IBV_WC_RDMA_READ", "IBV_WR_RDMA_READ", "ReadWindow",
-           "ReadWr", "mr_access", "plan_read", "qp_access", "rd_atomic"]
+__all__ = [
+    "IBV_ACCESS_REMOTE_READ",
+    "IBV_WC_RDMA_READ",
+    "IBV_WR_RDMA_READ",
+    "READ_MAX",
+    "ReadWindow",
+    "ReadWr",
+    "mr_access",
+    "plan_read",
+    "qp_access",
+    "rd_atomic",
+]

@@ -34,7 +34,7 @@ from transferd.rdma.constants import WrOpcode
 from transferd.rdma.wrplan import LkeyOf, Sge, WrSpec, plan_part
 
 from .counting import CarrierGate
-from .reads import ReadWindow, plan_read
+from .reads import READ_MAX, ReadWindow, plan_read
 from .sendq import SendQueue
 
 
@@ -112,7 +112,7 @@ class Sender:
         through its read window; BadRequest for a part no work request can carry."""
         if transfer.finished:
             return
-        wrs = plan_read(part, self._lkey_of(link), max_msg=link.max_msg,
+        wrs = plan_read(part, self._lkey_of(link), max_msg=min(link.max_msg, READ_MAX),
                         max_sge=link.max_sge)
         state = PartState(transfer, len(wrs))
         if not wrs:
