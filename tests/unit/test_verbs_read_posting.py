@@ -95,6 +95,15 @@ class Fabric:
         return False
 
 
+def start(f: Fabric, rd_atomic: int, pages: int) -> tuple[ReadLink, Transfer]:
+    """A read of ``pages`` 4 KiB pages into the start of the reader's buffer, begun; the
+    test keeps no view of it (only the Sender may hold one)."""
+    link = ReadLink(f.sender, rd_atomic=rd_atomic)
+    t = Transfer(1, 1, 0, f.results.append)
+    f.sender.read(link, f.part([(0, 4096 * pages)], [(0, 4096 * pages)]), t)
+    return link, t
+
+
 def test_a_read_lands_every_byte_with_at_most_max_rd_atomic_in_flight() -> None:
     f = Fabric()
     link = ReadLink(f.sender, rd_atomic=2)
@@ -119,11 +128,7 @@ def test_a_read_lands_every_byte_with_at_most_max_rd_atomic_in_flight() -> None:
 
 def test_memory_is_held_until_the_last_read_completed_not_until_the_transfer_ended() -> None:
     f = Fabric()
-    link = ReadLink(f.sender, rd_atomic=3)
-    part = f.part([(0, 4096 * 6)], [(0, 4096 * 6)])
-    t = Transfer(1, 1, 0, f.results.append)
-    f.sender.read(link, part, t)
-    del part
+    link, t = start(f, 3, 6)
     assert len(link.posted) == 3 and link.reads.waiting == 3
     # The transfer ends (its timer, another part's failure) with READs on the NIC.
     t.fail(PeerUnreachable("timed out"))
@@ -141,11 +146,7 @@ def test_memory_is_held_until_the_last_read_completed_not_until_the_transfer_end
 
 def test_a_failed_read_fails_its_part_as_unreachable_and_the_flushed_rest_let_go() -> None:
     f = Fabric()
-    link = ReadLink(f.sender, rd_atomic=4)
-    part = f.part([(0, 4096 * 4)], [(0, 4096 * 4)])
-    t = Transfer(1, 1, 0, f.results.append)
-    f.sender.read(link, part, t)
-    del part
+    link, _ = start(f, 4, 4)
     f.complete(link, link.posted[0], PeerUnreachable("work request failed: RETRY_EXC_ERR"))
     # Failover re-reads the part on another rail when the error is PEER_UNREACHABLE.
     assert len(f.results) == 1 and isinstance(f.results[0], PeerUnreachable)
@@ -172,11 +173,7 @@ def test_a_full_window_fails_the_part_and_what_it_posted_still_holds() -> None:
 
 def test_a_closed_queue_pair_fails_the_waiting_reads_and_lets_go() -> None:
     f = Fabric()
-    link = ReadLink(f.sender, rd_atomic=1)
-    part = f.part([(0, 4096 * 2)], [(0, 4096 * 2)])
-    t = Transfer(1, 1, 0, f.results.append)
-    f.sender.read(link, part, t)
-    del part
+    link, _ = start(f, 1, 2)
     # What QpEnd.close does once the queue pair is destroyed (domain.py): the window's
     # waiting READs fail unposted, the posted one as a flushed work request.
     err = PeerUnreachable("queue pair closed")
