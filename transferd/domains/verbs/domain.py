@@ -280,7 +280,7 @@ class VerbsDomain(Domain):
         self.wrids: WrIds[Posted] = WrIds(WR_IDS)
         self.qps: dict[int, QpEnd] = {}
         self.dispatcher: Dispatcher[Posted] = Dispatcher(
-            self.wrids, on_send_done=self.sender.completed, on_imm=self._on_imm,
+            self.wrids, on_send_done=self._send_done, on_imm=self._on_imm,
             on_message=self._on_message, repost=self._repost, on_broken=self._on_broken)
         self._listener = _listen(host, port_number)
         self.port_number = self._listener.getsockname()[1]
@@ -445,6 +445,17 @@ class VerbsDomain(Domain):
         qp = self.qps.get(qpn)
         if qp is not None:
             qp.repost(slot)
+
+    def _send_done(self, posted: Posted, error: TransferdError | None) -> None:
+        """A work request of ours completed.  A failed one left its queue pair in the
+        error state (RC: everything after it is flushed, nothing more is carried): the
+        link is closed, so the next part to this peer gets new queue pairs rather than a
+        dead one (a READ of a region without "r" breaks only the reader's link)."""
+        self.sender.completed(posted, error)
+        qp = posted.link
+        if error is not None and not qp.closed:
+            qp.owner.close(PeerUnreachable(f"verbs rail {self.rail}: queue pair in the "
+                                           f"error state ({error.message})"))
 
     def _on_broken(self, qp: QpEnd, why: str) -> None:
         qp.owner.close(PeerUnreachable(f"verbs rail {self.rail}: {why}"))
