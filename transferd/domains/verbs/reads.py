@@ -35,8 +35,9 @@ from transferd.rdma.wrplan import LkeyOf, Sge
 IBV_WR_RDMA_READ = 4
 IBV_WC_RDMA_READ = 2
 
-# READs waiting for the window, per queue pair, before a new one is refused.
-MAX_WAITING = 4096
+# READs waiting for the window, per queue pair, before a new one is refused: 64 GiB of
+# READ_MAX reads (a few hundred bytes each while they wait).
+MAX_WAITING = 1 << 16
 # The largest READ posted, whatever the port's max_msg_sz (often 2 GiB): the window
 # then pipelines a large part, and a read that ended early has at most
 # max_rd_atomic * READ_MAX bytes per queue pair still landing (nothing can recall a
