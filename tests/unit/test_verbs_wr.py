@@ -175,8 +175,19 @@ def test_rtr_rts_attributes_from_the_exchange() -> None:
     assert r.qp_access_flags == (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
                                  | e.IBV_ACCESS_REMOTE_READ)
     assert (r.max_rd_atomic, r.max_dest_rd_atomic) == (16, 8)
+
     assert a.rnr_retry == 7 and a.retry_cnt == 7 and a.timeout == 14
     ah = a.ah_attr
     assert ah.is_global == 1 and ah.dgid == theirs.gid_text and ah.sgid_index == 3
     ib = rtr_rts_attr(1, mine, QpInfo(0x200, 1, 0x17, 1, b"\0" * 16, 0, 4))
     assert ib.ah_attr.is_global == 0 and ib.ah_attr.dlid == 0x17
+
+
+def test_remote_read_is_granted_when_the_queue_pair_is_made() -> None:
+    """pyverbs applies qp_access_flags only on the way to INIT (to_rtr/to_rts masks have
+    no IBV_QP_ACCESS_FLAGS): a write queue pair must be made with REMOTE_READ."""
+    from transferd.rdma.resources import init_attr
+
+    rw = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    assert init_attr(1, reads=False).qp_access_flags == rw
+    assert init_attr(1, reads=True).qp_access_flags == rw | e.IBV_ACCESS_REMOTE_READ

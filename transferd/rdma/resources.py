@@ -108,6 +108,16 @@ def choose(ctx: Any, name: str, port: int, gid_index: int | None) -> NicChoice:
                      dattr.max_cqe, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom)
 
 
+def init_attr(port: int, reads: bool) -> QPAttr:
+    """The attributes a new RC queue pair is taken to INIT with.  Its access flags are
+    set here and only here: pyverbs' to_rtr / to_rts masks carry no
+    IBV_QP_ACCESS_FLAGS (rdma-core pyverbs/qp.pyx ``_get_comp_mask``, 44 to 64), so a
+    queue pair that serves READs (``reads``: a write queue pair) gets REMOTE_READ now."""
+    attr = QPAttr(port_num=port)
+    attr.qp_access_flags = qp_access(reads)
+    return attr
+
+
 def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_RETRY,
                  *, reads: tuple[int, int] | None = None) -> QPAttr:
     """The attributes that take our RC queue pair to RTR then RTS, connected to theirs.
@@ -116,6 +126,7 @@ def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_R
     RDMA READs (a write queue pair); None: one that does neither (send/recv), no remote
     read access.  Which regions a READ may read is still each MR's own flags."""
     attr = QPAttr(port_num=port, path_mtu=path_mtu(mine, theirs))
+    # As at INIT (init_attr), for a reader of this attr: pyverbs does not apply it here.
     attr.qp_access_flags = qp_access(reads is not None)
     attr.dest_qp_num = theirs.qpn
     attr.rq_psn = theirs.psn  # what they will send first
@@ -253,17 +264,16 @@ class Nic:
 
     # -- queue pairs ------------------------------------------------------------------------
 
-    def create_qp(self, send_depth: int, recv_depth: int) -> Any:
+    def create_qp(self, send_depth: int, recv_depth: int, *, reads: bool = False) -> Any:
+        """An RC queue pair left in INIT; ``reads``: it posts and serves RDMA READs."""
         c = self.choice
         cap = QPCap(max_send_wr=min(send_depth, c.max_qp_wr),
                     max_recv_wr=min(recv_depth, c.max_qp_wr),
                     max_send_sge=c.max_sge, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
                           sq_sig_all=0)
-        attr = QPAttr(port_num=c.port)
-        attr.qp_access_flags = qp_access(False)  # RTR sets a write QP's read rights
         try:
-            return QP(self.pd, init, attr)  # RC: left in INIT
+            return QP(self.pd, init, init_attr(c.port, reads))  # RC: left in INIT
         except PyverbsRDMAError as exc:
             raise VerbsUnavailable(f"cannot create an RC queue pair on {c.name}: {exc}") \
                 from None

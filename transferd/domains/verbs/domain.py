@@ -105,7 +105,8 @@ class QpEnd:
         self.cqes = SEND_DEPTH + depth
         domain.reserve_cqes(self.cqes)
         try:
-            self.qp = nic.create_qp(SEND_DEPTH, depth)
+            # A write queue pair posts our READs and serves the peer's.
+            self.qp = nic.create_qp(SEND_DEPTH, depth, reads=write)
         except BaseException:
             domain.reserve_cqes(-self.cqes)
             raise
@@ -136,8 +137,8 @@ class QpEnd:
             self.qp.post_recv(wr)
 
     def connect(self, theirs: Any) -> None:
-        # A write queue pair posts READs (ours) and serves them (the peer's); a region
-        # may be read only where its own MR grants remote read (Nic.register).
+        # A write queue pair's READ depths; a region may be read only where its own MR
+        # grants remote read (Nic.register).
         self.domain.nic.connect(self.qp, self.info, theirs, reads=self.write)
 
     def repost(self, slot: int) -> None:
