@@ -175,7 +175,6 @@ def test_rtr_rts_attributes_from_the_exchange() -> None:
     assert r.qp_access_flags == (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
                                  | e.IBV_ACCESS_REMOTE_READ)
     assert (r.max_rd_atomic, r.max_dest_rd_atomic) == (16, 8)
-
     assert a.rnr_retry == 7 and a.retry_cnt == 7 and a.timeout == 14
     ah = a.ah_attr
     assert ah.is_global == 1 and ah.dgid == theirs.gid_text and ah.sgid_index == 3
