@@ -146,10 +146,12 @@ def test_memory_is_held_until_the_last_read_completed_not_until_the_transfer_end
 
 def test_a_failed_read_fails_its_part_as_unreachable_and_the_flushed_rest_let_go() -> None:
     f = Fabric()
-    link, _ = start(f, 4, 4)
+    link, _ = start(f, 4, 6)
     f.complete(link, link.posted[0], PeerUnreachable("work request failed: RETRY_EXC_ERR"))
     # Failover re-reads the part on another rail when the error is PEER_UNREACHABLE.
     assert len(f.results) == 1 and isinstance(f.results[0], PeerUnreachable)
+    # The failed READ's slot does not go to one of the failed part's waiting READs.
+    assert len(link.posted) == 3 and link.reads.in_flight == 3 and link.reads.waiting == 0
     assert f.held()
     for _ in range(3):
         f.complete(link, link.posted[0], PeerUnreachable("work request failed: WR_FLUSH_ERR"))

@@ -142,16 +142,17 @@ class Sender:
     def completed(self, posted: Posted, error: TransferdError | None) -> None:
         """A work request we posted completed (called by the completion dispatcher)."""
         posted.link.queue.completed(1)
-        if posted.window is not None:
-            # The NIC is done with the reader's memory for this READ (read or flushed).
-            posted.held = None
-            posted.window.done()
+        # A READ: the NIC is done with the reader's memory for it (read or flushed).
+        posted.held = None
         if posted.unit is not None and not posted.carrier:
             self.gate.done(posted.unit, error)
         if posted.part is not None:
             posted.part.one_done(error)
         elif posted.payload is not None:
             posted.payload(error)
+        if posted.window is not None:
+            # After the part heard of it: a failed part's waiting READs are not posted.
+            posted.window.done()
 
     def not_posted(self, posted: Posted, error: TransferdError) -> None:
         """A READ that never reached the send queue (refused, or still waiting in the
