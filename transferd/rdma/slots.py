@@ -24,8 +24,8 @@ class Slots:
         self.map = mmap.mmap(-1, count * length)
         self.view = memoryview(self.map)
         self.addr = address_of(self.view)
-        # SENDs and RECVs only: no remote right (no peer has or needs its rkey, and now
-        # that write queue pairs serve READs none should be able to guess one in).
+        # SENDs and RECVs only: no remote right (no peer has or needs its rkey, and a
+        # guessed one writes nothing into them).
         self.reg: Registration = nic.register(self.addr, count * length, remote=False)
         self.free = list(range(count - 1, -1, -1))
 
