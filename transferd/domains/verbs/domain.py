@@ -46,7 +46,7 @@ from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
 from transferd.rdma.completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from transferd.rdma.cqloop import CqPoller
-from transferd.rdma.mrtable import Registration
+from transferd.rdma.mrtable import Registration, address_of
 from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from transferd.rdma.slots import Slots
 from transferd.rdma.staged import StagingRegistrations
@@ -383,6 +383,15 @@ class VerbsDomain(Domain):
         return link
 
     def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
+        if type(part) is ReadPart and part.into and self.staged.covers(address_of(part.into[0])):
+            # A READ on the NIC cannot be recalled, and the engine hands staging chunks
+            # to the next operation as soon as a read ends, early or not: a late READ
+            # would land in someone else's bytes.  Refused until the engine waits for
+            # the Domain (docs/rdma.md).
+            transfer.fail(BadRequest(f"verbs rail {self.rail}: a READ into device memory "
+                                     "(through staging) is not served on verbs; read into "
+                                     "host memory, or use tcp"))
+            return
         try:
             self.link_to(part.dst).submit(part, transfer)
         except TransferdError as exc:
