@@ -284,12 +284,12 @@ class Nic:
                       c.port, self.gid, c.gid_index, c.mtu)
 
     def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo,
-                rnr_retry: int = RNR_RETRY, *, reads: bool = False) -> None:
-        """``reads``: the queue pair posts and serves RDMA READs (a write queue pair)."""
+                rnr_retry: int = RNR_RETRY, *, reads: tuple[int, int] | None = None) -> None:
+        """``reads``: (max_rd_atomic, max_dest_rd_atomic) of a queue pair that posts and
+        serves RDMA READs (a write queue pair)."""
         c = self.choice
         try:
-            qp.to_rts(rtr_rts_attr(c.port, mine, theirs, rnr_retry,
-                                   reads=c.rd_atomic if reads else None))
+            qp.to_rts(rtr_rts_attr(c.port, mine, theirs, rnr_retry, reads=reads))
         except PyverbsRDMAError as exc:
             raise BadRequest(f"cannot connect queue pair {mine.qpn} to the peer's "
                              f"{theirs.qpn} (MTU {MTU_BYTES[path_mtu(mine, theirs)]}): "

@@ -136,10 +136,16 @@ class QpEnd:
         for wr in self.recv.wrs:
             self.qp.post_recv(wr)
 
-    def connect(self, theirs: Any) -> None:
-        # A write queue pair's READ depths; a region may be read only where its own MR
-        # grants remote read (Nic.register).
-        self.domain.nic.connect(self.qp, self.info, theirs, reads=self.write)
+    def connect(self, theirs: Any, their_read_depth: int = 1) -> None:
+        """``their_read_depth``: the READs the peer's end serves at once (its
+        RailSetup): ours in flight stay within it and within our device's."""
+        reads = None
+        if self.write:
+            ours, serve = self.domain.nic.choice.rd_atomic
+            reads = (min(ours, their_read_depth), serve)
+            self.reads.depth = reads[0]
+        # A region may be read only where its own MR grants remote read (Nic.register).
+        self.domain.nic.connect(self.qp, self.info, theirs, reads=reads)
 
     def repost(self, slot: int) -> None:
         try:

@@ -76,16 +76,17 @@ class _SetupLink:
         # Our own write queue pair is never written to with an immediate: no receives.
         self.write = QpEnd(self.domain, self, write=True, receives=isinstance(self, InLink))
         me = self.domain.port.links.identity
+        choice = self.domain.nic.choice
         return RailSetup(me.node, me.group, self.domain.rail, len(me.addrs), self.send.info,
                          self.write.info, MSG_DEPTH, WRITE_RECV_DEPTH, MSG_LEN,
-                         self.domain.nic.choice.max_msg)
+                         choice.max_msg, choice.rd_atomic[1])
 
     def _connect_qps(self, mine: RailSetup, raw: bytes) -> RailSetup:
         theirs = RailSetup.from_bytes(raw)
         check_pair(mine, theirs)
         assert self.send is not None and self.write is not None
         self.send.connect(theirs.send_qp)
-        self.write.connect(theirs.write_qp)
+        self.write.connect(theirs.write_qp, theirs.read_depth)
         return theirs
 
     def _setup_timer(self) -> None:
