@@ -108,6 +108,7 @@ class ReadWindow:
         self._post = post
         self._waiting: deque[Any] = deque()
         self.max_waiting = max_waiting
+        self._pumping = False
 
     @property
     def waiting(self) -> int:
@@ -124,11 +125,19 @@ class ReadWindow:
             self._waiting.append(wr)
 
     def done(self) -> None:
-        """One READ completed (or failed): the next waiting one is posted."""
+        """One READ completed (or failed, or was dropped): the next waiting ones are
+        posted.  A ``post`` that gives its slot straight back (calls done) is met by
+        this loop, not by a recursion as deep as the waiting queue."""
         self.in_flight -= 1
-        if self._waiting:
-            self.in_flight += 1
-            self._post(self._waiting.popleft())
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._waiting and self.in_flight < self.depth:
+                self.in_flight += 1
+                self._post(self._waiting.popleft())
+        finally:
+            self._pumping = False
 
     def drain(self) -> list[Any]:
         """The queue pair closed: what still waits (to fail), none posted."""
