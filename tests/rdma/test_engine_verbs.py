@@ -1,10 +1,11 @@
 """The engine integration suite over real verbs: two-rail daemons whose rails are
 VerbsDomains on RDMA devices (real NICs or soft-RoCE; ``make rdma-check``).
 
-The tests are the tcp/chaos suite's own (tests/integration/test_engine_writes.py and
-test_engine_peers.py), collected here with a ``cluster`` of verbs daemons: the same
-checksums, counts and refusals, over RC queue pairs.  Skipped, with the reason, where
-there is no RDMA device with an ACTIVE port.
+The tests are the tcp/chaos suite's own (tests/integration/test_engine_writes.py,
+test_engine_peers.py, the checksummed reads of test_engine_reads.py), collected here
+with a ``cluster`` of verbs daemons: the same checksums, counts and refusals, over RC
+queue pairs.  Skipped, with the reason, where there is no RDMA device with an ACTIVE
+port.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import pytest
 
 from tests.helpers import async_test
 from tests.integration import engine_cluster
-from tests.integration.engine_cluster import Cluster, start_cluster
+from tests.integration.engine_cluster import WAIT, Cluster, nodes, start_cluster
 from tests.integration.test_engine_peers import (  # noqa: F401 - collected here
     test_barrier_to_two_peers,
     test_receive_buffers_return_to_the_pool,
     test_scatter_to_two_peers,
     test_send_and_recv,
+)
+from tests.integration.test_engine_reads import (  # noqa: F401 - collected here
+    region,
+    sha,
+    test_paged_reads_checksums,
+    test_single_read_checksums_and_edges,
 )
 from tests.integration.test_engine_registration import _registered_twice
 from tests.integration.test_engine_writes import (  # noqa: F401 - collected here
@@ -33,6 +40,7 @@ from tests.integration.test_engine_writes import (  # noqa: F401 - collected her
     test_write_without_immediate,
     test_writes_both_ways_at_once,
 )
+from transferd.protocol.errors import NotFound
 
 from .conftest import DEVICES, needs_rdma
 
@@ -60,3 +68,21 @@ def cluster(verbs_trio: Cluster, request: pytest.FixtureRequest) -> Iterator[Clu
 async def test_a_buffer_registered_twice_over_verbs(cluster: Cluster) -> None:
     """Two ibv_reg_mr of one buffer, each rkey revoked on its own (#24.8)."""
     await _registered_twice(cluster)
+
+
+@async_test(timeout=60)
+async def test_rdma_read_rights_are_the_nic_s(cluster: Cluster) -> None:
+    """A region registered "w" has no IBV_ACCESS_REMOTE_READ: its READ is refused by the
+    responder's NIC (REM_ACCESS_ERR at the reader: NOT_FOUND, as on tcp) and nothing
+    lands; the broken link is replaced: one registered "r" reads byte for byte after it."""
+    async with nodes(cluster.a, cluster.b) as (a, b):
+        wonly = await region(b, 64 * 1024, seed=1)
+        ronly = await region(b, 64 * 1024, seed=2, access="r")
+        dst = await region(a, 64 * 1024, seed=9)
+        r = await a.client.submit_single_read(4096, (dst.mr, 0), (wonly.desc, 0))
+        with pytest.raises(NotFound):
+            await r.wait(WAIT)
+        assert sha(await a.read(dst)) == sha(dst.data)
+        r = await a.client.submit_single_read(64 * 1024, (dst.mr, 0), (ronly.desc, 0))
+        await r.wait(WAIT)
+        assert sha(await a.read(dst)) == sha(ronly.data)

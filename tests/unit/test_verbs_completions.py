@@ -10,7 +10,7 @@ import pytest
 
 from transferd.domains.verbs.sendq import SendQueue
 from transferd.engine.immcounter import ImmCounter
-from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
+from transferd.protocol.errors import BadRequest, NotFound, PeerUnreachable, TransferdError
 from transferd.rdma.completions import (
     Completion,
     Dispatcher,
@@ -95,6 +95,17 @@ def test_send_completions_find_their_item_once() -> None:
     assert isinstance(rx.sends[0][1], PeerUnreachable) and "RETRY_EXC_ERR" in str(
         rx.sends[0][1])
     assert rx.sends[1][1] is None and rx.d.unknown == 1 and len(rx.ids) == 0
+
+
+def test_a_refused_access_is_not_found_and_anything_else_unreachable() -> None:
+    """REM_ACCESS_ERR (a READ of a write-only region, a revoked rkey) is the peer's answer:
+    NOT_FOUND, which failover does not retry; a flush or exhausted retries are not."""
+    rx = Rx()
+    for status in (WcStatus.REM_ACCESS_ERR, WcStatus.WR_FLUSH_ERR, WcStatus.RETRY_EXC_ERR):
+        rx.d.dispatch(Completion(wr_id(WrKind.SEND, rx.ids.put(status.name)), status,
+                                 WcOpcode.RDMA_READ, WRITE_QPN))
+    errors = [type(e) for _, e in rx.sends]
+    assert errors == [NotFound, PeerUnreachable, PeerUnreachable]
 
 
 def test_failed_and_misplaced_receives() -> None:

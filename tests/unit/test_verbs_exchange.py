@@ -38,6 +38,19 @@ def test_round_trip() -> None:
     assert QpInfo.from_bytes(s.send_qp.to_bytes()) == s.send_qp
 
 
+def test_the_read_depth_travels_and_a_version_1_peer_is_refused() -> None:
+    """Version 2 carries the READs each end serves at once (its max_dest_rd_atomic), so
+    the other keeps its max_rd_atomic within it; a version-1 set-up (no such field:
+    0 in its pad byte) is refused with the reason, never read as depth 0."""
+    s = setup(read_depth=8)
+    raw = bytearray(s.to_bytes())
+    assert RailSetup.from_bytes(bytes(raw)).read_depth == 8
+    raw[4] = 1
+    raw[7] = 0
+    with pytest.raises(BadRequest, match="version 1"):
+        RailSetup.from_bytes(bytes(raw))
+
+
 def test_gid_text_matches_pyverbs_form() -> None:
     text = qp().gid_text
     assert text == "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
@@ -74,7 +87,7 @@ def test_qp_fields_are_range_checked(change: dict[str, object]) -> None:
 
 @pytest.mark.parametrize("change", [
     {"rail": 2}, {"rails": 5}, {"recv_depth": 0}, {"write_depth": 1 << 16},
-    {"recv_len": 1}, {"max_msg": 100},
+    {"recv_len": 1}, {"max_msg": 100}, {"read_depth": 0}, {"read_depth": 256},
 ])
 def test_setup_fields_are_range_checked(change: dict[str, object]) -> None:
     with pytest.raises(BadRequest):

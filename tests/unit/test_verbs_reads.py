@@ -89,3 +89,23 @@ def test_the_window_posts_at_most_its_depth_in_order() -> None:
     w.done()
     assert posted == [0, 1, 2] and w.in_flight == 2
     assert w.drain() == [3, 4]
+
+
+def test_posts_that_give_their_slot_back_do_not_recurse() -> None:
+    """Every waiting READ dropped at once (its transfer ended, its send queue full): the
+    window loops, it does not recurse once per waiting READ."""
+    w: ReadWindow
+    posted: list[int] = []
+
+    def post(i: int) -> None:
+        if i == 0:
+            posted.append(i)
+        else:
+            w.done()  # dropped: its slot straight back
+
+    w = ReadWindow(1, post, max_waiting=50_000)
+    for i in range(20_000):
+        w.offer(i)
+    assert posted == [0] and w.waiting == 19_999
+    w.done()
+    assert w.waiting == 0 and w.in_flight == 0

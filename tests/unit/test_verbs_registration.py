@@ -18,7 +18,7 @@ import pytest
 from transferd.domains.verbs.worker_calls import call_on_loop
 from transferd.memory.staging import StagingPool
 from transferd.protocol.errors import BadRequest, NotFound, Timeout
-from transferd.rdma.mrtable import MrTable, Registration
+from transferd.rdma.mrtable import MrTable, Registration, address_of
 from transferd.rdma.staged import StagingRegistrations
 
 
@@ -146,6 +146,22 @@ def test_staging_is_registered_with_each_nic_while_device_memory_uses_it() -> No
         assert len(nic.mrs) == 3  # one region still stages through it
         s.let_go(pool)
         assert len(nic.mrs) == 0 and not s.registered(pool)
+
+
+def test_staging_says_which_addresses_are_its_chunks() -> None:
+    """What the verbs Domain asks before a READ: one into staging is refused (a READ
+    cannot be recalled, and the engine reuses a chunk as soon as a read ends)."""
+    pool = StagingPool(chunk_size=64 << 10, chunks=2)
+    nic = Nic()
+    s = StagingRegistrations(nic.register, nic.deregister)
+    c = pool.chunks[1]
+    assert not s.covers(c.ptr)
+    s.hold(pool)
+    assert s.covers(c.ptr) and s.covers(c.ptr + c.size - 1)
+    host = bytearray(4096)
+    assert not s.covers(address_of(memoryview(host)))
+    s.let_go(pool)
+    assert not s.covers(c.ptr)
 
 
 def test_staging_that_cannot_be_registered_whole_is_not_registered_at_all() -> None:

@@ -40,6 +40,7 @@ def test_constants_match_pyverbs() -> None:
     assert WrOpcode.RDMA_WRITE_WITH_IMM == e.IBV_WR_RDMA_WRITE_WITH_IMM
     assert WrOpcode.SEND == e.IBV_WR_SEND
     assert WrOpcode.SEND_WITH_IMM == e.IBV_WR_SEND_WITH_IMM
+    assert WrOpcode.RDMA_READ == e.IBV_WR_RDMA_READ and WcOpcode.RDMA_READ == e.IBV_WC_RDMA_READ
     assert WcOpcode.SEND == e.IBV_WC_SEND and WcOpcode.RDMA_WRITE == e.IBV_WC_RDMA_WRITE
     assert WcOpcode.RECV == e.IBV_WC_RECV
     assert WcOpcode.RECV_RDMA_WITH_IMM == e.IBV_WC_RECV_RDMA_WITH_IMM
@@ -68,6 +69,33 @@ def test_plain_write_has_no_immediate() -> None:
         assert w.opcode == e.IBV_WR_RDMA_WRITE and w.imm_data == 0
     finally:
         w.close()
+
+
+def test_rdma_read_names_the_remote_range_and_scatters_locally() -> None:
+    spec = WrSpec(WrOpcode.RDMA_READ, [(0x1000, 4096, 0x42), (0x9000, 100, 0x43)],
+                  0x7F00_0000_2000, 0x1234)
+    w = vwr.build_send_wr(spec, wr_id(WrKind.SEND, 4))
+    try:
+        assert w.opcode == e.IBV_WR_RDMA_READ and w.num_sge == 2 and w.imm_data == 0
+        assert w.send_flags == e.IBV_SEND_SIGNALED
+    finally:
+        w.close()
+    # The remote address and rkey are what set_wr_rdma stored (pyverbs 44 has no
+    # getter for them): a READ built without it would read address 0 with rkey 0.
+    calls: list[tuple[int, int]] = []
+
+    class Spy(SendWR):
+        def set_wr_rdma(self, rkey: int, addr: int) -> None:
+            calls.append((rkey, addr))
+            super().set_wr_rdma(rkey, addr)
+
+    real = vwr.SendWR
+    vwr.SendWR = Spy  # type: ignore[misc]
+    try:
+        vwr.build_send_wr(spec, 1).close()
+    finally:
+        vwr.SendWR = real  # type: ignore[misc]
+    assert calls == [(0x1234, 0x7F00_0000_2000)]
 
 
 def test_rdma_channel_messages_carry_their_credits_as_the_immediate() -> None:
@@ -141,8 +169,24 @@ def test_rtr_rts_attributes_from_the_exchange() -> None:
     assert a.dest_qp_num == 0x200 and a.rq_psn == 0x222 and a.sq_psn == 0x111
     assert a.path_mtu == 3  # the smaller of the two ports' MTUs
     assert a.qp_access_flags == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    assert (a.max_rd_atomic, a.max_dest_rd_atomic) == (1, 1)
+    # A write queue pair posts and serves READs: remote read access, the device's depths.
+    r = rtr_rts_attr(1, mine, theirs, reads=(16, 8))
+    assert r.qp_access_flags == (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+                                 | e.IBV_ACCESS_REMOTE_READ)
+    assert (r.max_rd_atomic, r.max_dest_rd_atomic) == (16, 8)
     assert a.rnr_retry == 7 and a.retry_cnt == 7 and a.timeout == 14
     ah = a.ah_attr
     assert ah.is_global == 1 and ah.dgid == theirs.gid_text and ah.sgid_index == 3
     ib = rtr_rts_attr(1, mine, QpInfo(0x200, 1, 0x17, 1, b"\0" * 16, 0, 4))
     assert ib.ah_attr.is_global == 0 and ib.ah_attr.dlid == 0x17
+
+
+def test_remote_read_is_granted_when_the_queue_pair_is_made() -> None:
+    """pyverbs applies qp_access_flags only on the way to INIT (to_rtr/to_rts masks have
+    no IBV_QP_ACCESS_FLAGS): a write queue pair must be made with REMOTE_READ."""
+    from transferd.rdma.resources import init_attr
+
+    rw = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    assert init_attr(1, reads=False).qp_access_flags == rw
+    assert init_attr(1, reads=True).qp_access_flags == rw | e.IBV_ACCESS_REMOTE_READ

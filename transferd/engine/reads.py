@@ -116,8 +116,8 @@ class Reads:
 
     def _local(self, region_id: int) -> Region:
         if not self.engine.capabilities.reads:
-            raise BadRequest(f"one-sided READ needs a Domain that serves it (tcp, chaos), "
-                             f"not {self.engine.config.domain}")
+            raise BadRequest("one-sided READ needs a Domain that serves it (tcp, chaos, "
+                             f"verbs), not {self.engine.config.domain}")
         return self.engine.regions.get(region_id)
 
     def _into_device(self, op: int, region: Region, pages: list[tuple[int, int]],

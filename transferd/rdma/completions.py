@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from transferd.protocol.errors import PeerUnreachable, TransferdError
+from transferd.protocol.errors import NotFound, PeerUnreachable, TransferdError
 
 from .constants import IBV_WC_WITH_IMM, WcOpcode, WcStatus, status_name
 
@@ -54,6 +54,19 @@ def split_wr_id(value: int) -> tuple[WrKind | None, int]:
         return WrKind(value >> _SHIFT), value & _MASK
     except ValueError:
         return None, value & _MASK
+
+
+def wc_error(status: int) -> TransferdError:
+    """What a failed work request of ours means for its part.  REM_ACCESS_ERR is the
+    peer's NIC answering "no" (an unknown or revoked rkey, a region without that right:
+    a READ of a region registered "w", a WRITE into one registered "r"): NOT_FOUND, as
+    tcp answers, and not retried on another rail (it would answer alike).  Anything
+    else (retries exhausted, a flush, ...) is PEER_UNREACHABLE: failover tries another
+    rail."""
+    if status == WcStatus.REM_ACCESS_ERR:
+        return NotFound("the peer refused the access (REM_ACCESS_ERR): an unknown or "
+                        "revoked rkey, or a region without that right")
+    return PeerUnreachable(f"work request failed: {status_name(status)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +165,8 @@ class Dispatcher(Generic[T]):
                 self.unknown += 1
                 log.warning("completion for unknown work request %#x", c.wr_id)
                 return
-            err = None
-            if c.status != WcStatus.SUCCESS:
-                err = PeerUnreachable(f"work request failed: {status_name(c.status)}")
-            self._on_send_done(item, err)
+            self._on_send_done(item, None if c.status == WcStatus.SUCCESS
+                               else wc_error(c.status))
             return
         role = self.qps.get(c.qp_num)
         if role is None or kind is None:

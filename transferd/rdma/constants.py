@@ -16,6 +16,7 @@ class WrOpcode(enum.IntEnum):
     RDMA_WRITE_WITH_IMM = 1
     SEND = 2
     SEND_WITH_IMM = 3
+    RDMA_READ = 4
 
 
 class WcOpcode(enum.IntEnum):
@@ -23,6 +24,7 @@ class WcOpcode(enum.IntEnum):
 
     SEND = 0
     RDMA_WRITE = 1
+    RDMA_READ = 2
     RECV = 128
     RECV_RDMA_WITH_IMM = 129
 

@@ -25,10 +25,10 @@ MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 _U24 = (1 << 24) - 1
 
 _QP = struct.Struct("<IIHB16sBB")  # qpn, psn, lid, port, gid, gid_index, mtu
-_HEAD = struct.Struct("<4sBBBxQIHHII")  # magic, version, rail, rails, node, group,
-# recv_depth, write_depth, recv_len, max_msg
+_HEAD = struct.Struct("<4sBBBBQIHHII")  # magic, version, rail, rails, read_depth, node,
+# group, recv_depth, write_depth, recv_len, max_msg
 MAGIC = b"TDVQ"
-VERSION = 1
+VERSION = 2  # 2: read_depth (RDMA READ), in what was a pad byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,9 @@ class RailSetup:
     write_depth: int  # receives posted on write_qp: one per WRITE_WITH_IMM in flight
     recv_len: int  # size of each receive buffer: the largest SEND we take
     max_msg: int  # the port's max_msg_sz: the largest single WR we take
+    # READs our write queue pair serves at once (its max_dest_rd_atomic): the peer keeps
+    # at most this many in flight towards it (its max_rd_atomic and read window).
+    read_depth: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rail < self.rails <= 4:
@@ -103,12 +106,15 @@ class RailSetup:
         if not 64 <= self.recv_len <= 1 << 30 or not 4096 <= self.max_msg <= 1 << 31:
             raise BadRequest(f"receive length {self.recv_len} or max message "
                              f"{self.max_msg} out of range")
+        if not 1 <= self.read_depth <= 255:
+            raise BadRequest(f"read depth {self.read_depth}: 1-255")
         if not 0 <= self.node < 1 << 64 or not 0 <= self.group < 1 << 32:
             raise BadRequest("node is 64-bit, group 32-bit")
 
     def to_bytes(self) -> bytes:
-        head = _HEAD.pack(MAGIC, VERSION, self.rail, self.rails, self.node, self.group,
-                          self.recv_depth, self.write_depth, self.recv_len, self.max_msg)
+        head = _HEAD.pack(MAGIC, VERSION, self.rail, self.rails, self.read_depth, self.node,
+                          self.group, self.recv_depth, self.write_depth, self.recv_len,
+                          self.max_msg)
         return head + self.send_qp.to_bytes() + self.write_qp.to_bytes()
 
     @classmethod
@@ -117,7 +123,8 @@ class RailSetup:
         if not isinstance(raw, bytes | bytearray | memoryview) or len(raw) != want:
             raise BadRequest(f"verbs rail set-up must be {want} bytes")
         raw = bytes(raw)
-        magic, version, rail, rails, node, group, rd, wd, rlen, mmsg = _HEAD.unpack_from(raw)
+        (magic, version, rail, rails, reads, node, group, rd, wd, rlen,
+         mmsg) = _HEAD.unpack_from(raw)
         if magic != MAGIC:
             raise BadRequest("verbs rail set-up: bad magic")
         if version != VERSION:
@@ -125,7 +132,7 @@ class RailSetup:
                              f"{VERSION}")
         send = QpInfo.from_bytes(raw[_HEAD.size : _HEAD.size + _QP.size])
         write = QpInfo.from_bytes(raw[_HEAD.size + _QP.size :])
-        return cls(node, group, rail, rails, send, write, rd, wd, rlen, mmsg)
+        return cls(node, group, rail, rails, send, write, rd, wd, rlen, mmsg, reads)
 
 
 def path_mtu(a: QpInfo, b: QpInfo) -> int:

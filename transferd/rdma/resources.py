@@ -16,6 +16,7 @@ from typing import Any
 from transferd.protocol.errors import BadRequest
 
 from . import dmabuf
+from .access import mr_access, qp_access, rd_atomic
 from .chanfd import EVENT_FILES_LOCK, open_channel
 from .devices import ZERO_GID, discover, peer_memory_loaded
 from .dmabuf import CudaDriver
@@ -64,6 +65,14 @@ class NicChoice:
     max_sge: int
     max_qp_wr: int
     max_cqe: int
+    # READs a queue pair may have in flight as initiator / serve as responder.
+    max_qp_init_rd_atom: int = 1
+    max_qp_rd_atom: int = 1
+
+    @property
+    def rd_atomic(self) -> tuple[int, int]:
+        """(max_rd_atomic, max_dest_rd_atomic) of our queue pairs on this device."""
+        return rd_atomic(self.max_qp_init_rd_atom, self.max_qp_rd_atom)
 
 
 def choose(ctx: Any, name: str, port: int, gid_index: int | None) -> NicChoice:
@@ -96,19 +105,33 @@ def choose(ctx: Any, name: str, port: int, gid_index: int | None) -> NicChoice:
             gid_index = best[1]
     return NicChoice(name, port, gid_index, pattr.link_layer, pattr.lid, pattr.active_mtu,
                      pattr.max_msg_sz, max(1, min(dattr.max_sge, 30)), dattr.max_qp_wr,
-                     dattr.max_cqe)
+                     dattr.max_cqe, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom)
 
 
-def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_RETRY
-                 ) -> QPAttr:
-    """The attributes that take our RC queue pair to RTR then RTS, connected to theirs."""
+def init_attr(port: int, reads: bool) -> QPAttr:
+    """The attributes a new RC queue pair is taken to INIT with.  Its access flags are
+    set here and only here: pyverbs' to_rtr / to_rts masks carry no
+    IBV_QP_ACCESS_FLAGS (rdma-core pyverbs/qp.pyx ``_get_comp_mask``, 44 to 64), so a
+    queue pair that serves READs (``reads``: a write queue pair) gets REMOTE_READ now."""
+    attr = QPAttr(port_num=port)
+    attr.qp_access_flags = qp_access(reads)
+    return attr
+
+
+def rtr_rts_attr(port: int, mine: QpInfo, theirs: QpInfo, rnr_retry: int = RNR_RETRY,
+                 *, reads: tuple[int, int] | None = None) -> QPAttr:
+    """The attributes that take our RC queue pair to RTR then RTS, connected to theirs.
+
+    ``reads``: (max_rd_atomic, max_dest_rd_atomic) of a queue pair that posts and serves
+    RDMA READs (a write queue pair); None: one that does neither (send/recv), no remote
+    read access.  Which regions a READ may read is still each MR's own flags."""
     attr = QPAttr(port_num=port, path_mtu=path_mtu(mine, theirs))
-    attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    # As at INIT (init_attr), for a reader of this attr: pyverbs does not apply it here.
+    attr.qp_access_flags = qp_access(reads is not None)
     attr.dest_qp_num = theirs.qpn
     attr.rq_psn = theirs.psn  # what they will send first
     attr.sq_psn = mine.psn  # what we send first
-    attr.max_dest_rd_atomic = 1
-    attr.max_rd_atomic = 1
+    attr.max_rd_atomic, attr.max_dest_rd_atomic = reads or (1, 1)
     attr.min_rnr_timer = MIN_RNR_TIMER
     attr.timeout = TIMEOUT
     attr.retry_cnt = RETRY_CNT
@@ -166,16 +189,18 @@ class Nic:
     # -- memory ---------------------------------------------------------------------------
 
     def register(self, addr: int, length: int, device: str = "cpu", *,
-                 remote: bool = True) -> Registration:
-        """Register [addr, addr + length) for local use and (``remote``) remote writes
-        into it (staging: local only, nobody gets its rkey).  The same
+                 remote: bool = True, access: str = "w") -> Registration:
+        """Register [addr, addr + length) for local use and (``remote``) the remote
+        rights ``access`` grants ("w": writes into it, "r": READs of it, "rw": both;
+        ``reads.mr_access``), staging local only (nobody gets its rkey).  The same
         memory may be registered again (its own rkey, deregistered on its own); every
         failure is a TransferdError and leaves nothing registered."""
         try:
             if device.startswith("cuda"):
-                mr = self._register_cuda(addr, length)
+                mr = self._register_cuda(addr, length, mr_access(access))
             else:
-                mr = MR(self.pd, length, ACCESS if remote else LOCAL_ACCESS, address=addr)
+                flags = mr_access(access) if remote else LOCAL_ACCESS
+                mr = MR(self.pd, length, flags, address=addr)
         except PyverbsRDMAError as exc:
             if exc.error_code in (errno.ENOMEM, errno.EPERM):
                 raise VerbsUnavailable(
@@ -194,11 +219,11 @@ class Nic:
             raise
         return reg
 
-    def _register_cuda(self, addr: int, length: int) -> Any:
+    def _register_cuda(self, addr: int, length: int, flags: int) -> Any:
         if peer_memory_loaded():
             # nvidia-peermem: the NIC reads and writes GPU memory by its virtual address,
             # so the region's rkey works with the addresses its MrDesc names.
-            return MR(self.pd, length, ACCESS, address=addr)
+            return MR(self.pd, length, flags, address=addr)
         # dma-buf (register_dmabuf below) registers with iova = offset in pyverbs, so
         # the NIC would address the region from 0, while an MrDesc names every rail's
         # memory by one address, the buffer's.  Refused with the reason until the
@@ -239,17 +264,16 @@ class Nic:
 
     # -- queue pairs ------------------------------------------------------------------------
 
-    def create_qp(self, send_depth: int, recv_depth: int) -> Any:
+    def create_qp(self, send_depth: int, recv_depth: int, *, reads: bool = False) -> Any:
+        """An RC queue pair left in INIT; ``reads``: it posts and serves RDMA READs."""
         c = self.choice
         cap = QPCap(max_send_wr=min(send_depth, c.max_qp_wr),
                     max_recv_wr=min(recv_depth, c.max_qp_wr),
                     max_send_sge=c.max_sge, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
                           sq_sig_all=0)
-        attr = QPAttr(port_num=c.port)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         try:
-            return QP(self.pd, init, attr)  # RC: left in INIT
+            return QP(self.pd, init, init_attr(c.port, reads))  # RC: left in INIT
         except PyverbsRDMAError as exc:
             raise VerbsUnavailable(f"cannot create an RC queue pair on {c.name}: {exc}") \
                 from None
@@ -260,9 +284,12 @@ class Nic:
                       c.port, self.gid, c.gid_index, c.mtu)
 
     def connect(self, qp: Any, mine: QpInfo, theirs: QpInfo,
-                rnr_retry: int = RNR_RETRY) -> None:
+                rnr_retry: int = RNR_RETRY, *, reads: tuple[int, int] | None = None) -> None:
+        """``reads``: (max_rd_atomic, max_dest_rd_atomic) of a queue pair that posts and
+        serves RDMA READs (a write queue pair)."""
+        c = self.choice
         try:
-            qp.to_rts(rtr_rts_attr(self.choice.port, mine, theirs, rnr_retry))
+            qp.to_rts(rtr_rts_attr(c.port, mine, theirs, rnr_retry, reads=reads))
         except PyverbsRDMAError as exc:
             raise BadRequest(f"cannot connect queue pair {mine.qpn} to the peer's "
                              f"{theirs.qpn} (MTU {MTU_BYTES[path_mtu(mine, theirs)]}): "

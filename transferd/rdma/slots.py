@@ -24,7 +24,9 @@ class Slots:
         self.map = mmap.mmap(-1, count * length)
         self.view = memoryview(self.map)
         self.addr = address_of(self.view)
-        self.reg: Registration = nic.register(self.addr, count * length)
+        # SENDs and RECVs only: no remote right (no peer has or needs its rkey, and a
+        # guessed one writes nothing into them).
+        self.reg: Registration = nic.register(self.addr, count * length, remote=False)
         self.free = list(range(count - 1, -1, -1))
 
     def slot(self, i: int) -> memoryview:

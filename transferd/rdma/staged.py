@@ -82,5 +82,10 @@ class StagingRegistrations:
     def registered(self, pool: Pool) -> bool:
         return id(pool) in self._held
 
+    def covers(self, addr: int) -> bool:
+        """Whether ``addr`` lies in a staging chunk registered here."""
+        return any(r.addr <= addr < r.addr + r.length
+                   for held in self._held.values() for r in held.regs)
+
     def __len__(self) -> int:
         return len(self._held)

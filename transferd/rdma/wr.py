@@ -32,6 +32,9 @@ from pyverbs.wr import SGE, RecvWR, SendWR
 from .constants import CHAIN_MAX, IBV_SEND_SIGNALED, WrOpcode
 from .wrplan import Sge, WrSpec
 
+# Opcodes that name a remote range (ibv_send_wr.wr.rdma): a READ reads from it.
+_RDMA = (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM, WrOpcode.RDMA_READ)
+
 
 def build_send_wr(spec: WrSpec, wr_id: int) -> SendWR:
     sges = [SGE(a, n, k) for a, n, k in spec.sges]
@@ -42,7 +45,7 @@ def build_send_wr(spec: WrSpec, wr_id: int) -> SendWR:
     finally:
         for s in sges:  # copied into the SendWR
             s.close()
-    if spec.opcode in (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM):
+    if spec.opcode in _RDMA:
         wr.set_wr_rdma(spec.rkey, spec.remote_addr)
     return wr
 

@@ -38,10 +38,10 @@ class _Create:
     def capabilities(self) -> Any:
         from transferd.domains.base import Capabilities
 
-        # The NIC places writes and counts immediates; no device memory yet.
-        # READ work requests are planned (reads.py), not posted yet.
+        # The NIC places writes, counts immediates and serves READs (reads.py);
+        # no device memory yet.
         return Capabilities(sees_writes=False, counts_immediates=True, device_memory=False,
-                            reads=False)
+                            reads=True)
 
     def __call__(self, port: Port, rail: int, host: str, port_number: int,
                  options: DomainOptions) -> Domain:

@@ -46,7 +46,7 @@ from transferd.protocol.peer_link import LinkState
 from transferd.protocol.values import NetAddr
 from transferd.rdma.completions import Dispatcher, QpRole, WrIds, WrKind, split_wr_id, wr_id
 from transferd.rdma.cqloop import CqPoller
-from transferd.rdma.mrtable import Registration
+from transferd.rdma.mrtable import Registration, address_of
 from transferd.rdma.resources import SINK_LEN, Nic, PyverbsError, PyverbsRDMAError
 from transferd.rdma.slots import Slots
 from transferd.rdma.staged import StagingRegistrations
@@ -58,6 +58,7 @@ from ..strangers import RailStrangers
 from . import messages
 from .bind import create
 from .links import InLink, OutLink
+from .reads import ReadWindow
 from .sender import Posted, Sender
 from .sendq import SendQueue
 from .worker_calls import call_on_loop
@@ -104,7 +105,8 @@ class QpEnd:
         self.cqes = SEND_DEPTH + depth
         domain.reserve_cqes(self.cqes)
         try:
-            self.qp = nic.create_qp(SEND_DEPTH, depth)
+            # A write queue pair posts our READs and serves the peer's.
+            self.qp = nic.create_qp(SEND_DEPTH, depth, reads=write)
         except BaseException:
             domain.reserve_cqes(-self.cqes)
             raise
@@ -112,6 +114,8 @@ class QpEnd:
         self.max_msg = nic.choice.max_msg
         self.max_sge = nic.choice.max_sge
         self.queue: SendQueue[Posted] = SendQueue(SEND_DEPTH, self._post)
+        # Our READs on this queue pair: at most max_rd_atomic in flight (reads.py).
+        self.reads = ReadWindow(nic.choice.rd_atomic[0], domain.sender.post_read)
         self.template = ZeroWriteTemplate((nic.sink.buf, 0, nic.sink.lkey)) if write else None
         self.rx: Slots | None = None
         self.tx: Slots | None = None
@@ -132,8 +136,16 @@ class QpEnd:
         for wr in self.recv.wrs:
             self.qp.post_recv(wr)
 
-    def connect(self, theirs: Any) -> None:
-        self.domain.nic.connect(self.qp, self.info, theirs)
+    def connect(self, theirs: Any, their_read_depth: int = 1) -> None:
+        """``their_read_depth``: the READs the peer's end serves at once (its
+        RailSetup): ours in flight stay within it and within our device's."""
+        reads = None
+        if self.write:
+            ours, serve = self.domain.nic.choice.rd_atomic
+            reads = (min(ours, their_read_depth), serve)
+            self.reads.depth = reads[0]
+        # A region may be read only where its own MR grants remote read (Nic.register).
+        self.domain.nic.connect(self.qp, self.info, theirs, reads=reads)
 
     def repost(self, slot: int) -> None:
         try:
@@ -226,8 +238,16 @@ class QpEnd:
         d.dispatcher.qps.pop(self.info.qpn, None)
         d.qps.pop(self.info.qpn, None)
         err = PeerUnreachable("queue pair closed")
+        # Destroyed before anything it carried is failed: a READ's memory is let go when
+        # its work request fails here, and from ibv_destroy_qp's return the NIC writes
+        # nothing more into it.
+        with contextlib.suppress(PyverbsError):
+            self.qp.close()
+        unread = self.reads.drain()
         waiting = self.queue.drain()
         tx_waiting, self._tx_waiting = self._tx_waiting, deque()
+        for r in unread:
+            d.sender.not_posted(r, err)
         for p in d.fail_wrs_of(self):
             d.sender.completed(p, err)
         for q in waiting:
@@ -235,8 +255,6 @@ class QpEnd:
         for _, _, on_done in tx_waiting:
             if on_done is not None:
                 on_done(err)
-        with contextlib.suppress(PyverbsError):
-            self.qp.close()
         d.reserve_cqes(-self.cqes)
         self.recv.close()
         if self.template is not None:
@@ -254,8 +272,8 @@ class VerbsDomain(Domain):
     """
 
     name = "verbs"
-    # The NIC places writes (no receiver code sees them) and counts immediates; it does
-    # not take device memory yet (docs/rdma.md).
+    # The NIC places writes (no receiver code sees them), counts immediates and serves
+    # READs; it does not take device memory yet (docs/rdma.md).
     capabilities = CAPABILITIES
 
     def __init__(self, port: Port, rail: int, host: str, port_number: int = 0, *,
@@ -269,7 +287,7 @@ class VerbsDomain(Domain):
         self.wrids: WrIds[Posted] = WrIds(WR_IDS)
         self.qps: dict[int, QpEnd] = {}
         self.dispatcher: Dispatcher[Posted] = Dispatcher(
-            self.wrids, on_send_done=self.sender.completed, on_imm=self._on_imm,
+            self.wrids, on_send_done=self._send_done, on_imm=self._on_imm,
             on_message=self._on_message, repost=self._repost, on_broken=self._on_broken)
         self._listener = _listen(host, port_number)
         self.port_number = self._listener.getsockname()[1]
@@ -310,7 +328,9 @@ class VerbsDomain(Domain):
             if region.id in self._regions:
                 raise BadRequest(f"region {region.id} is already registered on verbs "
                                  f"rail {self.rail}")
-            r = self.nic.register(region.ptr, region.size, device)
+            # Remote read only for a region granted "r" (reads.mr_access): the NIC refuses
+            # any other READ of it.
+            r = self.nic.register(region.ptr, region.size, device, access=region.access)
             try:
                 if staging is not None:
                     self.staged.hold(staging.pool)
@@ -369,11 +389,14 @@ class VerbsDomain(Domain):
         return link
 
     def post(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
-        if isinstance(part, ReadPart):
-            # RDMA READ's work requests are planned (reads.py), not yet posted: said so,
-            # never sent as something else.
-            transfer.fail(BadRequest(f"verbs rail {self.rail}: one-sided READ is not "
-                                     "served on verbs yet (tcp and chaos serve it)"))
+        if type(part) is ReadPart and part.into and self.staged.covers(address_of(part.into[0])):
+            # A READ on the NIC cannot be recalled, and the engine hands staging chunks
+            # to the next operation as soon as a read ends, early or not: a late READ
+            # would land in someone else's bytes.  Refused until the engine waits for
+            # the Domain (docs/rdma.md).
+            transfer.fail(BadRequest(f"verbs rail {self.rail}: a READ into device memory "
+                                     "(through staging) is not served on verbs; read into "
+                                     "host memory, or use tcp"))
             return
         try:
             self.link_to(part.dst).submit(part, transfer)
@@ -438,6 +461,17 @@ class VerbsDomain(Domain):
         qp = self.qps.get(qpn)
         if qp is not None:
             qp.repost(slot)
+
+    def _send_done(self, posted: Posted, error: TransferdError | None) -> None:
+        """A work request of ours completed.  A failed one left its queue pair in the
+        error state (RC: everything after it is flushed, nothing more is carried): the
+        link is closed, so the next part to this peer gets new queue pairs rather than a
+        dead one (a READ of a region without "r" breaks only the reader's link)."""
+        self.sender.completed(posted, error)
+        qp = posted.link
+        if error is not None and not qp.closed:
+            qp.owner.close(PeerUnreachable(f"verbs rail {self.rail}: queue pair in the "
+                                           f"error state ({error.message})"))
 
     def _on_broken(self, qp: QpEnd, why: str) -> None:
         qp.owner.close(PeerUnreachable(f"verbs rail {self.rail}: {why}"))

@@ -28,7 +28,7 @@ import socket
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from transferd.parts import SendPart, Transfer, WritePart
+from transferd.parts import ReadPart, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
 from transferd.protocol.peer_handshake import Probe, Ready
@@ -76,16 +76,17 @@ class _SetupLink:
         # Our own write queue pair is never written to with an immediate: no receives.
         self.write = QpEnd(self.domain, self, write=True, receives=isinstance(self, InLink))
         me = self.domain.port.links.identity
+        choice = self.domain.nic.choice
         return RailSetup(me.node, me.group, self.domain.rail, len(me.addrs), self.send.info,
                          self.write.info, MSG_DEPTH, WRITE_RECV_DEPTH, MSG_LEN,
-                         self.domain.nic.choice.max_msg)
+                         choice.max_msg, choice.rd_atomic[1])
 
     def _connect_qps(self, mine: RailSetup, raw: bytes) -> RailSetup:
         theirs = RailSetup.from_bytes(raw)
         check_pair(mine, theirs)
         assert self.send is not None and self.write is not None
         self.send.connect(theirs.send_qp)
-        self.write.connect(theirs.write_qp)
+        self.write.connect(theirs.write_qp, theirs.read_depth)
         return theirs
 
     def _setup_timer(self) -> None:
@@ -126,7 +127,7 @@ class OutLink(_SetupLink):
         loop = domain.loop
         self.core = core = domain.port.links.outbound(domain.rail, dst, loop.time())
         core.label = f"verbs link to {dst} rail {domain.rail}"
-        self._waiting: deque[tuple[WritePart | SendPart, Transfer]] = deque()
+        self._waiting: deque[tuple[WritePart | SendPart | ReadPart, Transfer]] = deque()
         self._pending: dict[tuple[int, int], Transfer] = {}
         self._setup: RailSetup | None = None
         self._closed = False
@@ -200,7 +201,7 @@ class OutLink(_SetupLink):
             for part, transfer in waiting:
                 self._send(part, transfer)
 
-    def submit(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def submit(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         if self.core.state is LinkState.READY:
             self._send(part, transfer)
         elif self._closed or self.core.closed:
@@ -208,13 +209,18 @@ class OutLink(_SetupLink):
         else:
             self._waiting.append((part, transfer))
 
-    def _send(self, part: WritePart | SendPart, transfer: Transfer) -> None:
+    def _send(self, part: WritePart | SendPart | ReadPart, transfer: Transfer) -> None:
         if transfer.finished:
             return
         assert self.write is not None and self.send is not None
-        if isinstance(part, WritePart):
+        if isinstance(part, WritePart | ReadPart):
+            sender = self.domain.sender
             try:
-                self.domain.sender.write(self.write, part, transfer)
+                if isinstance(part, ReadPart):
+                    # On our write queue pair: the peer's end of it serves READs.
+                    sender.read(self.write, part, transfer)
+                else:
+                    sender.write(self.write, part, transfer)
             except TransferdError as exc:  # a part no work request can carry
                 transfer.fail(exc)
             return

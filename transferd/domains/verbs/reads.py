@@ -3,22 +3,19 @@ requests, the read window.  Pure: no pyverbs import (the numbers are fixed by
 <infiniband/verbs.h>, an ABI; tests/unit/test_verbs_reads.py checks them against
 pyverbs.enums wherever pyverbs imports).
 
-- :func:`mr_access`: a region's ``ibv_reg_mr`` access flags from its rights.
-  ``IBV_ACCESS_REMOTE_READ`` only where ``"r"`` was granted, ``IBV_ACCESS_REMOTE_WRITE``
-  only where ``"w"`` was: the NIC itself then refuses (REM_ACCESS_ERR at the reader) a
-  read of a write-only region, as the tcp responder refuses it (NOT_FOUND).
+- :func:`mr_access`, :func:`qp_access`, :func:`rd_atomic` (from
+  :mod:`transferd.rdma.access`, where the NIC code uses them): a region's
+  ``ibv_reg_mr`` flags from its rights (``IBV_ACCESS_REMOTE_READ`` only with "r"), a
+  queue pair's access flags and READ depths.
 - :func:`plan_read`: a :class:`~transferd.parts.ReadPart` as ``IBV_WR_RDMA_READ`` work
   requests: one per contiguous remote range (at most ``max_msg`` bytes), scattered into
   at most ``max_sge`` local pieces of the reader's registered region.
-- :func:`rd_atomic`: the queue pair's ``max_rd_atomic`` (READs this side has in flight)
-  and ``max_dest_rd_atomic`` (the peer's READs it serves at once), within what the
-  device allows (``max_qp_init_rd_atom`` / ``max_qp_rd_atom``).
 - :class:`ReadWindow`: at most ``max_rd_atomic`` READs posted per queue pair; the rest
   wait, in order and bounded, so that READs never sit in the send queue in front of the
   writes behind them.
 
-Not wired yet: the verbs Domain refuses a ReadPart (BadRequest) until the posting and
-completion of these work requests (``IBV_WC_RDMA_READ``) are built on a device.
+Posted by :meth:`~.sender.Sender.read` on the write queue pair (``domain.py``); the
+numbers below are also :class:`~transferd.rdma.constants.WrOpcode` / ``WcOpcode``.
 """
 
 from __future__ import annotations
@@ -30,47 +27,22 @@ from typing import Any
 
 from transferd.parts import ReadPart
 from transferd.protocol.errors import BadRequest, OverLimit
+from transferd.rdma.access import IBV_ACCESS_REMOTE_READ, mr_access, qp_access, rd_atomic
 from transferd.rdma.mrtable import address_of
 from transferd.rdma.wrplan import LkeyOf, Sge
 
-# enum ibv_access_flags
-IBV_ACCESS_LOCAL_WRITE = 1
-IBV_ACCESS_REMOTE_WRITE = 2
-IBV_ACCESS_REMOTE_READ = 4
-IBV_ACCESS_RELAXED_ORDERING = 1 << 20  # IBV_ACCESS_OPTIONAL_FIRST
 # enum ibv_wr_opcode / ibv_wc_opcode
 IBV_WR_RDMA_READ = 4
 IBV_WC_RDMA_READ = 2
 
-# What a queue pair asks for at most (the device may allow fewer).
-WANT_RD_ATOMIC = 16
-# READs waiting for the window, per queue pair, before a new one is refused.
-MAX_WAITING = 4096
-
-
-def mr_access(access: str) -> int:
-    """``ibv_reg_mr`` flags for a region with rights ``access`` ("w", "r", "rw")."""
-    if access not in ("w", "r", "rw"):
-        raise BadRequest(f"access {access!r} is not one of 'w', 'r' or 'rw'")
-    flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_RELAXED_ORDERING
-    if "w" in access:
-        flags |= IBV_ACCESS_REMOTE_WRITE
-    if "r" in access:
-        flags |= IBV_ACCESS_REMOTE_READ
-    return flags
-
-
-def qp_access(serves_reads: bool) -> int:
-    """A queue pair's ``qp_access_flags``: remote reads only on one that serves them."""
-    flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE
-    return flags | IBV_ACCESS_REMOTE_READ if serves_reads else flags
-
-
-def rd_atomic(max_qp_init_rd_atom: int, max_qp_rd_atom: int,
-              want: int = WANT_RD_ATOMIC) -> tuple[int, int]:
-    """(max_rd_atomic, max_dest_rd_atomic) for a queue pair on this device: as many as
-    asked, at most what it allows, at least 1 (the RC minimum)."""
-    return (max(1, min(want, max_qp_init_rd_atom)), max(1, min(want, max_qp_rd_atom)))
+# READs waiting for the window, per queue pair, before a new one is refused: 64 GiB of
+# READ_MAX reads (a few hundred bytes each while they wait).
+MAX_WAITING = 1 << 16
+# The largest READ posted, whatever the port's max_msg_sz (often 2 GiB): the window
+# then pipelines a large part, and a read that ended early has at most
+# max_rd_atomic * READ_MAX bytes per queue pair still landing (nothing can recall a
+# posted READ).
+READ_MAX = 1 << 20
 
 
 @dataclass(slots=True)
@@ -136,6 +108,7 @@ class ReadWindow:
         self._post = post
         self._waiting: deque[Any] = deque()
         self.max_waiting = max_waiting
+        self._pumping = False
 
     @property
     def waiting(self) -> int:
@@ -152,11 +125,19 @@ class ReadWindow:
             self._waiting.append(wr)
 
     def done(self) -> None:
-        """One READ completed (or failed): the next waiting one is posted."""
+        """One READ completed (or failed, or was dropped): the next waiting ones are
+        posted.  A ``post`` that gives its slot straight back (calls done) is met by
+        this loop, not by a recursion as deep as the waiting queue."""
         self.in_flight -= 1
-        if self._waiting:
-            self.in_flight += 1
-            self._post(self._waiting.popleft())
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._waiting and self.in_flight < self.depth:
+                self.in_flight += 1
+                self._post(self._waiting.popleft())
+        finally:
+            self._pumping = False
 
     def drain(self) -> list[Any]:
         """The queue pair closed: what still waits (to fail), none posted."""
@@ -165,5 +146,15 @@ class ReadWindow:
         return out
 
 
-__all__ = ["IBV_ACCESS_REMOTE_READ", "IBV_WC_RDMA_READ", "IBV_WR_RDMA_READ", "ReadWindow",
-           "ReadWr", "mr_access", "plan_read", "qp_access", "rd_atomic"]
+__all__ = [
+    "IBV_ACCESS_REMOTE_READ",
+    "IBV_WC_RDMA_READ",
+    "IBV_WR_RDMA_READ",
+    "READ_MAX",
+    "ReadWindow",
+    "ReadWr",
+    "mr_access",
+    "plan_read",
+    "qp_access",
+    "rd_atomic",
+]
