@@ -639,9 +639,10 @@ class TransferEngine:
                 if span is None:
                     span, ends = spans.transfer(kind, op, entry.trace), True
                 spans.planned(span, parts)
-        fut = self.peer_slots.run(
-            keys, functools.partial(self._start_transfer, op, parts, group, span=span),
-            held.release if held is not None else None)
+        start = functools.partial(self._start_transfer, op, parts, group)
+        if span is not None:
+            start = functools.partial(start, span=span)
+        fut = self.peer_slots.run(keys, start, held.release if held is not None else None)
         if parts:
             fut.add_done_callback(lambda _: inflight.remove(op))
             if ends and spans is not None:
