@@ -148,7 +148,7 @@ class PartSpan:
 
     @property
     def trace(self) -> bytes | None:
-        return self.target.trace  # type: ignore[no-any-return]
+        return self.target.trace
 
     def _end(self, error: Any) -> None:
         span = self.span

@@ -136,7 +136,7 @@ async def test_a_traced_write_has_spans_on_both_daemons(own_daemons: list[Daemon
         attrs = top["attributes"]
         assert attrs["transferd.op"] >= 1 and attrs["transferd.kind"] == "single"
         assert attrs["transferd.bytes"] == size, attrs
-        assert attrs["transferd.peer"] == f"{dst.desc.node:016x}", attrs
+        assert attrs["transferd.peer"] == f"{dst.desc.node[0]:016x}", attrs
         assert list(attrs["transferd.rails"]) == [0, 1], attrs
         top_id = top["context"]["span_id"]
         assert all(p["parent_id"] == top_id for p in parts), parts
@@ -156,7 +156,7 @@ async def test_a_traced_write_has_spans_on_both_daemons(own_daemons: list[Daemon
             p = part_ids[s["parent_id"]]
             assert s["attributes"]["transferd.part"] == p["attributes"]["transferd.part"]
             assert s["attributes"]["transferd.bytes"] == p["attributes"]["transferd.bytes"]
-            assert s["attributes"]["transferd.peer"] == f"{src.desc.node:016x}", s
+            assert s["attributes"]["transferd.peer"] == f"{src.desc.node[0]:016x}", s
 
         # A traced write that fails: into a region B no longer has.
         gone = await b.region(4096)

@@ -20,7 +20,9 @@ if importlib.util.find_spec("opentelemetry.sdk") is None:  # pragma: no cover
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
 
 from transferd.tracing import Spans, wire
 

@@ -30,8 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from transferd.config import EngineConfig
 from transferd import tracing
+from transferd.config import EngineConfig
 from transferd.copies import COUNTING, count
 from transferd.domains import registry
 from transferd.domains.base import DomainOptions
