@@ -374,7 +374,7 @@ class _EngineCollector:
                       "rail.", labels=["peer", "rail"])
         failures: dict[tuple[int, int], int] = {}
         for st in stats:
-            for key, n in getattr(st, "integrity_failures", {}).items():
+            for key, n in st.integrity_failures.items():
                 failures[key] = failures.get(key, 0) + n
         # Every rail from the start at 0 with no peer (an empty label is none to
         # Prometheus), so rate() works before the first mismatch; a peer's series
