@@ -394,6 +394,20 @@ class LogConfig:
         "object per line, for log shippers).",
         choices=LOG_FORMATS, flag="--log-format",
     )
+    otel: str = key(
+        "auto",
+        "OpenTelemetry spans per traced transfer (docs/integrity.md; needs the otel extra, "
+        "pip install 'transferd[otel]'): \"console\" (one JSON object per span and line, to "
+        "log.otel_file), \"otlp\" (the OTLP exporter package, set up by the standard "
+        "OTEL_EXPORTER_OTLP_* variables), \"none\", or \"auto\": what OTEL_TRACES_EXPORTER "
+        "says (console or otlp), none when it is unset or OTEL_SDK_DISABLED=true.",
+        choices=("auto", "none", "console", "otlp"),
+    )
+    otel_file: str = key(
+        "",
+        "With log.otel = \"console\": the file spans are appended to (\"\": stderr, with "
+        "the log).",
+    )
 
 
 def _listen_problems(s: ServerConfig) -> list[str]:

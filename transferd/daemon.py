@@ -380,6 +380,13 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
             fatal(f"transferd: cannot start: {p}")
         sys.exit(max(p.kind.exit for p in problems))
     configure_logging(config.log.level, config.log.format)
+    from transferd import tracing
+
+    try:
+        tracing.configure(config.log.otel, config.log.otel_file)
+    except (tracing.TracingUnavailable, OSError) as exc:
+        fatal(f"transferd: configuration error: log.otel = {config.log.otel!r}: {exc}")
+        sys.exit(Exit.CONFIG)
     try:
         daemon = Daemon(config, loader)
         uvloop.run(daemon.run(frontends))
@@ -394,4 +401,6 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
     except OSError as exc:
         fatal(f"transferd: failed: {exc}")
         sys.exit(Exit.FAILURE)
+    finally:
+        tracing.shutdown()  # the spans the batch still holds are exported
 

@@ -181,7 +181,8 @@ class Transfer:
     ``done`` is called exactly once, on the worker's loop.
     """
 
-    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "timer", "trace")
+    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "span", "timer",
+                 "trace")
 
     def __init__(self, op: int, parts: int, nbytes: int,
                  done: Callable[[TransferdError | None], None]) -> None:
@@ -195,6 +196,9 @@ class Transfer:
         self.timer: asyncio.TimerHandle | None = None
         # The submit's W3C trace id (26 bytes), for the log records about it.
         self.trace: bytes | None = None
+        # Its OpenTelemetry span where spans are on (transferd.tracing): each part's
+        # span goes under it.
+        self.span: Any = None
 
     def _end(self, error: TransferdError | None) -> None:
         self.finished = True

@@ -20,6 +20,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transferd import tracing
 from transferd.fds import LinkBudget, link_budget
 from transferd.logs import peer_warning
 from transferd.parts import (
@@ -241,14 +242,19 @@ class DomainGroup:
             transfer.part_done()
             return
         domains = self.domains
+        # A traced transfer where spans are on: a span per part (transferd.tracing), which
+        # its answer ends on its way to the transfer.
+        spans = tracing.SPANS if transfer.span is not None else None
         if len(domains) == 1:
             post = domains[0].post
             for part in parts:
+                t: Any = transfer if spans is None else spans.part(transfer, part,
+                                                                    transfer.span)
                 if type(part) is WritePart and part.verify:
                     # A checksum mismatch re-sends it once (failover.Resend).
-                    post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
+                    post(part, Resend(self, t, part))  # type: ignore[arg-type]
                 else:
-                    post(part, transfer)
+                    post(part, t)
             return
         now = self.loop.time()
         for part in parts:
@@ -259,7 +265,8 @@ class DomainGroup:
             rail = self.health.pick(part.dst.key, part.rail, now)
             if rail is not None and rail != part.rail:
                 move(part, rail)
-            domains[part.rail].post(part, Resend(self, transfer, part))  # type: ignore[arg-type]
+            t = transfer if spans is None else spans.part(transfer, part, transfer.span)
+            domains[part.rail].post(part, Resend(self, t, part))  # type: ignore[arg-type]
 
     def _deadline(self, transfer: Transfer,
                   parts: Sequence[WritePart | SendPart | ReadPart]) -> None:

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
+from transferd import tracing
 from transferd.config import EngineConfig
 from transferd.copies import COUNTING, count
 from transferd.domains import registry
@@ -306,12 +307,13 @@ class TransferEngine:
         if region.staging is not None:
             return self._from_device(op, region, [(region.ptr + src[1], length)], lambda v: _wid(
                 plan_single(op, length, _imm(imm), v[0], dst[0], dst[1], self.rails,
-                            max_parts=_verify_parts(length, tag)), wid, tag), owner, tag)
+                            max_parts=_verify_parts(length, tag)), wid, tag), owner, tag,
+                "single")
         view = region.view(region.ptr + src[1], length)
         parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
                             max_parts=_verify_parts(length, tag))
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
-                            self.group_of(region), owner)
+                            self.group_of(region), owner, kind="single")
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
@@ -336,11 +338,11 @@ class TransferEngine:
             pages = [(base + i * stride, page_len) for i in sp.indices]
             return self._from_device(op, region, pages, lambda v: _wid(
                 plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid, tag),
-                owner, tag)
+                owner, tag, "paged")
         views = region.views([base + i * stride for i in sp.indices], page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
-                            self.group_of(region), owner)
+                            self.group_of(region), owner, kind="paged")
 
     # -- one-sided reads (reads.py) ----------------------------------------------------
 
@@ -387,7 +389,7 @@ class TransferEngine:
 
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]],
-                     owner: Hashable = None, tag: Tag = (False, None)
+                     owner: Hashable = None, tag: Tag = (False, None), kind: str = ""
                      ) -> asyncio.Future[None]:
         """A write whose source is device memory: D2H into staging, then the send.
 
@@ -399,6 +401,10 @@ class TransferEngine:
         assert self.loop is not None
         io, devs, places, need = plan_staging(region, pages)
         held = region.buffer.ref()
+        # A traced write's span starts at the submit, its staging copy included.
+        traced = tag[1]
+        spans = tracing.SPANS if traced is not None else None
+        span = spans.transfer(kind, op, traced) if spans is not None and traced else None
         if self._staging_lock is None:
             self._staging_lock = asyncio.Lock()
         lock = self._staging_lock
@@ -415,7 +421,8 @@ class TransferEngine:
                     io.stream.copy_d2h(chunks[c].ptr + off, dev, n)
                     views.append(chunks[c].view[off:off + n])
                 await io.waiter.wait(claim.fence())
-                sending = self._submit(op, plan(views), None, self.group_of(region), owner)
+                sending = self._submit(op, plan(views), None, self.group_of(region), owner,
+                                       span=span)
                 # From now on cancel() of this task fails the transfer itself (a
                 # cancelled task would let go of its worker slot before the transfer ended).
                 me = asyncio.current_task()
@@ -436,6 +443,8 @@ class TransferEngine:
                      rails=(), peer=None)
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda _: inflight.remove(op))
+        if spans is not None:
+            task.add_done_callback(functools.partial(spans.ended, span))
         return task
 
     def _check_descs(self, descs: Sequence[MrDesc]) -> None:
@@ -479,7 +488,7 @@ class TransferEngine:
             parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
                                  max_parts=_verify_parts(d.len, tag))
         return self._submit(first or next(self._ops), _wid(parts, None, tag),
-                            region.buffer.ref(), self.group_of(region))
+                            region.buffer.ref(), self.group_of(region), kind="scatter")
 
     def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
                              ) -> asyncio.Future[None]:
@@ -604,11 +613,13 @@ class TransferEngine:
 
     def _submit(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                 held: Ref | None = None, group: DomainGroup | None = None,
-                owner: Hashable = None) -> asyncio.Future[None]:
+                owner: Hashable = None, *, kind: str = "", span: Any = None
+                ) -> asyncio.Future[None]:
         """Start a transfer on ``group``'s worker (default: the first group's) once its
         peers have a slot; ``held`` (the source's memory) goes when it finishes.  A peer
         at engine.max_inflight_per_peer makes it wait (peer_slots.py) without holding
-        back anything else."""
+        back anything else.  A traced write gets a span (transferd.tracing) where spans
+        are on: ``kind`` names it; ``span``: one its caller started (and ends)."""
         assert self.peer_slots is not None
         keys = ((parts[0].dst.key,) if len(parts) == 1 else {p.dst.key for p in parts})
         inflight = self.inflight
@@ -621,19 +632,29 @@ class TransferEngine:
         elif entry is not None:  # a write from device memory, staged
             entry.plan = parts
             entry.move(Stage.WAITING_PEER, inflight.clock())
-        fut = self.peer_slots.run(
-            keys, functools.partial(self._start_transfer, op, parts, group),
-            held.release if held is not None else None)
+        spans, ends = None, False
+        if parts and entry is not None and entry.trace is not None:
+            spans = tracing.SPANS
+            if spans is not None:
+                if span is None:
+                    span, ends = spans.transfer(kind, op, entry.trace), True
+                spans.planned(span, parts)
+        start = functools.partial(self._start_transfer, op, parts, group)
+        if span is not None:
+            start = functools.partial(start, span=span)
+        fut = self.peer_slots.run(keys, start, held.release if held is not None else None)
         if parts:
             fut.add_done_callback(lambda _: inflight.remove(op))
+            if ends and spans is not None:
+                fut.add_done_callback(functools.partial(spans.ended, span))
         return fut
 
     def _start_transfer(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
                         group: DomainGroup | None = None,
-                        releases: tuple[Callable[[], None], ...] = ()
+                        releases: tuple[Callable[[], None], ...] = (), *, span: Any = None
                         ) -> asyncio.Future[None]:
         """Hand parts to ``group``'s worker, taking a slot until the transfer ends;
-        ``releases`` are called then too."""
+        ``releases`` are called then too.  ``span``: the transfer's (tracing)."""
         assert self.groups and self.loop is not None
         group = group or self.groups[0]
         worker = self.workers[group.index]
@@ -664,6 +685,7 @@ class TransferEngine:
         transfer = Transfer(op, len(parts), nbytes, finish)
         if parts and type(parts[0]) is WritePart:
             transfer.trace = parts[0].trace
+            transfer.span = span
         entry = self.inflight.get(op)
         if entry is not None:
             entry.transfer = transfer

@@ -451,12 +451,12 @@ class InboundLink(LinkEnd):
                 pass
             elif adm.deferred:
                 self._hold()
-                self.events.append(Land(adm, ref, nbytes))
+                self.events.append(Land(adm, ref, nbytes, self._opened))
             else:
                 adm.commit(nbytes)
                 self._ack(ref, None)
                 if adm.header.trace is not None:
-                    self.events.append(Placed(ref, nbytes, adm.header.trace))
+                    self.events.append(Placed(ref, nbytes, adm.header.trace, self._opened))
         elif kind == SEND:
             msg, self._msg = self._msg, None
             self.events.append(Deliver(self._key, bytes(msg or b""), ref))
@@ -534,7 +534,7 @@ class InboundLink(LinkEnd):
             land.admission.commit(land.nbytes)
             trace = land.admission.header.trace
             if trace is not None:
-                self.events.append(Placed(land.ref, land.nbytes, trace))
+                self.events.append(Placed(land.ref, land.nbytes, trace, land.opened))
         else:
             land.admission.fail(error)
             self.events.append(Refused(land.ref, error))

@@ -208,6 +208,7 @@ class Land:
     admission: Admission
     ref: tuple[int, int]
     nbytes: int
+    opened: float = 0.0  # the link's clock when its header came (a landing's span)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +253,8 @@ class Placed:
     ref: tuple[int, int]
     nbytes: int
     trace: bytes
+    # The link's clock when its header came (where a landing's span starts).
+    opened: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import socket
 from collections import OrderedDict
 from typing import ClassVar
 
+from transferd import tracing
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
 from transferd.logs import peer_warning, trace_fields
 from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
@@ -506,6 +507,13 @@ class InboundPeer:
             except TransferdError as exc:
                 self._landed(land, exc)
         elif type(event) is Placed:
+            spans = tracing.SPANS
+            if spans is not None:  # a traced part landed: its span (transferd.tracing)
+                peer = self.core.peer
+                spans.landed(event.ref[0], event.ref[1], event.nbytes, event.trace, d.rail,
+                             peer.node if peer else None,
+                             d.loop.time() - event.opened if event.opened is not None
+                             else 0.0)
             if log.isEnabledFor(logging.DEBUG):
                 peer = self.core.peer
                 log.debug("rail %d: part %d of op %d from node %s landed (%d bytes)", d.rail,
