@@ -42,6 +42,7 @@ from .peer_link import (
     ReadsServed,
     Refused,
     StageRead,
+    scatter_into,
 )
 from .peer_wire import (
     KNOWN_FLAGS,
@@ -235,21 +236,12 @@ class InboundLink(LinkEnd):
         if COUNTING:
             count("peer.buffered", len(data))  # (only after a header shorter than guessed)
         segs = self._segs
-        i, off, pos, total = self._seg, self._pos, 0, len(data)
+        i, off, total = self._seg, self._pos, len(data)
         if off == 0 and i == 0 and len(segs) == 1 and total == len(segs[0]):
             segs[0][:] = data  # the whole payload of a one-page write
             self._seg = 1
             return
-        while pos < total:
-            seg = segs[i]
-            k = min(len(seg) - off, total - pos)
-            seg[off:off + k] = data[pos:pos + k]
-            pos += k
-            off += k
-            if off == len(seg):
-                i += 1
-                off = 0
-        self._seg, self._pos = i, off
+        self._seg, self._pos = scatter_into(segs, i, off, data)
 
     def _frames(self) -> None:
         """Every whole frame in the buffer, in order, until one needs more bytes."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -494,6 +495,24 @@ class LinkEnd:
         """Now READY (from SETUP or PAUSED)."""
 
 
+def scatter_into(segs: Sequence[memoryview], i: int, off: int,
+                 data: memoryview) -> tuple[int, int]:
+    """Copy ``data`` (payload bytes that came in a link's buffer) into ``segs`` from
+    segment ``i`` at ``off``; where the next byte goes.  The caller checked that the
+    segments have room (a frame's payload length is its segments' sum)."""
+    pos, total = 0, len(data)
+    while pos < total:
+        seg = segs[i]
+        k = min(len(seg) - off, total - pos)
+        seg[off:off + k] = data[pos:pos + k]
+        pos += k
+        off += k
+        if off == len(seg):
+            i += 1
+            off = 0
+    return i, off
+
+
 __all__ = [
     "ACK_HIGH",
     "ACK_LOW",
@@ -520,4 +539,5 @@ __all__ = [
     "Refused",
     "SetUp",
     "StageRead",
+    "scatter_into",
 ]

@@ -28,6 +28,7 @@ from .peer_link import (
     LinkEnd,
     LinkInput,
     LinkState,
+    scatter_into,
 )
 from .peer_wire import (
     ACK,
@@ -68,17 +69,7 @@ class _Incoming:
         self.left -= len(data)
         if self.dropping:
             return
-        segs, i, off, pos, total = self.segs, self.seg, self.pos, 0, len(data)
-        while pos < total:
-            seg = segs[i]
-            k = min(len(seg) - off, total - pos)
-            seg[off:off + k] = data[pos:pos + k]
-            pos += k
-            off += k
-            if off == len(seg):
-                i += 1
-                off = 0
-        self.seg, self.pos = i, off
+        self.seg, self.pos = scatter_into(self.segs, self.seg, self.pos, data)
 
     def views(self) -> list[memoryview]:
         """The rest of the payload, straight into place (a socket's worth)."""
