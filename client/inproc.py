@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from transferd.memory.staging import StagingPool
     from transferd.node import Node
     from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
-    from transferd.service import Admitted, Caller, Service
+    from transferd.service import Caller, Service
 
     from .watchers import Change as WordChange
 
@@ -118,15 +118,17 @@ class InprocCompletion(Completion):
         super().__init__(what)
         self._client = client
         self._key = key
-        # Until it ends: the client's close ends what the node dropped with its caller.
+        # Until the node ends it (end() is its on_end, called once): the client's close
+        # ends what the node dropped with its caller.  Left in end(), not by a done
+        # callback on the future: that would be one more loop callback per write.
         client._completions[key] = self
-        self._future.add_done_callback(lambda _: client._completions.pop(key, None))
 
     def end(self, err: TransferdError | None, value: Any = _OK) -> None:
-        if err is None:
-            self._resolve(value)
-        else:
+        self._client._completions.pop(self._key, None)
+        if err is not None:
             self._resolve(error=err)
+        elif not self._future.done():  # (cancelled by its awaiter: nothing to say)
+            self._future.set_result(value)
 
     async def cancel(self) -> bool:
         if self.done():
@@ -286,6 +288,10 @@ class InprocClient(Client):
         self.node: Node | None = None
         self._service: Service | None = None
         self._caller: Caller | None = None
+        # Bound at open() (daemon modules load only then): what a submit admitted at once
+        # returns (else an awaitable of it), and an open caller's state.
+        self._op_type: type[Any] | None = None
+        self._open_state: Any = None
         self._line = _NoLine()
         self._keys = itertools.count(1)
         # Reads and writes queued (set_tensor_async, get_tensor_async), run at the flush.
@@ -320,7 +326,7 @@ class InprocClient(Client):
             return
         self._loop = asyncio.get_running_loop()
         from transferd.node import Node
-        from transferd.service import Caller
+        from transferd.service import Caller, CallerState, Op
 
         cfg = self.load_config()
         node = Node(cfg, name=self.name)
@@ -359,6 +365,7 @@ class InprocClient(Client):
             await node.close()
             raise
         self.node, self._service = node, service
+        self._op_type, self._open_state = Op, CallerState.OPEN
         self._caller = Caller(peer=f"inproc:{os.getpid()}", source="inproc")
         self.version = (PROTO_MAJOR, min(PROTO_MINOR, cfg.server.protocol_minor), PROTO_PATCH)
         self.server = self.name
@@ -406,6 +413,16 @@ class InprocClient(Client):
         if self._caller is None or self._caller.closed:
             raise ConnectionLost("the inproc node is not running (closed, or not started)")
         return self._caller
+
+    def _running(self) -> tuple[Service, Caller]:
+        """(:attr:`service`, :attr:`caller`) in one call, with the same checks (a submit's)."""
+        service, caller = self._service, self._caller
+        if service is None or self.node is None:
+            raise ConnectionLost("the inproc node is not running (closed, or not started: "
+                                 "Client.connect('inproc://'))")
+        if caller is None or caller.state is not self._open_state:
+            raise ConnectionLost("the inproc node is not running (closed, or not started)")
+        return service, caller
 
     @property
     def conn(self) -> Any:
@@ -621,17 +638,19 @@ class InprocClient(Client):
         self._counted("DEREG_MR")
         await _done(self.service.dereg_mr(self.caller, mr.id))
 
-    async def _submit(self, what: str,
-                      start: Callable[[int, Callable[[TransferdError | None], None]], Admitted]
-                      ) -> Completion:
+    async def _submit(self, what: str, method: str, *args: Any, **kw: Any) -> Completion:
+        """Start ``Service.<method>(caller, key, *args, on_end=..., **kw)``; its
+        Completion.  (The method by name, so that a client closed meanwhile fails the
+        Completion, as the node's own refusals do, and no closure is made per submit.)"""
         if self._ops:
             await self.flush()  # writes queued before a submit are in place before it reads
         key = next(self._keys)
         c = InprocCompletion(what, self, key)
-        self._counted(what)
+        self._counts[what] += 1
         try:
-            admitted = start(key, c.end)
-            if isinstance(admitted, Awaitable):
+            service, caller = self._running()
+            admitted = getattr(service, method)(caller, key, *args, on_end=c.end, **kw)
+            if type(admitted) is not self._op_type:  # the engine was full: wait for a slot
                 await admitted
         except TransferdError as exc:
             # As over the wire, where a submit is one-way: the Service's refusal (checked
@@ -644,45 +663,41 @@ class InprocClient(Client):
         dst: tuple[MrDesc, int], *, timeout: float | None = None, wid: int | None = None,
         verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        s = (src[0].id, src[1])
-        tp = traceparent if traceparent is not None else current_traceparent()
-        return await self._submit("SINGLE_WRITE", lambda key, end: self.service.submit_single_write(
-            self.caller, key, length, imm, s, dst, wid=wid, timeout=timeout, on_end=end,
-            verify=verify, traceparent=tp))
+        return await self._submit(
+            "SINGLE_WRITE", "submit_single_write", length, imm, (src[0].id, src[1]), dst,
+            wid=wid, timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def submit_paged_writes(
         self, page_len: int, imm: int | None, src: tuple[MrHandle, Pages],
         dst: tuple[MrDesc, Pages], *, timeout: float | None = None, wid: int | None = None,
         verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        s = (src[0].id, src[1])
-        tp = traceparent if traceparent is not None else current_traceparent()
-        return await self._submit("PAGED_WRITES", lambda key, end: self.service.submit_paged_writes(
-            self.caller, key, page_len, imm, s, dst, wid=wid, timeout=timeout, on_end=end,
-            verify=verify, traceparent=tp))
+        return await self._submit(
+            "PAGED_WRITES", "submit_paged_writes", page_len, imm, (src[0].id, src[1]), dst,
+            wid=wid, timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def submit_single_read(
         self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
         *, timeout: float | None = None,
     ) -> Completion:
-        d = (dst[0].id, dst[1])
-        return await self._submit("SINGLE_READ", lambda key, end: self.service.submit_single_read(
-            self.caller, key, length, d, src, timeout=timeout, on_end=end))
+        return await self._submit("SINGLE_READ", "submit_single_read", length,
+                                  (dst[0].id, dst[1]), src, timeout=timeout)
 
     async def submit_paged_reads(
         self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
         *, timeout: float | None = None,
     ) -> Completion:
-        d = (dst[0].id, dst[1])
-        return await self._submit("PAGED_READS", lambda key, end: self.service.submit_paged_reads(
-            self.caller, key, page_len, d, src, timeout=timeout, on_end=end))
+        return await self._submit("PAGED_READS", "submit_paged_reads", page_len,
+                                  (dst[0].id, dst[1]), src, timeout=timeout)
 
     async def submit_gather(
         self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
         *, timeout: float | None = None,
     ) -> Completion:
-        return await self._submit("GATHER", lambda key, end: self.service.submit_gather(
-            self.caller, key, dst.id, list(srcs), timeout=timeout, on_end=end))
+        return await self._submit("GATHER", "submit_gather", dst.id, list(srcs),
+                                  timeout=timeout)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         self._counted("ADD_PEER_GROUP")
@@ -693,27 +708,24 @@ class InprocClient(Client):
         dsts: Sequence[ScatterDst], *, timeout: float | None = None,
         verify: bool | None = None, traceparent: str | None = None,
     ) -> Completion:
-        gid = group.id if group else None
-        tp = traceparent if traceparent is not None else current_traceparent()
-        return await self._submit("SCATTER", lambda key, end: self.service.submit_scatter(
-            self.caller, key, gid, imm, src.id, list(dsts), timeout=timeout, on_end=end,
-            verify=verify, traceparent=tp))
+        return await self._submit(
+            "SCATTER", "submit_scatter", group.id if group else None, imm, src.id, list(dsts),
+            timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
         *, timeout: float | None = None,
     ) -> Completion:
-        gid = group.id if group else None
-        return await self._submit("BARRIER", lambda key, end: self.service.submit_barrier(
-            self.caller, key, gid, imm, list(dsts), timeout=timeout, on_end=end))
+        return await self._submit("BARRIER", "submit_barrier", group.id if group else None,
+                                  imm, list(dsts), timeout=timeout)
 
     async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None
                           ) -> Completion:
         data = bytes(_view(msg))  # the caller may reuse its buffer at once
         if COUNTING:
             count("client.send_message", len(data))
-        return await self._submit("SEND", lambda key, end: self.service.submit_send(
-            self.caller, key, addr, data, timeout=timeout, on_end=end))
+        return await self._submit("SEND", "submit_send", addr, data, timeout=timeout)
 
     def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
         """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message,
