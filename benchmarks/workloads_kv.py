@@ -217,8 +217,14 @@ class Arm:
 
     def request(self, seed: int, compute_s: float, check: bool = True) -> dict[str, Any]:
         self.decode.cmd(op="expect", seed=seed)
-        p = self.prefill.cmd(op="request", seed=seed, compute_s=compute_s, check=check)
-        d = self.decode.cmd(op="wait", check=check)
+        # Both commands out, then the decode's answer first: this process sleeps on the
+        # decode's pipe until every layer is usable.  (Reading the prefill's first woke it
+        # when the last layer was acknowledged, on the decode side's CPU, just as that
+        # layer's completion was on its way to the decode client: the tail paid for it.)
+        self.prefill.send(op="request", seed=seed, compute_s=compute_s, check=check)
+        self.decode.send(op="wait", check=check)
+        d = self.decode.recv()
+        p = self.prefill.recv()
         if check and p["digests"] != d["digests"]:
             bad = [i for i, (x, y) in enumerate(zip(p["digests"], d["digests"], strict=True))
                    if x != y]
@@ -407,6 +413,13 @@ def _since(rs: list[dict[str, Any]], key: str) -> list[float]:
     return out
 
 
+def _by_layer(rs: list[dict[str, Any]], key: str) -> list[float]:
+    """``key``'s time since the bump (us), the median over ``rs`` of each layer."""
+    n = len(rs[0]["prefill"]["bump"]) if rs else 0
+    per = [_since([r], key) for r in rs]
+    return [median([p[i] for p in per]) for i in range(n)]
+
+
 def _after_next(r: dict[str, Any], key: str) -> int:
     """Layers of request ``r`` whose ``key`` step came after the next layer's bump."""
     p = r["prefill"]
@@ -503,6 +516,9 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
         "steps_by_arm": {a: {k: median(_since([r for g in samples[a] for r in g], k))
                              for k in ("event", "issued", "submitted", "usable", "acked")}
                          for a in td_arms},
+        "steps_by_layer": {a: {k: _by_layer([r for g in samples[a] for r in g], k)
+                               for k in ("event", "issued", "submitted", "usable", "acked")}
+                           for a in td_arms},
         "arms": {k: [[{x: r[x] for x in ("layer_ms", "request_ms", "tail_ms", "late",
                                          "late_returned")}
                       for r in g] for g in v] for k, v in samples.items()},
