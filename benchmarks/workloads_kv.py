@@ -238,9 +238,7 @@ class Arm:
             # A write handed to the engine after the next layer's bump waited for that
             # layer's compute.  (Its submit returning after it is not: in process, the
             # engine puts a layer's pages on the wire within the call.)
-            "late": sum(p["issued"][i] > p["bump"][i + 1] for i in range(layers - 1)),
-            "late_returned": sum(p["submitted"][i] > p["bump"][i + 1]
-                                 for i in range(layers - 1)),
+            "late": late_layers(p, "issued"), "late_returned": late_layers(p, "submitted"),
             "prefill": p, "usable": d["usable"],
         }
 
@@ -420,10 +418,14 @@ def _by_layer(rs: list[dict[str, Any]], key: str) -> list[float]:
     return [median([p[i] for p in per]) for i in range(n)]
 
 
-def _after_next(r: dict[str, Any], key: str) -> int:
-    """Layers of request ``r`` whose ``key`` step came after the next layer's bump."""
-    p = r["prefill"]
+def late_layers(p: dict[str, Any], key: str) -> int:
+    """Layers of a request (the prefill's timestamps ``p``) whose ``key`` step came after
+    the next layer's bump: their write waited for a later layer's compute."""
     return sum(p[key][i] > p["bump"][i + 1] for i in range(len(p["bump"]) - 1))
+
+
+def _after_next(r: dict[str, Any], key: str) -> int:
+    return late_layers(r["prefill"], key)
 
 
 def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
