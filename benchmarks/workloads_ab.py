@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemons-only", action="store_true")
     ap.add_argument("--json", metavar="OUT")
     a = ap.parse_args(argv)
+    if bad := [s for s in a.set if "=" not in s]:
+        ap.error(f"--set takes KEY=VALUE, not {bad[0]!r}")
     settings = dict(s.removeprefix("engine.").split("=", 1) for s in a.set)
     tag = " +" + ",".join(f"{k}={v}" for k, v in settings.items())
     wheres: list[Placement] = [Daemons(), Daemons(engine=settings, name="transferd" + tag)]

@@ -223,7 +223,11 @@ class Arm:
         # layer's completion was on its way to the decode client: the tail paid for it.)
         self.prefill.send(op="request", seed=seed, compute_s=compute_s, check=check)
         self.decode.send(op="wait", check=check)
-        d = self.decode.recv()
+        try:
+            d = self.decode.recv()
+        except PeerUnavailable:
+            self.prefill.recv(timeout=5.0)  # its error first, when it failed first
+            raise
         p = self.prefill.recv()
         if check and p["digests"] != d["digests"]:
             bad = [i for i, (x, y) in enumerate(zip(p["digests"], d["digests"], strict=True))
