@@ -290,7 +290,7 @@ class InprocClient(Client):
         self._caller: Caller | None = None
         # Bound at open() (daemon modules load only then): what a submit admitted at once
         # returns (else an awaitable of it), and an open caller's state.
-        self._op_type: type[Any] | None = None
+        self._op_type: type[Any] = type(None)
         self._open_state: Any = None
         self._line = _NoLine()
         self._keys = itertools.count(1)
@@ -650,7 +650,7 @@ class InprocClient(Client):
         try:
             service, caller = self._running()
             admitted = getattr(service, method)(caller, key, *args, on_end=c.end, **kw)
-            if type(admitted) is not self._op_type:  # the engine was full: wait for a slot
+            if not isinstance(admitted, self._op_type):  # the engine was full: wait for a slot
                 await admitted
         except TransferdError as exc:
             # As over the wire, where a submit is one-way: the Service's refusal (checked
