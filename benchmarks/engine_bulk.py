@@ -35,6 +35,7 @@ from .engine_common import (
     client_on,
     crc_remote,
     fill_remote,
+    only_running,
     sides,
     start_arms,
     vm_status,
@@ -92,13 +93,18 @@ def run(opts: Options) -> BenchResult:
         arms = started.by_label
         times: dict[str, list[float]] = {k: [] for k in arms}
         with client_on(s.initiator):
+            pairs = started.pairs.values()
             for arm in arms.values():  # one untimed write each
+                only_running(pairs, arm)
                 arm.bulk(size)
             for r, name in interleave(list(arms), rounds):
+                only_running(pairs, arms[name])
                 with quiet_gc():
                     dt = arms[name].bulk(size)
                 times[name].append(dt)
                 opts.log(f"round {r} {name}: {size / dt / GiB:.2f} GiB/s")
+            for pair in pairs:
+                pair.pause(False)  # (the checks below ask them)
             crc_ok = {name: arm.target_crc(size) == arm.source_crc for name, arm in arms.items()}
         mem = {"daemon A": vm_status(started.a.pid), "daemon B": vm_status(started.b.pid)}
         for kind, pair in started.pairs.items():

@@ -27,8 +27,6 @@ paged and scatter reported against the daemon path.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 import zlib
 from typing import Any
@@ -41,6 +39,7 @@ from .engine_common import (
     MiB,
     client_on,
     crc_remote,
+    only_running,
     sides,
     start_pair,
     start_peers,
@@ -155,19 +154,6 @@ class Side:
         return ok
 
 
-def _hold(pairs: dict[str, Any], running: str | None = None) -> None:
-    """Stop (SIGSTOP) every baseline pair but ``running``'s, and continue that one.
-
-    An idle NIXL pair is not idle: UCX's progress busy-polls, measured at 29 % of the
-    initiator's CPU and 36 % of the target's with no transfer asked of it, which takes
-    those CPUs from whichever arm is measured meanwhile (the 1 GiB writes took twice
-    as long beside it).  So each arm runs with no other arm's process runnable."""
-    for kind, pair in pairs.items():
-        sig = signal.SIGCONT if kind == running else signal.SIGSTOP
-        for proc in (pair.initiator, pair.target):
-            os.kill(proc.pid, sig)
-
-
 async def _arms(a: ServerProcess, b: ServerProcess, peers: list[ServerProcess], big: int
                 ) -> tuple[dict[str, Side], list[Any]]:
     from client import Client
@@ -206,17 +192,16 @@ def run(opts: Options) -> BenchResult:
         paged: dict[str, list[float]] = {k: [] for k in arms}
         scatter: dict[str, list[float]] = {k: [] for k in arms}
         small: dict[str, Any] = {**arms, **{LABELS[k]: p for k, p in pairs.items()}}
-        kinds = {LABELS[k]: k for k in pairs}
         with client_on(s.initiator):
-            for name, arm in small.items():
-                _hold(pairs, kinds.get(name))
+            for arm in small.values():
+                only_running(pairs.values(), arm)
                 if isinstance(arm, Side):
                     loop.run_until_complete(arm.lat(opts.pick(300, 50)))
                 else:
                     arm.lat(opts.pick(300, 50), SMALL)
             for r, name in interleave(list(small), rounds):
                 arm = small[name]
-                _hold(pairs, kinds.get(name))
+                only_running(pairs.values(), arm)
                 with quiet_gc():
                     xs = loop.run_until_complete(arm.lat(n)) if isinstance(arm, Side) \
                         else arm.lat(n, SMALL)
@@ -224,9 +209,7 @@ def run(opts: Options) -> BenchResult:
                                                  "p99": percentile(xs, 99)})
                 opts.log(f"round {r} {name}: p50 {fmt_us(lat[name][-1]['p50'])} us")
             # The baselines' part is done: none of them runs beside the bulk rounds.
-            _hold(pairs)
             for pair in pairs.values():
-                _hold({pair.kind: pair}, pair.kind)
                 pair.stop()
             pairs = {}
             for arm in arms.values():  # warm: links on every rail, B's and peers' pages
@@ -249,7 +232,6 @@ def run(opts: Options) -> BenchResult:
         loop.run_until_complete(close())
         loop.close()
         for pair in pairs.values():
-            _hold({pair.kind: pair}, pair.kind)  # a stopped process would not hear its end
             pair.stop()
         for p in (a, b, *peers):
             p.stop()

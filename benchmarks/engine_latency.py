@@ -42,6 +42,7 @@ from .engine_common import (
     Sides,
     TransferdArm,
     client_on,
+    only_running,
     sides,
     start_pair,
     start_peers,
@@ -141,8 +142,10 @@ def run(opts: Options) -> BenchResult:
             per_round: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
             with client_on(s.initiator):
                 for arm in arms.values():
+                    only_running(pairs.values(), arm)
                     arm.lat(warm, SIZE)
                 for r, name in interleave(list(arms), rounds):
+                    only_running(pairs.values(), arms[name])
                     with quiet_gc():
                         xs = arms[name].lat(n, SIZE)
                     per_round[name].append({"p50": percentile(xs, 50),

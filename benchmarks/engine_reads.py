@@ -43,6 +43,7 @@ from .engine_common import (
     client_on,
     crc_remote,
     fill_remote,
+    only_running,
     sides,
     start_arms,
 )
@@ -183,7 +184,9 @@ def run(opts: Options) -> BenchResult:
                     td.run(td._paged(op))
                     td.run(td._lat(op, 50))
                 for pair in nixl.values():
+                    only_running(nixl.values(), pair)
                     pair.bulk(size)
+                only_running(nixl.values())  # transferd's rounds run with NIXL stopped
                 for r, op in interleave(["write", "read"], rounds):
                     with quiet_gc():
                         dt = td.run(td._bulk(op, size))
@@ -197,6 +200,7 @@ def run(opts: Options) -> BenchResult:
                 opts.log("paged ms: write " + " ".join(f"{x * 1e3:.1f}" for x in paged["write"])
                          + "; read " + " ".join(f"{x * 1e3:.1f}" for x in paged["read"]))
                 for _, x in interleave(list(nixl), rounds):
+                    only_running(nixl.values(), nixl[x])
                     nixl_t[x].append(nixl[x].bulk(size))
                 # The last op of the last round decides what both regions hold now:
                 # whichever it was, A's and B's are equal (B got A's bytes, or A B's).

@@ -155,8 +155,13 @@ class PeerSlots:
                 self._busy[k] = n
             else:
                 self._busy.pop(k, None)
+        queues = self._queues
         for k in keys:
-            self._pump(k)
+            if queues.get(k):
+                # Started on a turn of its own, never inside the end of the transfer
+                # that freed the slot: that end may be a link closing, and a part
+                # started there would land on the dying link and fail with its reason.
+                self.loop.call_soon(self._pump, k)
 
     def _pump(self, key: PeerKey) -> None:
         """Start what waits for ``key`` while it has slots free (bounded by its queue)."""
