@@ -236,11 +236,12 @@ class Client:
         With nothing queued this is the request's own future (no coroutine
         in between: one less frame to create and resume per round trip).
         """
-        if self._flat or self._queue or self.conn.failed:
+        conn = self._conn if self._conn is not None else self.conn  # (raises: not connected)
+        if self._flat.n or self._queue or conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
-        return self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
+        return conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
 
     async def _flush_then_call(
         self, cmd: Command, body: dict[str, Any] | None, payload: Sequence[Any], sink: Any
