@@ -43,6 +43,7 @@ from .queue import (
     Reads,
     TensorQueue,
     columns,
+    overlaps_any,
     ranges,
     segments,
 )
@@ -392,8 +393,17 @@ class Client:
                 data = view
         if self._queue:  # an async copy is queued: after it, in order
             self._queue.append(QueuedSet(t, data))
-        else:
-            self._flat.add_set(t, data)
+            return
+        # TensorQueue.add_set, inlined (per row of a batched step).
+        flat = self._flat
+        cur = flat.cur
+        if cur.get_t and overlaps_any(t, cur.get_t):
+            flat.add_set(t, data)  # a write after a read of the same bytes: a new segment
+            return
+        cur.set_t.append(t)
+        cur.set_d.append(data)
+        cur.set_bytes += t[2]
+        flat.n += 1
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point.
@@ -411,11 +421,23 @@ class Client:
             except TransferdError as exc:
                 fut.set_exception(exc)
             return fut
-        dest = out_view(t, out) if out is not None else None
-        if self._queue:  # an async copy is queued: after it, in order
-            self._queue.append(QueuedGet(t, fut, dest, out))
-        else:
-            self._flat.add_get(t, fut, dest, out)
+        if out is not None:
+            dest = out_view(t, out)
+            if self._queue:  # an async copy is queued: after it, in order
+                self._queue.append(QueuedGet(t, fut, dest, out))
+            else:
+                self._flat.add_get(t, fut, dest, out)
+            return fut
+        if self._queue:
+            self._queue.append(QueuedGet(t, fut))
+            return fut
+        # TensorQueue.add_get of a read without out=, inlined (per row of a batched step).
+        flat = self._flat
+        cur = flat.cur
+        cur.get_t.append(t)
+        cur.get_f.append(fut)
+        cur.get_bytes += t[2]
+        flat.n += 1
         return fut
 
     async def flush(self) -> None:
