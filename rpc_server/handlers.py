@@ -296,7 +296,8 @@ def get_tensor(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     if buf.staging is not None:
         return device_io.get_reply(session, frame, [(buf, t)])
     view = buf.view(t.offset, t.size)
-    _check_reply(session, t.size)
+    if t.size > session.ctx.max_reply:
+        _check_reply(session, t.size)  # raises OverLimit (the test inlined: per GET)
     return _mk(Reply, (None, [view], (), (), False, (buf,)))  # no Python __new__: per GET
 
 
