@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 U32 = 0xFFFFFFFF
+U64 = (1 << 64) - 1
 # Hot-path constants: combining IntFlags runs Python code.
 _EVENT = int(Flag.EVENT)
 _EVENT_ERROR = int(Flag.EVENT | Flag.ERROR)
@@ -141,20 +142,41 @@ def dereg_mr(session: Session, frame: Frame) -> Awaitable[None] | None:
     return _service(session).dereg_mr(session.caller, uint_field(frame.body, "mr"))
 
 
+def _plain_uint(v: Any, limit: int = U64) -> bool:
+    # ``type() is int``: a bool is not one (what _uint and uint_field refuse too).
+    return type(v) is int and 0 <= v <= limit
+
+
 @handler(Command.SINGLE_WRITE)
 def single_write(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
     b = frame.body
     service = _service(session)
-    length = uint_field(b, "len")
-    imm = _opt_imm(b)
-    mr, src_off = _pair(b, "src")
-    desc, dst_off = _pair(b, "dst")
-    src = (_uint(mr, "src mr"), _uint(src_off, "src offset"))
-    dst = (MrDesc.from_wire(desc), _uint(dst_off, "dst offset"))
+    length, s, d = b.get("len"), b.get("src"), b.get("dst")
+    imm, wid, verify = b.get("imm"), b.get("wid"), b.get("verify")
+    # The usual request, read in one pass (it is every small write's cost); anything
+    # else takes the field-by-field checks below, which name what is wrong.
+    if (type(s) is list and len(s) == 2 and type(d) is list and len(d) == 2
+            and type(length) is int and 0 <= length <= U64
+            and (imm is None or _plain_uint(imm, U32)) and (wid is None or _plain_uint(wid))
+            and (verify is None or type(verify) is bool)
+            and type(s[0]) is int and type(s[1]) is int and s[0] >= 0 and s[1] >= 0
+            and type(d[1]) is int and d[1] >= 0):
+        src: tuple[int, int] = (s[0], s[1])
+        dst = (MrDesc.from_wire(d[0]), d[1])
+    else:
+        length = uint_field(b, "len")
+        imm = _opt_imm(b)
+        mr, src_off = _pair(b, "src")
+        desc, dst_off = _pair(b, "dst")
+        src = (_uint(mr, "src mr"), _uint(src_off, "src offset"))
+        dst = (MrDesc.from_wire(desc), _uint(dst_off, "dst offset"))
+        wid = _opt_wid(b)
+        verify = _tags(b)["verify"]
     # Checked now, so a bad request is answered before anything is queued.
     return _admitted(frame, service.submit_single_write(
-        session.caller, frame.seq, length, imm, src, dst, wid=_opt_wid(b), **_tags(b),
-        timeout=_timeout(frame), on_end=_ended(session, frame)))
+        session.caller, frame.seq, length, imm, src, dst, wid=wid, verify=verify,
+        traceparent=b.get("traceparent"), timeout=_timeout(frame),
+        on_end=_ended(session, frame)))
 
 
 @handler(Command.PAGED_WRITES)

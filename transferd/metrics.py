@@ -206,6 +206,12 @@ class Metrics:
         # Per command: [commands, bytes in, bytes out], tallied and folded in.
         self._tally = {c: [0, 0, 0] for c in Command}
         self._folded = {c: [0, 0, 0] for c in Command}
+        # The engine's transfers ended [ok, error] and bytes written out: tallied by the
+        # engine as each ends (a labelled child's inc() takes a lock), folded in by sync().
+        self.engine_tally = [0, 0, 0]
+        self._engine_folded = [0, 0, 0]
+        self._engine_children = (self.transfers.labels("ok"), self.transfers.labels("error"),
+                                 self.transfer_bytes.labels("out"))
         self._sync_lock = threading.Lock()
         self._errors = {e: self.errors.labels(e.value) for e in ErrorCode}
         for e in ErrorCode:
@@ -241,6 +247,12 @@ class Metrics:
                     if n != d:
                         child.inc(n - d)
                 self._folded[c] = now
+            now = list(self.engine_tally)
+            for child, n, d in zip(self._engine_children, now, self._engine_folded,
+                                   strict=True):
+                if n != d:
+                    child.inc(n - d)
+            self._engine_folded = now
 
     def error(self, code: ErrorCode) -> None:
         self._errors[code].inc()

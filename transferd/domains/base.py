@@ -186,7 +186,9 @@ class Domain(abc.ABC):
 
     @abc.abstractmethod
     def check_address(self, raw: bytes) -> None:
-        """BadRequest unless ``raw`` is a well-formed address of this kind of Domain."""
+        """BadRequest unless ``raw`` is a well-formed address of this kind of Domain.
+
+        A function of ``raw`` alone: the group remembers the addresses that passed."""
 
     @abc.abstractmethod
     def register(self, region: RegionInfo) -> int:

@@ -54,6 +54,8 @@ __all__ = ["DomainGroup", "DomainOptions", "GroupStats"]
 # Deadlines kept at most (transfers that ended early behind one that has not are
 # dropped all at once past this).
 DEADLINES_COMPACT = 65536
+# Rail address lists a group remembers as well formed (cleared when full).
+WELL_FORMED_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class DomainGroup:
         # Parts re-sent after a checksum mismatch (failover.Resend).
         self.integrity_resends = 0
         self._book: PeerBook | None = None
+        # (first rail, rail addresses) its Domains found well formed (check_address).
+        self._well_formed: set[tuple[int, tuple[bytes, ...]]] = set()
         self.messages_in = 0
         # Transfers by deadline, earliest first: (when, transfer, its destinations).
         self._deadlines: deque[tuple[float, Transfer, tuple[tuple[int, NetAddr], ...]]] = \
@@ -218,15 +222,23 @@ class DomainGroup:
         main address lists them all, an MrDesc's rkey entry one).  Called on the
         daemon's loop, before anything is planned.
         """
-        rails = list(addr.rails)
-        for i, raw in enumerate(rails):
-            # Each Domain reads (and checks) only its own kind of address.
-            self.domains[min(first_rail + i, len(self.domains) - 1)].check_address(raw)
-        known = self.book.get(addr.key)
+        rails = addr.rails
+        seen = self._well_formed
+        if (first_rail, rails) not in seen:
+            domains = self.domains
+            for i, raw in enumerate(rails):
+                # Each Domain reads (and checks) only its own kind of address.
+                domains[min(first_rail + i, len(domains) - 1)].check_address(raw)
+            # Every submit names the same few: what parsed once is not parsed again.
+            if len(seen) >= WELL_FORMED_MAX:
+                seen.clear()
+            seen.add((first_rail, rails))
+        book = self._book if self._book is not None else self.book
+        known = book.get((addr.node, addr.group))
         if known is None:
             return
         want = known[first_rail:first_rail + len(rails)]
-        if tuple(rails) != want:
+        if rails != want:
             mine = " (this daemon)" if addr.key == (self.node, self.index) else ""
             raise BadRequest(
                 f"node {addr.node:016x}/{addr.group}{mine} is at "

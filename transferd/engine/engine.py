@@ -54,7 +54,7 @@ from transferd.workers.affinity import allowed_cpus, choose_cpu
 from .device_source import plan_staging
 from .expectations import Expectations
 from .immcounter import ImmCounter
-from .inflight import InFlight, Stage, incoming
+from .inflight import Entry, InFlight, Stage, incoming
 from .limits import MAX_MESSAGE
 from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
@@ -85,11 +85,8 @@ class TransferEngine:
         self.config = config
         self.buffers = buffers
         self.metrics = metrics
-        # The labelled counters every transfer's end moves, looked up once
-        # (labels() takes a lock and a dict lookup per call).
-        self._counted: tuple[Any, Any, Any] | None = None if metrics is None else (
-            metrics.transfers.labels("ok"), metrics.transfers.labels("error"),
-            metrics.transfer_bytes.labels("out"))
+        # [ok, error, bytes out]: every transfer's end adds to it, a scrape folds it in.
+        self._counted: list[int] | None = None if metrics is None else metrics.engine_tally
         # The daemon passes what it read (an empty Keyring: none); else read it here.
         self.secret = (secret or None) if secret is not None else load_secret(config)
         self.hosts = list(config.host_rails) or [default_host]
@@ -297,8 +294,11 @@ class TransferEngine:
         """``wid``: the write id of ``owner`` (the submitting connection) for this write.
         ``verify``: a CRC32C per part (None: engine.verify); ``traceparent``: W3C."""
         self._check_descs([dst[0]])
-        self._check_wid(wid)
-        tag = self._tag(verify, traceparent)
+        if wid is not None:
+            self._check_wid(wid)
+        # (Nothing asked and no engine.verify: the usual small write's tag, no call.)
+        tag = _UNTAGGED if verify is None and traceparent is None and not self.config.verify \
+            else self._tag(verify, traceparent)
         region = self.regions.get(src[0])
         if wid is not None:
             wid = self._wire_wid(owner, wid, ("single", length, imm, region.id, src[1],
@@ -310,10 +310,14 @@ class TransferEngine:
                             max_parts=_verify_parts(length, tag)), wid, tag), owner, tag,
                 "single")
         view = region.view(region.ptr + src[1], length)
-        parts = plan_single(op, length, _imm(imm), view, dst[0], dst[1], self.rails,
-                            max_parts=_verify_parts(length, tag))
-        return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
-                            self.group_of(region), owner, kind="single")
+        planned: list[Any] = plan_single(
+            op, length, _imm(imm) if imm is not None else None, view, dst[0], dst[1],
+            self.rails, max_parts=_verify_parts(length, tag) if tag[0] else None)
+        if wid is not None or tag is not _UNTAGGED:
+            planned = _wid(planned, wid, tag)
+        groups = self.groups
+        return self._submit(op, planned, region.buffer.ref(),
+                            groups[region.id % len(groups)], owner, kind="single")
 
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
@@ -639,22 +643,25 @@ class TransferEngine:
                 if span is None:
                     span, ends = spans.transfer(kind, op, entry.trace), True
                 spans.planned(span, parts)
-        start = functools.partial(self._start_transfer, op, parts, group)
+        start = functools.partial(self._start_transfer, op, parts, group, entry)
         if span is not None:
             start = functools.partial(start, span=span)
         fut = self.peer_slots.run(keys, start, held.release if held is not None else None)
-        if parts:
+        if parts and fut not in self._transfers:
+            # It waits for a peer's slot (or already ended): a started transfer's end
+            # (_finished) forgets its entry itself, without a turn of the loop.
             fut.add_done_callback(lambda _: inflight.remove(op))
             if ends and spans is not None:
                 fut.add_done_callback(functools.partial(spans.ended, span))
         return fut
 
     def _start_transfer(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],
-                        group: DomainGroup | None = None,
+                        group: DomainGroup | None, entry: Entry | None,
                         releases: tuple[Callable[[], None], ...] = (), *, span: Any = None
                         ) -> asyncio.Future[None]:
         """Hand parts to ``group``'s worker, taking a slot until the transfer ends;
-        ``releases`` are called then too.  ``span``: the transfer's (tracing)."""
+        ``releases`` are called then too.  ``entry``: its in-flight entry (inflight.py);
+        ``span``: the transfer's (tracing)."""
         assert self.groups and self.loop is not None
         group = group or self.groups[0]
         worker = self.workers[group.index]
@@ -669,24 +676,20 @@ class TransferEngine:
             nbytes = sum(p.nbytes for p in parts if isinstance(p, WritePart))
         finished = self._finished
 
+        # The slot and ``releases`` go in _finished, before the future's callbacks (each
+        # done callback would be a turn of the loop of its own).
         if worker.on_daemon_loop:
             def finish(err: TransferdError | None) -> None:
-                finished(fut, err, nbytes)  # on the daemon's loop already: no hand-off
+                # On the daemon's loop already: no hand-off.
+                finished(fut, err, nbytes, op, releases)
         else:
             def finish(err: TransferdError | None) -> None:
-                loop.call_soon_threadsafe(finished, fut, err, nbytes)
+                loop.call_soon_threadsafe(finished, fut, err, nbytes, op, releases)
 
-        def ended(_: asyncio.Future[None]) -> None:
-            slots.release()
-            for fn in releases:
-                fn()
-
-        fut.add_done_callback(ended)
         transfer = Transfer(op, len(parts), nbytes, finish)
         if parts and type(parts[0]) is WritePart:
             transfer.trace = parts[0].trace
             transfer.span = span
-        entry = self.inflight.get(op)
         if entry is not None:
             entry.transfer = transfer
             entry.move(Stage.SENT, self.inflight.clock())
@@ -703,20 +706,26 @@ class TransferEngine:
         return fut
 
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,
-                  nbytes: int) -> None:
+                  nbytes: int, op: int, releases: tuple[Callable[[], None], ...]) -> None:
+        """A transfer ended (once: Transfer calls its finish once): its slot, its peers'
+        slots and its source's memory go, its in-flight entry too, then its future."""
+        self.slots.release()
+        for fn in releases:
+            fn()
+        self.inflight.remove(op)
         entry = self._transfers.pop(fut, None)
         if entry is not None and entry[0].trace is not None:
             # A traced transfer's end, for grep TRACEID (its start is logged too).
             log.log(logging.INFO if err is not None else logging.DEBUG,
                     "transfer %d %s%s", entry[0].op, "failed: " if err else "done",
                     err or "", extra=trace_fields(entry[0].trace))
-        if self._counted is not None:
-            ok, failed, out = self._counted
+        counted = self._counted
+        if counted is not None:
             if err is None:
-                ok.inc()
-                out.inc(nbytes)
+                counted[0] += 1
+                counted[2] += nbytes
             else:
-                failed.inc()
+                counted[1] += 1
         if fut.done():
             return
         if err is None:
@@ -727,6 +736,7 @@ class TransferEngine:
 
 # A submit's (verify, trace id) for its parts (TransferEngine._tag).
 Tag = tuple[bool, bytes | None]
+_UNTAGGED: Tag = (False, None)
 # A verified single write is sent in parts of at most this many bytes: each part's
 # checksum is taken just before it goes and checked as it lands, while the parts
 # before and after it are on the wire (one checksum of a whole gigabyte would be a

@@ -322,32 +322,42 @@ class Service:
         comes before the transfer's own clock starts, gets twice engine.peer_timeout_s
         unless it names one.
         """
-        engine = self._engine()
-        peer_timeout = engine.config.peer_timeout_s
-        if timeout is not None:
-            timeout = deadline(timeout, None, peer_timeout,
-                               f"a {label if isinstance(label, str) else Command(label).name}",
-                               "engine.peer_timeout_s")
-
-        def go() -> Op:
-            fut = start()
-            caller.pending.add(fut)
-            op = Op(key, label, lambda err: engine.cancel(fut, err))
-            staged = timeout is None and isinstance(fut, asyncio.Task)
-            caller.ops.add(op, 2 * peer_timeout if staged else timeout)
-            fut.add_done_callback(functools.partial(self._completed, caller, op, on_end))
-            return op
-
-        cap = engine.config.max_inflight_per_client
-        if len(caller.pending) < cap and engine.has_slot():
-            return go()
+        engine, timeout, now = self._admit(caller, label, timeout)
+        if now:
+            return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         async def later() -> Op:
-            await caller.wait_room(cap)
+            await caller.wait_room(engine.config.max_inflight_per_client)
             await engine.wait_slot()
-            return go()
+            return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         return later()
+
+    def _admit(self, caller: Caller, label: str | int, timeout: float | None
+               ) -> tuple[TransferEngine, float | None, bool]:
+        """The engine, a submit's checked ``timeout``, and whether it starts now (its
+        caller's share and the engine have room) or waits (:meth:`submit`)."""
+        engine = self.engine
+        if engine is None:
+            raise UnknownCommand("this daemon runs without the transfer engine")
+        config = engine.config
+        if timeout is not None:
+            timeout = deadline(timeout, None, config.peer_timeout_s,
+                               f"a {label if isinstance(label, str) else Command(label).name}",
+                               "engine.peer_timeout_s")
+        now = len(caller.pending) < config.max_inflight_per_client and engine.has_slot()
+        return engine, timeout, now
+
+    def _started(self, caller: Caller, key: int, label: str | int, fut: asyncio.Future[None],
+                 timeout: float | None, on_end: End, engine: TransferEngine) -> Op:
+        """A submit the engine took: in its caller's table until it ends."""
+        caller.pending.add(fut)
+        op = Op(key, label, functools.partial(engine.cancel, fut))
+        if timeout is None and isinstance(fut, asyncio.Task):
+            timeout = 2 * engine.config.peer_timeout_s  # staged first (see submit)
+        caller.ops.add(op, timeout)
+        fut.add_done_callback(functools.partial(self._completed, caller, op, on_end))
+        return op
 
     def _completed(self, caller: Caller, op: Op, on_end: End, fut: asyncio.Future[None]
                    ) -> None:
@@ -403,7 +413,11 @@ class Service:
         ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
         are two writes).  ``verify``: a CRC32C per part (None: engine.verify);
         ``traceparent``: a W3C trace context (docs/integrity.md)."""
-        engine = self._engine()
+        engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
+        if now:  # the usual case, without a closure: every small write's path
+            return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
+                length, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
+                timeout, on_end, engine)
         return self.submit(caller, key, Command.SINGLE_WRITE, lambda: engine.submit_single_write(
             length, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
             timeout, on_end)
