@@ -97,9 +97,9 @@ def _ended(session: Session, frame: Frame) -> End:
 
     def on_end(err: TransferdError | None) -> None:
         if err is None:
-            session.send_frame(cmd, _EVENT, seq, _OK)
+            session.send_event(cmd, _EVENT, seq, _OK)
         else:
-            session.send_frame(cmd, _EVENT_ERROR, seq, err.to_body())
+            session.send_event(cmd, _EVENT_ERROR, seq, err.to_body())
 
     return on_end
 

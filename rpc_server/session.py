@@ -133,6 +133,11 @@ class Session(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Future[None]] = set()
         # Called once the write buffer has drained (WATCH streams send what waited).
         self.drained_hooks: set[Callable[[], None]] = set()
+        # Completion EVENTs after the first of this turn of the loop (send_event): None
+        # while no turn has sent one; written in one go at the turn's end, or before any
+        # other frame (they neither overtake nor trail what is written after them).
+        # Bounded by the submits in flight (engine.max_inflight_per_client).
+        self._events: list[Outgoing] | None = None
 
     @property
     def state(self) -> ConnState:
@@ -329,6 +334,8 @@ class Session(asyncio.BufferedProtocol):
 
     def _write(self, o: Outgoing) -> int:
         """Write one frame (payload views from where they lie); the bytes written."""
+        if self._events:
+            self._write_events()
         carrier, t = self.carrier, self.transport
         if carrier is None or t is None or t.is_closing():
             release_all(o.hold)
@@ -550,11 +557,43 @@ class Session(asyncio.BufferedProtocol):
             return 0
         return self._write(o)
 
+    def send_event(self, cmd: int, flags: int, seq: int, body: dict[str, Any]) -> None:
+        """A completion EVENT (no payload): the first of a turn of the loop goes at once,
+        those after it in the same turn go together at its end (a burst of completions
+        is one write, a lone one waits for nothing)."""
+        events = self._events
+        if events is None:
+            self.send_frame(cmd, flags, seq, body)
+            self._events = []
+            self._loop.call_soon(self._events_turn_ended)
+            return
+        o = self.conn.event(cmd, seq, body, error=bool(flags & _ERROR))
+        if o is not None:
+            events.append(o)
+
+    def _events_turn_ended(self) -> None:
+        if self._events:
+            self._write_events()
+        self._events = None
+
+    def _write_events(self) -> None:
+        events = self._events
+        assert events
+        self._events = []
+        carrier, t = self.carrier, self.transport
+        if carrier is None or t is None or t.is_closing():
+            return
+        heads = [o.head for o in events]
+        carrier.write_heads(heads)
+        self.ctx.stats.bytes_out += sum(map(len, heads))
+
     def stream_head(self, frame: Frame, payload_len: int) -> bytes:
         """The header of a reply a handler writes itself (streamed from device memory)."""
         return self.conn.streamed_head(frame, payload_len)
 
     def close(self) -> None:
+        if self._events:
+            self._write_events()  # (before the connection stops making frames)
         self.conn.close()
         t = self.transport
         if t is not None and not t.is_closing():

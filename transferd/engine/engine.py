@@ -651,8 +651,8 @@ class TransferEngine:
             # It waits for a peer's slot (or already ended): a started transfer's end
             # (_finished) forgets its entry itself, without a turn of the loop.
             fut.add_done_callback(lambda _: inflight.remove(op))
-            if ends and spans is not None:
-                fut.add_done_callback(functools.partial(spans.ended, span))
+        if ends and spans is not None:
+            fut.add_done_callback(functools.partial(spans.ended, span))
         return fut
 
     def _start_transfer(self, op: int, parts: Sequence[WritePart | SendPart | ReadPart],

@@ -165,6 +165,12 @@ class PeerSlots:
             w = q.popleft()
             if w.outer.done():  # expired, or its client went away
                 continue
+            if w.timer is not None and w.timer.when() <= self.loop.time():
+                # Its wait is over though its timer has not run yet (a slot freed by a
+                # transfer timing out at the same moment): it expires, never sent.
+                w.timer.cancel()
+                self._expire(w, key)
+                continue
             other = self._blocked(w.keys - {key}, queued=False)
             if other is not None:  # a scatter whose other peer is full: wait there
                 self._queues.setdefault(other, deque()).append(w)

@@ -118,6 +118,11 @@ class Carrier:
         after :meth:`write` returns (then its memory must be held until it is out)."""
         return payload_len > self.joins_up_to
 
+    def write_heads(self, heads: Sequence[bytes]) -> None:
+        """Frames without payload (completion EVENTs), in order, in one write (after
+        whatever this carrier still queues)."""
+        self.write(b"".join(heads), (), 0)
+
     def _keep(self, hold: Sequence[Releasable]) -> None:
         if self.transport.get_write_buffer_size():
             self._held.extend(hold)  # still queued: drained() (or close) lets go
@@ -176,6 +181,10 @@ class MessageCarrier(Carrier):
         self._frames.write_frame(head, payload, payload_len)
         if hold:
             self._keep(hold)
+
+    def write_heads(self, heads: Sequence[bytes]) -> None:
+        for head in heads:  # one frame one message
+            self._frames.write_frame(head, (), 0)
 
     def set_message_limits(self, max_message: int, recv_limit: int) -> None:
         self._frames.max_message = max_message

@@ -341,6 +341,9 @@ class PeerLink:
         self.last_used = loop.time()
         self._released = False
         self._idle = False  # closed for being idle (no warning)
+        # A part sent this turn of the loop: the parts after it wait for the turn's end
+        # and go together (one send for a burst of small writes, none delayed alone).
+        self._burst: asyncio.Handle | None = None
         self._task = loop.create_task(self._connect())
 
     @property
@@ -408,13 +411,24 @@ class PeerLink:
             core.send(transfer, part.op, part.index, part.msg)
         io = self.io
         if io is not None and core.state is LinkState.READY:
-            io.flush()  # one send per part
+            if self._burst is None:
+                # The first part of this turn goes now (a lone small write waits for
+                # nothing); the turn's later parts wait in the core's output for
+                # _burst_end, which sends them in one go.
+                io.flush()
+                self._burst = self.domain.loop.call_soon(self._burst_end)
         elif io is not None:
             io._after()
         elif core.completions:  # refused before the dial got anywhere
             done, core.completions = core.completions, []
             for token, err in done:
                 token.part_done(err)
+
+    def _burst_end(self) -> None:
+        self._burst = None
+        io = self.io
+        if io is not None and not io.closed and self.core.out.queued:
+            io.flush()
 
     # -- what the core says ----------------------------------------------------------------
 
