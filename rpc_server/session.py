@@ -399,6 +399,8 @@ class Session(asyncio.BufferedProtocol):
                     release_all(result.hold)
             if o is None:
                 return
+            if self._events:
+                self._write_events()  # as _write does: completions go before this reply
             carrier, t = self.carrier, self.transport
             if carrier is None or t is None or t.is_closing():
                 release_all(o.hold)
