@@ -31,7 +31,7 @@ import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -97,21 +97,33 @@ def rail_hosts(rails: int) -> list[str]:
     return [f"127.0.0.{i + 1}" for i in range(rails)]
 
 
+def engine_env(settings: dict[str, str]) -> dict[str, str]:
+    """``engine.KEY`` settings as the variables an engine reads them from (daemon or
+    inproc alike): ``{"watcher_idle_poll_ms": "0.05"}`` -> TRANSFERD_ENGINE_WATCHER_..."""
+    return {f"TRANSFERD_ENGINE_{k.upper()}": v for k, v in settings.items()}
+
+
 @dataclass
 class Daemons:
     """One daemon per node, over tcp, with ``rails`` rails each, pinned on the node's CPU.
 
     ``steps_dir``: run each daemon through :mod:`benchmarks.engine_steps` instead, which
-    timestamps its steps and writes them to ``steps_dir/daemon-I.json`` when it stops."""
+    timestamps its steps and writes them to ``steps_dir/daemon-I.json`` when it stops.
+    ``engine``: engine settings of every node (``engine_env``); ``name``: the arm's name
+    when not the default (two arms of one placement with other settings, in one run)."""
 
     rails: int = 1
     steps_dir: Path | None = None
+    engine: dict[str, str] = field(default_factory=dict)
+    name: str = ""
 
     @property
     def label(self) -> str:
-        return f"daemons over tcp, {_rails(self.rails)} each"
+        return f"daemons over tcp, {_rails(self.rails)} each{_settings(self.engine)}"
 
-    arm = "transferd"
+    @property
+    def arm(self) -> str:
+        return self.name or "transferd"
 
     @property
     def role_env(self) -> dict[str, str]:
@@ -130,7 +142,8 @@ class Daemons:
 
     @contextlib.contextmanager
     def engines(self, pins: Sequence[Pinning]) -> Iterator[list[Engine]]:
-        env = {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails))}
+        env = {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails)),
+               **engine_env(self.engine)}
         procs = []
         for i, pin in enumerate(pins):
             e = dict(env)
@@ -155,32 +168,45 @@ class Inproc:
     loopback rails each; the engines are each other's peers over tcp, as daemons are.
 
     Nothing starts here: each role's ``Client.connect("inproc://")`` starts its engine,
-    which reads its rails from the role's environment (``role_env``) as a daemon would."""
+    which reads its rails (and ``engine`` settings) from the role's environment
+    (``role_env``) as a daemon would."""
 
     rails: int = 1
+    engine: dict[str, str] = field(default_factory=dict)
+    name: str = ""
 
     @property
     def label(self) -> str:
-        return f"inproc engines (each in its role's process) over tcp, {_rails(self.rails)} each"
+        return (f"inproc engines (each in its role's process) over tcp, {_rails(self.rails)} "
+                f"each{_settings(self.engine)}")
 
-    arm = "transferd inproc"
+    @property
+    def arm(self) -> str:
+        return self.name or "transferd inproc"
 
     @property
     def role_env(self) -> dict[str, str]:
-        return {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails))}
+        return {"TRANSFERD_ENGINE_HOST_RAILS": ",".join(rail_hosts(self.rails)),
+                **engine_env(self.engine)}
 
     @contextlib.contextmanager
     def engines(self, pins: Sequence[Pinning]) -> Iterator[list[Engine]]:
         yield [Engine("inproc://") for _ in pins]
 
 
-def placements(rails: int) -> list[Placement]:
-    """The placements every workload benchmark runs transferd on, each an arm of its own."""
-    return [Daemons(rails=rails), Inproc(rails=rails)]
+def placements(rails: int, engine: dict[str, str] | None = None) -> list[Placement]:
+    """The placements every workload benchmark runs transferd on, each an arm of its own
+    (``engine``: settings of every node's engine, on both)."""
+    return [Daemons(rails=rails, engine=dict(engine or {})),
+            Inproc(rails=rails, engine=dict(engine or {}))]
 
 
 def _rails(n: int) -> str:
     return f"{n} rail{'s' if n > 1 else ''}"
+
+
+def _settings(engine: dict[str, str]) -> str:
+    return "".join(f", engine.{k} = {v}" for k, v in engine.items())
 
 
 def load_steps(path: Path) -> list[tuple[str, int]]:

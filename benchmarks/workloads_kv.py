@@ -76,6 +76,9 @@ LAYERS = 32
 PAGES = 64
 PAGE = 16 << 10
 COMPUTE_S = 0.002
+# The prefill node's engine settings (examples/kv_cache.py says why): its watcher polled
+# at full pace always, so that the first layer of a request is seen as the others are.
+ENGINE = {"watcher_idle_poll_ms": "0.05"}
 TARGET_LAYER = 1.5
 TARGET_REQUEST = 1.2
 MODULE = "workloads_kv"
@@ -194,7 +197,8 @@ class FloorPrefill:
         acked = [self.node.acked.wait(plan.imm_base + layer, 1)
                  for layer in range(self.shape.layers)]
         digests = layer_digests(view, plan.src, page) if check else None
-        return {"start": start, "bump": bump, "event": bump, "submitted": bump, "acked": acked,
+        return {"start": start, "bump": bump, "event": bump, "issued": bump, "submitted": bump,
+                "acked": acked,
                 "digests": digests}
 
 
@@ -213,8 +217,18 @@ class Arm:
 
     def request(self, seed: int, compute_s: float, check: bool = True) -> dict[str, Any]:
         self.decode.cmd(op="expect", seed=seed)
-        p = self.prefill.cmd(op="request", seed=seed, compute_s=compute_s, check=check)
-        d = self.decode.cmd(op="wait", check=check)
+        # Both commands out, then the decode's answer first: this process sleeps on the
+        # decode's pipe until every layer is usable.  (Reading the prefill's first woke it
+        # when the last layer was acknowledged, on the decode side's CPU, just as that
+        # layer's completion was on its way to the decode client: the tail paid for it.)
+        self.prefill.send(op="request", seed=seed, compute_s=compute_s, check=check)
+        self.decode.send(op="wait", check=check)
+        try:
+            d = self.decode.recv()
+        except PeerUnavailable:
+            self.prefill.recv(timeout=5.0)  # its error first, when it failed first
+            raise
+        p = self.prefill.recv()
         if check and p["digests"] != d["digests"]:
             bad = [i for i, (x, y) in enumerate(zip(p["digests"], d["digests"], strict=True))
                    if x != y]
@@ -225,8 +239,10 @@ class Arm:
             "layer_ms": [(d["usable"][i] - p["bump"][i]) / 1e6 for i in range(layers)],
             "request_ms": (max(d["usable"]) - p["start"]) / 1e6,
             "tail_ms": (max(d["usable"]) - p["bump"][-1]) / 1e6,
-            # A write submitted after the next layer's bump waited for that layer's compute.
-            "late": sum(p["submitted"][i] > p["bump"][i + 1] for i in range(layers - 1)),
+            # A write handed to the engine after the next layer's bump waited for that
+            # layer's compute.  (Its submit returning after it is not: in process, the
+            # engine puts a layer's pages on the wire within the call.)
+            "late": late_layers(p, "issued"), "late_returned": late_layers(p, "submitted"),
             "prefill": p, "usable": d["usable"],
         }
 
@@ -334,10 +350,14 @@ def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinni
             yield arms, missing
 
 
-def run(opts: Options, placement: Placement | None = None) -> BenchResult:
+def run(opts: Options, placement: Placement | None = None,
+        wheres: Sequence[Placement] | None = None) -> BenchResult:
+    """``placement``: transferd on that one only; ``wheres``: an arm on each (both
+    placements with other engine settings, say, for a before/after in one run)."""
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    wheres = [placement] if placement else placements(rails=1)
+    wheres = (list(wheres) if wheres else [placement] if placement
+              else placements(rails=1, engine=ENGINE))
     layers, pages = LAYERS, PAGES
     shape = shape_args(layers, pages)
     rounds, per_round = opts.pick(5, 2), opts.pick(4, 3)
@@ -372,7 +392,7 @@ def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
                 ) -> dict[str, list[float]]:
     n = 4
     with tempfile.TemporaryDirectory(prefix="td-kv-steps-") as tmp:
-        placement = Daemons(rails=1, steps_dir=Path(tmp))
+        placement = Daemons(rails=1, steps_dir=Path(tmp), engine=ENGINE)
         reqs = []
         with placement.engines(pins) as engines:
             stack, prefill, decode = _td_roles(placement, engines, shape, pins)
@@ -383,6 +403,33 @@ def _steps_pass(opts: Options, shape: dict[str, int], pins: list[Pinning]
                         for k in range(n)]
         return _breakdown(reqs, load_steps(placement.steps_file(0)),
                           load_steps(placement.steps_file(1)))
+
+
+def _since(rs: list[dict[str, Any]], key: str) -> list[float]:
+    """``key``'s time since each layer's bump (us), every layer of ``rs``."""
+    out = []
+    for r in rs:
+        p = r["prefill"]
+        ts = r["usable"] if key == "usable" else p[key]
+        out += [(t - b) / 1e3 for b, t in zip(p["bump"], ts, strict=True)]
+    return out
+
+
+def _by_layer(rs: list[dict[str, Any]], key: str) -> list[float]:
+    """``key``'s time since the bump (us), the median over ``rs`` of each layer."""
+    n = len(rs[0]["prefill"]["bump"]) if rs else 0
+    per = [_since([r], key) for r in rs]
+    return [median([p[i] for p in per]) for i in range(n)]
+
+
+def late_layers(p: dict[str, Any], key: str) -> int:
+    """Layers of a request (the prefill's timestamps ``p``) whose ``key`` step came after
+    the next layer's bump: their write waited for a later layer's compute."""
+    return sum(p[key][i] > p["bump"][i + 1] for i in range(len(p["bump"]) - 1))
+
+
+def _after_next(r: dict[str, Any], key: str) -> int:
+    return late_layers(r["prefill"], key)
 
 
 def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
@@ -427,6 +474,21 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
             t.add(f"{arm} / floor", *(fmt_ratio(ratio(f, arm))
                                       for f in (p50_of, p99_of, request_of, tail_of)), "")
     res.tables.append(t)
+    lt = Table("each arm's layer, from the roles' own timestamps: median us since the bump "
+               "(callback: the watcher's callback ran in the prefill role; issued: the "
+               "paged write handed to the engine; returned: its submit returned; usable: "
+               "the decode's completion fired; acked: the prefill's completion), and the "
+               "layers whose callback, issue or return came after the next bump",
+               ["arm", "callback", "issued", "returned", "usable", "acked",
+                "late: callback / issued / returned"])
+    for label in td_arms:
+        rs = [r for g in samples[label] for r in g]
+        lt.add(label, *(f"{median(_since(rs, k)):,.0f}"
+                        for k in ("event", "issued", "submitted", "usable", "acked")),
+               " / ".join(str(sum(_after_next(r, k) for r in rs))
+                          for k in ("event", "issued", "submitted"))
+               + f" of {sum(len(r['prefill']['bump']) - 1 for r in rs)}")
+    res.tables.append(lt)
     for arm in td_arms:
         on = "" if arm == "transferd" else f" ({arm.removeprefix('transferd ')})"
         res.checks.append(Check(f"(1) KV bump -> usable p50 / plain-socket floor{on}",
@@ -457,7 +519,14 @@ def _report(res: BenchResult, samples: dict[str, list[list[dict[str, Any]]]],
                                                                ("tail", tail_of))}
                           for arm in samples if arm != "plain sockets"},
         "late": late, "late_by_arm": lates,
-        "arms": {k: [[{x: r[x] for x in ("layer_ms", "request_ms", "tail_ms", "late")}
+        "steps_by_arm": {a: {k: median(_since([r for g in samples[a] for r in g], k))
+                             for k in ("event", "issued", "submitted", "usable", "acked")}
+                         for a in td_arms},
+        "steps_by_layer": {a: {k: _by_layer([r for g in samples[a] for r in g], k)
+                               for k in ("event", "issued", "submitted", "usable", "acked")}
+                           for a in td_arms},
+        "arms": {k: [[{x: r[x] for x in ("layer_ms", "request_ms", "tail_ms", "late",
+                                         "late_returned")}
                       for r in g] for g in v] for k, v in samples.items()},
         "steps_us": {k: median(v) for k, v in steps.items() if v},
     }

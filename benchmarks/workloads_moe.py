@@ -260,10 +260,12 @@ def _us(times: list[list[int]], a: int, b: int) -> list[float]:
     return [(t[b] - t[a]) / 1e3 for t in times]
 
 
-def run(opts: Options, placement: Placement | None = None) -> BenchResult:
+def run(opts: Options, placement: Placement | None = None,
+        wheres: Sequence[Placement] | None = None) -> BenchResult:
+    """``placement``: transferd on that one only; ``wheres``: an arm on each."""
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    wheres = [placement] if placement else placements(rails=1)
+    wheres = list(wheres) if wheres else [placement] if placement else placements(rails=1)
     seqs = opts.pick(SEQUENCES, QUICK_SEQUENCES)
     # Each round runs every sequence length (the order reversed every other round), so
     # that the machine's load drifting over a run weighs on every length alike.

@@ -207,8 +207,8 @@ class NixlPrefill:
         for h in handles:
             agent.release_xfer_handle(h)
         digests = layer_digests(view, plan.src, page) if check else None
-        return {"start": start, "bump": bump, "event": bump, "submitted": bump, "acked": acked,
-                "digests": digests}
+        return {"start": start, "bump": bump, "event": bump, "issued": bump, "submitted": bump,
+                "acked": acked, "digests": digests}
 
 
 # -- (2) RL --------------------------------------------------------------------------------

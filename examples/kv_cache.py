@@ -39,6 +39,14 @@ if __package__ in (None, ""):  # run as a script: the checkout's packages
 
 from client import Client, Completion, MrDesc, Pages
 
+# The prefill node's engine settings.  Its watcher is on the critical path of every
+# layer, and requests come with quiet spells between them: by default a quiet watcher is
+# polled every 10 ms, so a request's first layers would be seen up to 10 ms late (and
+# merged into one change); polled at full pace always (the article's dedicated polling
+# thread), the first bump of a request is seen within ~50 us, at about a tenth of a core
+# while the watcher exists (docs/configuration.md, engine.watcher_idle_poll_ms).
+PREFILL_ENGINE = {"watcher_idle_poll_ms": "0.05"}
+
 # The layers' immediates: IMM_BASE + layer (one counter per layer, reused request after
 # request: expect_imm_count consumes what it waited for).
 IMM_BASE = 0x4B560000
@@ -108,7 +116,9 @@ class LayerTimes:
 
     bump: list[int] = field(default_factory=list)       # the model stored into the word
     event: list[int] = field(default_factory=list)      # the watcher's callback ran here
-    submitted: list[int] = field(default_factory=list)  # the paged write's frame was sent
+    issued: list[int] = field(default_factory=list)     # the paged write handed to the engine
+    submitted: list[int] = field(default_factory=list)  # the submit returned (over a
+    # daemon: its frame was sent; in process: the engine has put the pages on the wire)
     acked: list[int] = field(default_factory=list)      # the initiator's completion
     start: int = 0                                      # the request's first compute
 
@@ -148,7 +158,7 @@ class Prefill:
         self._writes = []
         t = self.times = LayerTimes()
         n = self.shape.layers
-        t.event, t.submitted, t.acked = [0] * n, [0] * n, [0] * n
+        t.event, t.issued, t.submitted, t.acked = [0] * n, [0] * n, [0] * n, [0] * n
         t.start = time.monotonic_ns()
         for layer in range(n):
             await sleep_until(t.start + round((layer + 1) * compute_s * 1e9))
@@ -178,6 +188,7 @@ class Prefill:
         assert self._request is not None
         plan, decode = self._request
         page = self.shape.page_len
+        self.times.issued[layer] = time.monotonic_ns()
         done = await self.client.submit_paged_writes(
             page, plan.imm_base + layer, (self.mr, Pages(plan.src[layer], page)),
             (decode, Pages(plan.dst[layer], page)))
@@ -299,7 +310,7 @@ def main() -> None:
     ap.add_argument("--rails", type=int, default=1, help="rails (NICs) per node, 1 to 4")
     args = ap.parse_args()
     shape = KvShape(args.layers, args.pages, args.page_kib << 10)
-    with local_daemons(2, rails=args.rails) as urls:
+    with local_daemons(2, rails=args.rails, engine=PREFILL_ENGINE) as urls:
         results = asyncio.run(run(urls, shape, args.compute_ms / 1e3, args.requests))
     for i, r in enumerate(results):
         ms = sorted(r.layer_ms)

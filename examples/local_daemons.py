@@ -16,7 +16,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,8 +30,9 @@ def rail_hosts(rails: int) -> list[str]:
     return [f"127.0.0.{i + 1}" for i in range(rails)]
 
 
-def _start(rails: int) -> subprocess.Popen[bytes]:
+def _start(rails: int, engine: Mapping[str, str]) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFERD_")}
+    env.update({f"TRANSFERD_ENGINE_{k.upper()}": v for k, v in engine.items()})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env["TRANSFERD_ENGINE_HOST_RAILS"] = ",".join(rail_hosts(rails))
@@ -84,12 +85,15 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def local_daemons(n: int, rails: int = 1) -> Iterator[list[str]]:
-    """``n`` daemons with ``rails`` rails each, started side by side; their tcp:// URLs."""
+def local_daemons(n: int, rails: int = 1, engine: Mapping[str, str] | None = None
+                  ) -> Iterator[list[str]]:
+    """``n`` daemons with ``rails`` rails each, started side by side; their tcp:// URLs.
+    ``engine``: ``[engine]`` settings of every daemon (``{"watcher_idle_poll_ms": "0.05"}``,
+    docs/configuration.md)."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(n):
-            procs.append(_start(rails))
+            procs.append(_start(rails, engine or {}))
         urls = [_wait_ready(p) for p in procs]
         yield urls
     finally:

@@ -199,11 +199,36 @@ ARM_PLACEMENTS = [pytest.param(Daemons, id="daemons"), pytest.param(Inproc, id="
 @pytest.mark.parametrize("where", ARM_PLACEMENTS)
 def test_kv_benchmark_arms_move_the_same_pages(where: type[Daemons | Inproc]) -> None:
     shape = workloads_kv.shape_args(layers=4, pages=4, page_len=4096)
-    with workloads_kv.arms_of([where(rails=1)], shape, _unpinned(2)) as (arms, _):
+    # With the benchmark's prefill settings (the watcher polled at full pace).
+    with workloads_kv.arms_of([where(rails=1, engine=workloads_kv.ENGINE)], shape,
+                              _unpinned(2)) as (arms, _):
         for seed, arm in enumerate(arms, start=1):  # each request checks its pages
             r = arm.request(seed, compute_s=0.002)
             assert len(r["layer_ms"]) == 4 and all(x > 0 for x in r["layer_ms"])
             assert r["request_ms"] >= 4 * 2.0 and 0 < r["tail_ms"] < r["request_ms"]
+            p = r["prefill"]
+            for layer in range(4):  # each layer's steps in their order, in every arm
+                assert (p["bump"][layer] <= p["event"][layer] <= p["issued"][layer]
+                        <= p["submitted"][layer] <= p["acked"][layer])
+                assert p["bump"][layer] < r["usable"][layer]
+
+
+@pytest.mark.parametrize("where", ARM_PLACEMENTS)
+def test_a_placements_engine_settings_reach_its_engines(where: type[Daemons | Inproc]
+                                                        ) -> None:
+    # A key no engine knows is refused by the engine's configuration, naming it: so the
+    # settings of an arm (the KV prefill's watcher pace) do reach each node's engine.
+    shape = workloads_kv.shape_args(layers=2, pages=2, page_len=4096)
+    bad = where(rails=1, engine={"no_such_setting": "1"})
+    with pytest.raises(Exception, match=r"engine\.no_such_setting: unknown key"), \
+            workloads_kv.arms_of([bad], shape, _unpinned(2)):
+        pass
+
+
+def test_a_layer_is_late_when_its_write_is_handed_over_after_the_next_bump() -> None:
+    p = {"bump": [0, 10, 20, 30], "issued": [5, 21, 25, 31], "submitted": [12, 22, 26, 40]}
+    assert workloads_kv.late_layers(p, "issued") == 1  # layer 1: issued at 21 > 20
+    assert workloads_kv.late_layers(p, "submitted") == 2  # layers 0 and 1 returned late
 
 
 @pytest.mark.parametrize("where", ARM_PLACEMENTS)
