@@ -43,6 +43,7 @@ from .queue import (
     Reads,
     TensorQueue,
     columns,
+    overlaps_any,
     ranges,
     segments,
 )
@@ -236,11 +237,12 @@ class Client:
         With nothing queued this is the request's own future (no coroutine
         in between: one less frame to create and resume per round trip).
         """
-        if self._flat or self._queue or self.conn.failed:
+        conn = self._conn if self._conn is not None else self.conn  # (raises: not connected)
+        if self._flat.n or self._queue or conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
-        return self.conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
+        return conn.request(cmd, body, payload, sink=sink, timeout=self.timeout)
 
     async def _flush_then_call(
         self, cmd: Command, body: dict[str, Any] | None, payload: Sequence[Any], sink: Any
@@ -391,8 +393,17 @@ class Client:
                 data = view
         if self._queue:  # an async copy is queued: after it, in order
             self._queue.append(QueuedSet(t, data))
-        else:
-            self._flat.add_set(t, data)
+            return
+        # TensorQueue.add_set, inlined (per row of a batched step).
+        flat = self._flat
+        cur = flat.cur
+        if cur.get_t and overlaps_any(t, cur.get_t):
+            flat.add_set(t, data)  # a write after a read of the same bytes: a new segment
+            return
+        cur.set_t.append(t)
+        cur.set_d.append(data)
+        cur.set_bytes += t[2]
+        flat.n += 1
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point.
@@ -410,11 +421,23 @@ class Client:
             except TransferdError as exc:
                 fut.set_exception(exc)
             return fut
-        dest = out_view(t, out) if out is not None else None
-        if self._queue:  # an async copy is queued: after it, in order
-            self._queue.append(QueuedGet(t, fut, dest, out))
-        else:
-            self._flat.add_get(t, fut, dest, out)
+        if out is not None:
+            dest = out_view(t, out)
+            if self._queue:  # an async copy is queued: after it, in order
+                self._queue.append(QueuedGet(t, fut, dest, out))
+            else:
+                self._flat.add_get(t, fut, dest, out)
+            return fut
+        if self._queue:
+            self._queue.append(QueuedGet(t, fut))
+            return fut
+        # TensorQueue.add_get of a read without out=, inlined (per row of a batched step).
+        flat = self._flat
+        cur = flat.cur
+        cur.get_t.append(t)
+        cur.get_f.append(fut)
+        cur.get_bytes += t[2]
+        flat.n += 1
         return fut
 
     async def flush(self) -> None:

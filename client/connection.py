@@ -56,6 +56,7 @@ _NO_REPLY = int(Flag.NO_REPLY)
 _ANSWER = Answer
 _NOTICE = Notice
 _BROKEN = Phase.BROKEN
+_HEADER = Phase.HEADER
 
 
 @dataclass(slots=True)
@@ -104,6 +105,9 @@ class Connection(asyncio.BufferedProtocol):
         self.on_lost: Callable[[TransferdError], None] | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
+        # The transport's loop (connection_made): requests make their futures on it
+        # without asking asyncio for the running loop (a getpid system call) each time.
+        self._loop: asyncio.AbstractEventLoop | None = None
         # The URL it was opened with, and whether that transport keeps bytes private.
         self.url = ""
         self.private = False
@@ -212,7 +216,8 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but are one.
         self.transport = cast(asyncio.Transport, transport)
-        self._closed = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
         kind = self.kind or transports.get("tcp://")
         self.carrier = kind.carrier(transport, server=False, join_counter="client.send_join")
 
@@ -227,7 +232,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         m = self.machine
-        m.decoder.buffer_updated(nbytes)
+        d = m.decoder
+        if d._direct:
+            d.buffer_updated(nbytes)
+        else:
+            d._end += nbytes  # FrameDecoder.buffer_updated, the usual case inlined
         self.stats.bytes_in += nbytes
         ev: Any
         while True:
@@ -244,6 +253,8 @@ class Connection(asyncio.BufferedProtocol):
                         fut.set_result(ev.frame)
                     else:
                         fut.set_exception(ev.error)
+                if d._start == d._end and d.phase is _HEADER:
+                    break  # next_event's "nothing buffered", without the call
             elif type(ev) is _NOTICE:
                 if self.on_event is not None and self.on_event(ev.frame):
                     continue
@@ -368,7 +379,7 @@ class Connection(asyncio.BufferedProtocol):
         timeout: float | None = None,
     ) -> asyncio.Future[Frame]:
         """Send a request; the future resolves with its reply frame or raises."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         p = Pending(cmd, fut, sink)
         seq = self._send(cmd, body, payload, 0, (), p)

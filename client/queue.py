@@ -120,16 +120,17 @@ class Columns:
     set_bytes: int = 0
     get_t: list[Tensor] = field(default_factory=list)
     get_f: list[asyncio.Future[Any]] = field(default_factory=list)
-    get_o: list[memoryview | None] = field(default_factory=list)  # where the bytes land
-    get_r: list[Any] = field(default_factory=list)  # what each future resolves to
     get_bytes: int = 0
-    outs: int = 0  # reads with a destination of their own (out=)
+    # The reads with a destination of their own (out=), by row: (where the bytes land,
+    # what the future resolves to).  A dict, not two more columns: the usual read has
+    # none, and two appends per row are a third of queueing one.
+    get_out: dict[int, tuple[memoryview, Any]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.set_t or self.get_t)
 
 
-def _overlaps_any(t: Tensor, tensors: list[Tensor]) -> bool:
+def overlaps_any(t: Tensor, tensors: list[Tensor]) -> bool:
     b, o, n = t
     if not n:
         return False
@@ -157,7 +158,7 @@ class TensorQueue:
         cur = self.cur
         # A write after a read of the same bytes opens a segment (sent after that read);
         # one after reads of other bytes may go before them.
-        if cur.get_t and _overlaps_any(t, cur.get_t):
+        if cur.get_t and overlaps_any(t, cur.get_t):
             cur = self.cur = Columns()
             self.segs.append(cur)
         cur.set_t.append(t)
@@ -165,16 +166,14 @@ class TensorQueue:
         cur.set_bytes += t[2]
         self.n += 1
 
-    def add_get(self, t: Tensor, fut: asyncio.Future[Any], dest: memoryview | None,
-                out: Any) -> None:
+    def add_get(self, t: Tensor, fut: asyncio.Future[Any], dest: memoryview | None = None,
+                out: Any = None) -> None:
         cur = self.cur
+        if dest is not None:
+            cur.get_out[len(cur.get_t)] = (dest, out)
         cur.get_t.append(t)
         cur.get_f.append(fut)
-        cur.get_o.append(dest)
-        cur.get_r.append(out)
         cur.get_bytes += t[2]
-        if dest is not None:
-            cur.outs += 1
         self.n += 1
 
     def take(self) -> list[Columns]:
@@ -190,7 +189,10 @@ class TensorQueue:
         ops: list[QueuedSet | QueuedGet] = []
         for seg in self.take():
             ops += map(QueuedSet, seg.set_t, seg.set_d)
-            ops += map(QueuedGet, seg.get_t, seg.get_f, seg.get_o, seg.get_r)
+            outs = seg.get_out
+            for i, (t, f) in enumerate(zip(seg.get_t, seg.get_f, strict=True)):
+                o = outs.get(i)
+                ops.append(QueuedGet(t, f) if o is None else QueuedGet(t, f, o[0], o[1]))
         return ops
 
 
@@ -202,13 +204,11 @@ def columns(seg: Segment) -> Columns:
         c.set_d.append(s.data)
         c.set_bytes += s.tensor.size
     for g in seg.gets:
+        if g.out is not None:
+            c.get_out[len(c.get_t)] = (g.out, g.result)
         c.get_t.append(g.tensor)
         c.get_f.append(g.future)
-        c.get_o.append(g.out)
-        c.get_r.append(g.result)
         c.get_bytes += g.tensor.size
-        if g.out is not None:
-            c.outs += 1
     return c
 
 
@@ -246,31 +246,38 @@ class Reads:
     futures from the reply, once, in one pass.
     """
 
-    __slots__ = ("hi", "lo", "nbytes", "seg", "settled")
+    __slots__ = ("hi", "lo", "nbytes", "results", "seg", "settled")
 
     def __init__(self, seg: Columns, lo: int, hi: int, nbytes: int) -> None:
         self.seg, self.lo, self.hi, self.nbytes = seg, lo, hi, nbytes
         self.settled = False
+        # What each read resolves to, once sink() gave the reply's payload its memory.
+        self.results: list[Any] | None = None
 
     def _outs(self) -> bool:
-        seg = self.seg
-        if not seg.outs:
+        outs = self.seg.get_out
+        if not outs:
             return False
-        return any(o is not None for o in seg.get_o[self.lo:self.hi])
+        lo, hi = self.lo, self.hi
+        return any(lo <= i < hi for i in outs)
 
     def sink(self, frame: Frame) -> list[memoryview] | None:
         if frame.payload_len <= GATHER_SMALL and not self._outs():
             return None  # the decoder gathers the payload; settle cuts it
         seg = self.seg
-        get_o, get_r, get_t = seg.get_o, seg.get_r, seg.get_t
+        outs, get_t = seg.get_out, seg.get_t
         views: list[memoryview] = []
-        append = views.append
+        results: list[Any] = []
         for i in range(self.lo, self.hi):
-            o = get_o[i]
+            o = outs.get(i) if outs else None
             if o is None:
-                get_r[i] = r = bytearray(get_t[i][2])
-                get_o[i] = o = memoryview(r)
-            append(o)
+                r = bytearray(get_t[i][2])
+                results.append(r)
+                views.append(memoryview(r))
+            else:
+                results.append(o[1])
+                views.append(o[0])
+        self.results = results
         return views
 
     def settle(self, fut: asyncio.Future[Frame]) -> None:
@@ -293,7 +300,6 @@ class Reads:
                     f.set_exception(exc)
             return
         payload = fut.result().payload
-        get_r = seg.get_r
         if payload is not None:  # gathered whole (see sink): cut it up, one pass
             if hi - lo == 1:
                 f = futs[0]
@@ -309,7 +315,12 @@ class Reads:
                     f.set_result(payload[pos:end])
                 pos = end
             return
-        for f, r in zip(futs, get_r[lo:hi], strict=True):
+        results = self.results
+        if results is None:
+            # No payload, so no sink was asked for: zero-byte reads (out= or a new
+            # bytearray each).
+            outs = seg.get_out
+            results = [outs[i][1] if i in outs else bytearray() for i in range(lo, hi)]
+        for f, r in zip(futs, results, strict=True):
             if not f.done():
-                # No result: a zero-byte read, whose sink was never asked for.
-                f.set_result(r if r is not None else bytearray())
+                f.set_result(r)

@@ -48,7 +48,14 @@ class Reply(NamedTuple):
     fds: Sequence[int] = ()
     # True: the handler wrote the reply itself (a GET streamed from device memory).
     sent: bool = False
+    # The buffers the payload views lie in, not yet held: the session takes a Ref on
+    # each only where its carrier keeps the views past the write (Carrier.keeps; a
+    # small reply on a stream is copied into one write, so a GET of 4 KiB takes no
+    # Ref at all).  Taken in the same turn as the views, so no free comes between.
+    lies_in: Sequence[Buffer] = ()
 
+
+_mk = tuple.__new__
 
 Handler = Callable[["Session", Frame], "Reply | Awaitable[Reply | None] | None"]
 HANDLERS: dict[Command, Handler] = {}
@@ -285,12 +292,13 @@ def get_tensor(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     # The usual request takes the fast check; anything unusual the full one,
     # whose errors name what is wrong.
     t = fast_tensor(frame.body.get("tensor")) or tensor_field(frame.body, "tensor")
-    buf = session.ctx.buffers.get(t.buffer)
+    buf = session.ctx.service.buffers.get(t.buffer)  # ctx.buffers, without the property
     if buf.staging is not None:
         return device_io.get_reply(session, frame, [(buf, t)])
     view = buf.view(t.offset, t.size)
-    _check_reply(session, t.size)
-    return Reply(None, [view], [buf.ref()])
+    if t.size > session.ctx.max_reply:
+        _check_reply(session, t.size)  # raises OverLimit (the test inlined: per GET)
+    return _mk(Reply, (None, [view], (), (), False, (buf,)))  # no Python __new__: per GET
 
 
 def _check_reply(session: Session, nbytes: int) -> None:
@@ -306,7 +314,7 @@ def get_tensors(session: Session, frame: Frame) -> Reply | Awaitable[Reply]:
     if views is None:
         return device_io.get_reply(session, frame, _pairs(session, frame))
     _check_reply(session, sum(map(len, views)))
-    return Reply(None, views, [b.ref() for b in used.values()])
+    return Reply(None, views, (), (), False, tuple(used.values()))
 
 
 @handler(Command.COPY_TENSOR)

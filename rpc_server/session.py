@@ -85,6 +85,7 @@ _OPEN_F = Flow.OPEN
 _IDLE_P = Phase.IDLE
 _IN_OPEN = Inbound.OPEN
 _PAYLOAD = DecoderPhase.PAYLOAD
+_HEADER = DecoderPhase.HEADER
 _FRAME = Frame
 _REPLY_T = Reply
 _TCP = Tcp()
@@ -99,6 +100,8 @@ class Session(asyncio.BufferedProtocol):
     def __init__(self, ctx: ServerContext, settings: ServerSettings | None = None,
                  kind: TransportKind | None = None) -> None:
         self.ctx = ctx
+        # The node's metrics (a property of the context: looked up once, not per frame).
+        self._metrics = ctx.metrics
         self.kind = kind or _TCP
         self.peer = "?"
         self.source = "?"
@@ -206,7 +209,11 @@ class Session(asyncio.BufferedProtocol):
         return self.conn.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.conn.decoder.buffer_updated(nbytes)
+        d = self.conn.decoder
+        if d._direct:
+            d.buffer_updated(nbytes)
+        else:
+            d._end += nbytes  # FrameDecoder.buffer_updated, the usual case inlined
         self.ctx.stats.bytes_in += nbytes
         self.last_active = self._loop.time()
         self._pump()
@@ -265,6 +272,9 @@ class Session(asyncio.BufferedProtocol):
                     # one's next (reads pause meanwhile, frames stay in order).
                     self._again = self._loop.call_soon(self._pump)
                     break
+                d = conn.decoder
+                if d._start == d._end and d.phase is _HEADER and conn.inbound is _IN_OPEN:
+                    break  # next_event's "nothing buffered", without the call (per frame)
             else:
                 self._handshake(ev)
         self._after()
@@ -336,7 +346,7 @@ class Session(asyncio.BufferedProtocol):
         carrier.write(o.head, o.payload, o.payload_len, o.hold)
         n = len(o.head) + o.payload_len
         self.ctx.stats.bytes_out += n
-        if carrier.busy:
+        if carrier.queues and carrier.busy:
             self.conn.output_blocked()  # TLS chunks wait: resume_writing pumps them
         return n
 
@@ -354,7 +364,7 @@ class Session(asyncio.BufferedProtocol):
         cmd = _COMMANDS.get(frame.cmd)
         if cmd is not None:
             ctx.stats.commands[cmd] += 1
-            ctx.metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
+            self._metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
         try:
             if frame.refused is not None:  # the connection's checks, or the sink's
                 raise frame.refused
@@ -367,6 +377,10 @@ class Session(asyncio.BufferedProtocol):
             if cmd is None or handler is None:
                 raise UnknownCommand(f"0x{frame.cmd:02x} is not served by this daemon")
             result = handler(self, frame)
+            if type(result) is _REPLY_T and result.lies_in and (
+                    self.carrier is None
+                    or sum(map(len, result.payload)) > self.carrier.joins_up_to):
+                result = self._hold(result)  # (Carrier.keeps, inlined: per frame)
         except TransferdError as exc:
             self._fail(frame, exc)
             return
@@ -385,6 +399,8 @@ class Session(asyncio.BufferedProtocol):
                     release_all(result.hold)
             if o is None:
                 return
+            if self._events:
+                self._write_events()  # as _write does: completions go before this reply
             carrier, t = self.carrier, self.transport
             if carrier is None or t is None or t.is_closing():
                 release_all(o.hold)
@@ -392,10 +408,10 @@ class Session(asyncio.BufferedProtocol):
             carrier.write(o.head, o.payload, o.payload_len, o.hold)
             n = len(o.head) + o.payload_len
             ctx.stats.bytes_out += n
-            if carrier.busy:
+            if carrier.queues and carrier.busy:
                 conn.output_blocked()
             if cmd is not None:
-                ctx.metrics.reply(cmd, n, time.perf_counter() - started)
+                self._metrics.reply(cmd, n, time.perf_counter() - started)
         elif type(result) is _REPLY_T:
             self._answer(frame, result, started)
         elif isinstance(result, Awaitable):
@@ -410,6 +426,8 @@ class Session(asyncio.BufferedProtocol):
     ) -> None:
         try:
             result = await pending
+            if type(result) is _REPLY_T and result.lies_in:
+                result = self._hold(result)
         except TransferdError as exc:
             self._fail(frame, exc)
         except Exception as exc:
@@ -421,6 +439,15 @@ class Session(asyncio.BufferedProtocol):
             self._pump()  # the gate is open again: the frames behind it
         else:
             self._after()
+
+    def _hold(self, result: Reply) -> Reply:
+        """Refs on the buffers a reply's views lie in, where the carrier keeps the views
+        past the write (the views were taken this turn: no free came between)."""
+        carrier = self.carrier
+        if carrier is not None and not carrier.keeps(sum(map(len, result.payload))):
+            return result._replace(lies_in=())
+        return result._replace(hold=[*result.hold, *(b.ref() for b in result.lies_in)],
+                               lies_in=())
 
     def _answer(self, frame: Frame, result: Reply | None, started: float) -> None:
         conn = self.conn

@@ -246,6 +246,42 @@ async def test_get_tensor_async_out_fills_the_callers_buffer(url: str) -> None:
         await c.free_buffer(buf)
 
 
+@async_test()
+async def test_a_batch_mixing_out_plain_and_zero_byte_reads_resolves_each_to_its_own(
+    url: str,
+) -> None:
+    """Reads with out= and without, and zero-byte reads of both kinds, in one batch: each
+    future resolves to the caller's buffer (out=) or to new bytes of its tensor, a
+    zero-byte one too, whether the reply is gathered whole (small) or received into the
+    reads' memory (large), and when the whole batch is zero bytes (no payload at all)."""
+    async with await Client.connect(url) as c:
+        for size in (16, 40_000):  # a reply under and over the client's gather threshold
+            buf = await c.alloc_buffer(4 * size)
+            data = pattern(4 * size, size & 0xFF)
+            await c.set_tensor(buf.tensor(), data)
+            mine = bytearray(size)
+            empty_out = bytearray(0)
+            fa = c.get_tensor_async(buf.tensor(0, size))
+            fb = c.get_tensor_async(buf.tensor(size, size), out=mine)
+            fz = c.get_tensor_async(buf.tensor(2 * size, 0))
+            fzo = c.get_tensor_async(buf.tensor(2 * size, 0), out=empty_out)
+            fc = c.get_tensor_async(buf.tensor(3 * size, size))
+            await c.flush()
+            assert bytes(fa.result()) == data[:size]
+            assert fb.result() is mine and mine == data[size : 2 * size]
+            assert bytes(fz.result()) == b"" and fz.result() is not fzo.result()
+            assert fzo.result() is empty_out
+            assert bytes(fc.result()) == data[3 * size :]
+            await c.free_buffer(buf)
+        buf = await c.alloc_buffer(64)
+        empty_out = bytearray(0)
+        f1 = c.get_tensor_async(buf.tensor(8, 0), out=empty_out)
+        f2 = c.get_tensor_async(buf.tensor(16, 0))
+        await c.flush()  # a GET_TENSORS whose reply has no payload
+        assert f1.result() is empty_out and bytes(f2.result()) == b""
+        await c.free_buffer(buf)
+
+
 # -- limits -----------------------------------------------------------------------------------
 
 

@@ -447,18 +447,35 @@ class FrameDecoder:
                 frame = Frame(h.cmd, h.flags, h.seq, body, h.payload_len, body_len)
                 if refused is not None:
                     frame.refused = refused
-                if h.payload_len == 0:
+                plen = h.payload_len
+                if plen == 0:
                     self.phase = _HEADER
                     return frame
-                self._begin_payload(frame)
+                if self._end - self._start >= plen:
+                    # The whole payload came with its header (a small reply): one copy
+                    # where it is collected, without the payload phase's turns.
+                    sink = self._sink_factory(frame) if self._sink_factory is not None \
+                        else None
+                    if sink is None:
+                        start = self._start
+                        if COUNTING:
+                            count("decoder.payload", plen)
+                        frame.payload = bytearray(self._view[start : start + plen])
+                        self._start = start + plen
+                        self.phase = _HEADER
+                        return frame
+                    self._begin_payload(frame, sink)
+                else:
+                    self._begin_payload(frame)
         except Exception:
             self.phase = _BROKEN
             raise
 
     # -- internals ------------------------------------------------------------
 
-    def _begin_payload(self, frame: Frame) -> None:
-        sink = self._sink_factory(frame) if self._sink_factory is not None else None
+    def _begin_payload(self, frame: Frame, sink: Sink = None) -> None:
+        if sink is None and self._sink_factory is not None:
+            sink = self._sink_factory(frame)
         self._frame = frame
         self._payload_left = frame.payload_len
         self._seg_index = 0

@@ -60,6 +60,9 @@ def bytes_field(body: dict[str, Any], name: str) -> bytes:
     return bytes(value)
 
 
+_mk = tuple.__new__
+
+
 def fast_tensor(value: Any) -> Tensor | None:
     """The common case, checked without building error strings: None if unusual."""
     if type(value) is list and len(value) == 3:
@@ -72,7 +75,7 @@ def fast_tensor(value: Any) -> Tensor | None:
             and 0 <= o <= U64_MAX
             and 0 <= s <= U64_MAX
         ):
-            return Tensor(b, o, s)
+            return _mk(Tensor, (b, o, s))  # Tensor(b, o, s) without its Python __new__
     return None
 
 

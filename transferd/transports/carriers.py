@@ -84,6 +84,12 @@ class Carrier:
     """One connection's output (see the module docstring)."""
 
     kind: ClassVar[str] = "stream"
+    # Whether this kind ever queues bytes on our side (``busy``): a class constant, so the
+    # per-frame test of a stream's writes is one attribute, not a property call.
+    queues: ClassVar[bool] = False
+    # The largest payload ``write`` copies before it returns (-1: none): a larger one is
+    # read from where it lies later, so its memory is held until it is out (``keeps``).
+    joins_up_to: ClassVar[int] = -1
 
     def __init__(self, transport: asyncio.Transport, fds: FdChannel | None = None, *,
                  join_counter: str = "send_join") -> None:
@@ -106,6 +112,11 @@ class Carrier:
     def write(self, head: bytes, payload: Sequence[Any], payload_len: int,
               hold: Sequence[Releasable] = ()) -> None:
         raise NotImplementedError
+
+    def keeps(self, payload_len: int) -> bool:
+        """Whether a payload of ``payload_len`` bytes may still be read from where it lies
+        after :meth:`write` returns (then its memory must be held until it is out)."""
+        return payload_len > self.joins_up_to
 
     def write_heads(self, heads: Sequence[bytes]) -> None:
         """Frames without payload (completion EVENTs), in order, in one write (after
@@ -135,6 +146,9 @@ class Carrier:
 
 
 class StreamCarrier(Carrier):
+    # A small payload is joined with its head (a copy) before write returns.
+    joins_up_to = SMALL_WRITE
+
     def write(self, head: bytes, payload: Sequence[Any], payload_len: int,
               hold: Sequence[Releasable] = ()) -> None:
         t = self.transport
@@ -192,6 +206,8 @@ class TlsCarrier(Carrier):
     reader holds at most about two chunks of ciphertext besides the buffer memory its
     reply refers to (held, released once the last byte went to the SSL layer).
     """
+
+    queues = True
 
     def __init__(self, transport: asyncio.Transport, fds: FdChannel | None = None, *,
                  join_counter: str = "send_join", chunk: int = TLS_CHUNK) -> None:
