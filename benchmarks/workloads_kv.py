@@ -18,6 +18,10 @@ lie) right at the bump; the decode process ``recvmsg_into``'s them into its page
 the layer (usable) and acks.  Targets: bump -> usable p50 <= 1.5x the floor's; the whole
 request <= 1.2x; no layer's write submitted after the next layer's bump.
 
+Beside them, "transferd (daemons, armed)": the same daemons, the prefill arming each
+layer's write on the watcher before the request (ARM_PAGED_WRITES): daemon A submits it
+itself when the word reaches the layer's value, no round trip through the prefill role.
+
 NIXL, where the benchmark-only venv has it (:mod:`benchmarks.workloads_peers`), in the
 same rounds: a WRITE of the layer's pages posted at each bump with the layer's
 notification, the decode counting a layer usable when it sees it.
@@ -35,7 +39,7 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +122,15 @@ class TdDecode(ClientRole):
 
 
 class TdPrefill(ClientRole):
-    def __init__(self, url: str, shape: dict[str, int], desc: str) -> None:
+    def __init__(self, url: str, shape: dict[str, int], desc: str, armed: bool = False) -> None:
         super().__init__(url)
-        self.shape, self.desc_hex = _shape(shape), desc
+        self.shape, self.desc_hex, self.armed = _shape(shape), desc, armed
 
     async def setup(self) -> None:
         from client import MrDesc
         from examples.kv_cache import Prefill
 
-        self.node = Prefill(await self.connect(), self.shape)
+        self.node = Prefill(await self.connect(), self.shape, armed=self.armed)
         await self.node.setup()
         self.desc = MrDesc.from_bytes(bytes.fromhex(self.desc_hex))
 
@@ -251,6 +255,31 @@ def shape_args(layers: int, pages: int, page_len: int = PAGE) -> dict[str, int]:
     return {"layers": layers, "pages": pages, "page_len": page_len}
 
 
+@dataclass
+class ArmedOn:
+    """``base``'s engines, the prefill arming each layer's write on its watcher
+    (ARM_PAGED_WRITES) instead of submitting it from the watcher's callback."""
+
+    base: Placement
+    name: str = "transferd (daemons, armed)"
+
+    @property
+    def label(self) -> str:
+        return self.base.label
+
+    @property
+    def arm(self) -> str:
+        return self.name
+
+    @property
+    def role_env(self) -> dict[str, str]:
+        return self.base.role_env
+
+    def engines(self, pins: Sequence[Pinning]
+                ) -> contextlib.AbstractContextManager[list[Engine]]:
+        return self.base.engines(pins)
+
+
 def _td_roles(where: Placement, engines: list[Engine], shape: dict[str, int],
               pins: list[Pinning]) -> tuple[contextlib.ExitStack, RoleProcess, RoleProcess]:
     """The transferd nodes on ``engines`` (prefill's, decode's), entered as a stack."""
@@ -260,8 +289,8 @@ def _td_roles(where: Placement, engines: list[Engine], shape: dict[str, int],
                                                                   "shape": shape}, pins[1])],
                                           env=env))
     (prefill,) = stack.enter_context(roles([(MODULE, "td-prefill", {
-        "url": engines[0].url, "shape": shape, "desc": decode.ready["desc"]}, pins[0])],
-        env=env))
+        "url": engines[0].url, "shape": shape, "desc": decode.ready["desc"],
+        "armed": isinstance(where, ArmedOn)}, pins[0])], env=env))
     return stack, prefill, decode
 
 
@@ -356,8 +385,10 @@ def run(opts: Options, placement: Placement | None = None,
     placements with other engine settings, say, for a before/after in one run)."""
     res = BenchResult(NAME, TITLE, SECTION)
     load0 = load_now()
-    wheres = (list(wheres) if wheres else [placement] if placement
-              else placements(rails=1, engine=ENGINE))
+    if not wheres and not placement:
+        found = placements(rails=1, engine=ENGINE)
+        wheres = [*found, ArmedOn(Daemons(rails=1, engine=ENGINE))]
+    wheres = list(wheres) if wheres else [placement] if placement else []
     layers, pages = LAYERS, PAGES
     shape = shape_args(layers, pages)
     rounds, per_round = opts.pick(5, 2), opts.pick(4, 3)
