@@ -126,8 +126,8 @@ class LayerTimes:
     # daemon: its frame was sent; in process: the engine has put the pages on the wire)
     acked: list[int] = field(default_factory=list)      # the initiator's completion
     start: int = 0                                      # the request's first compute
-    # Armed (Prefill(armed=True)): when arming the request's layers began; the daemon
-    # issues each write itself, so ``issued`` and ``submitted`` are the bump's time.
+    # Armed (Prefill(armed=True)): when arming the request's layers began.  The daemon
+    # issues each write itself, unseen here: ``issued`` and ``submitted`` stay 0.
     armed: int = 0
 
 
@@ -179,8 +179,6 @@ class Prefill:
             t.bump.append(time.monotonic_ns())
             self._layers_done += 1
             self.watcher.set(self._layers_done)  # the kernel's store
-            if self.armed:  # the daemon issues it (at the latest) now
-                t.issued[layer] = t.submitted[layer] = t.bump[-1]
         # Every layer's write was submitted by the watcher's callback: wait for them all.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
