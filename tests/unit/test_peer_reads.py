@@ -118,6 +118,38 @@ def test_single_and_paged_reads_land_in_place(chunk: int) -> None:
     assert any(isinstance(e, ReadsServed) for e in p.inb.events)
 
 
+@pytest.mark.parametrize("chunk", [1 << 30, 65_537, 4095])
+def test_pages_of_every_size_land_in_place_whatever_the_receives(chunk: int) -> None:
+    """Pages from 1 byte to past a receive's worth (1 MiB), scattered: each receive is
+    offered the right views and every byte lands where its page says."""
+    import random
+
+    rng = random.Random(chunk)
+    p, _, src = pair(size=8 << 20)
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(12 << 20)
+    dv = memoryview(dst)
+    lens = [1, 16_384, (1 << 20) + 3, 7, 4096, 511, (1 << 20) - 1, 3] + [
+        rng.choice([1, 100, 4096, 16_384, 70_000]) for _ in range(200)]
+    s_off = d_off = 0
+    addrs, into, pages = [], [], []
+    for n in lens:
+        addrs.append(r.ptr + s_off)
+        into.append(dv[d_off:d_off + n])
+        pages.append((s_off, d_off, n))
+        s_off += n + rng.randrange(0, 64)
+        d_off += n + rng.randrange(1, 64)  # gaps: a byte out of place shows
+    assert s_off <= len(src) and d_off <= len(dst)
+    tok = Token()
+    p.out.read(tok, 3, 0, r.rkeys[0], addrs, lens, into)
+    shuttle(p, chunk, rounds=2_000_000)
+    assert [e for _, e in complete(p)] == [None]
+    want = bytearray(len(dst))  # and nothing landed between the pages
+    for s, d, n in pages:
+        want[d:d + n] = src[s:s + n]
+    assert dst == want
+
+
 def test_a_region_without_read_rights_answers_as_an_unknown_rkey() -> None:
     p, mem, _ = pair(access="w")
     r = p.region  # type: ignore[attr-defined]

@@ -59,6 +59,22 @@ def _cut(views: Sequence[memoryview], start: int, size: int) -> list[memoryview]
     return out
 
 
+def page_views(region: Region, pages: Pages, page_len: int) -> list[memoryview]:
+    """``pages`` of a host region (offsets from its start), ``page_len`` bytes each, as
+    views: checked from the lowest and highest page (the extreme indices: an offset is
+    linear in its index), then sliced in one pass; a page out of bounds is named by
+    :meth:`Region.views`, as before (OutOfBounds)."""
+    idx, stride, first = pages.indices, pages.stride, pages.offset
+    if not idx:
+        return []
+    lo, hi = sorted((first + min(idx) * stride, first + max(idx) * stride))
+    if lo < 0 or page_len < 0 or hi + page_len > region.size:
+        base = region.ptr + first
+        return region.views([base + i * stride for i in idx], page_len)  # raises
+    whole = region.view(region.ptr, region.size)
+    return [whole[(o := first + i * stride):o + page_len] for i in idx]
+
+
 def plan_single_read(op: int, length: int, into: memoryview | Sequence[memoryview],
                      desc: MrDesc, src_off: int, rails: int, *,
                      split_min: int = SPLIT_MIN) -> list[ReadPart]:
@@ -94,11 +110,16 @@ def plan_paged_reads(op: int, page_len: int, into: Sequence[memoryview], desc: M
                          "pages")
     if src.stride < page_len and len(src.indices) > 1:
         raise BadRequest(f"source stride {src.stride} is smaller than the page ({page_len})")
-    offsets = [src.offset + i * src.stride for i in src.indices]
-    if desc.size and offsets and (min(offsets) < 0 or max(offsets) + page_len > desc.size):
-        for off in offsets:  # name the first page that is out
-            _check_src(desc, off, page_len)
-    addrs = [desc.ptr + off for off in offsets]
+    idx, stride, first = src.indices, src.stride, src.offset
+    if desc.size and idx:
+        # The lowest and highest page from the extreme indices (an offset is linear in
+        # its index): one pass over thousands of pages, not three.
+        lo, hi = sorted((first + min(idx) * stride, first + max(idx) * stride))
+        if lo < 0 or hi + page_len > desc.size:
+            for i in idx:  # name the first page that is out
+                _check_src(desc, first + i * stride, page_len)
+    base = desc.ptr + first
+    addrs = [base + i * stride for i in idx]
     total = len(into)
     parts: list[ReadPart] = []
     for rail, f, end in paged_frames(total, rails, op, pages_per_frame):
@@ -198,7 +219,7 @@ class Reads:
             pages = [(base + i * dp.stride, page_len) for i in dp.indices]
             return self._into_device(op, region, pages, lambda v: (
                 plan_paged_reads(op, page_len, v, src[0], sp, e.rails)))
-        into = region.views([base + i * dp.stride for i in dp.indices], page_len)
+        into = page_views(region, dp, page_len)
         parts = plan_paged_reads(op, page_len, into, src[0], sp, e.rails)
         if not parts:  # zero pages: nothing moves
             return e._submit(op, [], None, e.group_of(region))

@@ -308,7 +308,10 @@ class InboundLink(LinkEnd):
                     check_read_head(head[1], head[2])
                     size = 32 + 16 * head[2]
                     if avail < size:
-                        self._want = size - avail
+                        # The rest of its table and, in the same receive, the start of
+                        # the next frame (what the frame-start read would take next):
+                        # one receive a READ while a reader's READs come back to back.
+                        self._want = size - avail + self._guess
                         return
                     self._start = start + size
                     self._serve_read(buf, start, head)
@@ -413,8 +416,7 @@ class InboundLink(LinkEnd):
     def _answer(self, op: int, part: int, nbytes: int, src: Placement) -> None:
         out = self.out
         out.push(encode_read_data(op, part, nbytes))
-        for v in src.views:
-            out.push(v)
+        out.extend(src.views, nbytes)
         self._serving.append((self._sent_total + out.queued, src))
 
     def _watch_answers(self) -> None:

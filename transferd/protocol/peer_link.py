@@ -141,6 +141,12 @@ class Output:
             self._q.append(data)
             self.queued += len(data)
 
+    def extend(self, views: Sequence[memoryview], nbytes: int) -> None:
+        """Push ``views`` (``nbytes`` in all) at once: a READ's answer, thousands of pages
+        (empty ones left out, as :meth:`push` leaves them)."""
+        self._q.extend(filter(None, views))
+        self.queued += nbytes
+
     def views(self, max_bytes: int = SEND_BYTES) -> list[memoryview | bytes]:
         """What to offer the next send: the first views, up to ``max_bytes``."""
         q = self._q
