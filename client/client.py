@@ -672,6 +672,18 @@ class Client:
         """A word the daemon watches; ``callback(old, new)`` on every change it sees."""
         return await self.watchers.alloc_uvm_watcher(callback, buffer=buffer, offset=offset)
 
+    async def arm_paged_writes(
+        self, watcher: UvmWatcher | int, value: int, page_len: int, imm: int | None,
+        src: tuple[MrHandle, Pages], dst: tuple[MrDesc, Pages], *,
+        timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
+    ) -> Completion:
+        """A paged write the daemon fires itself once ``watcher``'s word reaches
+        ``value`` (see :meth:`Watchers.arm_paged_writes`)."""
+        return await self.watchers.arm_paged_writes(
+            watcher, value, page_len, imm, src, dst, timeout=timeout, verify=verify,
+            traceparent=traceparent)
+
     # -- helpers ----------------------------------------------------------------------
 
     def _raise_failures(self) -> None:

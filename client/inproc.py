@@ -809,6 +809,32 @@ class InprocClient(Client):
         box.append(uw)
         return uw
 
+    async def arm_paged_writes(
+        self, watcher: UvmWatcher | int, value: int, page_len: int, imm: int | None,
+        src: tuple[MrHandle, Pages], dst: tuple[MrDesc, Pages], *,
+        timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
+    ) -> Completion:
+        """As :meth:`client.Client.arm_paged_writes`: the node's watcher delivery submits
+        it; a bad one raises here."""
+        from transferd.service.armed import PagedWrite
+
+        if self._ops:
+            await self.flush()
+        key = next(self._keys)
+        c = InprocCompletion("ARM_PAGED_WRITES", self, key)
+        self._counted("ARM_PAGED_WRITES")
+        tp = traceparent if traceparent is not None else current_traceparent()
+        write = PagedWrite(page_len, imm, (src[0].id, src[1]), dst, verify=verify,
+                           traceparent=tp, timeout=timeout)
+        try:
+            wid = watcher.id if isinstance(watcher, UvmWatcher) else watcher
+            self.service.arm_paged_writes(self.caller, key, wid, value, write, on_end=c.end)
+        except BaseException:
+            c._future.cancel()
+            raise
+        return c
+
     # -- names ---------------------------------------------------------------------------
 
     async def publish(self, name: str, value: Value, ttl: float | None = None, *,

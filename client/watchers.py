@@ -28,9 +28,11 @@ from transferd.protocol.frames import Frame
 if TYPE_CHECKING:
     import numpy as np
 
+    from transferd.protocol.values import MrDesc, Pages
+
     from .buffers import RemoteBuffer
     from .calls import Calls
-    from .engine import EngineEvents
+    from .engine import Completion, EngineEvents, MrHandle
 
 Change = Callable[[int, int], None]
 
@@ -180,3 +182,41 @@ class Watchers:
         for f in early:
             w._event(f)
         return w
+
+    async def arm_paged_writes(
+        self, watcher: UvmWatcher | int, value: int, page_len: int, imm: int | None,
+        src: tuple[MrHandle, Pages], dst: tuple[MrDesc, Pages], *,
+        timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
+    ) -> Completion:
+        """ARM_PAGED_WRITES: the daemon submits this paged write itself once ``watcher``'s
+        word reads ``value`` or more (at once if it does already), with no round trip
+        through this client.  Checked whole now: a bad one raises here, as the same
+        PAGED_WRITES would fail.  Returns its Completion (the write's end; ``cancel()``
+        drops it while armed); it fails with NotFound when the watcher ends first.
+        ``timeout`` counts from the fire."""
+        from .engine import Completion, _ms, _tag
+
+        client = self._client
+        body: dict[str, Any] = {"watcher": getattr(watcher, "id", watcher), "value": value,
+                                "page_len": page_len, "imm": imm,
+                                "src": [src[0].id, src[1].to_wire()],
+                                "dst": [dst[0].to_wire(), dst[1].to_wire()]}
+        _tag(body, verify, traceparent)
+        if timeout is not None:
+            body["timeout_ms"] = _ms(timeout)
+        if client._queued() or client.conn.failed:
+            await client.flush()
+        conn = client.conn
+        fut = conn.request(Command.ARM_PAGED_WRITES, body, timeout=client.timeout)
+        seq = conn.last_seq
+        c = Completion(Command.ARM_PAGED_WRITES.name)
+        c._origin = (client, seq)
+        # Before the reply: a word already at the value fires at once.
+        self._events.waiting[seq] = c
+        try:
+            await fut
+        except BaseException:
+            self._events.waiting.pop(seq, None)
+            raise
+        return c

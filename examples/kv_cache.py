@@ -12,10 +12,15 @@ paged write carrying the layer's immediate while the next layers compute.  The d
 node waits with ``expect_imm_count(layer's immediate, pages)`` per layer: a layer is
 usable as soon as its own pages are in place, whatever order they landed in.
 
+With ``--armed`` the prefill node arms each layer's paged write on the watcher before
+the request (``arm_paged_writes(watcher, value, ...)``, ARM_PAGED_WRITES): its daemon
+submits a layer's write itself when the word reaches that layer's value, with no round
+trip through this process (the article's watcher that triggers the transfer).
+
 Run it from the checkout (it starts two daemons, on loopback)::
 
     python3 examples/kv_cache.py [--layers 32] [--pages 64] [--page-kib 16]
-                                 [--compute-ms 2] [--requests 3] [--rails 1]
+                                 [--compute-ms 2] [--requests 3] [--rails 1] [--armed]
 
 It prints, per request, the time from each layer's bump to its pages being usable on
 the decode node (median and worst), and the request's end, and checks every page of
@@ -121,14 +126,20 @@ class LayerTimes:
     # daemon: its frame was sent; in process: the engine has put the pages on the wire)
     acked: list[int] = field(default_factory=list)      # the initiator's completion
     start: int = 0                                      # the request's first compute
+    # Armed (Prefill(armed=True)): when arming the request's layers began.  The daemon
+    # issues each write itself, unseen here: ``issued`` and ``submitted`` stay 0.
+    armed: int = 0
 
 
 class Prefill:
     """The prefill node: its KV cache registered with its daemon, a watcher the model bumps."""
 
-    def __init__(self, client: Client, shape: KvShape) -> None:
+    def __init__(self, client: Client, shape: KvShape, *, armed: bool = False) -> None:
         self.client = client
         self.shape = shape
+        # Each layer's write armed on the watcher before the request, fired by the daemon
+        # (ARM_PAGED_WRITES), instead of submitted by the watcher's callback here.
+        self.armed = armed
         self._layers_done = 0  # the word's value: layers finished, every request together
         self._base = 0  # the word's value when the current request started
         self._request: tuple[RequestPlan, MrDesc] | None = None
@@ -159,6 +170,9 @@ class Prefill:
         t = self.times = LayerTimes()
         n = self.shape.layers
         t.event, t.issued, t.submitted, t.acked = [0] * n, [0] * n, [0] * n, [0] * n
+        if self.armed:
+            t.armed = time.monotonic_ns()
+            await self._arm(plan, decode)
         t.start = time.monotonic_ns()
         for layer in range(n):
             await sleep_until(t.start + round((layer + 1) * compute_s * 1e9))
@@ -176,13 +190,28 @@ class Prefill:
         self._request = None
         return t
 
+    async def _arm(self, plan: RequestPlan, decode: MrDesc) -> None:
+        """Arm every layer's write: layer L's when the word reaches base + L + 1."""
+        page = self.shape.page_len
+        for layer in range(self.shape.layers):
+            done = await self.client.arm_paged_writes(
+                self.watcher, self._base + layer + 1, page, plan.imm_base + layer,
+                (self.mr, Pages(plan.src[layer], page)), (decode, Pages(plan.dst[layer], page)))
+            self._writes.append(asyncio.ensure_future(self._acked(layer, done)))
+
+    async def _acked(self, layer: int, done: Completion) -> None:
+        await done
+        self.times.acked[layer] = time.monotonic_ns()
+
     def _on_bump(self, old: int, new: int) -> None:
         # The word counts finished layers: one change may stand for several of them.
         now = time.monotonic_ns()
         for value in range(old, new):
             layer = value - self._base
-            self.times.event[layer] = now
-            self._writes.append(asyncio.ensure_future(self._send(layer)))
+            if 0 <= layer < len(self.times.event):
+                self.times.event[layer] = now
+            if not self.armed:
+                self._writes.append(asyncio.ensure_future(self._send(layer)))
 
     async def _send(self, layer: int) -> None:
         assert self._request is not None
@@ -282,13 +311,13 @@ async def one_request(prefill: Prefill, decode: Decode, seed: int, compute_s: fl
     return RequestResult(times, usable, ok)
 
 
-async def run(urls: Sequence[str], shape: KvShape, compute_s: float, requests: int
-              ) -> list[RequestResult]:
+async def run(urls: Sequence[str], shape: KvShape, compute_s: float, requests: int,
+              armed: bool = False) -> list[RequestResult]:
     """``urls``: the prefill node's engine, then the decode node's."""
     a = await Client.connect(urls[0])
     b = await Client.connect(urls[1])
     try:
-        prefill, decode = Prefill(a, shape), Decode(b, shape)
+        prefill, decode = Prefill(a, shape, armed=armed), Decode(b, shape)
         await prefill.setup()
         await decode.setup()
         return [await one_request(prefill, decode, seed, compute_s)
@@ -308,10 +337,13 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=2.0, help="each layer's compute")
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--rails", type=int, default=1, help="rails (NICs) per node, 1 to 4")
+    ap.add_argument("--armed", action="store_true",
+                    help="arm each layer's write on the watcher; the daemon fires it")
     args = ap.parse_args()
     shape = KvShape(args.layers, args.pages, args.page_kib << 10)
     with local_daemons(2, rails=args.rails, engine=PREFILL_ENGINE) as urls:
-        results = asyncio.run(run(urls, shape, args.compute_ms / 1e3, args.requests))
+        results = asyncio.run(run(urls, shape, args.compute_ms / 1e3, args.requests,
+                                  args.armed))
     for i, r in enumerate(results):
         ms = sorted(r.layer_ms)
         print(f"request {i + 1}: {shape.layers} layers x {shape.pages} pages of "

@@ -166,5 +166,6 @@ class ServerContext:
             feats.append("engine")
             if self.engine.capabilities.reads:  # SINGLE_READ ... GATHER (0x36-0x38)
                 feats.append("read")
+            feats.append("armed_writes")  # ARM_PAGED_WRITES (0x39)
         feats.append("names")  # PUBLISH ... NAMES (0x30-0x35), with or without the engine
         return feats

@@ -14,7 +14,11 @@ Reply: ``watcher`` (id), ``value`` (the word now), and for the page form
 an EVENT with the request's cmd and seq: ``{"watcher", "old", "new"}``.  At
 most one EVENT per watcher is in flight; changes seen meanwhile are merged.
 Watchers end with their connection, and one on a buffer's word also with that buffer
-(within the sweep, 0.5 s).  docs/protocol.md has the reference.
+(within the sweep, 0.5 s).
+
+ARM_PAGED_WRITES (0x39): a paged write armed on one of the connection's watchers,
+fired by the daemon when the word reaches a value (transferd/service/armed.py).
+docs/protocol.md has the reference.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import uint_field
+from transferd.protocol.values import MrDesc, Pages
+from transferd.service.armed import PagedWrite
 
+from .engine_handlers import U64, _ended, _opt_imm, _pair, _service, _tags, _timeout, _uint
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
@@ -75,3 +82,26 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
     w, where = session.ctx.service.alloc_uvm_watcher(session.caller, changed, buffer_id,
                                                      offset or 0)
     return Reply({**where, "watcher": w.id, "value": w.last})
+
+
+@handler(Command.ARM_PAGED_WRITES)
+def arm_paged_writes(session: Session, frame: Frame) -> Reply | None:
+    """A PAGED_WRITES held until watcher ``watcher``'s word reads ``value`` or more, then
+    submitted by the daemon itself (transferd/service/armed.py).  Checked whole now; the
+    reply says it is armed; its completion is the ordinary EVENT with this seq."""
+    b = frame.body
+    service = _service(session)
+    if b.get("wid") is not None:
+        raise BadRequest("an armed write fires once: it takes no 'wid'")
+    watcher = uint_field(b, "watcher")
+    value = uint_field(b, "value", U64)
+    page_len = uint_field(b, "page_len")
+    imm = _opt_imm(b)
+    mr, src_pages = _pair(b, "src")
+    desc, dst_pages = _pair(b, "dst")
+    write = PagedWrite(page_len, imm, (_uint(mr, "src mr"), Pages.from_wire(src_pages)),
+                       (MrDesc.from_wire(desc), Pages.from_wire(dst_pages)),
+                       timeout=_timeout(frame), **_tags(b))
+    service.arm_paged_writes(session.caller, frame.seq, watcher, value, write,
+                             on_end=_ended(session, frame))
+    return None if frame.no_reply else Reply({"watcher": watcher, "value": value})

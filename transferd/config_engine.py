@@ -175,6 +175,27 @@ class EngineConfig:
         "OUT_OF_MEMORY. Each connection's page holds 512 words.",
         min=1, max=512,
     )
+    max_armed_writes_per_connection: int = key(
+        256,
+        "Most paged writes one client connection may hold armed on its UVM watchers "
+        "(ARM_PAGED_WRITES), all its watchers together; one more is refused with "
+        "TOO_LARGE. An armed write leaves the count when it fires or is dropped.",
+        min=1, max=1 << 16,
+    )
+    max_armed_writes_per_watcher: int = key(
+        128,
+        "Most paged writes armed on one UVM watcher at once (a layer's write per value "
+        "the word reaches: a model's layers, a few requests ahead); one more is refused "
+        "with TOO_LARGE.",
+        min=1, max=1 << 16,
+    )
+    max_armed_pages_per_connection: int = key(
+        1 << 18,
+        "Most pages (source page indices) the armed writes of one connection hold "
+        "together, the memory an arm keeps until it fires; an arm that would pass it is "
+        "refused with TOO_LARGE.",
+        min=1, max=1 << 24,
+    )
     watcher_idle_poll_ms: float = key(
         10.0,
         "Longest sleep of the thread that polls UVM watchers once their words stop "

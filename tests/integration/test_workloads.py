@@ -213,6 +213,26 @@ def test_kv_benchmark_arms_move_the_same_pages(where: type[Daemons | Inproc]) ->
                 assert p["bump"][layer] < r["usable"][layer]
 
 
+def test_kv_armed_arm_moves_the_same_pages_fired_by_the_daemon() -> None:
+    # The prefill arms each layer's write (ARM_PAGED_WRITES); daemon A fires it at the
+    # bump. The pages are checked per request; the watcher's callback fires no write.
+    shape = workloads_kv.shape_args(layers=4, pages=4, page_len=4096)
+    armed = workloads_kv.ArmedOn(Daemons(rails=1, engine=workloads_kv.ENGINE))
+    with workloads_kv.arms_of([armed], shape, _unpinned(2)) as (arms, _):
+        assert arms[0].label == "transferd (daemons, armed)"
+        for seed in (1, 2, 3):  # the word keeps counting across requests
+            r = arms[0].request(seed, compute_s=0.002)
+            assert r["late"] is None  # not measured: no role saw the writes issued
+            assert len(r["layer_ms"]) == 4 and all(x > 0 for x in r["layer_ms"])
+            p = r["prefill"]
+            assert 0 < p["armed"] <= p["start"]
+            for layer in range(4):
+                assert p["issued"][layer] == 0  # the daemon issued it, unseen by the role
+                assert p["bump"][layer] < p["acked"][layer]
+                assert p["bump"][layer] < r["usable"][layer]
+                assert p["bump"][layer] <= p["event"][layer]
+
+
 @pytest.mark.parametrize("where", ARM_PLACEMENTS)
 def test_a_placements_engine_settings_reach_its_engines(where: type[Daemons | Inproc]
                                                         ) -> None:

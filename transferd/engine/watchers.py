@@ -354,8 +354,12 @@ class Watchers:
     def __init__(self, poll_s: float = POLL_S,
                  alive: Callable[[Hashable], bool] | None = None, *,
                  idle_poll_s: float = IDLE_POLL_S, max_watchers: int = MAX_WATCHERS,
-                 max_per_owner: int = MAX_PER_OWNER) -> None:
+                 max_per_owner: int = MAX_PER_OWNER,
+                 ended: Callable[[list[Watcher]], None] | None = None) -> None:
         self.poll_s = poll_s
+        # Told (from any thread, no lock held) of the watchers taken out: what was
+        # armed on them (service/armed.py) is dropped.
+        self._ended = ended
         self.idle_poll_s = max(poll_s, idle_poll_s)
         self.max_watchers = max_watchers
         self.max_per_owner = max_per_owner
@@ -423,13 +427,22 @@ class Watchers:
             if w is None:
                 raise NotFound(f"no watcher {watcher_id}")
             self._forget([w])
+        self._tell_ended([w])
         return w
 
     def owner_closed(self, owner: Hashable) -> list[Watcher]:
         with self._lock:
             gone = [w for w in self._by_id.values() if w.owner is owner]
             self._forget(gone)
+        self._tell_ended(gone)
         return gone
+
+    def _tell_ended(self, gone: list[Watcher]) -> None:
+        if gone and self._ended is not None:
+            try:
+                self._ended(gone)
+            except Exception:
+                log.exception("watchers' end hook failed")
 
     def _forget(self, gone: list[Watcher]) -> None:
         """Take ``gone`` out (the lock held): their segments are rebuilt, or dropped."""
@@ -534,7 +547,9 @@ class Watchers:
         ended = [w for seg in segments for w in seg.watchers if w.gone is not None and w.gone()]
         if ended:
             with self._lock:
-                self._forget([w for w in ended if w.id in self._by_id])
+                ended = [w for w in ended if w.id in self._by_id]
+                self._forget(ended)
+            self._tell_ended(ended)
         owners = {w.owner for seg in segments for w in seg.watchers}
         for owner in owners:
             if not self._alive(owner):

@@ -76,6 +76,9 @@ class Command(enum.IntEnum):
     SINGLE_READ = 0x36
     PAGED_READS = 0x37
     GATHER = 0x38
+    # A paged write armed on a UVM watcher, fired by the daemon (docs/protocol.md): HELLO
+    # lists "armed_writes".
+    ARM_PAGED_WRITES = 0x39
     EVENT = 0x3F
 
 

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from transferd.memory.base import Memory
     from transferd.metrics import Metrics
 
+    from .armed import ArmedWrites, PagedWrite
     from .names import Names
 
 log = logging.getLogger("transferd.session")
@@ -99,6 +100,7 @@ class Service:
         # Made on the loop (start()): their timers and threads are its.
         self.leases: LeaseTable | None = None
         self.watchers: Watchers | None = None
+        self.armed: ArmedWrites | None = None
         self._discovery = discovery
         self._names: Names | None = None
         # Releases of a gone owner's buffers still waiting for admitted writes to land:
@@ -117,9 +119,24 @@ class Service:
             max_leases=m.max_leases, max_per_connection=m.max_leases_per_connection,
             max_per_source=m.max_leases_per_source, max_ttl_s=m.max_lease_ttl_s)
         self.metrics.leases.set_function(self.leases.__len__)
+        from .armed import ArmedWrites
+
+        self.armed = armed = ArmedWrites(
+            self, per_connection=e.max_armed_writes_per_connection,
+            per_watcher=e.max_armed_writes_per_watcher,
+            pages_per_connection=e.max_armed_pages_per_connection)
+        loop = asyncio.get_running_loop()
+
+        def watchers_ended(gone: list[Watcher]) -> None:  # any thread
+            ids = [w.id for w in gone if armed.watching(w.id)]
+            if ids:
+                with contextlib.suppress(RuntimeError):  # the node's loop is gone
+                    loop.call_soon_threadsafe(armed.watchers_ended, ids)
+
         self.watchers = Watchers(alive=_alive, idle_poll_s=e.watcher_idle_poll_ms / 1000.0,
                                  max_watchers=e.max_watchers,
-                                 max_per_owner=e.max_watchers_per_connection)
+                                 max_per_owner=e.max_watchers_per_connection,
+                                 ended=watchers_ended)
         self.metrics.registry.register(self.watchers)
 
     def close(self) -> None:
@@ -144,6 +161,8 @@ class Service:
         self.release_in_background(caller, f"connection {caller.peer} closed")
         if self.leases is not None:
             self.leases.connection_closed(caller)
+        if self.armed is not None:
+            self.armed.caller_closed(caller)
         if self.watchers is not None:
             self.watchers.owner_closed(caller)
         page, caller.word_page = caller.word_page, None
@@ -589,10 +608,14 @@ class Service:
             words, index, keep, key, gone = page.words, at // WORD, page, page, None
             where.update(path=str(page.path), offset=at, page_size=len(page.words) * 8)
         box: list[Watcher] = []
+        armed = self.armed
 
         def deliver(old: int, new: int) -> None:
             if not caller.closed:
-                changed(box[0], old, new)
+                w = box[0]
+                if armed is not None and armed.watching(w.id):
+                    armed.changed(w.id, new)  # first: the write goes before the EVENT
+                changed(w, old, new)
 
         def on_thread(old: int, new: int) -> None:  # on the watcher thread
             with contextlib.suppress(RuntimeError):  # the node's loop is gone
@@ -601,6 +624,29 @@ class Service:
         w = watchers.add(caller, key, words, index, on_thread, keep, handoff=True, gone=gone)
         box.append(w)
         return w, where
+
+    def arm_paged_writes(self, caller: Caller, key: int, watcher_id: int, value: int,
+                         write: PagedWrite, *, on_end: End) -> Op:
+        """Hold paged write ``write`` until ``caller``'s watcher ``watcher_id`` sees its
+        word at ``value`` or above, then submit it as :meth:`submit_paged_writes` does,
+        under ``key``; ``on_end`` is that submit's end (or the arm's: dropped with its
+        watcher, NOT_FOUND; cancelled, CANCELLED).  Checked whole now, as that submit
+        checks it (service/armed.py)."""
+        from .armed import check_paged_write
+
+        engine = self._engine()
+        watchers, armed = self.watchers, self.armed
+        assert watchers is not None and armed is not None, "start() makes them"
+        try:
+            w = watchers.get(watcher_id)
+        except NotFound:
+            w = None
+        if w is None or w.owner is not caller:
+            raise NotFound(f"no watcher {watcher_id} on this connection")
+        if write.timeout is not None:
+            self._admit(caller, Command.PAGED_WRITES, write.timeout)  # its deadline's checks
+        check_paged_write(engine, write)
+        return armed.arm(caller, key, watcher_id, value, w.read(), write, on_end)
 
     # -- names -------------------------------------------------------------------------------
 

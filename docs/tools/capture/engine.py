@@ -313,6 +313,33 @@ def ex_alloc_uvm_watcher(ds: Daemons) -> Capture:
     return cap
 
 
+@example("ENGINE_ARM_PAGED_WRITES", volatile=True)
+def ex_arm_paged_writes(ds: Daemons) -> Capture:
+    with nodes(
+        ds, "ARM_PAGED_WRITES on A: the PAGED_WRITES above, armed on watcher 1 (a buffer's "
+        "word) at value 1; another connection's SET_TENSOR then stores 1 there"
+    ) as (a, b, cap):
+        mr, desc = _a_to_b(a, b)
+        word = _with_buffer(a)
+        watcher = _ask(a, Command.ALLOC_UVM_WATCHER, 94, {"buffer": word, "offset": 0})
+        a.capture = cap
+        a.send(Command.ARM_PAGED_WRITES, 3,
+               {"watcher": watcher["watcher"], "value": 1, **_two_pages(mr, desc)})
+        a.recv()
+        with session(ds["main"], cap.title) as (other, _):
+            other.send(Command.SET_TENSOR, 2, {"tensor": [word, 0, 8]},
+                       (1).to_bytes(8, "little"), Flag.NO_REPLY)
+            a.recv()
+            a.recv()
+    cap.note = (
+        "The reply says it is armed. The watcher sees the word at 1 and daemon A submits "
+        "the write itself: first the watcher's own EVENT (seq 94, off the record before), "
+        "then the write's completion, an EVENT with the ARM_PAGED_WRITES' cmd and seq. "
+        "`0123` lands at offset 8 and `89ab` at offset 24 of B's region; B counts 2."
+    )
+    return cap
+
+
 # Daemon B of the peer-plane example proves a cluster secret, as a deployment does.
 PEER_SECRET = b"capture cluster secret"
 _SECRET_DIR = tempfile.mkdtemp(prefix="capture-secret-")
