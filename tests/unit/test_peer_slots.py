@@ -41,6 +41,14 @@ class Starts:
         raise AssertionError(name)
 
 
+async def _turns() -> None:
+    """Two turns of the loop: a finished transfer lets go of its slot in one (its done
+    callback here, its end in the engine), and the waiters it freed start on a turn of
+    their own, the next."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
 @async_test()
 async def test_a_full_peer_makes_its_own_wait_and_nobody_else() -> None:
     slots = PeerSlots(asyncio.get_running_loop(), per_peer=2, timeout_s=30)
@@ -50,13 +58,13 @@ async def test_a_full_peer_makes_its_own_wait_and_nobody_else() -> None:
     assert s.names() == ["p1", "p2", "q1"] and slots.waiting == 2
     assert slots.in_flight(P) == 2 and slots.in_flight(Q) == 1
     s.finish("p2")
-    await asyncio.sleep(0)
+    await _turns()
     assert s.names() == ["p1", "p2", "q1", "p3"]  # FIFO: p3 before p4
     s.finish("q1")
     await q1
     s.finish("p1")
     s.finish("p3")
-    await asyncio.sleep(0)
+    await _turns()
     s.finish("p4")
     for f in futs.values():
         await asyncio.wait_for(f, 1)
@@ -72,14 +80,14 @@ async def test_a_transfer_to_several_peers_takes_a_slot_of_each() -> None:
     both = slots.run([P, Q, R], s("pqr"))
     assert s.names() == ["p", "q"]
     s.finish("p")
-    await asyncio.sleep(0)
+    await _turns()
     assert s.names() == ["p", "q"]  # P is free, Q is not: it waits on Q now
     r_only = slots.run([R], s("r"))  # R is free and nobody waits for it
     assert s.names() == ["p", "q", "r"]
     s.finish("r")
     await r_only
     s.finish("q")
-    await asyncio.sleep(0)
+    await _turns()
     assert s.names()[-1] == "pqr" and all(slots.in_flight(k) == 1 for k in (P, Q, R))
     s.finish("pqr")
     await asyncio.wait_for(both, 1)
@@ -129,7 +137,7 @@ async def test_a_waiting_transfer_can_be_cancelled_and_a_started_one_found() -> 
         await waiting
     assert slots.waiting == 1
     s.finish("p1")
-    await asyncio.sleep(0)
+    await _turns()
     assert s.names() == ["p1", "p3"]  # the cancelled one never started
     assert slots.started(later) is s.started[1][1]
     assert not slots.cancel(later, Timeout("started: not here"))
