@@ -241,6 +241,7 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
             if transport is None or transport.is_closing():
                 raise ConnectionLost("the client went away before the GET")
             head = session.stream_head(frame, total)
+            session.hold_frames()  # no other frame inside this payload (session.py)
             transport.write(head)
 
             async def send(view: memoryview) -> None:
@@ -264,6 +265,7 @@ def get_reply(session: Session, frame: Frame, pairs: Sequence[Pair]) -> Awaitabl
                 transport.close()
             raise
         finally:
+            session.release_frames()
             for r in refs:
                 r.release()
         return Reply(sent=True)

@@ -138,6 +138,12 @@ class Session(asyncio.BufferedProtocol):
         # other frame (they neither overtake nor trail what is written after them).
         # Bounded by the submits in flight (engine.max_inflight_per_client).
         self._events: list[Outgoing] | None = None
+        # While a reply writes its own payload piece by piece (a GET from device memory,
+        # device_io.stream_reply), every other frame of this connection waits here and
+        # goes once that payload is whole: written inside it, a frame would be read as
+        # payload. Bounded as what makes them is (submits in flight, one EVENT per
+        # watcher until it is out).
+        self._held: list[Outgoing] | None = None
 
     @property
     def state(self) -> ConnState:
@@ -334,6 +340,9 @@ class Session(asyncio.BufferedProtocol):
 
     def _write(self, o: Outgoing) -> int:
         """Write one frame (payload views from where they lie); the bytes written."""
+        if self._held is not None:
+            self._held.append(o)  # a reply streams its payload: after it (hold_frames)
+            return len(o.head) + o.payload_len
         if self._events:
             self._write_events()
         carrier, t = self.carrier, self.transport
@@ -398,6 +407,9 @@ class Session(asyncio.BufferedProtocol):
                 if o is None:
                     release_all(result.hold)
             if o is None:
+                return
+            if self._held is not None:
+                self._held.append(o)  # (as _write does while a reply streams)
                 return
             if self._events:
                 self._write_events()  # as _write does: completions go before this reply
@@ -582,12 +594,28 @@ class Session(asyncio.BufferedProtocol):
         events = self._events
         assert events
         self._events = []
+        if self._held is not None:
+            self._held.extend(events)
+            return
         carrier, t = self.carrier, self.transport
         if carrier is None or t is None or t.is_closing():
             return
         heads = [o.head for o in events]
         carrier.write_heads(heads)
         self.ctx.stats.bytes_out += sum(map(len, heads))
+
+    def hold_frames(self) -> None:
+        """From now until :meth:`release_frames`, this connection's other frames wait:
+        the caller writes a reply's payload to the transport itself, in pieces."""
+        if self._held is None:
+            self._held = []
+
+    def release_frames(self) -> None:
+        """The streamed payload is whole (or the connection is closing): what waited
+        goes, in order."""
+        held, self._held = self._held, None
+        for o in held or ():
+            self._write(o)
 
     def stream_head(self, frame: Frame, payload_len: int) -> bytes:
         """The header of a reply a handler writes itself (streamed from device memory)."""

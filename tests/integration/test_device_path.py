@@ -193,3 +193,43 @@ async def test_a_device_fault_fails_the_command_never_answers_ok(
         assert bytes(await c.get_tensor(buf.tensor(0, 8))) == b"original"
         await c.set_tensor(buf.tensor(0, 8), b"newbytes")
         assert bytes(await c.get_tensor(buf.tensor(0, 8))) == b"newbytes"
+
+
+@async_test(timeout=60)
+async def test_events_never_land_inside_a_streamed_device_reply(standin: DaemonProcess) -> None:
+    """A GET from device memory streams its payload piece by piece (staging, drains in
+    between); a watcher EVENT of the same connection that comes meanwhile waits for the
+    reply's last byte instead of landing inside it (it would be read as payload)."""
+    import mmap
+    import struct
+    import threading
+
+    seen: list[int] = []
+    async with await Client.connect(standin.url) as c:
+        w = await c.alloc_uvm_watcher(lambda old, new: seen.append(new))
+        fd = os.open(w.path, os.O_RDWR)
+        m = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+        os.close(fd)
+        buf = await c.alloc_buffer(8 * MiB, device="standin:0")
+        data = os.urandom(8 * MiB)
+        await c.set_tensor(buf.tensor(0, len(data)), data)
+        stop = threading.Event()
+
+        def bump() -> None:
+            i = 0
+            while not stop.is_set() and i < 100_000:
+                i += 1
+                struct.pack_into("<Q", m, w.offset, i)  # one aligned 8-byte store
+                stop.wait(0.0005)
+
+        t = threading.Thread(target=bump, daemon=True)
+        t.start()
+        try:
+            for _ in range(4):
+                got = await c.get_tensor(buf.tensor(0, len(data)))
+                assert _sha(got) == _sha(data)
+        finally:
+            stop.set()
+            t.join(5)
+        m.close()
+    assert seen, "the watcher saw no change: the test proved nothing"
