@@ -356,9 +356,7 @@ class Service:
                ) -> tuple[TransferEngine, float | None, bool]:
         """The engine, a submit's checked ``timeout``, and whether it starts now (its
         caller's share and the engine have room) or waits (:meth:`submit`)."""
-        engine = self.engine
-        if engine is None:
-            raise UnknownCommand("this daemon runs without the transfer engine")
+        engine = self._engine()
         config = engine.config
         if timeout is not None:
             timeout = deadline(timeout, None, config.peer_timeout_s,
