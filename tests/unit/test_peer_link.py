@@ -155,6 +155,93 @@ def test_a_large_payload_is_received_straight_into_its_pages() -> None:
     assert p.out.completions[0][1] is None and bytes(r.data[:len(data)]) == data
 
 
+def _receives(link: InboundLink, data: bytes) -> int:
+    """Feed ``data`` as a socket holding all of it would; the receives it took."""
+    n, mv = 0, memoryview(data)
+    while len(mv):
+        bufs = link.get_buffers()
+        got = 0
+        for b in bufs:
+            k = min(len(b), len(mv) - got)
+            b[:k] = mv[got:got + k]
+            got += k
+        link.received(got, 0.0)
+        mv = mv[got:]
+        n += 1
+    return n
+
+
+def test_a_paged_writes_header_comes_in_one_receive_once_the_link_has_seen_one() -> None:
+    mem, _, p = _setup()
+    r = mem.region(1 << 22)
+    rng = random.Random(9)
+
+    def paged(op: int) -> tuple[bytes, list[int], list[bytes]]:
+        idx = rng.sample(range(200), 64)
+        pages = [rng.randbytes(16384) for _ in idx]
+        p.out.write(op, op, 0, r.rkeys[0], [r.ptr + i * 16384 for i in idx], [16384] * 64,
+                    [memoryview(x) for x in pages], 5)
+        return drain(p.out), idx, pages
+
+    first, _, _ = paged(1)
+    # The first: the frame-start read (64 bytes), the rest of its 568-byte header, then
+    # its pages (and the next header's start) in one receive.
+    assert _receives(p.inb, first) == 3
+    second, idx, pages = paged(2)
+    assert _receives(p.inb, second) == 2  # its header whole, then its pages
+    feed(p.out, drain(p.inb))
+    assert [e for _, e in p.out.completions] == [None, None] and mem.counts[5] == 128
+    for i, page in zip(idx, pages, strict=True):
+        assert bytes(r.data[i * 16384:(i + 1) * 16384]) == page
+
+
+@pytest.mark.parametrize("chunk", [1, 100, 567, 568, 569, 5000, 1 << 30])
+def test_frames_after_a_paged_write_land_whole_however_the_stream_is_cut(chunk: int) -> None:
+    # After a paged write the link reads a frame's start as such a header: what a
+    # smaller frame brings in past its own header is payload, copied to its pages.
+    mem, _, p = _setup()
+    r = mem.region(1 << 21)
+    rng = random.Random(chunk)
+    idx = rng.sample(range(64), 32)
+    pages = [rng.randbytes(16384) for _ in idx]
+    small = [rng.randbytes(n) for n in (0, 1, 300, 4096, 9000)]
+    p.out.write("paged", 1, 0, r.rkeys[0], [r.ptr + i * 16384 for i in idx], [16384] * 32,
+                [memoryview(x) for x in pages], 4)
+    for k, d in enumerate(small):
+        p.out.write(k, 10 + k, 0, r.rkeys[0], [r.ptr + (1 << 20) + 10000 * k], [len(d)],
+                    [memoryview(d)], 6)
+    feed(p.inb, drain(p.out), chunk=chunk)
+    feed(p.out, drain(p.inb))
+    assert sorted(map(str, (t for t, e in p.out.completions if e is None))) == \
+        sorted(["paged", *map(str, range(len(small)))])
+    for i, page in zip(idx, pages, strict=True):
+        assert bytes(r.data[i * 16384:(i + 1) * 16384]) == page
+    for k, d in enumerate(small):
+        at = (1 << 20) + 10000 * k
+        assert bytes(r.data[at:at + len(d)]) == d
+    assert mem.counts[4] == 32 and mem.counts[6] == len(small) and r.admitted == 0
+
+
+def test_a_paged_write_whose_pages_do_not_add_up_is_refused_and_the_link_serves_on() -> None:
+    mem, landing, p = _setup()
+    r = mem.region(1 << 16)
+    addrs = [r.ptr + 4096 * i for i in range(4)]
+    wire = bytearray(encode_write(2, 0, r.rkeys[0], addrs, [4096] * 4, 7))
+    struct.pack_into("<Q", wire, 40, 4 * 4096 - 1)  # the payload one byte short
+    feed(p.inb, bytes(wire) + bytes(4 * 4096 - 1))
+    (ack,) = frames(drain(p.inb))
+    assert ack[1] == 1 and b"payload has 16383" in ack
+    # One page ending past the last address: refused before the memory is asked.
+    top = (1 << 64) - 4096
+    wire = encode_write(3, 0, r.rkeys[0], [r.ptr, top + 1], [4096] * 2, 7)
+    feed(p.inb, wire + bytes(8192))
+    (ack,) = frames(drain(p.inb))
+    assert ack[1] == 1 and b"past the end of the address space" in ack
+    assert mem.counts[7] == 0 and r.admitted == 0
+    assert landing.refused_by == {"BAD_REQUEST": 2}
+    assert _write(p, r, 0, b"good") == [None]
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 63, 64, 65, 4096])
 def test_any_cut_of_the_stream_gives_the_same_result(chunk: int) -> None:
     mem, _, p = _setup()

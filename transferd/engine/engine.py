@@ -343,7 +343,7 @@ class TransferEngine:
             return self._from_device(op, region, pages, lambda v: _wid(
                 plan_paged(op, page_len, _imm(imm), v, dst[0], dst[1], self.rails), wid, tag),
                 owner, tag, "paged")
-        views = region.views([base + i * stride for i in sp.indices], page_len)
+        views = region.pages(sp.offset, stride, sp.indices, page_len)
         parts = plan_paged(op, page_len, _imm(imm), views, dst[0], dst[1], self.rails)
         return self._submit(op, _wid(parts, wid, tag), region.buffer.ref(),
                             self.group_of(region), owner, kind="paged")

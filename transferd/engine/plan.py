@@ -96,14 +96,23 @@ def plan_paged(
         raise BadRequest(f"{len(src_views)} source pages for {len(dst.indices)} destination pages")
     if dst.stride < page_len and len(dst.indices) > 1:
         raise BadRequest(f"destination stride {dst.stride} is smaller than the page ({page_len})")
-    offsets = [dst.offset + i * dst.stride for i in dst.indices]
-    if desc.size and offsets and (min(offsets) < 0
-                                  or max(offsets) + page_len > desc.size):
-        for off in offsets:  # name the first page that is out
-            _check_dst(desc, off, page_len)
-    addrs = [desc.ptr + off for off in offsets]
+    # The pages' addresses at the destination in one pass; their bounds on the lowest
+    # and the highest (the receiver checks every page again, authoritatively).
+    base, stride = desc.ptr + dst.offset, dst.stride
+    addrs = [base + i * stride for i in dst.indices]
+    if desc.size and addrs and (min(addrs) < desc.ptr
+                                or max(addrs) - desc.ptr + page_len > desc.size):
+        for a in addrs:  # name the first page that is out
+            _check_dst(desc, a - desc.ptr, page_len)
     total = len(src_views)
     parts: list[WritePart] = []
+    if total <= pages_per_frame and rails == 1:
+        # One frame (a KV layer's 64 pages): the lists as they are, no slicing.
+        if total:
+            addr, rkey = desc.rkeys[0]
+            parts.append(WritePart(0, addr, rkey, addrs, [page_len] * total,
+                                   list(src_views), imm, None, 0, op, 1, alts=desc.rkeys))
+        return parts
     for rail, f, end in paged_frames(total, rails, op, pages_per_frame):
         addr, rkey = desc.rkeys[rail]
         parts.append(WritePart(

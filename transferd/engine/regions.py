@@ -171,6 +171,21 @@ class Region:
         ptr = self.ptr
         return self.buffer.views([a - ptr for a in addrs], length)
 
+    def pages(self, offset: int, stride: int, indices: Sequence[int], length: int
+              ) -> list[memoryview]:
+        """``length`` bytes at ``offset + i * stride`` (from the region's start) for each
+        index: :meth:`views` of those pages, their offsets computed once (a paged
+        write's source)."""
+        if not indices:
+            return []
+        offs = [offset + i * stride for i in indices]
+        lo, hi = min(offs), max(offs)
+        if lo < 0 or length < 0 or hi + length > self.size:
+            ptr = self.ptr
+            for o in offs:  # name the first page that is out, as view() would
+                self.view(ptr + o, length)
+        return self.buffer.views(offs, length)
+
 
 class Admitted:
     """One admitted write's hold on its region: :meth:`release` once (any thread)."""

@@ -66,6 +66,12 @@ from .peer_wire import (
 # The longest extension block the frame-start read grows to take in (a checksum and
 # a trace id are 34 bytes).
 MAX_GUESS_EXT = 64
+# The longest WRITE header (fixed part, page table, extension block) the frame-start
+# read grows to take in whole: a paged write's of up to 256 pages of one length (the
+# engine's frames), so that its header comes in one receive and its pages in the next.
+# What a shorter frame brings in beyond its header is payload, copied from the buffer
+# to its pages: at most this much a frame.
+MAX_GUESS_TABLE = 48 + 8 + 8 * 256 + MAX_GUESS_EXT
 # Checksum mismatches in a row after which an inbound link is closed.
 MISMATCH_CUTOFF = 4
 
@@ -167,6 +173,10 @@ class InboundLink(LinkEnd):
                     if len(segs) - i == 1:
                         return [seg[pos:], self._head]
                     first = seg[pos:]
+                    if self._left <= RECV_BYTES and len(segs) - i <= IOV_MAX - 1:
+                        # All the rest of it (a paged write's pages), then the next
+                        # header: the views as they are, no walk adding their lengths.
+                        return [first, *segs[i + 1:], self._head]
                     views = [first]
                     total = len(first)
                     for seg in islice(segs, i + 1, i + IOV_MAX - 1):
@@ -288,6 +298,11 @@ class InboundLink(LinkEnd):
                         if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
                             check_write_head(flags, npages, ext)
                         size = 48 + write_table_len(flags, npages, ext)
+                        if self._guess < size <= MAX_GUESS_TABLE:
+                            # This link carries paged writes: the next frame's start is
+                            # read as one such header (one receive for it, not two).
+                            self._guess = size
+                            self._head = view[:size]
                     if avail < size:
                         self._want = size - avail
                         return

@@ -152,6 +152,8 @@ class Output:
         q = self._q
         if len(q) == 1:
             return [q[0]]
+        if self.queued <= max_bytes and len(q) <= IOV_MAX:
+            return list(q)  # all of it (a paged write's header and pages): no walk
         out: list[memoryview | bytes] = []
         total = 0
         for v in islice(q, IOV_MAX):
@@ -170,8 +172,12 @@ class Output:
 
     def sent(self, n: int) -> None:
         """``n`` bytes of the front went out (a view sent in part keeps its tail)."""
-        self.queued -= n
         q = self._q
+        if n == self.queued:
+            q.clear()  # all of it went (the usual send): no walk over its views
+            self.queued = 0
+            return
+        self.queued -= n
         while n:
             head = q[0]
             size = len(head)

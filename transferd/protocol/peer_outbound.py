@@ -189,8 +189,10 @@ class OutboundLink(LinkEnd):
             self._pending[(op, part)] = token
             out = self.out
             out.push(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again, ext))
-            for v in src:
-                out.push(v)
+            if len(src) == 1:
+                out.push(src[0])
+            else:
+                out.extend(src, sum(lens))  # the pages' views at once
             if out.queued > self.high_water:
                 self._move(LinkInput.HOLD)
         elif self.state is LinkState.CLOSED:

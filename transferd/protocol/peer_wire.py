@@ -200,7 +200,8 @@ def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, 
     if flags & SPAN:
         span = SPAN_FMT.unpack_from(buf, pos)
         pos += 16
-    if flags & UNIFORM:
+    uniform = flags & UNIFORM
+    if uniform:
         length, *addrs = struct.unpack_from(f"<{n + 1}Q", buf, pos)
         lens = [length] * n
     elif n == 1:
@@ -220,6 +221,13 @@ def parse_write(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, 
         if a < span[0] or a + ln > span[0] + span[1]:
             raise BadRequest(f"peer WRITE: range [0x{a:x}, +{ln}) is outside its span "
                              f"[0x{span[0]:x}, +{span[1]})")
+    if uniform:
+        # Pages of one length (a paged write): the sum and the highest end at once.
+        if length * n != plen:
+            raise BadRequest(f"pages hold {length * n} bytes but the payload has {plen}")
+        if n and max(addrs) + length > _U64 + 1:
+            raise BadRequest("peer WRITE: a page runs past the end of the address space")
+        return w
     if sum(lens) != plen:
         raise BadRequest(f"pages hold {sum(lens)} bytes but the payload has {plen}")
     if addrs and max(a + ln for a, ln in zip(addrs, lens, strict=True)) > _U64 + 1:
