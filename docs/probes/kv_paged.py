@@ -83,6 +83,13 @@ def stamp_b() -> None:
         return o_fin(self)
 
     ib._open_write, ib._finish = open_write, finish
+    o_recv = ib.received
+
+    def received(self, n, now):
+        add((f"rcv{n}", clock()))
+        return o_recv(self, n, now)
+
+    ib.received = received
     o_read = link_io.SocketLink._readable
 
     def readable(self):
@@ -98,6 +105,8 @@ def steps_of(fired: list[int]) -> dict:
     opens = [t for k, t in STAMPS if k == "open"]
     lands = [t for k, t in STAMPS if k == "landed"]
     reads = [t for k, t in STAMPS if k == "readable"]
+    STAMPS[:] = [e for e in STAMPS if not e[0].startswith("rcv")] + [
+        e for e in STAMPS if e[0].startswith("rcv")]
     n = min(len(opens), len(lands), len(fired))
     land, fire, wakes = [], [], []
     import bisect
@@ -132,6 +141,9 @@ async def side_b() -> None:
     c1, s1 = cpus()
     dump(prof, "B")
     steps = steps_of(fired) if STAMPS else {}
+    if STAMPS:
+        with open("/tmp/td-probe-kv-B.json", "w") as f:
+            json.dump(STAMPS, f)
     print(json.dumps({"cpu": c1 - c0 + s1 - s0, "sys": s1 - s0, **steps}), flush=True)
     await c.close()
 
@@ -204,7 +216,31 @@ async def side_a(desc_hex: str) -> dict:
                 inside.append((fd[j] - fl[j]) / 1e3)
         med = lambda xs: sorted(xs)[len(xs) // 2]
         res.update(to_flush=med(before), flush=med(inside))
+        with open("/tmp/td-probe-kv-A.json", "w") as f:
+            json.dump(STAMPS, f)
     return res
+
+
+def cross() -> str:
+    """A's flush against B's wake-up and landing, per write (one clock for both)."""
+    import bisect
+
+    a = json.load(open("/tmp/td-probe-kv-A.json"))
+    b = json.load(open("/tmp/td-probe-kv-B.json"))
+    fl = [t for k, t in a if k == "flush"]
+    fd = [t for k, t in a if k == "flushed"]
+    wake = [t for k, t in b if k == "readable"]
+    land = [t for k, t in b if k == "landed"]
+    w, d, l_ = [], [], []
+    for f, e in zip(fl, fd):
+        i, j = bisect.bisect(wake, f), bisect.bisect(land, f)
+        if i < len(wake) and j < len(land):
+            w.append((wake[i] - f) / 1e3)
+            l_.append((land[j] - f) / 1e3)
+            d.append((e - f) / 1e3)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return (f"since A's flush began: B woken {med(w):.0f} us, A's flush done {med(d):.0f} us,"
+            f" B landed {med(l_):.0f} us")
 
 
 def main() -> None:
@@ -237,6 +273,8 @@ def main() -> None:
     if "flush" in ra:
         print(f"  A: submit -> flush {ra['to_flush']:.0f} us, the flush (sendmsg) "
               f"{ra['flush']:.0f} us")
+    if "flush" in ra and "wakes" in rb:
+        print("  " + cross())
     if "wakes" in rb:
         print(f"  B: woken for the header -> landed {rb['open_landed']:.0f} us, landed -> "
               f"expectation fired {rb['landed_fired']:.0f} us, wake-ups per write {rb['wakes']} "

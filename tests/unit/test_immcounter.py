@@ -244,3 +244,20 @@ def test_expect_racing_with_adds() -> None:
     assert not any(t.is_alive() for t in ts)
     assert got.n == expects
     assert c.value(11) == 0
+
+
+def test_what_an_add_meets_runs_through_now_and_a_met_expect_through_notify() -> None:
+    # A landing's add may run the callbacks it met at once (the engine does, on its own
+    # loop); an expectation met when it is made never fires within its own call.
+    later: list[Callable[[], None]] = []
+    now: list[Callable[[], None]] = []
+    c = ImmCounter(notify=later.append, now=lambda fn: (now.append(fn), fn()))
+    f, g = Fired(), Fired()
+    c.expect(3, 2, f)
+    assert c.add(3) == 0 and not now
+    assert c.add(3) == 1 and f.n == 1 and len(now) == 1 and not later
+    c.add(4, 5)
+    c.expect(4, 5, g)
+    assert g.n == 0 and len(later) == 1  # met already: handed on, not run
+    later[0]()
+    assert g.n == 1

@@ -242,6 +242,28 @@ def test_a_paged_write_whose_pages_do_not_add_up_is_refused_and_the_link_serves_
     assert _write(p, r, 0, b"good") == [None]
 
 
+def test_a_write_that_meets_an_expectation_asks_for_its_ack_after_the_callbacks() -> None:
+    mem, _, p = _setup()
+    r = mem.region(1 << 16)
+
+    def count(imm: int, n: int) -> int:  # an expectation waits on immediate 7
+        mem.counts[imm] += n
+        return 1 if imm == 7 else 0
+
+    mem.count = count  # type: ignore[method-assign]
+    p.out.write("a", 1, 0, r.rkeys[0], [r.ptr], [4], [memoryview(b"abcd")], 8)
+    feed(p.inb, drain(p.out))
+    assert not p.inb.acks_later and p.inb.out.queued == 16  # nothing met: at once
+    feed(p.out, drain(p.inb))
+    p.out.write("b", 2, 0, r.rkeys[0], [r.ptr + 4], [4], [memoryview(b"efgh")], 7)
+    feed(p.inb, drain(p.out))
+    # Met: the ACK is queued, and the I/O side is told to send it after this turn.
+    assert p.inb.acks_later and p.inb.out.queued == 16
+    feed(p.out, drain(p.inb))
+    assert [t for t, e in p.out.completions if e is None] == ["a", "b"]
+    assert bytes(r.data[:8]) == b"abcdefgh" and mem.counts[7] == 1
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 63, 64, 65, 4096])
 def test_any_cut_of_the_stream_gives_the_same_result(chunk: int) -> None:
     mem, _, p = _setup()

@@ -143,7 +143,13 @@ class SocketLink:
         if self.closed:
             return
         if core.out.queued:
-            self.flush()
+            if self._outbound or not core.acks_later:  # type: ignore[union-attr]
+                self.flush()
+            else:
+                # A landing met an expectation: its client's callbacks are queued on
+                # this loop; the ACKs go after them (a turn later, together).
+                core.acks_later = False  # type: ignore[union-attr]
+                self.loop.call_soon(self.flush)
         if not self._outbound:
             reading = core.reading  # type: ignore[union-attr]
             if reading != self._reading:

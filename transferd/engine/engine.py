@@ -97,7 +97,7 @@ class TransferEngine:
             self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable()
-        self.counter = ImmCounter(notify=self._notify)
+        self.counter = ImmCounter(notify=self._notify, now=self._notify_now)
         # What every group lands writes and delivers messages through.
         self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
         # What the configured kind of Domain can do (asked, never its name).
@@ -240,6 +240,20 @@ class TransferEngine:
         if threading.get_ident() == self._loop_thread:
             self.loop.call_soon(fn)  # a loop worker: no wake-up to write
         else:
+            self.loop.call_soon_threadsafe(fn)
+
+    def _notify_now(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the daemon's loop: at once when called there (a landing on a loop
+        worker reached an expectation: its client hears of it before the ACK goes, not a
+        turn of the loop later), else soon.  What it raises is logged, as the loop would,
+        and never reaches the landing that called."""
+        if threading.get_ident() == self._loop_thread:
+            try:
+                fn()
+            except Exception:
+                log.exception("engine: an expectation's callback failed")
+        else:
+            assert self.loop is not None
             self.loop.call_soon_threadsafe(fn)
 
     def group_of(self, region: Region) -> DomainGroup:

@@ -8,7 +8,10 @@ registered after the writes landed fires at once.  Counters of different
 immediates are independent.
 
 ``add`` is called from worker threads, ``expect`` from the daemon's loop; one
-lock guards both, and callbacks run outside it through ``notify``.
+lock guards both, and callbacks run outside it through ``notify`` (``expect``: an
+expectation that is met already fires later, never within the call) or ``now``
+(``add``: what a landing reached may fire within its call, where the caller's thread
+may run it).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class ImmCounter:
     not a scan of every waiting expectation per one (which was quadratic).
     """
 
-    def __init__(self, notify: Notify | None = None) -> None:
+    def __init__(self, notify: Notify | None = None, now: Notify | None = None) -> None:
         self._counts: defaultdict[int, int] = defaultdict(int)
         self._waiting: dict[int, OrderedDict[int, Expectation]] = {}
         self._by_callback: dict[Callable[[], None], list[Expectation]] = {}
@@ -47,6 +50,8 @@ class ImmCounter:
         self._lock = threading.Lock()
         # How a fired callback is run: directly, or handed to another loop.
         self._notify: Notify = notify or (lambda fn: fn())
+        # How what an add() reached is run (default: as expect()'s).
+        self._now: Notify = now or self._notify
 
     def value(self, imm: int) -> int:
         with self._lock:
@@ -57,12 +62,14 @@ class ImmCounter:
         with self._lock:
             return sum(len(q) for q in self._waiting.values())
 
-    def add(self, imm: int, n: int = 1) -> None:
+    def add(self, imm: int, n: int = 1) -> int:
+        """Add ``n`` to ``imm``'s counter; how many expectations that met."""
         with self._lock:
             self._counts[imm] += n
             fired = self._fire(imm)
         for e in fired:
-            self._notify(e.callback)
+            self._now(e.callback)
+        return len(fired)
 
     def expect(self, imm: int, count: int, callback: Callable[[], None]) -> None:
         if count <= 0:

@@ -273,8 +273,8 @@ class EnginePort:
                                               "into")
         return StagedPlacement(io, chunks, pages, admitted, payload_len)
 
-    def count(self, imm: int, n: int) -> None:
-        self.counter.add(imm, n)
+    def count(self, imm: int, n: int) -> int:
+        return self.counter.add(imm, n)
 
     def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable) -> None:
         self._deliver(peer, msg, ack, source)

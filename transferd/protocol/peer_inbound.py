@@ -139,6 +139,9 @@ class InboundLink(LinkEnd):
         self._read_held = False
         # READs of device memory whose bytes are on their way to staging.
         self._staging: list[Placement] = []
+        #: A write landed here met an expectation: the I/O side sends the ACKs after
+        #: this turn's callbacks (the receiver's client hears first), and clears it.
+        self.acks_later = False
 
     @property
     def reading(self) -> bool:
@@ -463,6 +466,8 @@ class InboundLink(LinkEnd):
                 self.events.append(Land(adm, ref, nbytes, self._opened))
             else:
                 adm.commit(nbytes)
+                if adm.met:
+                    self.acks_later = True
                 self._ack(ref, None)
                 if adm.header.trace is not None:
                     self.events.append(Placed(ref, nbytes, adm.header.trace, self._opened))

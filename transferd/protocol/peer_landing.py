@@ -74,8 +74,9 @@ class Memory(Protocol):
         """
         ...
 
-    def count(self, imm: int, n: int) -> None:
-        """Add ``n`` to immediate ``imm`` (thread safe)."""
+    def count(self, imm: int, n: int) -> int | None:
+        """Add ``n`` to immediate ``imm`` (thread safe); how many expectations that met
+        (their callbacks may have run), or None."""
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
                abort: Callable[[], None] | None) -> Placement:
@@ -92,7 +93,7 @@ class Admission:
     """One opened WRITE: where its payload goes, then :meth:`commit` or :meth:`fail`."""
 
     __slots__ = ("_claimed", "_landing", "_partial", "_placement", "deferred", "duplicate",
-                 "header", "peer", "rail", "views")
+                 "header", "met", "peer", "rail", "views")
 
     def __init__(self, landing: Landing, peer: Peer, w: WriteHeader,
                  placement: Placement | None, partial: Partial | None, claimed: bool,
@@ -108,6 +109,8 @@ class Admission:
         self.duplicate = placement is None
         self.views: Sequence[memoryview] = placement.views if placement is not None else ()
         self.deferred = placement is not None and placement.deferred
+        #: Expectations its count met when committed (their clients heard of it).
+        self.met = 0
 
     def land(self, done: Done) -> None:
         """A deferred admission's bytes were received: move them home, then ``done``."""
@@ -153,7 +156,7 @@ class Admission:
             else:
                 n = len(w.addrs) or 1
             if w.imm is not None and n:
-                lg.memory.count(w.imm, n)
+                self.met = lg.memory.count(w.imm, n) or 0
                 lg.imms_in += n
         if self._claimed:
             self._claimed = False
