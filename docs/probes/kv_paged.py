@@ -174,6 +174,9 @@ async def side_a(desc_hex: str) -> dict:
     buf = await c.alloc_buffer(POOL * PAGE)
     mr, _ = await c.reg_mr(buf)
     desc = MrDesc.from_bytes(bytes.fromhex(desc_hex))
+    if os.environ.get("WATCHER"):
+        # A UVM watcher beside the writes, as the KV prefill has (polled every 50 us).
+        await c.alloc_uvm_watcher(lambda old, new: None)
     rng = random.Random(1)
     plans = [(rng.sample(range(POOL), PAGES), rng.sample(range(POOL), PAGES))
              for _ in range(64)]
