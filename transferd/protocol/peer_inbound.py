@@ -19,7 +19,6 @@ from typing import Any
 
 from transferd.copies import COUNTING, count
 
-from . import crc
 from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
@@ -120,12 +119,6 @@ class InboundLink(LinkEnd):
         self._head = memoryview(b"")  # the buffer's first _guess bytes, once it has one
         # Checksum mismatches in a row on this link (MISMATCH_CUTOFF cuts it off).
         self.mismatches = 0
-        # The CRC32C of the checksummed payload in hand so far, taken over each
-        # receive's bytes as they land (in cache still: one pass over the whole part
-        # once it is in would read it back from memory, and hold the link meanwhile);
-        # None while the frame in hand is not a checksummed part being placed.
-        self._crc: int | None = None
-        self._crc_fn: Callable[..., int] | None = None
         # The clock as last fed, and when the frame in hand was opened (inflight).
         self._now = now
         self._opened = now
@@ -206,8 +199,6 @@ class InboundLink(LinkEnd):
         if self._direct:
             self._direct = False
             left = self._left - n
-            if self._crc is not None:
-                self._crc_over(n if left > 0 else self._left)
             if left > 0:
                 self._advance(n)
                 return
@@ -233,21 +224,6 @@ class InboundLink(LinkEnd):
             i += 1
         self._seg, self._pos = i, pos
 
-    def _crc_over(self, k: int) -> None:
-        """The running checksum over the ``k`` payload bytes just received straight
-        into the segments from where the payload stood (before :meth:`_advance`)."""
-        fn, value = self._crc_fn, self._crc
-        assert fn is not None and value is not None
-        segs, i, pos = self._segs, self._seg, self._pos
-        while k > 0:
-            seg = segs[i]
-            m = min(len(seg) - pos, k)
-            value = fn(seg[pos:pos + m], value)
-            k -= m
-            i += 1
-            pos = 0
-        self._crc = value
-
     def _copy(self, data: memoryview) -> None:
         """Payload bytes that came into the buffer: to the segments (or dropped)."""
         self._left -= len(data)
@@ -257,9 +233,6 @@ class InboundLink(LinkEnd):
             assert self._msg is not None
             self._msg += data
             return
-        if self._crc is not None:
-            assert self._crc_fn is not None
-            self._crc = self._crc_fn(data, self._crc)
         if COUNTING:
             count("peer.buffered", len(data))  # (only after a header shorter than guessed)
         segs = self._segs
@@ -374,18 +347,8 @@ class InboundLink(LinkEnd):
             self._refusal = None
             self._segs = adm.views
             self._drop = adm.duplicate
-            if adm.header.crc is not None and not adm.duplicate:
-                self._start_crc()
         if not plen:
             self._finish()
-
-    def _start_crc(self) -> None:
-        if self._crc_fn is None:
-            try:
-                self._crc_fn = crc.require()
-            except TransferdError:
-                return  # verify() raises it again at the end: refused, never skipped
-        self._crc = 0
 
     def _open_send(self, op: int, part: int, plen: int) -> None:
         self._kind, self._ref, self._nbytes, self._left = SEND, (op, part), plen, plen
@@ -469,7 +432,6 @@ class InboundLink(LinkEnd):
         kind, ref, nbytes = self._kind, self._ref, self._nbytes
         self._kind = 0
         self._collect = False
-        got, self._crc = self._crc, None
         if kind == WRITE:
             adm, self._adm = self._adm, None
             if adm is None:
@@ -479,7 +441,7 @@ class InboundLink(LinkEnd):
             elif adm.duplicate:
                 adm.commit(nbytes)
                 self._ack(ref, None)
-            elif adm.header.crc is not None and self._mismatch(adm, ref, got):
+            elif adm.header.crc is not None and self._mismatch(adm, ref):
                 pass
             elif adm.deferred:
                 self._hold()
@@ -497,13 +459,13 @@ class InboundLink(LinkEnd):
             self._ack(ref, self._refusal)
         self._segs = ()
 
-    def _mismatch(self, adm: Admission, ref: tuple[int, int], got: int | None) -> bool:
+    def _mismatch(self, adm: Admission, ref: tuple[int, int]) -> bool:
         """Verify a checksummed part over what was placed; on a mismatch refuse it
         (nothing counts; the initiator re-sends it once) and True.  A link whose
         checksums fail MISMATCH_CUTOFF times in a row is cut off: its sender's
         copies are not to be trusted with more."""
         try:
-            err: TransferdError | None = adm.verify(got)
+            err: TransferdError | None = adm.verify()
         except TransferdError as exc:  # no crc32c here: refused, never skipped
             err = exc
         if err is None:
@@ -591,7 +553,6 @@ class InboundLink(LinkEnd):
             adm.fail(None)  # closed mid-payload: nothing of it counts; a retry may land
         self._kind = 0
         self._collect = False
-        self._crc = None
         self._msg = None
 
 

@@ -114,18 +114,14 @@ class Admission:
         assert self._placement is not None
         self._placement.land(done)
 
-    def verify(self, got: int | None = None) -> IntegrityError | None:
+    def verify(self) -> IntegrityError | None:
         """A part with a checksum: CRC32C of what was placed (its views: the pages, or
         the staging chunks of device memory) against the sender's; the error refusing
-        it if they differ (counted by peer and rail; fail it with that error).  ``got``:
-        that CRC, where the Domain took it as the bytes were placed (a stream takes it
-        over each receive's bytes just after the kernel wrote them, while they are in
-        cache); None to take it over the views now."""
+        it if they differ (counted by peer and rail; fail it with that error)."""
         w = self.header
         if w.crc is None or self._placement is None:
             return None
-        if got is None:
-            got = crc_of(self.views)
+        got = crc_of(self.views)
         if got == w.crc:
             return None
         lg = self._landing
