@@ -133,9 +133,11 @@ def identity(rails: int = 2, node: int | None = None) -> PeerIdentity:
 
 
 def feed(link: InboundLink | OutboundLink, data: bytes | memoryview, now: float = 0.0,
-         chunk: int = 1 << 30) -> None:
-    """Deliver ``data`` to ``link`` as a socket would (at most ``chunk`` per receive)."""
+         chunk: int = 1 << 30) -> int:
+    """Deliver ``data`` to ``link`` as a socket would (at most ``chunk`` per receive);
+    how many receives that took."""
     mv = memoryview(data)
+    receives = 0
     while len(mv) and not link.closed:
         if isinstance(link, InboundLink) and not link.reading:
             raise AssertionError("fed while the link reads nothing")
@@ -150,6 +152,8 @@ def feed(link: InboundLink | OutboundLink, data: bytes | memoryview, now: float 
         assert n, "a link with no room to receive"
         link.received(n, now)
         mv = mv[n:]
+        receives += 1
+    return receives
 
 
 def drain(link: InboundLink | OutboundLink, limit: int | None = None) -> bytes:

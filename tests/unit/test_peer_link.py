@@ -155,22 +155,6 @@ def test_a_large_payload_is_received_straight_into_its_pages() -> None:
     assert p.out.completions[0][1] is None and bytes(r.data[:len(data)]) == data
 
 
-def _receives(link: InboundLink, data: bytes) -> int:
-    """Feed ``data`` as a socket holding all of it would; the receives it took."""
-    n, mv = 0, memoryview(data)
-    while len(mv):
-        bufs = link.get_buffers()
-        got = 0
-        for b in bufs:
-            k = min(len(b), len(mv) - got)
-            b[:k] = mv[got:got + k]
-            got += k
-        link.received(got, 0.0)
-        mv = mv[got:]
-        n += 1
-    return n
-
-
 def test_a_paged_writes_header_comes_in_one_receive_once_the_link_has_seen_one() -> None:
     mem, _, p = _setup()
     r = mem.region(1 << 22)
@@ -186,9 +170,9 @@ def test_a_paged_writes_header_comes_in_one_receive_once_the_link_has_seen_one()
     first, _, _ = paged(1)
     # The first: the frame-start read (64 bytes), the rest of its 568-byte header, then
     # its pages (and the next header's start) in one receive.
-    assert _receives(p.inb, first) == 3
+    assert feed(p.inb, first) == 3
     second, idx, pages = paged(2)
-    assert _receives(p.inb, second) == 2  # its header whole, then its pages
+    assert feed(p.inb, second) == 2  # its header whole, then its pages
     feed(p.out, drain(p.inb))
     assert [e for _, e in p.out.completions] == [None, None] and mem.counts[5] == 128
     for i, page in zip(idx, pages, strict=True):
