@@ -113,6 +113,36 @@ async def test_out_of_range_refused_by_the_initiator(cluster: Cluster) -> None:
 
 
 @async_test(timeout=60)
+async def test_a_destination_rail_with_no_address_is_refused_typed(cluster: Cluster) -> None:
+    # An MrDesc whose rail entry names a NetAddr of no rail address: every submit that
+    # takes a destination refuses it (BAD_REQUEST), none reaches the Domain (it was an
+    # IndexError there, an INTERNAL answer, and the transfer left to time out).
+    from transferd.protocol.values import NetAddr, ScatterDst
+
+    async with nodes(cluster.a, cluster.b) as (a, b):
+        src = await a.region(16 * 4096, seed=44)
+        dst = await b.region(16 * 4096, seed=45)
+        hollow = MrDesc(dst.desc.ptr, [(NetAddr(a0.node, a0.group, ()), k)
+                                       for a0, k in dst.desc.rkeys], dst.desc.size)
+        imm = fresh_imm()
+        ws = [
+            await a.client.submit_single_write(100, imm, (src.mr, 0), (hollow, 0)),
+            await a.client.submit_paged_writes(4096, imm, (src.mr, Pages([0], 4096)),
+                                               (hollow, Pages([1], 4096))),
+            await a.client.submit_barrier(None, imm, [hollow]),
+            await a.client.submit_scatter(None, imm, src.mr,
+                                          [ScatterDst(100, 0, (hollow, 0))]),
+        ]
+        errors = await settle(ws)
+        assert all(isinstance(e, BadRequest) and "no rail address" in str(e)
+                   for e in errors), errors
+        assert await b.client.imm_count(imm) == 0
+        # The daemon goes on: a good write lands.
+        assert await settle([await a.client.submit_single_write(
+            100, imm, (src.mr, 0), (dst.desc, 0))]) == [None]
+
+
+@async_test(timeout=60)
 async def test_out_of_range_refused_by_the_receiver(cluster: Cluster) -> None:
     page = 4096
     async with nodes(cluster.a, cluster.b) as (a, b):

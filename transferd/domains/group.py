@@ -225,6 +225,10 @@ class DomainGroup:
         rails = addr.rails
         seen = self._well_formed
         if (first_rail, rails) not in seen:
+            if not rails:
+                # (A Domain would index its first address: refused here, typed.)
+                raise BadRequest(f"node {addr.node:016x}/{addr.group}: a destination with "
+                                 f"no rail address (rail {first_rail})")
             domains = self.domains
             for i, raw in enumerate(rails):
                 # Each Domain reads (and checks) only its own kind of address.
