@@ -192,7 +192,7 @@ class OutboundLink(LinkEnd):
             if len(src) == 1:
                 out.push(src[0])
             else:
-                out.extend(src, sum(lens))  # the pages' views at once
+                out.extend(src, sum(map(len, src)))  # the pages' views at once
             if out.queued > self.high_water:
                 self._move(LinkInput.HOLD)
         elif self.state is LinkState.CLOSED:
