@@ -6,9 +6,13 @@ pages of 16 KiB at random indices, one at a time, and waits for each to be ackno
 Prints per write: p50 of submit -> acked, of the submit call alone, and CPU per write of
 each process (its threads' user + system, from getrusage).  ``PROF=1``: cProfile with
 the thread's CPU clock in both processes, the top of each by own time (counts per write
-are what to read).  ``TREE=/path`` runs that checkout.
+are what to read).  ``STEPS=1``: both processes stamped on one clock (A's flush, B's
+wake-ups, receives, landing and expectation).  ``WATCHER=1``: a UVM watcher on A beside
+the writes (with ``TRANSFERD_ENGINE_WATCHER_IDLE_POLL_MS=0.05`` it is polled every 50 us,
+as the KV prefill's is).  ``PAGES`` (64): pages per write.  ``TREE=/path`` runs that
+checkout.
 
-    TREE=/work/wt/work .venv/bin/python docs/probes/kv_paged.py [N] [PAGES]
+    TREE=/work/wt/work STEPS=1 .venv/bin/python docs/probes/kv_paged.py [N]
 """
 
 import asyncio
@@ -28,11 +32,6 @@ PAGES = int(os.environ.get("PAGES", "64"))
 PAGE = 16 << 10
 POOL = 4096
 IMM = 0x4B560000
-
-
-def cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def cpus() -> tuple[float, float]:
@@ -105,8 +104,6 @@ def steps_of(fired: list[int]) -> dict:
     opens = [t for k, t in STAMPS if k == "open"]
     lands = [t for k, t in STAMPS if k == "landed"]
     reads = [t for k, t in STAMPS if k == "readable"]
-    STAMPS[:] = [e for e in STAMPS if not e[0].startswith("rcv")] + [
-        e for e in STAMPS if e[0].startswith("rcv")]
     n = min(len(opens), len(lands), len(fired))
     land, fire, wakes = [], [], []
     import bisect
@@ -228,14 +225,14 @@ def cross() -> str:
     """A's flush against B's wake-up and landing, per write (one clock for both)."""
     import bisect
 
-    a = json.load(open("/tmp/td-probe-kv-A.json"))
-    b = json.load(open("/tmp/td-probe-kv-B.json"))
+    with open("/tmp/td-probe-kv-A.json") as fa, open("/tmp/td-probe-kv-B.json") as fb:
+        a, b = json.load(fa), json.load(fb)
     fl = [t for k, t in a if k == "flush"]
     fd = [t for k, t in a if k == "flushed"]
     wake = [t for k, t in b if k == "readable"]
     land = [t for k, t in b if k == "landed"]
     w, d, l_ = [], [], []
-    for f, e in zip(fl, fd):
+    for f, e in zip(fl, fd, strict=True):
         i, j = bisect.bisect(wake, f), bisect.bisect(land, f)
         if i < len(wake) and j < len(land):
             w.append((wake[i] - f) / 1e3)
