@@ -38,6 +38,7 @@ from .leases import Lease, Leases, owner_fields
 from .names import NameInfo, Names, Published, Watch
 from .queue import (
     Columns,
+    PackedTensors,
     QueuedGet,
     QueuedSet,
     Reads,
@@ -131,6 +132,9 @@ class Client:
         # The queue of async reads and writes: as columns (client/queue.py), or, while
         # an async device copy is in it, as ops (_op_queue; client/copies.py).
         self._flat = TensorQueue()
+        # The last SET_TENSORS and GET_TENSORS bodies, packed (a step repeats them).
+        self._packed_set = PackedTensors()
+        self._packed_get = PackedTensors()
         self._queue: list[QueuedSet | QueuedGet] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reads_in_flight: set[asyncio.Future[Frame]] = set()
@@ -512,7 +516,8 @@ class Client:
                                      self.max_tensors):
                     whole = hi - lo == len(t)
                     # Tensors are tuples: msgpack writes each as its [buffer, offset, size].
-                    conn.send_views(_SET_TENSORS, {"tensors": t if whole else t[lo:hi]},
+                    conn.send_views(_SET_TENSORS,
+                                    self._packed_set.body(t) if whole else {"tensors": t[lo:hi]},
                                     d if whole else d[lo:hi],
                                     seg.set_bytes if whole else None, oneway=True)
             else:
@@ -528,7 +533,8 @@ class Client:
                 whole = hi - lo == len(t)
                 reads = Reads(seg, lo, hi, seg.get_bytes if whole else
                               sum([x[2] for x in t[lo:hi]]))
-                fut = conn.request(_GET_TENSORS, {"tensors": t if whole else t[lo:hi]},
+                fut = conn.request(_GET_TENSORS,
+                                   self._packed_get.body(t) if whole else {"tensors": t[lo:hi]},
                                    sink=reads.sink, timeout=self.timeout)
                 waits.append((reads, fut))
         else:
