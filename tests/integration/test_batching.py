@@ -10,6 +10,7 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, async_test, digest, pattern, run
+from transferd.protocol.errors import NotFound
 
 BATCHES = [1, 8, 32, 128]
 TENSOR = 4096
@@ -69,6 +70,35 @@ async def test_one_get_tensors_and_one_set_tensors_per_step(
     one_each = {"SET_TENSOR": 0, "GET_TENSOR": 0, "SET_TENSORS": 1, "GET_TENSORS": 1}
     assert r["server"] == [one_each] * STEPS
     assert r["client"] == [one_each] * STEPS
+
+
+@async_test()
+async def test_steps_over_the_same_tensors_read_what_each_step_wrote(url: str) -> None:
+    # A decode loop: the same Tensor objects every step (the client sends its packed
+    # batch again, the daemon reuses its check), new bytes every step; then one tensor
+    # swapped, one dropped, and the buffer freed under the same list.
+    n = 16
+    async with await Client.connect(url) as c:
+        buf = await c.alloc_buffer(2 * n * 64)
+        ts = [buf.tensor(i * 64, 64) for i in range(n)]
+        for step in range(6):
+            if step == 3:
+                ts[5] = buf.tensor((n + 5) * 64, 64)  # another row, same length
+            if step == 4:
+                ts = ts[:-1]
+            data = [pattern(64, 100 * step + i) for i in range(len(ts))]
+            for t, d in zip(ts, data, strict=True):
+                c.set_tensor_async(t, d)
+            futs = [c.get_tensor_async(t) for t in ts]
+            await c.flush()
+            assert [digest(f.result()) for f in futs] == [digest(d) for d in data], step
+            cmds = c.stats()["commands"]
+            assert cmds["SET_TENSORS"] == cmds["GET_TENSORS"] == step + 1
+        await c.free_buffer(buf)
+        futs = [c.get_tensor_async(t) for t in ts]
+        with pytest.raises(NotFound):
+            await c.flush()
+        assert all(isinstance(f.exception(), NotFound) for f in futs)
 
 
 @pytest.mark.parametrize("n", BATCHES)

@@ -9,7 +9,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from client.queue import BODY_SLACK, TENSOR_WIRE_BYTES, QueuedGet, QueuedSet, chunks, segments
+from client.queue import (
+    BODY_SLACK,
+    TENSOR_WIRE_BYTES,
+    PackedTensors,
+    QueuedGet,
+    QueuedSet,
+    chunks,
+    segments,
+)
 from transferd.protocol.frames import pack_body
 from transferd.protocol.messages import U64_MAX, Tensor
 
@@ -186,3 +194,18 @@ def test_chunks_respect_both_limits_at_once() -> None:
         assert sum(op.tensor.size for op in p) <= 400
         assert _body_len(p) <= 1024
     assert [op for p in parts for op in p] == items
+
+
+def test_packed_tensors_are_kept_for_the_same_objects_only() -> None:
+    p = PackedTensors()
+    ts = [Tensor(1, i * 4, 4) for i in range(8)]
+    raw = p.body(ts)
+    assert msgpack.unpackb(raw) == {"tensors": [list(t) for t in ts]}
+    assert p.body(list(ts)) is raw  # the same tensors in a new list: kept
+    # Equal is not the same: a Tensor built with True for 1 packs to other bytes.
+    odd = [Tensor(True, 0, 4), *ts[1:]]  # type: ignore[arg-type]
+    assert odd == ts
+    raw2 = p.body(odd)
+    assert raw2 != raw and msgpack.unpackb(raw2)["tensors"][0][0] is True
+    assert p.body(ts) == raw and p.body(ts[:-1]) != raw  # shorter: packed anew
+    assert msgpack.unpackb(p.body([])) == {"tensors": []}
