@@ -411,3 +411,29 @@ def test_pipelined_get_then_set_on_the_wire(daemon: DaemonProcess) -> None:
         f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 0, size]})
         assert f.payload is not None and digest(f.payload) == digest(new)
         raw.request(Command.FREE_BUFFER, {"buffer": buf})
+
+
+@async_test()
+async def test_futures_made_ahead_are_bounded_and_each_read_gets_its_own(url: str) -> None:
+    from client.client import SPARE_FUTURES
+
+    async with await Client.connect(url) as c:
+        buf = await c.alloc_buffer(4 * (SPARE_FUTURES + 50))
+        ts = [buf.tensor(4 * i, 4) for i in range(SPARE_FUTURES + 50)]
+        for t in ts:
+            c.set_tensor_async(t, pattern(4, t.offset))
+        futs = [c.get_tensor_async(t) for t in ts]
+        await c.flush()
+        assert len(c._spare) == SPARE_FUTURES  # made while the reply was awaited: bounded
+        assert [f.result() for f in futs] == [pattern(4, t.offset) for t in ts]
+        # The next step's reads take them: each its own, pending, resolved by its reply;
+        # one cancelled by its caller leaves the others be.
+        futs = [c.get_tensor_async(t) for t in ts[:10]]
+        assert len({id(f) for f in futs}) == 10 and not any(f.done() for f in futs)
+        assert len(c._spare) == SPARE_FUTURES - 10
+        futs[3].cancel()
+        await c.flush()
+        assert futs[3].cancelled()
+        assert [f.result() for i, f in enumerate(futs) if i != 3] == \
+            [pattern(4, t.offset) for i, t in enumerate(ts[:10]) if i != 3]
+        assert len(c._spare) == SPARE_FUTURES - 10  # more than this flush's 10 reads: kept
