@@ -109,8 +109,13 @@ def chunks(items: list[Any], max_body: int, max_payload: int,
 # with a copy in it is held as ops (Client._op_queue), converted to columns when sent.
 
 # A small reply for reads without ``out=`` is received whole and cut into the reads'
-# results: cheaper than scattering it over one small buffer per read.
+# results: cheaper than scattering it over one small buffer per read.  So is a larger
+# one of small rows (GATHER_ROW on average, GATHER_MAX in all): either way each byte is
+# copied once in user space (cut from the whole, or from the decoder's buffer into its
+# row), and cutting costs no Python turn per row to set its buffer up and fill it.
 GATHER_SMALL = 64 * 1024
+GATHER_ROW = 16 * 1024
+GATHER_MAX = 4 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -286,7 +291,10 @@ class Reads:
         return any(lo <= i < hi for i in outs)
 
     def sink(self, frame: Frame) -> list[memoryview] | None:
-        if frame.payload_len <= GATHER_SMALL and not self._outs():
+        plen = frame.payload_len
+        if (plen <= GATHER_SMALL or (plen <= GATHER_MAX and
+                                     plen <= GATHER_ROW * (self.hi - self.lo))) \
+                and not self._outs():
             return None  # the decoder gathers the payload; settle cuts it
         seg = self.seg
         outs, get_t = seg.get_out, seg.get_t
