@@ -82,6 +82,9 @@ def payload_sink(session: Session, frame: Frame) -> Sink:
 
 # A run of a checked batch: the buffer's id, the buffer, where the run starts and ends.
 Run = tuple[int, "Buffer", int, int]
+# The most runs a session keeps of its last batch (a decode step's rows lie side by
+# side: a run or a few); a batch of more is checked again when it repeats.
+REPEAT_RUNS = 64
 
 
 def _fast_views(
@@ -190,7 +193,7 @@ def batch_views(
             views = _fast_views(table, wire, used, runs)
         except TransferdError:
             views = None
-        if views is not None and type(wire) is list:
+        if views is not None and type(wire) is list and len(runs) <= REPEAT_RUNS:
             # What the decoder hands back for a repeat of this body (frames.py).
             session.batches[frame.cmd] = (wire, runs)
     if views is None:

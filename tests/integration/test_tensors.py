@@ -472,3 +472,12 @@ def test_a_repeated_batch_is_checked_against_the_buffers_of_now(daemon: DaemonPr
         for _ in range(2):
             assert raw.request(Command.GET_TENSORS, over).body["code"] == ErrorCode.OUT_OF_BOUNDS
         assert raw.request(Command.GET_TENSORS, small).payload == bytes(8)
+        # A batch of more runs than a session keeps (REPEAT_RUNS): checked every time.
+        c = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 1024}).body["buffer"]
+        data = pattern(1024, 7)
+        assert raw.request(Command.SET_TENSORS, {"tensors": [[c, 0, 1024]]},
+                           payload=data).flags == Flag.REPLY
+        sparse = {"tensors": [[c, 8 * i, 4] for i in range(100)]}  # 100 runs
+        want = b"".join(data[8 * i: 8 * i + 4] for i in range(100))
+        for _ in range(3):
+            assert raw.request(Command.GET_TENSORS, sparse).payload == want

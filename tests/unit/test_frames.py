@@ -571,3 +571,18 @@ def test_a_repeated_batch_over_a_lowered_cap_is_refused() -> None:
     # Commands without a cap (every command on the client side) remember nothing.
     (g1, g2) = FrameDecoder().feed(frame + frame)
     assert g1.body == g2.body and g1.body["tensors"] is not g2.body["tensors"]
+
+
+def test_a_batch_body_over_repeat_body_is_not_remembered() -> None:
+    # What a connection keeps between frames is bounded: a larger batch is decoded anew.
+    dec = FrameDecoder()
+    dec.array_caps = {int(Command.GET_TENSORS): 1 << 20}
+    small = {"tensors": [[1, 0, 1]] * 10}
+    big = {"tensors": [[1, 0, 1]] * (frames.REPEAT_BODY // 4)}
+    assert len(pack_body(big)) > frames.REPEAT_BODY >= len(pack_body(small))
+    b1, b2 = dec.feed(encode_frame(Command.GET_TENSORS, 0, 1, big) +
+                      encode_frame(Command.GET_TENSORS, 0, 2, big))
+    assert b1.body == b2.body and b1.body["tensors"] is not b2.body["tensors"]
+    s1, s2 = dec.feed(encode_frame(Command.GET_TENSORS, 0, 3, small) +
+                      encode_frame(Command.GET_TENSORS, 0, 4, small))
+    assert s1.body["tensors"] is s2.body["tensors"]

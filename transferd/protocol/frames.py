@@ -48,6 +48,10 @@ _unpackb = msgpack.unpackb
 # into their sink.
 READ_CHUNK = 256 * 1024
 STREAM_THRESHOLD = 64 * 1024
+# The largest batch body a server's decoder remembers for a repeat (FrameDecoder._repeats):
+# a decode step's batch of a few hundred tensors, and a bound on what a connection keeps
+# between frames (the bytes, and a decoded list of at most REPEAT_BODY // 4 tensors).
+REPEAT_BODY = 4096
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -427,7 +431,7 @@ class FrameDecoder:
                     cap = self.array_caps.get(h.cmd) if self.array_caps else None
                     key = b""
                     last = None
-                    if cap is not None:
+                    if cap is not None and body_len <= REPEAT_BODY:
                         key = bytes(raw)
                         last = self._repeats.get(h.cmd)
                         if last is not None and (last[0] != key or last[1] != cap):
@@ -463,7 +467,7 @@ class FrameDecoder:
                                     ok = False
                         if not ok:
                             body = unpack_body(raw, h.seq)  # raises the right BadFrame
-                        if cap is not None and refused is None:
+                        if key and cap is not None and refused is None:
                             self._repeats[h.cmd] = (key, cap, body)
                 else:
                     body = {}
