@@ -17,6 +17,7 @@ import msgpack
 from .errors import BadRequest
 
 _FORMAT = 1
+U64 = (1 << 64) - 1
 
 
 def _unpack(raw: bytes, what: str) -> Any:
@@ -119,9 +120,16 @@ class MrDesc:
     size: int = 0
 
     def __init__(self, ptr: int, rkeys: Sequence[tuple[NetAddr, int]], size: int = 0) -> None:
-        object.__setattr__(self, "ptr", int(ptr))
-        object.__setattr__(self, "rkeys", [(a, int(k)) for a, k in rkeys])
-        object.__setattr__(self, "size", int(size))
+        ptr, size = int(ptr), int(size)
+        keys = [(a, int(k)) for a, k in rkeys]
+        # u64s, and a region inside the address space: a peer frame packs them as such
+        # (out of range, its struct packing would fail in the link's send path).
+        if ptr < 0 or size < 0 or ptr + size > U64 or any(not 0 <= k <= U64 for _, k in keys):
+            raise BadRequest(f"MrDesc: ptr {ptr}, size {size} and every rkey must be u64, "
+                             f"the region [ptr, ptr + size) below 2**64")
+        object.__setattr__(self, "ptr", ptr)
+        object.__setattr__(self, "rkeys", keys)
+        object.__setattr__(self, "size", size)
 
     def to_wire(self) -> list[Any]:
         return [self.ptr, self.size, [[a.to_bytes(), k] for a, k in self.rkeys]]
@@ -130,9 +138,14 @@ class MrDesc:
     def from_wire(cls, v: Any) -> MrDesc:
         try:
             ptr, size, rkeys = v
-            return cls(int(ptr), [(NetAddr.from_bytes(a), int(k)) for a, k in rkeys], int(size))
-        except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
+            keys = [(NetAddr.from_bytes(a), k) for a, k in rkeys]
+        except (TypeError, ValueError):
             raise BadRequest("MrDesc: malformed") from None
+        # msgpack ints only: int() would take a float, a bool or a numeric string.
+        if type(ptr) is not int or type(size) is not int or any(type(k) is not int
+                                                                for _, k in keys):
+            raise BadRequest("MrDesc: malformed (ptr, size and every rkey are integers)")
+        return cls(ptr, keys, size)
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([_FORMAT, *self.to_wire()])
