@@ -35,7 +35,7 @@ def _setup(c: RawConn) -> tuple[int, list[Any]]:
 
 def _bad_descs(desc: list[Any]) -> list[tuple[str, list[Any]]]:
     ptr, size, rkeys = desc
-    (addr, rkey), = rkeys
+    (addr, _rkey), = rkeys
     return [
         ("ptr -1", [-1, size, rkeys]),
         ("ptr bool", [True, size, rkeys]),
