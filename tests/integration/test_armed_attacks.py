@@ -7,6 +7,7 @@ it started never lands."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -22,9 +23,11 @@ from tests.integration.engine_cluster import (
     start_many,
     stopped,
 )
-from transferd.protocol.errors import Cancelled, Timeout
+from transferd.protocol.errors import Cancelled, NotFound, Timeout
 
 own_daemons = engine_cluster.own_daemons
+tcp_cluster = engine_cluster.tcp_cluster
+clusters = engine_cluster.clusters
 PAGE = 4096
 
 
@@ -62,3 +65,34 @@ async def test_a_fired_arm_waiting_for_room_is_cancelled_and_never_lands(
         got = await b.read(dst)
         assert got[2 * PAGE : 3 * PAGE] == bytes(PAGE)
         assert got[PAGE : 2 * PAGE] == bytes(src.data[PAGE : 2 * PAGE])
+
+
+@async_test(timeout=90)
+async def test_an_arm_made_as_its_watcher_ends_is_dropped_all_the_same(
+        tcp_cluster: engine_cluster.Cluster) -> None:
+    """The watcher thread's sweep ends a freed buffer's watcher (within 0.5 s) while an
+    arm on it is being checked (a long page list: tens of ms); whichever comes first,
+    the arm ends, NOT_FOUND: refused, or dropped naming the watcher.  Before, a sweep
+    that came between the arm's watcher look-up and its entry in the table told nobody
+    (no arm there yet), and the arm stayed, never to fire or end.  A race: each round
+    hits it with a fair chance, all of them together nearly always (on the old code)."""
+    n = 200_000  # a long page list: the arm's checks take a while
+    async with nodes(tcp_cluster.a) as (a,):
+        src, dst = await a.region(PAGE), await a.region(PAGE)
+        pages = Pages([0] * n, 1)
+        ended = refused = 0
+        for _ in range(12):
+            wordbuf = await a.client.alloc_buffer(PAGE)
+            w = await a.client.alloc_uvm_watcher(lambda old, new: None, buffer=wordbuf)
+            await a.client.free_buffer(wordbuf)
+            await asyncio.sleep(random.uniform(0, 0.5))  # anywhere in the sweep's period
+            try:
+                c = await a.client.arm_paged_writes(w, 1, 1, None, (src.mr, pages),
+                                                    (dst.desc, pages))
+            except NotFound:
+                refused += 1  # the sweep came first
+                continue
+            with pytest.raises(NotFound, match=f"watcher {w.id} ended"):
+                await c.wait(3.0)
+            ended += 1
+        assert ended + refused == 12
