@@ -164,9 +164,27 @@ class ArmedWrites:
         self._by_watcher.setdefault(watcher_id, []).append(a)
         self._count[caller] += 1
         self._pages[caller] += a.pages
+        if not self._still_there(watcher_id):
+            # Its watcher ended since the caller looked it up (the watcher thread's sweep
+            # of a freed buffer's word), before this arm was here for the sweep to find
+            # (watchers_ended): nobody would ever drop it.  From here on the sweep does.
+            self._forget(a, ArmState.DROPPED)
+            caller.ops.finished(a.op, None)
+            raise NotFound(f"watcher {watcher_id} ended (its buffer was freed): nothing "
+                           "armed")
         if now >= value:
             asyncio.get_running_loop().call_soon(self._fire_if_armed, a)
         return a.op
+
+    def _still_there(self, watcher_id: int) -> bool:
+        watchers = self._service.watchers
+        if watchers is None:
+            return False
+        try:
+            watchers.get(watcher_id)
+        except NotFound:
+            return False
+        return True
 
     # -- the watcher's side ----------------------------------------------------------
 
