@@ -141,3 +141,39 @@ def test_a_range_past_the_address_space_is_out_of_bounds_on_a_link_being_set_up(
         assert got[good].flags == int(Flag.EVENT) and got[good].body == {"ok": True}
         assert d.alive()
         assert "Traceback" not in d.output(), d.output()
+
+
+def _bad_pages() -> list[tuple[str, Any]]:
+    return [
+        ("stride float", [[0], 4096.0, 0]),
+        ("stride bool", [[0], True, 0]),
+        ("offset float", [[1], PAGE, 0.0]),
+        ("offset bool", [[1], PAGE, False]),
+        ("index bool", [[True], PAGE, 0]),
+        ("index float", [[1.0], PAGE, 0]),
+    ]
+
+
+def test_a_pages_number_that_is_not_an_integer_is_bad_request(daemon: DaemonProcess) -> None:
+    """Pages' indices, stride and offset are integers (docs/protocol.md): a float or a
+    bool is refused, never truncated into another page's address (4096.5 -> 4096)."""
+    with RawConn.to(daemon) as c:
+        c.hello()
+        mr, desc = _setup(c)
+        w = c.request(Command.ALLOC_UVM_WATCHER, {})
+        good = [[1], PAGE, 0]
+        for why, bad in _bad_pages():
+            for cmd, body in (
+                    (Command.PAGED_WRITES, {"page_len": 16, "src": [mr, good],
+                                            "dst": [desc, bad]}),
+                    (Command.PAGED_WRITES, {"page_len": 16, "src": [mr, bad],
+                                            "dst": [desc, good]}),
+                    (Command.PAGED_READS, {"page_len": 16, "dst": [mr, good],
+                                           "src": [desc, bad]}),
+                    (Command.ARM_PAGED_WRITES, {"watcher": w.body["watcher"], "value": 1,
+                                                "page_len": 16, "imm": None,
+                                                "src": [mr, bad], "dst": [desc, good]})):
+                f = c.request(cmd, body)
+                assert f.flags == REFUSED, (why, cmd.name, f)
+                assert f.body["code"] == ErrorCode.BAD_REQUEST.value, (why, cmd.name, f.body)
+                assert "Pages" in f.body["message"], (why, cmd.name, f.body)
