@@ -166,7 +166,7 @@ def _u32s(xs: Sequence[Any]) -> bool:
     """Every item an int in [0, 2**32) (page lists are long: no Python loop when all ints)."""
     if set(map(type, xs)) <= {int}:
         return not xs or (min(xs) >= 0 and max(xs) < 1 << 32)
-    return all(isinstance(i, int) and 0 <= i < 1 << 32 for i in xs)
+    return all(type(i) is int and 0 <= i < 1 << 32 for i in xs)  # a bool is no index
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +197,8 @@ class Pages:
             indices, stride, offset = v
             if not _u32s(indices):
                 raise ValueError
-            if stride < 0 or offset < 0:
+            # Integers only: int() would truncate a float into another page's address.
+            if type(stride) is not int or type(offset) is not int or stride < 0 or offset < 0:
                 raise ValueError
             return cls(indices, stride, offset)
         except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
