@@ -120,13 +120,17 @@ class MrDesc:
     size: int = 0
 
     def __init__(self, ptr: int, rkeys: Sequence[tuple[NetAddr, int]], size: int = 0) -> None:
-        ptr, size = int(ptr), int(size)
-        keys = [(a, int(k)) for a, k in rkeys]
+        self._set(int(ptr), [(a, int(k)) for a, k in rkeys], int(size))
+
+    def _set(self, ptr: int, keys: list[tuple[NetAddr, int]], size: int) -> None:
         # u64s, and a region inside the address space: a peer frame packs them as such
         # (out of range, its struct packing would fail in the link's send path).
-        if ptr < 0 or size < 0 or ptr + size > U64 or any(not 0 <= k <= U64 for _, k in keys):
-            raise BadRequest(f"MrDesc: ptr {ptr}, size {size} and every rkey must be u64, "
-                             f"the region [ptr, ptr + size) below 2**64")
+        if ptr < 0 or size < 0 or ptr + size > U64:
+            raise BadRequest(f"MrDesc: ptr {ptr} and size {size} must be u64, the region "
+                             "[ptr, ptr + size) below 2**64")
+        for _, k in keys:
+            if not 0 <= k <= U64:
+                raise BadRequest(f"MrDesc: rkey {k} is not a u64")
         object.__setattr__(self, "ptr", ptr)
         object.__setattr__(self, "rkeys", keys)
         object.__setattr__(self, "size", size)
@@ -142,10 +146,14 @@ class MrDesc:
         except (TypeError, ValueError):
             raise BadRequest("MrDesc: malformed") from None
         # msgpack ints only: int() would take a float, a bool or a numeric string.
-        if type(ptr) is not int or type(size) is not int or any(type(k) is not int
-                                                                for _, k in keys):
-            raise BadRequest("MrDesc: malformed (ptr, size and every rkey are integers)")
-        return cls(ptr, keys, size)
+        if type(ptr) is not int or type(size) is not int:
+            raise BadRequest("MrDesc: malformed (ptr and size are integers)")
+        for _, k in keys:
+            if type(k) is not int:
+                raise BadRequest("MrDesc: malformed (every rkey is an integer)")
+        desc = object.__new__(cls)
+        desc._set(ptr, keys, size)
+        return desc
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([_FORMAT, *self.to_wire()])
