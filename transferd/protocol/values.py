@@ -174,7 +174,7 @@ def _u32s(xs: Sequence[Any]) -> bool:
     """Every item an int in [0, 2**32) (page lists are long: no Python loop when all ints)."""
     if set(map(type, xs)) <= {int}:
         return not xs or (min(xs) >= 0 and max(xs) < 1 << 32)
-    return all(type(i) is int and 0 <= i < 1 << 32 for i in xs)  # a bool is no index
+    return all(isinstance(i, int) and 0 <= i < 1 << 32 for i in xs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +205,10 @@ class Pages:
             indices, stride, offset = v
             if not _u32s(indices):
                 raise ValueError
-            # Integers only: int() would truncate a float into another page's address.
-            if type(stride) is not int or type(offset) is not int or stride < 0 or offset < 0:
+            # Integers only (a bool too, as for the indices: tests/unit/test_page_views.py):
+            # int() would truncate a float into another page's address.
+            if not isinstance(stride, int) or not isinstance(offset, int) or stride < 0 \
+                    or offset < 0:
                 raise ValueError
             return cls(indices, stride, offset)
         except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
