@@ -372,7 +372,7 @@ class Connection(asyncio.BufferedProtocol):
     def request(
         self,
         cmd: int,
-        body: dict[str, Any] | None = None,
+        body: dict[str, Any] | bytes | None = None,
         payload: Sequence[Any] = (),
         *,
         sink: Sink | Callable[[Frame], Sink] = None,
@@ -387,14 +387,14 @@ class Connection(asyncio.BufferedProtocol):
             p.timer = loop.call_later(timeout, self._time_out, seq, timeout)
         return fut
 
-    def send_views(self, cmd: int, body: dict[str, Any] | None, views: Sequence[Any],
+    def send_views(self, cmd: int, body: dict[str, Any] | bytes | None, views: Sequence[Any],
                    payload_len: int | None = None, *, oneway: bool = False) -> int:
         """:meth:`send` of a payload that is already bytes or byte views (the queue's
         columns), of ``payload_len`` bytes when the caller knows it: no pass over it."""
         return self._send(cmd, body, views, _NO_REPLY if oneway else 0, (), None,
                           ready=True, payload_len=payload_len)
 
-    def _send(self, cmd: int, body: dict[str, Any] | None, payload: Sequence[Any],
+    def _send(self, cmd: int, body: dict[str, Any] | bytes | None, payload: Sequence[Any],
               flags: int, fds: Sequence[int], token: Pending | None, *,
               ready: bool = False, payload_len: int | None = None) -> int:
         """Make the request (ClientConnection.request) and write it; its seq."""

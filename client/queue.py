@@ -11,12 +11,14 @@ where the server's max_body or max_payload would be exceeded.
 from __future__ import annotations
 
 import asyncio
+from asyncio import InvalidStateError
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any, cast
 
 from transferd.copies import COUNTING, count
-from transferd.protocol.frames import Frame
+from transferd.protocol.frames import Frame, pack_body
 from transferd.protocol.messages import Tensor
 
 # Upper bound of one tensor's msgpack encoding ([u64, u64, u64] = 1 + 3*9).
@@ -107,8 +109,13 @@ def chunks(items: list[Any], max_body: int, max_payload: int,
 # with a copy in it is held as ops (Client._op_queue), converted to columns when sent.
 
 # A small reply for reads without ``out=`` is received whole and cut into the reads'
-# results: cheaper than scattering it over one small buffer per read.
+# results: cheaper than scattering it over one small buffer per read.  So is a larger
+# one of small rows (GATHER_ROW on average, GATHER_MAX in all): either way each byte is
+# copied once in user space (cut from the whole, or from the decoder's buffer into its
+# row), and cutting costs no Python turn per row to set its buffer up and fill it.
 GATHER_SMALL = 64 * 1024
+GATHER_ROW = 16 * 1024
+GATHER_MAX = 4 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -212,6 +219,28 @@ def columns(seg: Segment) -> Columns:
     return c
 
 
+class PackedTensors:
+    """A batch's body, ``{"tensors": [...]}``, packed; kept for the next batch of the same
+    tensors (a decode loop writes and reads the same rows every step).  The same means
+    the same objects, in order: a Tensor is a tuple of ints, so the same objects pack to
+    the same bytes.  Any other list is packed as before, after one compare that stops at
+    the first tensor that differs."""
+
+    __slots__ = ("raw", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.raw = b""
+
+    def body(self, tensors: list[Tensor]) -> bytes:
+        last = self.tensors
+        if len(last) == len(tensors) and self.raw and all(map(is_, last, tensors)):
+            return self.raw
+        raw = pack_body({"tensors": tensors})
+        self.tensors, self.raw = tensors, raw
+        return raw
+
+
 def ranges(tensors: list[Tensor], nbytes: int, max_body: int, max_payload: int,
            max_tensors: int = 0) -> list[tuple[int, int]]:
     """Where a column of tensors splits so each command's body, payload and tensor count
@@ -262,7 +291,10 @@ class Reads:
         return any(lo <= i < hi for i in outs)
 
     def sink(self, frame: Frame) -> list[memoryview] | None:
-        if frame.payload_len <= GATHER_SMALL and not self._outs():
+        plen = frame.payload_len
+        if (plen <= GATHER_SMALL or (plen <= GATHER_MAX and
+                                     plen <= GATHER_ROW * (self.hi - self.lo))) \
+                and not self._outs():
             return None  # the decoder gathers the payload; settle cuts it
         seg = self.seg
         outs, get_t = seg.get_out, seg.get_t
@@ -311,9 +343,12 @@ class Reads:
             pos = 0
             for f, t in zip(futs, seg.get_t[lo:hi], strict=True):
                 end = pos + t[2]
-                if not f.done():
-                    f.set_result(payload[pos:end])
+                r = payload[pos:end]
                 pos = end
+                try:  # (no done() per row: a future cancelled meanwhile is let be)
+                    f.set_result(r)
+                except InvalidStateError:
+                    continue
             return
         results = self.results
         if results is None:
@@ -322,5 +357,7 @@ class Reads:
             outs = seg.get_out
             results = [outs[i][1] if i in outs else bytearray() for i in range(lo, hi)]
         for f, r in zip(futs, results, strict=True):
-            if not f.done():
+            try:
                 f.set_result(r)
+            except InvalidStateError:  # cancelled meanwhile
+                continue

@@ -130,6 +130,9 @@ class Session(asyncio.BufferedProtocol):
         self.caller = Caller()
         # SET frames whose payload went to device staging, until their handler runs.
         self.landings = Landings()
+        # Per batch command, the last batch looked up in one pass: its tensor list and
+        # runs (handlers.batch_views); a repeat of the same body skips the per-row check.
+        self.batches: dict[int, tuple[list[Any], list[Any]]] = {}
         self._tasks: set[asyncio.Future[None]] = set()
         # Called once the write buffer has drained (WATCH streams send what waited).
         self.drained_hooks: set[Callable[[], None]] = set()

@@ -10,6 +10,7 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, async_test, digest, pattern, run
+from transferd.protocol.errors import NotFound
 
 BATCHES = [1, 8, 32, 128]
 TENSOR = 4096
@@ -69,6 +70,35 @@ async def test_one_get_tensors_and_one_set_tensors_per_step(
     one_each = {"SET_TENSOR": 0, "GET_TENSOR": 0, "SET_TENSORS": 1, "GET_TENSORS": 1}
     assert r["server"] == [one_each] * STEPS
     assert r["client"] == [one_each] * STEPS
+
+
+@async_test()
+async def test_steps_over_the_same_tensors_read_what_each_step_wrote(url: str) -> None:
+    # A decode loop: the same Tensor objects every step (the client sends its packed
+    # batch again, the daemon reuses its check), new bytes every step; then one tensor
+    # swapped, one dropped, and the buffer freed under the same list.
+    n = 16
+    async with await Client.connect(url) as c:
+        buf = await c.alloc_buffer(2 * n * 64)
+        ts = [buf.tensor(i * 64, 64) for i in range(n)]
+        for step in range(6):
+            if step == 3:
+                ts[5] = buf.tensor((n + 5) * 64, 64)  # another row, same length
+            if step == 4:
+                ts = ts[:-1]
+            data = [pattern(64, 100 * step + i) for i in range(len(ts))]
+            for t, d in zip(ts, data, strict=True):
+                c.set_tensor_async(t, d)
+            futs = [c.get_tensor_async(t) for t in ts]
+            await c.flush()
+            assert [digest(f.result()) for f in futs] == [digest(d) for d in data], step
+            cmds = c.stats()["commands"]
+            assert cmds["SET_TENSORS"] == cmds["GET_TENSORS"] == step + 1
+        await c.free_buffer(buf)
+        futs = [c.get_tensor_async(t) for t in ts]
+        with pytest.raises(NotFound):
+            await c.flush()
+        assert all(isinstance(f.exception(), NotFound) for f in futs)
 
 
 @pytest.mark.parametrize("n", BATCHES)
@@ -381,3 +411,29 @@ def test_pipelined_get_then_set_on_the_wire(daemon: DaemonProcess) -> None:
         f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 0, size]})
         assert f.payload is not None and digest(f.payload) == digest(new)
         raw.request(Command.FREE_BUFFER, {"buffer": buf})
+
+
+@async_test()
+async def test_futures_made_ahead_are_bounded_and_each_read_gets_its_own(url: str) -> None:
+    from client.client import SPARE_FUTURES
+
+    async with await Client.connect(url) as c:
+        buf = await c.alloc_buffer(4 * (SPARE_FUTURES + 50))
+        ts = [buf.tensor(4 * i, 4) for i in range(SPARE_FUTURES + 50)]
+        for t in ts:
+            c.set_tensor_async(t, pattern(4, t.offset))
+        futs = [c.get_tensor_async(t) for t in ts]
+        await c.flush()
+        assert len(c._spare) == SPARE_FUTURES  # made while the reply was awaited: bounded
+        assert [f.result() for f in futs] == [pattern(4, t.offset) for t in ts]
+        # The next step's reads take them: each its own, pending, resolved by its reply;
+        # one cancelled by its caller leaves the others be.
+        futs = [c.get_tensor_async(t) for t in ts[:10]]
+        assert len({id(f) for f in futs}) == 10 and not any(f.done() for f in futs)
+        assert len(c._spare) == SPARE_FUTURES - 10
+        futs[3].cancel()
+        await c.flush()
+        assert futs[3].cancelled()
+        assert [f.result() for i, f in enumerate(futs) if i != 3] == \
+            [pattern(4, t.offset) for i, t in enumerate(ts[:10]) if i != 3]
+        assert len(c._spare) == SPARE_FUTURES - 10  # more than this flush's 10 reads: kept

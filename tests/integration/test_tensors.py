@@ -432,3 +432,52 @@ def test_bad_request_bodies_are_answered(daemon: DaemonProcess) -> None:
         assert f.seq == seq and f.body["code"] == ErrorCode.BAD_REQUEST
         f = raw.request(Command.GET_TENSOR, {"tensor": [buf, 0, 4]})
         assert f.flags == Flag.REPLY and f.payload == bytes(4)
+
+
+def test_a_repeated_batch_is_checked_against_the_buffers_of_now(daemon: DaemonProcess) -> None:
+    # The daemon decodes and checks a batch that repeats the last one once (a decode
+    # loop's step), then reuses that check: the same list must still meet the same
+    # buffer, every bound, the payload's length, or get the error any batch gets.
+    with RawConn.to(daemon) as raw:
+        raw.hello()
+        a = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 64}).body["buffer"]
+        batch = {"tensors": [[a, 0, 4], [a, 4, 4], [a, 16, 8]]}
+        for step in range(3):
+            data = pattern(16, step)
+            f = raw.request(Command.SET_TENSORS, batch, payload=data)
+            assert f.flags == Flag.REPLY, f.body
+            f = raw.request(Command.GET_TENSORS, batch)
+            assert f.flags == Flag.REPLY and f.payload == data, (step, f.body)
+            # The same batch with one byte of payload too many, or too few.
+            for wrong in (data + b"x", data[:-1]):
+                f = raw.request(Command.SET_TENSORS, batch, payload=wrong)
+                assert f.body["code"] == ErrorCode.BAD_REQUEST, f.body
+        # A bool for an offset is one byte away on the wire: decoded and refused anew.
+        f = raw.request(Command.GET_TENSORS, {"tensors": [[a, True, 4]]})
+        assert f.body["code"] == ErrorCode.BAD_REQUEST
+        f = raw.request(Command.GET_TENSORS, {"tensors": [[a, 1, 4]]})
+        assert f.flags == Flag.REPLY and len(f.payload) == 4
+        assert raw.request(Command.GET_TENSORS, batch).flags == Flag.REPLY
+        assert raw.request(Command.FREE_BUFFER, {"buffer": a}).flags == Flag.REPLY
+        for _ in range(2):  # the buffer checked before is gone: NOT_FOUND, each time
+            f = raw.request(Command.GET_TENSORS, batch)
+            assert f.body["code"] == ErrorCode.NOT_FOUND, f.body
+            f = raw.request(Command.SET_TENSORS, batch, payload=bytes(16))
+            assert f.body["code"] == ErrorCode.NOT_FOUND, f.body
+        # A new, smaller buffer: the same list (under its id) meets its bounds.
+        b = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 8}).body["buffer"]
+        small = {"tensors": [[b, 0, 4], [b, 4, 4]]}
+        assert raw.request(Command.GET_TENSORS, small).payload == bytes(8)
+        over = {"tensors": [[b, 0, 4], [b, 4, 8]]}
+        for _ in range(2):
+            assert raw.request(Command.GET_TENSORS, over).body["code"] == ErrorCode.OUT_OF_BOUNDS
+        assert raw.request(Command.GET_TENSORS, small).payload == bytes(8)
+        # A batch of more runs than a session keeps (REPEAT_RUNS): checked every time.
+        c = raw.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 1024}).body["buffer"]
+        data = pattern(1024, 7)
+        assert raw.request(Command.SET_TENSORS, {"tensors": [[c, 0, 1024]]},
+                           payload=data).flags == Flag.REPLY
+        sparse = {"tensors": [[c, 8 * i, 4] for i in range(100)]}  # 100 runs
+        want = b"".join(data[8 * i: 8 * i + 4] for i in range(100))
+        for _ in range(3):
+            assert raw.request(Command.GET_TENSORS, sparse).payload == want

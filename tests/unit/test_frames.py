@@ -532,3 +532,57 @@ def test_a_list_over_its_commands_cap_refuses_the_frame_not_the_stream() -> None
     # Invalid msgpack under a cap is still BAD_FRAME (framing cannot go on).
     with pytest.raises(BadFrame):
         dec.feed(encode_header(Command.GET_TENSORS, 0, 11, 1, 0) + b"\xc1")
+
+
+def test_a_repeated_batch_body_is_the_same_list_in_a_new_dict() -> None:
+    # The server decodes a batch that repeats its command's last one byte for byte once:
+    # the same list (so the handler may reuse its check), a new dict every frame.
+    dec = FrameDecoder()
+    dec.array_caps = {int(Command.GET_TENSORS): 4, int(Command.SET_TENSORS): 4}
+    body = {"tensors": [[1, 0, 4], [1, 4, 4]]}
+    get1, set1, get2, set2 = (
+        encode_frame(c, 0, s, body)
+        for s, c in enumerate((Command.GET_TENSORS, Command.SET_TENSORS) * 2, 1))
+    f1, f2, f3, f4 = dec.feed(b"".join((get1, set1, get2, set2)))
+    assert [f.seq for f in (f1, f2, f3, f4)] == [1, 2, 3, 4]
+    assert f3.body == f1.body == body and f3.body is not f1.body
+    assert f3.body["tensors"] is f1.body["tensors"]  # GET after GET, with a SET between
+    assert f4.body["tensors"] is f2.body["tensors"]
+    assert f2.body["tensors"] is not f1.body["tensors"]  # one memory per command
+    # One byte different (True for 1: what the handler refuses) is decoded anew.
+    (f5,) = dec.feed(encode_frame(Command.GET_TENSORS, 0, 5, {"tensors": [[True, 0, 4],
+                                                                           [1, 4, 4]]}))
+    assert f5.body["tensors"] is not f1.body["tensors"] and f5.body["tensors"][0][0] is True
+    (f6,) = dec.feed(get1)  # the last GET_TENSORS is f5's now
+    assert f6.body["tensors"] is not f1.body["tensors"] and f6.body == body
+
+
+def test_a_repeated_batch_over_a_lowered_cap_is_refused() -> None:
+    dec = FrameDecoder()
+    dec.array_caps = {int(Command.GET_TENSORS): 4}
+    frame = encode_frame(Command.GET_TENSORS, 0, 1, {"tensors": [[1, 0, 1]] * 3})
+    (f1,) = dec.feed(frame)
+    assert f1.refused is None
+    dec.array_caps = {int(Command.GET_TENSORS): 2}  # (a reload lowered max_tensors)
+    (f2,) = dec.feed(frame)
+    assert isinstance(f2.refused, TooLarge) and f2.body == {}
+    (f3,) = dec.feed(frame)  # refused again, not remembered as good
+    assert isinstance(f3.refused, TooLarge)
+    # Commands without a cap (every command on the client side) remember nothing.
+    (g1, g2) = FrameDecoder().feed(frame + frame)
+    assert g1.body == g2.body and g1.body["tensors"] is not g2.body["tensors"]
+
+
+def test_a_batch_body_over_repeat_body_is_not_remembered() -> None:
+    # What a connection keeps between frames is bounded: a larger batch is decoded anew.
+    dec = FrameDecoder()
+    dec.array_caps = {int(Command.GET_TENSORS): 1 << 20}
+    small = {"tensors": [[1, 0, 1]] * 10}
+    big = {"tensors": [[1, 0, 1]] * (frames.REPEAT_BODY // 4)}
+    assert len(pack_body(big)) > frames.REPEAT_BODY >= len(pack_body(small))
+    b1, b2 = dec.feed(encode_frame(Command.GET_TENSORS, 0, 1, big) +
+                      encode_frame(Command.GET_TENSORS, 0, 2, big))
+    assert b1.body == b2.body and b1.body["tensors"] is not b2.body["tensors"]
+    s1, s2 = dec.feed(encode_frame(Command.GET_TENSORS, 0, 3, small) +
+                      encode_frame(Command.GET_TENSORS, 0, 4, small))
+    assert s1.body["tensors"] is s2.body["tensors"]

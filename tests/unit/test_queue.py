@@ -9,7 +9,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from client.queue import BODY_SLACK, TENSOR_WIRE_BYTES, QueuedGet, QueuedSet, chunks, segments
+from client.queue import (
+    BODY_SLACK,
+    TENSOR_WIRE_BYTES,
+    PackedTensors,
+    QueuedGet,
+    QueuedSet,
+    chunks,
+    segments,
+)
 from transferd.protocol.frames import pack_body
 from transferd.protocol.messages import U64_MAX, Tensor
 
@@ -186,3 +194,46 @@ def test_chunks_respect_both_limits_at_once() -> None:
         assert sum(op.tensor.size for op in p) <= 400
         assert _body_len(p) <= 1024
     assert [op for p in parts for op in p] == items
+
+
+def test_packed_tensors_are_kept_for_the_same_objects_only() -> None:
+    p = PackedTensors()
+    ts = [Tensor(1, i * 4, 4) for i in range(8)]
+    raw = p.body(ts)
+    assert msgpack.unpackb(raw) == {"tensors": [list(t) for t in ts]}
+    assert p.body(list(ts)) is raw  # the same tensors in a new list: kept
+    # Equal is not the same: a Tensor built with True for 1 packs to other bytes.
+    odd = [Tensor(True, 0, 4), *ts[1:]]  # type: ignore[arg-type]
+    assert odd == ts
+    raw2 = p.body(odd)
+    assert raw2 != raw and msgpack.unpackb(raw2)["tensors"][0][0] is True
+    assert p.body(ts) == raw and p.body(ts[:-1]) != raw  # shorter: packed anew
+    assert msgpack.unpackb(p.body([])) == {"tensors": []}
+
+
+def test_a_reply_of_small_rows_is_gathered_and_one_of_large_rows_scattered() -> None:
+    from client.queue import GATHER_MAX, GATHER_ROW, Columns, Reads
+    from transferd.protocol.constants import Command
+    from transferd.protocol.frames import Frame
+
+    def sink(rows: int, size: int, out: bool = False) -> list[memoryview] | None:
+        seg = Columns()
+        loop = asyncio.new_event_loop()
+        try:
+            for i in range(rows):
+                if out and i == 1:
+                    seg.get_out[i] = (memoryview(bytearray(size)), None)
+                seg.get_t.append(Tensor(1, i * size, size))
+                seg.get_f.append(loop.create_future())
+        finally:
+            loop.close()
+        frame = Frame(int(Command.GET_TENSORS), 0, 1, {}, rows * size)
+        return Reads(seg, 0, rows, rows * size).sink(frame)
+
+    assert sink(32, 4096) is None  # 128 KiB of 4 KiB rows: received whole, cut
+    assert sink(8, GATHER_ROW) is None
+    views = sink(4, 64 << 10)  # 256 KiB of 64 KiB rows: straight into each row's memory
+    assert views is not None and [len(v) for v in views] == [64 << 10] * 4
+    assert sink(GATHER_MAX // 4096 + 1, 4096) is not None  # over GATHER_MAX in all
+    out = sink(32, 4096, out=True)  # a read with out= lands where it said
+    assert out is not None and len(out) == 32

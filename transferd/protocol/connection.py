@@ -1173,7 +1173,7 @@ class ClientConnection(_Machine):
         """The seq of the request made last (what its reply or event will carry)."""
         return self._seq
 
-    def request(self, cmd: int, body: dict[str, Any] | None = None,
+    def request(self, cmd: int, body: dict[str, Any] | bytes | None = None,
                 payload: Sequence[Any] = (), *, flags: int = 0, fds: Sequence[int] = (),
                 token: Any = None, payload_len: int = -1) -> Outgoing:
         """A request: the frame to write (its seq is :attr:`last_seq`).  Unless NO_REPLY,

@@ -48,6 +48,10 @@ _unpackb = msgpack.unpackb
 # into their sink.
 READ_CHUNK = 256 * 1024
 STREAM_THRESHOLD = 64 * 1024
+# The largest batch body a server's decoder remembers for a repeat (FrameDecoder._repeats):
+# a decode step's batch of a few hundred tensors, and a bound on what a connection keeps
+# between frames (the bytes, and a decoded list of at most REPEAT_BODY // 4 tensors).
+REPEAT_BODY = 4096
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -119,12 +123,14 @@ _pack_header = HEADER.pack
 _pack = _packer.pack
 
 
-def encode_head(cmd: int, flags: int, seq: int, body: dict[str, Any] | None,
+def encode_head(cmd: int, flags: int, seq: int, body: dict[str, Any] | bytes | None,
                 payload_len: int) -> bytes:
     """The one frame encoder: header and msgpack body as one bytes; the caller sends
     ``payload_len`` payload bytes after it.  Every frame the client and the server
-    write is made here (the sans-IO connections call it); nothing else packs a header."""
-    raw = _pack(body) if body else b""
+    write is made here (the sans-IO connections call it); nothing else packs a header.
+    A body given as ``bytes`` was packed already (:func:`pack_body`: the client keeps a
+    batch's packed tensor list for the next step that sends the same tensors)."""
+    raw = body if type(body) is bytes else _pack(body) if body else b""
     return _pack_header(MAGIC, cmd, flags, seq & 0xFFFFFFFF, len(raw), 0, payload_len) + raw
 
 
@@ -253,6 +259,11 @@ class FrameDecoder:
         # one at its length prefix, before building a single element, so a batch
         # over its cap costs no decoding (a 650,000-tensor body held the loop 0.2 s).
         self.array_caps: dict[int, int] = {}
+        # Per capped command, the last body decoded: (its bytes, its cap, the body).  A
+        # batch that repeats its command's last one byte for byte (a decode loop's step)
+        # is that body again, not unpacked again; its list is the same object, so the
+        # handler's check of it can be reused too (rpc_server/handlers.batch_views).
+        self._repeats: dict[int, tuple[bytes, int, dict[str, Any]]] = {}
 
     # -- the I/O side ---------------------------------------------------------
 
@@ -418,29 +429,46 @@ class FrameDecoder:
                 if body_len:  # unpack_body(), inlined for a well-formed body
                     raw = self._view[start : start + body_len]
                     cap = self.array_caps.get(h.cmd) if self.array_caps else None
-                    try:
-                        if cap is None:
-                            body = _unpackb(raw, raw=False, strict_map_key=True)
-                        else:
-                            body = _unpackb(raw, raw=False, strict_map_key=True,
-                                            max_array_len=cap)
-                    except ValueError as exc:
-                        body = None
-                        if cap is not None and "exceeds max_array_len" in str(exc):
-                            body = {}
-                            refused = OverLimit(
-                                f"a list of more than {cap} entries in this request's body "
-                                f"is over this server's cap for it (max_tensors = {cap}, "
-                                "announced in HELLO): split it", seq=h.seq)
-                    except Exception:
-                        body = None
-                    ok = type(body) is dict
-                    if ok:
-                        for k in body:
-                            if type(k) is not str:
-                                ok = False
-                    if not ok:
-                        body = unpack_body(raw, h.seq)  # raises the right BadFrame
+                    key = b""
+                    last = None
+                    if cap is not None and body_len <= REPEAT_BODY:
+                        key = bytes(raw)
+                        last = self._repeats.get(h.cmd)
+                        if last is not None and (last[0] != key or last[1] != cap):
+                            last = None
+                    body: Any
+                    if last is not None:
+                        # Byte for byte the last body: already unpacked and judged (a
+                        # dict with string keys, lists within the cap).  A new dict; its
+                        # values are the same objects (nothing that reads a request's
+                        # body changes it).
+                        body = dict(last[2])
+                    else:
+                        try:
+                            if cap is None:
+                                body = _unpackb(raw, raw=False, strict_map_key=True)
+                            else:
+                                body = _unpackb(raw, raw=False, strict_map_key=True,
+                                                max_array_len=cap)
+                        except ValueError as exc:
+                            body = None
+                            if cap is not None and "exceeds max_array_len" in str(exc):
+                                body = {}
+                                refused = OverLimit(
+                                    f"a list of more than {cap} entries in this request's "
+                                    f"body is over this server's cap for it (max_tensors = "
+                                    f"{cap}, announced in HELLO): split it", seq=h.seq)
+                        except Exception:
+                            body = None
+                        ok = type(body) is dict
+                        if ok:
+                            for k in body:
+                                if type(k) is not str:
+                                    ok = False
+                        if not ok:
+                            body = unpack_body(raw, h.seq)  # raises the right BadFrame
+                        if key and cap is not None and refused is None:
+                            self._repeats[h.cmd] = (key, cap, body)
                 else:
                     body = {}
                 self._start = start + body_len
