@@ -168,8 +168,9 @@ class Session(asyncio.BufferedProtocol):
     @property
     def write_blocked(self) -> bool:
         """Unsent bytes wait in the transport or the TLS chunks (resume_writing will say
-        when they are out)."""
-        return self.conn.flow is _BLOCKED
+        when they are out), or frames wait behind a streamed reply (hold_frames;
+        release_frames says when they went)."""
+        return self.conn.flow is _BLOCKED or self._held is not None
 
     # -- asyncio callbacks --------------------------------------------------------------
 
@@ -245,13 +246,16 @@ class Session(asyncio.BufferedProtocol):
             return  # TLS: chunks still wait (a write here may pause writing again)
         self.last_active = self._loop.time()
         self.conn.output_drained()
+        self._output_drained()
+        if self.conn.state is _READY:
+            self._loop.call_soon(self._pump)
+
+    def _output_drained(self) -> None:
         # Peer messages handed to this connection are out: their senders' ACKs.
         self.ctx.service.drained(self.caller)
         if self.drained_hooks:
             for hook in list(self.drained_hooks):
                 hook()
-        if self.conn.state is _READY:
-            self._loop.call_soon(self._pump)
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""
@@ -619,6 +623,10 @@ class Session(asyncio.BufferedProtocol):
         held, self._held = self._held, None
         for o in held or ():
             self._write(o)
+        if held is not None and self.conn.flow is not _BLOCKED:
+            # All out, and no resume_writing will come to say so: what paced itself on
+            # write_blocked meanwhile goes on (messages' ACKs, WATCH changes).
+            self._output_drained()
 
     def stream_head(self, frame: Frame, payload_len: int) -> bytes:
         """The header of a reply a handler writes itself (streamed from device memory)."""

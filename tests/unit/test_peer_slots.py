@@ -4,12 +4,14 @@ holds nothing else back, transfers to several peers, expiry of a wait."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
 from tests.helpers import async_test
 from transferd.engine.peer_slots import PeerSlots
-from transferd.protocol.errors import OverLimit, Timeout
+from transferd.protocol.errors import Cancelled, OverLimit, Timeout
 
 P, Q, R = (1, 0), (2, 0), (3, 0)
 
@@ -144,3 +146,51 @@ async def test_a_waiting_transfer_can_be_cancelled_and_a_started_one_found() -> 
     s.finish("p3")
     await asyncio.wait_for(later, 1)
     assert slots.started(later) is later  # forgotten once done
+
+
+class _Source:
+    """What a waiting transfer's start holds (its parts, views of its source)."""
+
+
+async def _held_after(slots: PeerSlots, n: int, end: str) -> int:
+    """How many of ``n`` waiters that ended while they waited (``end``: cancelled, or
+    expired) are still held by the slots, a peer's slot busy all along."""
+    refs = []
+    for i in range(n):
+        src = _Source()
+        refs.append(weakref.ref(src))
+
+        def start(releases, src=src):  # type: ignore[no-untyped-def]
+            raise AssertionError(f"a waiter that ended started ({src})")
+
+        fut = slots.run([P], start)
+        if end == "cancelled":
+            assert slots.cancel(fut, Cancelled("cancelled by the test"))
+        elif i % 50 == 49:
+            await asyncio.sleep(0.01)  # past timeout_s: the last 50 expire
+        del src, start, fut
+    await asyncio.sleep(0.01)
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+@async_test()
+async def test_waiters_that_ended_are_let_go_while_the_peer_stays_busy(end: str) -> None:
+    """A peer that finishes nothing, and a client that queues a write to it and cancels
+    it (or lets it expire), over and over: the queue keeps at most a bounded number of
+    the dead waiters (and what their starts hold), not one per write ever queued."""
+    slots = PeerSlots(asyncio.get_running_loop(), per_peer=1, timeout_s=0.001,
+                      max_waiting=100)
+    s = Starts()
+    slots.run([P], s("stuck"))  # the one slot, never freed
+    held = await _held_after(slots, 3000, end)
+    assert held <= 2 * slots.max_waiting, f"{held} of 3000 ended waiters still held"
+    # The queue still works: the slot freed, a fresh waiter (a deadline it keeps) starts.
+    slots.timeout_s = 30
+    fut = slots.run([P], s("next"))
+    s.finish("stuck")
+    await _turns()
+    assert s.names() == ["stuck", "next"] and slots.waiting == 0
+    s.finish("next")
+    await fut

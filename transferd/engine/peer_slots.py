@@ -66,6 +66,13 @@ class PeerSlots:
         self._waiters: dict[asyncio.Future[None], _Waiter] = {}
         self._started: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.waiting = 0
+        # Entries in all the queues: the waiting, and those that ended while they waited
+        # (cancelled, expired), which a queue forgets only when they reach its head.
+        # Past max_waiting of the latter the queues are swept (_sweep): a peer that
+        # finishes nothing never brings its queue's head round, and a client cancelling
+        # writes to it would otherwise grow the queue by one waiter (and what its start
+        # holds: the parts, views of their source) per write.
+        self._queued = 0
         # Transfers that waited for a slot, and those that gave up waiting (metrics).
         self.waited = 0
         self.expired = 0
@@ -88,6 +95,8 @@ class PeerSlots:
                 break
         else:
             return self._start(keys, start, held)
+        if self._queued - self.waiting >= self.max_waiting:
+            self._sweep()
         if self.waiting >= self.max_waiting:
             raise OverLimit(f"{self.waiting} transfers already wait for a slot of a busy peer "
                             f"(each peer takes engine.max_inflight_per_peer = "
@@ -95,6 +104,7 @@ class PeerSlots:
         w = _Waiter(keys, start, self.loop.create_future(), held)
         w.timer = self.loop.call_later(self.timeout_s, self._expire, w, blocked)
         self._queues.setdefault(blocked, deque()).append(w)
+        self._queued += 1
         self._waiters[w.outer] = w
         w.outer.add_done_callback(self._forget)
         self.waiting += 1
@@ -168,6 +178,7 @@ class PeerSlots:
         q = self._queues.get(key)
         while q and self._busy.get(key, 0) < self.per_peer:
             w = q.popleft()
+            self._queued -= 1
             if w.outer.done():  # expired, or its client went away
                 continue
             if w.timer is not None and w.timer.when() <= self.loop.time():
@@ -179,6 +190,7 @@ class PeerSlots:
             other = self._blocked(w.keys - {key}, queued=False)
             if other is not None:  # a scatter whose other peer is full: wait there
                 self._queues.setdefault(other, deque()).append(w)
+                self._queued += 1
                 continue
             self.waiting -= 1
             self._waiters.pop(w.outer, None)
@@ -194,6 +206,17 @@ class PeerSlots:
             inner.add_done_callback(functools.partial(_follow, outer=w.outer))
         if q is not None and not q and self._queues.get(key) is q:
             del self._queues[key]  # (a start that failed may have pumped it empty first)
+
+    def _sweep(self) -> None:
+        """Every queue without the waiters that ended (O(entries), run once per
+        max_waiting of them: O(1) per waiter)."""
+        for key, q in list(self._queues.items()):
+            live = [w for w in q if not w.outer.done()]
+            q.clear()  # in place: a _pump may hold this deque
+            q.extend(live)
+            if not q:
+                del self._queues[key]
+        self._queued = sum(map(len, self._queues.values()))
 
     def _expire(self, w: _Waiter, key: PeerKey) -> None:
         if w.outer.done():

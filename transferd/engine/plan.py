@@ -46,6 +46,18 @@ def check_rails(desc_rails: int, rails: int, who: str) -> None:
         )
 
 
+# The highest address a peer frame carries (its struct packs a u64).
+U64 = (1 << 64) - 1
+
+
+def check_space(desc: MrDesc, end: int) -> None:
+    """A peer range ``[.., end)`` relative to ``desc`` (whose ``size`` is 0, unknown: no
+    region bound checked it) ends inside the 64-bit address space."""
+    if desc.ptr + end > U64:
+        raise OutOfBounds(f"[0x{desc.ptr:x} + {end}) runs past the end of the 64-bit "
+                          "address space")
+
+
 def _check_dst(desc: MrDesc, off: int, length: int) -> None:
     # The receiver checks authoritatively; failing early here saves a round trip.
     if desc.size and (off < 0 or off + length > desc.size):
@@ -61,8 +73,11 @@ def plan_single(
         check_rails(len(rkeys), rails, f"region at 0x{desc.ptr:x}")
     if len(src) != length:
         raise OutOfBounds(f"source holds {len(src)} bytes for a write of {length}")
-    if desc.size and (dst_off < 0 or dst_off + length > desc.size):
-        _check_dst(desc, dst_off, length)
+    if desc.size:
+        if dst_off < 0 or dst_off + length > desc.size:
+            _check_dst(desc, dst_off, length)
+    else:
+        check_space(desc, dst_off + length)
     if length < split_min and max_parts is None:
         # The small write: whole, on one rail.
         rail = op % rails
@@ -104,6 +119,8 @@ def plan_paged(
                                 or max(addrs) - desc.ptr + page_len > desc.size):
         for a in addrs:  # name the first page that is out
             _check_dst(desc, a - desc.ptr, page_len)
+    elif addrs and not desc.size:
+        check_space(desc, max(addrs) - desc.ptr + page_len)
     total = len(src_views)
     parts: list[WritePart] = []
     if total <= pages_per_frame and rails == 1:
@@ -153,5 +170,5 @@ def plan_barrier(op: int, imm: int, dsts: Sequence[MrDesc], rails: int) -> list[
 
 __all__ = [
     "PAGES_PER_FRAME", "SPLIT_ALIGN", "SPLIT_MIN", "Plan", "SendPart", "WritePart",
-    "check_rails", "plan_barrier", "plan_paged", "plan_single", "split_sizes",
+    "check_rails", "check_space", "plan_barrier", "plan_paged", "plan_single", "split_sizes",
 ]

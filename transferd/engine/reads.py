@@ -32,7 +32,7 @@ from transferd.protocol.errors import BadRequest, OutOfBounds
 from transferd.protocol.values import MrDesc, Pages
 
 from .device_source import plan_staging
-from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails, paged_frames
+from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails, check_space, paged_frames
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
@@ -41,9 +41,12 @@ if TYPE_CHECKING:
 
 def _check_src(desc: MrDesc, off: int, length: int) -> None:
     # The responder checks authoritatively; failing early here saves a round trip.
-    if desc.size and (off < 0 or off + length > desc.size):
-        raise OutOfBounds(f"[{off}, {off + length}) is outside the remote region of "
-                          f"{desc.size}")
+    if desc.size:
+        if off < 0 or off + length > desc.size:
+            raise OutOfBounds(f"[{off}, {off + length}) is outside the remote region of "
+                              f"{desc.size}")
+    else:
+        check_space(desc, off + length)
 
 
 def _cut(views: Sequence[memoryview], start: int, size: int) -> list[memoryview]:
@@ -118,6 +121,8 @@ def plan_paged_reads(op: int, page_len: int, into: Sequence[memoryview], desc: M
         if lo < 0 or hi + page_len > desc.size:
             for i in idx:  # name the first page that is out
                 _check_src(desc, first + i * stride, page_len)
+    elif idx:
+        check_space(desc, first + max(idx) * stride + page_len)
     base = desc.ptr + first
     addrs = [base + i * stride for i in idx]
     total = len(into)

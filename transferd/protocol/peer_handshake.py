@@ -257,6 +257,9 @@ class PeerHandshake:
         self.error: TransferdError | None = None
         # Why it failed, one of transferd.authlog.REASONS (logged and counted there).
         self.reason = ""
+        # Initiator: who the daemon dialled said it is, when that was not who was
+        # expected (the dial's back-off is then the expected identity's, not the address's).
+        self.answered: tuple[int, int] | None = None
 
     # -- the I/O side's calls -----------------------------------------------------
 
@@ -447,6 +450,8 @@ class PeerHandshake:
         assert self.expect is not None
         node, group, addr = self.expect
         if peer.key != (node, group) or rail != self.rail or peer.addrs[rail] != addr:
+            if rail == self.rail and peer.addrs[rail] == addr:
+                self.answered = peer.key
             raise self._deny("identity",
                 f"the daemon at {_show(addr)} answers as node {peer.node:016x}/{peer.group} "
                 f"rail {rail} at {_show(peer.addrs[rail])}, not as node {node:016x}/{group} "

@@ -17,6 +17,7 @@ import msgpack
 from .errors import BadRequest
 
 _FORMAT = 1
+U64 = (1 << 64) - 1
 
 
 def _unpack(raw: bytes, what: str) -> Any:
@@ -119,9 +120,20 @@ class MrDesc:
     size: int = 0
 
     def __init__(self, ptr: int, rkeys: Sequence[tuple[NetAddr, int]], size: int = 0) -> None:
-        object.__setattr__(self, "ptr", int(ptr))
-        object.__setattr__(self, "rkeys", [(a, int(k)) for a, k in rkeys])
-        object.__setattr__(self, "size", int(size))
+        self._set(int(ptr), [(a, int(k)) for a, k in rkeys], int(size))
+
+    def _set(self, ptr: int, keys: list[tuple[NetAddr, int]], size: int) -> None:
+        # u64s, and a region inside the address space: a peer frame packs them as such
+        # (out of range, its struct packing would fail in the link's send path).
+        if ptr < 0 or size < 0 or ptr + size > U64:
+            raise BadRequest(f"MrDesc: ptr {ptr} and size {size} must be u64, the region "
+                             "[ptr, ptr + size) below 2**64")
+        for _, k in keys:
+            if not 0 <= k <= U64:
+                raise BadRequest(f"MrDesc: rkey {k} is not a u64")
+        object.__setattr__(self, "ptr", ptr)
+        object.__setattr__(self, "rkeys", keys)
+        object.__setattr__(self, "size", size)
 
     def to_wire(self) -> list[Any]:
         return [self.ptr, self.size, [[a.to_bytes(), k] for a, k in self.rkeys]]
@@ -130,9 +142,18 @@ class MrDesc:
     def from_wire(cls, v: Any) -> MrDesc:
         try:
             ptr, size, rkeys = v
-            return cls(int(ptr), [(NetAddr.from_bytes(a), int(k)) for a, k in rkeys], int(size))
-        except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError
+            keys = [(NetAddr.from_bytes(a), k) for a, k in rkeys]
+        except (TypeError, ValueError):
             raise BadRequest("MrDesc: malformed") from None
+        # msgpack ints only: int() would take a float, a bool or a numeric string.
+        if type(ptr) is not int or type(size) is not int:
+            raise BadRequest("MrDesc: malformed (ptr and size are integers)")
+        for _, k in keys:
+            if type(k) is not int:
+                raise BadRequest("MrDesc: malformed (every rkey is an integer)")
+        desc = object.__new__(cls)
+        desc._set(ptr, keys, size)
+        return desc
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([_FORMAT, *self.to_wire()])
@@ -184,7 +205,10 @@ class Pages:
             indices, stride, offset = v
             if not _u32s(indices):
                 raise ValueError
-            if stride < 0 or offset < 0:
+            # Integers only (a bool too, as for the indices: tests/unit/test_page_views.py):
+            # int() would truncate a float into another page's address.
+            if not isinstance(stride, int) or not isinstance(offset, int) or stride < 0 \
+                    or offset < 0:
                 raise ValueError
             return cls(indices, stride, offset)
         except (TypeError, ValueError, OverflowError):  # int(inf) is an OverflowError

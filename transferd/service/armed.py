@@ -12,8 +12,9 @@ most once, when the watcher sees its word at ``value`` or above (unsigned; two b
 between polls are one change, so an exact match could be missed), or at once if the
 word is there already, through :meth:`Service.submit_paged_writes` (the one path
 every paged write takes); its end is that submit's, under the arm's key.  It is
-dropped, never fired, when CANCEL names it (CANCELLED), when its watcher ends (its
-buffer freed: NOT_FOUND naming the watcher), or when its caller goes.  A source
+dropped, never fired, when CANCEL names it (CANCELLED; also once fired while it
+waits for room in its caller's share or the engine: nothing was sent), when its
+watcher ends (its buffer freed: NOT_FOUND naming the watcher), or when its caller goes.  A source
 region deregistered meanwhile fails the fire with the submit's own NOT_FOUND before
 any byte is read; a destination gone fails at the peer as any write there does.
 
@@ -31,7 +32,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit, TransferdError
+from transferd.protocol.errors import (
+    BadRequest,
+    Internal,
+    NotFound,
+    OutOfBounds,
+    OverLimit,
+    TransferdError,
+)
 from transferd.protocol.values import MrDesc, Pages
 
 from .caller import Caller
@@ -47,6 +55,9 @@ U64 = (1 << 64) - 1
 
 class ArmState(enum.Enum):
     ARMED = "armed"
+    # Fired while its caller's share (engine.max_inflight_per_client) or the engine was
+    # full: it waits for room, still in its caller's table, so a CANCEL drops it unsent.
+    WAITING = "waiting"
     FIRED = "fired"
     DROPPED = "dropped"
 
@@ -153,9 +164,27 @@ class ArmedWrites:
         self._by_watcher.setdefault(watcher_id, []).append(a)
         self._count[caller] += 1
         self._pages[caller] += a.pages
+        if not self._still_there(watcher_id):
+            # Its watcher ended since the caller looked it up (the watcher thread's sweep
+            # of a freed buffer's word), before this arm was here for the sweep to find
+            # (watchers_ended): nobody would ever drop it.  From here on the sweep does.
+            self._forget(a, ArmState.DROPPED)
+            caller.ops.finished(a.op, None)
+            raise NotFound(f"watcher {watcher_id} ended (its buffer was freed): nothing "
+                           "armed")
         if now >= value:
             asyncio.get_running_loop().call_soon(self._fire_if_armed, a)
         return a.op
+
+    def _still_there(self, watcher_id: int) -> bool:
+        watchers = self._service.watchers
+        if watchers is None:
+            return False
+        try:
+            watchers.get(watcher_id)
+        except NotFound:
+            return False
+        return True
 
     # -- the watcher's side ----------------------------------------------------------
 
@@ -205,8 +234,12 @@ class ArmedWrites:
         return True
 
     def _drop(self, a: Armed, err: TransferdError | None) -> bool:
-        """Never fired: ``err`` is its end (None: its caller is gone, nobody to tell)."""
-        if not self._forget(a, ArmState.DROPPED):
+        """Never sent: ``err`` is its end (None: its caller is gone, nobody to tell)."""
+        if a.state is ArmState.WAITING:
+            # Its wait for room runs on and finds it dropped (cancelling it would cancel
+            # the caller's room future, which other submits wait on too).
+            a.state = ArmState.DROPPED
+        elif not self._forget(a, ArmState.DROPPED):
             return False
         self.dropped += 1
         assert a.op is not None
@@ -222,7 +255,23 @@ class ArmedWrites:
         if not self._forget(a, ArmState.FIRED):
             return
         self.fired += 1
-        assert a.op is not None
+        self._start(a)
+
+    def _start(self, a: Armed) -> None:
+        """Submit the fired write; while its caller's share or the engine is full, wait
+        for room first, the arm's op still in its caller's table (the submit's own wait
+        would leave nothing there for a CANCEL to find, and send it later all the same)."""
+        service = self._service
+        engine = service.engine
+        assert engine is not None and a.op is not None  # armed: the engine checked it
+        if (len(a.caller.pending) >= engine.config.max_inflight_per_client
+                or not engine.has_slot()):
+            a.state = ArmState.WAITING
+            task = asyncio.ensure_future(self._room(a.caller, engine))
+            service.background.add(task)
+            task.add_done_callback(lambda t: self._roomed(a, t))
+            return
+        a.state = ArmState.FIRED
         # The arm's op ends here; the submit's, under the same key, replaces it (a
         # CANCEL from now on names the write under way).
         a.caller.ops.finished(a.op, None)
@@ -238,6 +287,23 @@ class ArmedWrites:
             task = asyncio.ensure_future(admitted)
             self._service.background.add(task)
             task.add_done_callback(lambda t: self._admitted_late(a, t))
+
+    @staticmethod
+    async def _room(caller: Caller, engine: TransferEngine) -> None:
+        await caller.wait_room(engine.config.max_inflight_per_client)
+        await engine.wait_slot()
+
+    def _roomed(self, a: Armed, task: asyncio.Future[None]) -> None:
+        self._service.background.discard(task)
+        if a.state is not ArmState.WAITING or task.cancelled():
+            return  # dropped meanwhile (CANCEL): it ended there
+        exc = task.exception()
+        if exc is not None:
+            self._drop(a, exc if isinstance(exc, TransferdError) else Internal(repr(exc)))
+        elif a.caller.closed:
+            self._drop(a, None)
+        else:
+            self._start(a)  # room now (or wait again: another took it first)
 
     def _admitted_late(self, a: Armed, task: asyncio.Future[Any]) -> None:
         self._service.background.discard(task)

@@ -135,9 +135,10 @@ class TcpDomain(Domain):
         opts = options or DomainOptions()
         self.link_idle_s = opts.link_idle_s
         self.rail_timeout_s = opts.rail_timeout_s
-        # Address dialled -> (failures in a row, no dial before, the last error).
-        self._dial_failures: OrderedDict[bytes, tuple[int, float, TransferdError]] = \
-            OrderedDict()
+        # Address dialled -> (failures in a row, no dial before, the last error, and who
+        # answered there when it was not who was dialled: a dial of that one goes on).
+        self._dial_failures: OrderedDict[
+            bytes, tuple[int, float, TransferdError, tuple[int, int] | None]] = OrderedDict()
         self._log = LogEvery(log)
         self._sweeper: asyncio.TimerHandle | None = None
         self._guard = AcceptGuard(self.loop, self._listener, self._accept,
@@ -179,7 +180,10 @@ class TcpDomain(Domain):
             return link
         failed = self._dial_failures.get(dst.rails[0])
         now = self.loop.time()
-        if failed is not None and now < failed[1]:
+        # A client naming this address under another identity (a forged NetAddr) backs
+        # off dials as that identity only: the peer told us who it is, and a dial of it
+        # is no retry of what failed (else one client denies the others this peer).
+        if failed is not None and now < failed[1] and failed[3] != dst.key:
             # The last failure's kind: a peer that is unreachable, or one whose
             # handshake said no (BAD_REQUEST: another rail count, say).
             kind = BadRequest if type(failed[2]) is BadRequest else PeerUnreachable
@@ -209,12 +213,14 @@ class TcpDomain(Domain):
                 return
         link.submit(part, transfer)
 
-    def dial_failed(self, addr: bytes, error: TransferdError) -> None:
-        """A dial of ``addr`` (or its handshake) failed: no new dial for a while."""
+    def dial_failed(self, addr: bytes, error: TransferdError,
+                    answered: tuple[int, int] | None = None) -> None:
+        """A dial of ``addr`` (or its handshake) failed: no new dial for a while (but of
+        ``answered``, the identity the daemon there gave when it was not the one dialled)."""
         last = self._dial_failures.pop(addr, None)
         n = (last[0] if last is not None else 0) + 1
         delay = min(DIAL_BACKOFF_MIN_S * 2 ** (n - 1), DIAL_BACKOFF_MAX_S)
-        self._dial_failures[addr] = (n, self.loop.time() + delay, error)
+        self._dial_failures[addr] = (n, self.loop.time() + delay, error, answered)
         while len(self._dial_failures) > MAX_DIAL_FAILURES:
             self._dial_failures.popitem(last=False)
 
@@ -469,7 +475,8 @@ class PeerLink:
         err = self.core.error or error
         if self.core.hs.error is not None and not self.core.authenticated \
                 and err is not None:
-            d.dial_failed(self.dst.rails[0], err)  # its handshake failed: back off
+            # Its handshake failed: back off.
+            d.dial_failed(self.dst.rails[0], err, self.core.hs.answered)
         if err is not None and not d.closing and not self._idle:
             peer_warning("peer link broken", self.dst.node, d.rail,
                          self.dst.rails[0].decode(errors="replace") if self.dst.rails
