@@ -92,7 +92,17 @@ class Completion:
         return self._future.__await__()
 
     async def wait(self, timeout: float | None = None) -> Any:
-        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+        # Not wait_for(shield(...)): its waiter future and done callbacks are a loop
+        # turn more per wait (an MoE step waits six times), and one already ended
+        # needs none.  The shield keeps a timed-out (or cancelled) wait from
+        # cancelling the Completion itself.
+        fut = self._future
+        if not fut.done():
+            if timeout is None:
+                return await asyncio.shield(fut)
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
+        return fut.result()
 
     def _resolve(self, value: Any = None, error: BaseException | None = None) -> None:
         if self._future.done():
