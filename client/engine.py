@@ -92,16 +92,27 @@ class Completion:
         return self._future.__await__()
 
     async def wait(self, timeout: float | None = None) -> Any:
-        # Not wait_for(shield(...)): its waiter future and done callbacks are a loop
-        # turn more per wait (an MoE step waits six times), and one already ended
-        # needs none.  The shield keeps a timed-out (or cancelled) wait from
-        # cancelling the Completion itself.
+        # Neither wait_for nor shield: their futures and done callbacks are two loop
+        # turns more per wait (an MoE step waits six times), and one already ended needs
+        # none.  The waiter is this wait's own: a timed-out or cancelled wait cancels it,
+        # never the Completion.
         fut = self._future
         if not fut.done():
-            if timeout is None:
-                return await asyncio.shield(fut)
-            async with asyncio.timeout(timeout):
-                return await asyncio.shield(fut)
+            waiter = fut.get_loop().create_future()
+
+            def wake(_: Any) -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+            fut.add_done_callback(wake)
+            try:
+                if timeout is None:
+                    await waiter
+                else:
+                    async with asyncio.timeout(timeout):
+                        await waiter
+            finally:
+                fut.remove_done_callback(wake)
         return fut.result()
 
     def _resolve(self, value: Any = None, error: BaseException | None = None) -> None:

@@ -130,6 +130,11 @@ class TcpDomain(Domain):
         self.strangers = RailStrangers(f"rail {rail} ({host}:{self.port_number})",
                                        port.links.handshake_timeout_s)
         self.closing = False
+        # Links that sent a part this turn of the loop (PeerLink.submit): one handle
+        # ends the turn's burst of all of them (a scatter to many peers schedules one,
+        # not one per peer).
+        self._bursting: list[PeerLink] = []
+        self._burst: asyncio.Handle | None = None
         # Links of every rail of the group share one budget of descriptors (fds.py).
         self.budget: LinkBudget = port.links.budget
         opts = options or DomainOptions()
@@ -212,6 +217,18 @@ class TcpDomain(Domain):
                 transfer.part_done(exc)
                 return
         link.submit(part, transfer)
+
+    def bursting(self, link: PeerLink) -> None:
+        """``link`` sent the first part of its burst this turn: its end is due."""
+        self._bursting.append(link)
+        if self._burst is None:
+            self._burst = self.loop.call_soon(self._burst_end)
+
+    def _burst_end(self) -> None:
+        self._burst = None
+        links, self._bursting = self._bursting, []
+        for link in links:
+            link.burst_end()
 
     def dial_failed(self, addr: bytes, error: TransferdError,
                     answered: tuple[int, int] | None = None) -> None:
@@ -349,7 +366,7 @@ class PeerLink:
         self._idle = False  # closed for being idle (no warning)
         # A part sent this turn of the loop: the parts after it wait for the turn's end
         # and go together (one send for a burst of small writes, none delayed alone).
-        self._burst: asyncio.Handle | None = None
+        self._bursting = False
         self._task = loop.create_task(self._connect())
 
     @property
@@ -417,12 +434,13 @@ class PeerLink:
             core.send(transfer, part.op, part.index, part.msg)
         io = self.io
         if io is not None and core.state is LinkState.READY:
-            if self._burst is None:
+            if not self._bursting:
                 # The first part of this turn goes now (a lone small write waits for
-                # nothing); the turn's later parts wait in the core's output for
-                # _burst_end, which sends them in one go.
+                # nothing); the turn's later parts wait in the core's output for the
+                # domain's burst_end, which sends them in one go.
                 io.flush()
-                self._burst = self.domain.loop.call_soon(self._burst_end)
+                self._bursting = True
+                self.domain.bursting(self)
         elif io is not None:
             io._after()
         elif core.completions:  # refused before the dial got anywhere
@@ -430,8 +448,8 @@ class PeerLink:
             for token, err in done:
                 token.part_done(err)
 
-    def _burst_end(self) -> None:
-        self._burst = None
+    def burst_end(self) -> None:
+        self._bursting = False
         io = self.io
         if io is not None and not io.closed and self.core.out.queued:
             io.flush()
