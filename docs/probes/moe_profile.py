@@ -34,14 +34,15 @@ def rank(i: int, infos, bar) -> None:
         await r.steps(plan[:20])  # warm
         bar.wait()
         prof = cProfile.Profile(time.process_time) if i == 0 and PROF else None
-        c0, t0 = time.process_time(), time.monotonic()
+        c0, t0, o0 = time.process_time(), time.monotonic(), os.times()
         if prof:
             prof.enable()
         await r.steps(plan[20:])
         if prof:
             prof.disable()
-        c1, t1 = time.process_time(), time.monotonic()
-        print(f"rank {i}: {1e3 * (c1 - c0) / STEPS:.2f} ms CPU/step, "
+        c1, t1, o1 = time.process_time(), time.monotonic(), os.times()
+        print(f"rank {i}: {1e3 * (c1 - c0) / STEPS:.2f} ms CPU/step (user "
+              f"{1e3 * (o1.user - o0.user) / STEPS:.2f}, sys {1e3 * (o1.system - o0.system) / STEPS:.2f}), "
               f"{1e3 * (t1 - t0) / STEPS:.2f} ms wall/step", flush=True)
         bar.wait()
         if prof:
