@@ -123,6 +123,9 @@ class TransferEngine:
         self.inflight.sources.append(incoming(lambda: self.groups))
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
+        # What a started transfer's end calls at once (when_finished): at most one per
+        # entry of _transfers, gone with it in _finished.
+        self._on_end: dict[asyncio.Future[None], Callable[[asyncio.Future[None]], None]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         # One worker and one DomainGroup per host group (engine.host_groups);
@@ -719,6 +722,18 @@ class TransferEngine:
             transfer.fail(exc)
         return fut
 
+    def when_finished(self, fut: asyncio.Future[None],
+                      fn: Callable[[asyncio.Future[None]], None]) -> bool:
+        """Call ``fn(fut)`` as ``fut`` ends, in :meth:`_finished` (a done callback would
+        be a turn of the loop more per submit); False, nothing taken, unless ``fut`` is
+        a started transfer's, which only _finished ends (not one waiting for a peer's
+        slot, nor a task: a staged device write, a read)."""
+        if (fut.done() or isinstance(fut, asyncio.Task) or fut not in self._transfers
+                or fut in self._on_end):
+            return False
+        self._on_end[fut] = fn
+        return True
+
     def _finished(self, fut: asyncio.Future[None], err: TransferdError | None,
                   nbytes: int, op: int, releases: tuple[Callable[[], None], ...]) -> None:
         """A transfer ended (once: Transfer calls its finish once): its slot, its peers'
@@ -740,12 +755,17 @@ class TransferEngine:
                 counted[2] += nbytes
             else:
                 counted[1] += 1
-        if fut.done():
-            return
-        if err is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(err)
+        end = self._on_end.pop(fut, None)
+        if not fut.done():
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+        if end is not None:
+            try:
+                end(fut)
+            except Exception:  # the caller's bug: never the link's or the transfer's
+                log.exception("engine: a transfer's end handler failed")
 
 
 # A submit's (verify, trace id) for its parts (TransferEngine._tag).

@@ -373,7 +373,9 @@ class Service:
         if timeout is None and isinstance(fut, asyncio.Task):
             timeout = 2 * engine.config.peer_timeout_s  # staged first (see submit)
         caller.ops.add(op, timeout)
-        fut.add_done_callback(functools.partial(self._completed, caller, op, on_end))
+        done = functools.partial(self._completed, caller, op, on_end)
+        if not engine.when_finished(fut, done):  # (called at its end, without a turn)
+            fut.add_done_callback(done)
         return op
 
     def _completed(self, caller: Caller, op: Op, on_end: End, fut: asyncio.Future[None]
