@@ -18,6 +18,7 @@ from operator import is_
 from typing import Any, cast
 
 from transferd.copies import COUNTING, count
+from transferd.protocol.errors import BadFrame
 from transferd.protocol.frames import Frame, pack_body
 from transferd.protocol.messages import Tensor
 
@@ -295,6 +296,9 @@ class Reads:
         if (plen <= GATHER_SMALL or (plen <= GATHER_MAX and
                                      plen <= GATHER_ROW * (self.hi - self.lo))) \
                 and not self._outs():
+            if plen != self.nbytes:  # (rows received in place: the decoder's check)
+                raise BadFrame(f"payload of {plen} bytes where {self.nbytes} were expected",
+                               seq=frame.seq)
             return None  # the decoder gathers the payload; settle cuts it
         seg = self.seg
         outs, get_t = seg.get_out, seg.get_t
@@ -351,6 +355,14 @@ class Reads:
                     continue
             return
         results = self.results
+        if results is None and self.nbytes:
+            # No payload where rows of bytes were asked for: no read is told it read
+            # nothing (an empty bytearray is no row of theirs).
+            bad = BadFrame(f"a reply of no payload to reads of {self.nbytes} bytes")
+            for f in futs:
+                if not f.done():
+                    f.set_exception(bad)
+            return
         if results is None:
             # No payload, so no sink was asked for: zero-byte reads (out= or a new
             # bytearray each).
