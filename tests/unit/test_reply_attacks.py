@@ -60,3 +60,39 @@ def test_a_batch_reply_of_another_size_than_asked_is_bad_frame(rows: int, size: 
                 await c.close()
 
     run(main(), timeout=20)
+
+
+@pytest.mark.parametrize("wrong", [1, -1, -16, 1 << 20])
+def test_a_get_tensor_reply_of_another_size_than_asked_is_bad_frame(wrong: int) -> None:
+    # GET_TENSOR without out= collects its reply: the size collected is the tensor's
+    # (the client's own), never one only the server vouches for (up to the client's
+    # max_payload, 16 GiB, it was allocated as announced).
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f.cmd == int(Command.HELLO):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
+                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
+                        "max_body": 1 << 22, "max_payload": 1 << 30}))
+                elif f.cmd == int(Command.GET_TENSOR):
+                    n = f.body["tensor"][2] + wrong
+                    writer.write(encode_header(f.cmd, int(Flag.REPLY), f.seq, 0, n)
+                                 + bytes(min(n, 1 << 16)))
+                await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        c = await Client.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            with pytest.raises(TransferdError) as info:
+                await c.get_tensor((1, 0, 16))
+            assert info.value.code is ErrorCode.BAD_FRAME, info.value
+        finally:
+            srv.close()
+            with contextlib.suppress(Exception):
+                await c.close()
+
+    run(main(), timeout=20)
