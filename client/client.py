@@ -25,7 +25,7 @@ from transferd.protocol.constants import (
     PROTO_MINOR,
     Command,
 )
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadFrame, BadRequest, TransferdError
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
@@ -77,6 +77,16 @@ _GET_TENSORS = Command.GET_TENSORS
 # The most futures a client makes ahead for queued reads (Client._spare).
 SPARE_FUTURES = 256
 _SET_TENSORS = Command.SET_TENSORS
+
+
+def _collect(size: int) -> Callable[[Frame], None]:
+    """The sink of a read collected whole: its reply must carry ``size`` bytes (the
+    size the client asked for, never one only the server vouches for)."""
+    def sink(frame: Frame) -> None:
+        if frame.payload_len != size:
+            raise BadFrame(f"payload of {frame.payload_len} bytes where {size} were expected",
+                           seq=frame.seq)
+    return sink
 
 
 def client_class(url: str) -> type[Client]:
@@ -348,7 +358,9 @@ class Client:
         if out is None:
             # The reply's payload is allocated when it arrives, once the server
             # has checked the tensor: a bad request costs no client memory.
-            reply = await self._call(_GET_TENSOR, {"tensor": t})
+            reply = await self._call(_GET_TENSOR, {"tensor": t}, sink=_collect(t.size))
+            if reply.payload is None and t.size:
+                raise BadFrame(f"a reply of no payload to a read of {t.size} bytes")
             return reply.payload if reply.payload is not None else bytearray()
         await self._call(_GET_TENSOR, {"tensor": t}, sink=[out_view(t, out)])
         return out
