@@ -249,7 +249,7 @@ class Client:
         in between: one less frame to create and resume per round trip).
         """
         conn = self._conn if self._conn is not None else self.conn  # (raises: not connected)
-        first = self._flat.segs[0]  # (what is queued is in the first segment first)
+        first = self._flat.segs[0]  # (anything queued is in the first segment)
         if first.set_t or first.get_t or self._queue or conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
