@@ -259,7 +259,8 @@ class Client:
         in between: one less frame to create and resume per round trip).
         """
         conn = self._conn if self._conn is not None else self.conn  # (raises: not connected)
-        if self._flat.n or self._queue or conn.failed:
+        first = self._flat.segs[0]  # (anything queued is in the first segment)
+        if first.set_t or first.get_t or self._queue or conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
@@ -425,8 +426,6 @@ class Client:
             return
         cur.set_t.append(t)
         cur.set_d.append(data)
-        cur.set_bytes += t[2]
-        flat.n += 1
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point.
@@ -461,8 +460,6 @@ class Client:
         cur = flat.cur
         cur.get_t.append(t)
         cur.get_f.append(fut)
-        cur.get_bytes += t[2]
-        flat.n += 1
         return fut
 
     async def flush(self) -> None:
