@@ -25,7 +25,7 @@ from transferd.protocol.constants import (
     PROTO_MINOR,
     Command,
 )
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadFrame, BadRequest, TransferdError
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
@@ -77,6 +77,16 @@ _GET_TENSORS = Command.GET_TENSORS
 # The most futures a client makes ahead for queued reads (Client._spare).
 SPARE_FUTURES = 256
 _SET_TENSORS = Command.SET_TENSORS
+
+
+def _collect(size: int) -> Callable[[Frame], None]:
+    """The sink of a read collected whole: its reply must carry ``size`` bytes (the
+    size the client asked for, never one only the server vouches for)."""
+    def sink(frame: Frame) -> None:
+        if frame.payload_len != size:
+            raise BadFrame(f"payload of {frame.payload_len} bytes where {size} were expected",
+                           seq=frame.seq)
+    return sink
 
 
 def client_class(url: str) -> type[Client]:
@@ -249,7 +259,8 @@ class Client:
         in between: one less frame to create and resume per round trip).
         """
         conn = self._conn if self._conn is not None else self.conn  # (raises: not connected)
-        if self._flat.n or self._queue or conn.failed:
+        first = self._flat.segs[0]  # (anything queued is in the first segment)
+        if first.set_t or first.get_t or self._queue or conn.failed:
             # A flush point: queued work goes first, and one-way failures
             # reported since the last one are raised here.
             return self._flush_then_call(cmd, body, payload, sink)
@@ -348,7 +359,9 @@ class Client:
         if out is None:
             # The reply's payload is allocated when it arrives, once the server
             # has checked the tensor: a bad request costs no client memory.
-            reply = await self._call(_GET_TENSOR, {"tensor": t})
+            reply = await self._call(_GET_TENSOR, {"tensor": t}, sink=_collect(t.size))
+            if reply.payload is None and t.size:
+                raise BadFrame(f"a reply of no payload to a read of {t.size} bytes")
             return reply.payload if reply.payload is not None else bytearray()
         await self._call(_GET_TENSOR, {"tensor": t}, sink=[out_view(t, out)])
         return out
@@ -413,8 +426,6 @@ class Client:
             return
         cur.set_t.append(t)
         cur.set_d.append(data)
-        cur.set_bytes += t[2]
-        flat.n += 1
 
     def get_tensor_async(self, t: Tensor | Sequence[int], out: Any = None) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point.
@@ -449,8 +460,6 @@ class Client:
         cur = flat.cur
         cur.get_t.append(t)
         cur.get_f.append(fut)
-        cur.get_bytes += t[2]
-        flat.n += 1
         return fut
 
     async def flush(self) -> None:

@@ -14,10 +14,11 @@ import asyncio
 from asyncio import InvalidStateError
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from operator import is_
+from operator import is_, itemgetter
 from typing import Any, cast
 
 from transferd.copies import COUNTING, count
+from transferd.protocol.errors import BadFrame
 from transferd.protocol.frames import Frame, pack_body
 from transferd.protocol.messages import Tensor
 
@@ -145,21 +146,28 @@ def overlaps_any(t: Tensor, tensors: list[Tensor]) -> bool:
     return any(gb == b and go < e and o < go + gn for gb, go, gn in tensors)
 
 
-class TensorQueue:
-    """The queue of asynchronous reads and writes, as columns (see above)."""
+_SIZE = itemgetter(2)
 
-    __slots__ = ("cur", "n", "segs")
+
+class TensorQueue:
+    """The queue of asynchronous reads and writes, as columns (see above).
+
+    Appending a row is two list appends and nothing else (no count, no byte sum: they
+    are taken in C at :meth:`take`).  A segment after the first opens only after a
+    row, so the queue holds something exactly when its first segment does."""
+
+    __slots__ = ("cur", "segs")
 
     def __init__(self) -> None:
         self.cur = Columns()
         self.segs = [self.cur]
-        self.n = 0
 
     def __bool__(self) -> bool:
-        return self.n > 0
+        first = self.segs[0]
+        return bool(first.set_t or first.get_t)
 
     def __len__(self) -> int:
-        return self.n
+        return sum([len(s.set_t) + len(s.get_t) for s in self.segs])
 
     def add_set(self, t: Tensor, data: Any) -> None:
         cur = self.cur
@@ -170,8 +178,6 @@ class TensorQueue:
             self.segs.append(cur)
         cur.set_t.append(t)
         cur.set_d.append(data)
-        cur.set_bytes += t[2]
-        self.n += 1
 
     def add_get(self, t: Tensor, fut: asyncio.Future[Any], dest: memoryview | None = None,
                 out: Any = None) -> None:
@@ -180,16 +186,19 @@ class TensorQueue:
             cur.get_out[len(cur.get_t)] = (dest, out)
         cur.get_t.append(t)
         cur.get_f.append(fut)
-        cur.get_bytes += t[2]
-        self.n += 1
 
     def take(self) -> list[Columns]:
-        """Everything queued, in order; the queue is empty after."""
+        """Everything queued, in order, each segment's byte counts summed; the queue is
+        empty after."""
         segs = self.segs
         self.cur = Columns()
         self.segs = [self.cur]
-        self.n = 0
-        return segs if segs[-1] else segs[:-1]
+        if not segs[-1]:
+            segs = segs[:-1]
+        for seg in segs:
+            seg.set_bytes = sum(map(_SIZE, seg.set_t))
+            seg.get_bytes = sum(map(_SIZE, seg.get_t))
+        return segs
 
     def to_ops(self) -> list[QueuedSet | QueuedGet]:
         """Everything queued as ops (each segment's writes, then its reads), emptied."""
@@ -295,6 +304,9 @@ class Reads:
         if (plen <= GATHER_SMALL or (plen <= GATHER_MAX and
                                      plen <= GATHER_ROW * (self.hi - self.lo))) \
                 and not self._outs():
+            if plen != self.nbytes:  # (rows received in place: the decoder's check)
+                raise BadFrame(f"payload of {plen} bytes where {self.nbytes} were expected",
+                               seq=frame.seq)
             return None  # the decoder gathers the payload; settle cuts it
         seg = self.seg
         outs, get_t = seg.get_out, seg.get_t
@@ -333,6 +345,13 @@ class Reads:
             return
         payload = fut.result().payload
         if payload is not None:  # gathered whole (see sink): cut it up, one pass
+            if len(payload) != self.nbytes:  # a server that lies: no row cut short
+                bad = BadFrame(f"a reply of {len(payload)} payload bytes for reads of "
+                               f"{self.nbytes}")
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(bad)
+                return
             if hi - lo == 1:
                 f = futs[0]
                 if not f.done():
@@ -351,6 +370,14 @@ class Reads:
                     continue
             return
         results = self.results
+        if results is None and self.nbytes:
+            # No payload where rows of bytes were asked for: no read is told it read
+            # nothing (an empty bytearray is no row of theirs).
+            bad = BadFrame(f"a reply of no payload to reads of {self.nbytes} bytes")
+            for f in futs:
+                if not f.done():
+                    f.set_exception(bad)
+            return
         if results is None:
             # No payload, so no sink was asked for: zero-byte reads (out= or a new
             # bytearray each).

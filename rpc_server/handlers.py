@@ -128,6 +128,11 @@ def _fast_views(
         e = o + n
         if e > limit:
             return None
+        if not n:
+            # No bytes, no view; but a repeat must find its buffer still there, this
+            # offset still inside it (as a first sending's check does): an empty run.
+            runs.append((b, buf, o, o))  # type: ignore[arg-type]
+            continue
         if o != end:  # not adjacent to the run: it ends, another begins
             if end > start:
                 append(whole[start:end])
@@ -153,7 +158,9 @@ def _repeat_views(table: BufferTable, runs: list[Run],
                 return None
         except TransferdError:  # freed: the full check says so
             return None
-        out.append(buf.view(start, end - start))
+        view = buf.view(start, end - start)
+        if end > start:  # (an empty tensor's run: checked, no view)
+            out.append(view)
         if used is not None:
             used[b] = buf
     return out

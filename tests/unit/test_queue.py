@@ -237,3 +237,58 @@ def test_a_reply_of_small_rows_is_gathered_and_one_of_large_rows_scattered() -> 
     assert sink(GATHER_MAX // 4096 + 1, 4096) is not None  # over GATHER_MAX in all
     out = sink(32, 4096, out=True)  # a read with out= lands where it said
     assert out is not None and len(out) == 32
+
+
+def test_a_gathered_reply_of_the_wrong_length_fails_every_read() -> None:
+    # A server that lies about a GET_TENSORS reply's payload: no read resolves to a row
+    # cut short (or to bytes of the next row); each gets BadFrame.
+    from client.queue import Columns, Reads
+    from transferd.protocol.constants import Command
+    from transferd.protocol.errors import BadFrame
+    from transferd.protocol.frames import Frame
+
+    loop = asyncio.new_event_loop()
+    try:
+        for rows, got in ((4, 15), (4, 17), (1, 3)):
+            seg = Columns()
+            for i in range(rows):
+                seg.get_t.append(Tensor(1, i * 4, 4))
+                seg.get_f.append(loop.create_future())
+            reads = Reads(seg, 0, rows, rows * 4)
+            reply: asyncio.Future[Frame] = loop.create_future()
+            reply.set_result(Frame(int(Command.GET_TENSORS), 0, 1, {}, got,
+                                   payload=bytearray(got)))
+            reads.settle(reply)
+            for f in seg.get_f:
+                with pytest.raises(BadFrame, match=f"{got} payload bytes for reads of {rows * 4}"):
+                    f.result()
+        seg = Columns()  # the right length: each row its own bytes
+        for i in range(3):
+            seg.get_t.append(Tensor(1, i * 2, 2))
+            seg.get_f.append(loop.create_future())
+        reply = loop.create_future()
+        reply.set_result(Frame(int(Command.GET_TENSORS), 0, 1, {}, 6, payload=bytearray(b"aabbcc")))
+        Reads(seg, 0, 3, 6).settle(reply)
+        assert [f.result() for f in seg.get_f] == [b"aa", b"bb", b"cc"]
+    finally:
+        loop.close()
+
+
+def test_the_queue_counts_its_rows_and_sums_its_bytes_at_take() -> None:
+    from client.queue import TensorQueue
+
+    q = TensorQueue()
+    assert not q and len(q) == 0
+    loop = asyncio.new_event_loop()
+    try:
+        q.add_set(Tensor(1, 0, 4), b"abcd")
+        assert q and len(q) == 1
+        q.add_get(Tensor(1, 0, 4), loop.create_future())
+        q.add_set(Tensor(1, 2, 3), b"xyz")  # overlaps the read: a second segment
+        q.add_get(Tensor(2, 0, 7), loop.create_future())
+        assert len(q) == 4 and len(q.segs) == 2
+        segs = q.take()
+        assert [(s.set_bytes, s.get_bytes) for s in segs] == [(4, 4), (3, 7)]
+        assert not q and len(q) == 0 and q.take() == []
+    finally:
+        loop.close()
