@@ -403,6 +403,39 @@ REPLY_ERROR = Flag.REPLY | Flag.ERROR
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
+# What a lying server does with each frame after HELLO: write to the writer (or nothing).
+Lie = Callable[[Frame, asyncio.StreamWriter], None]
+
+
+@contextlib.asynccontextmanager
+async def lying_server(lie: Lie, max_payload: int = 1 << 30,
+                       hello: Callable[[asyncio.StreamWriter], None] | None = None
+                       ) -> Any:
+    """A server that answers HELLO as a minor-2 server (``max_payload`` announced; then
+    ``hello``) and every other frame with ``lie``: for a real Client held to the
+    protocol by a peer that is not.  Yields its ``tcp://`` URL."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f.cmd == int(Command.HELLO):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
+                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
+                        "max_body": 1 << 22, "max_payload": max_payload}))
+                    if hello is not None:
+                        hello(writer)
+                else:
+                    lie(f, writer)
+                await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    finally:
+        srv.close()
+
+
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """Fetch a Prometheus text page; keys are ``name{labels}`` exactly as printed."""
     with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -31,7 +31,7 @@ from transferd.protocol.connection import (
 )
 from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.frames import FrameDecoder, encode_frame
+from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SECRET = b"correct horse battery staple"
@@ -312,45 +312,38 @@ def test_a_lying_server_cannot_make_the_client_allocate_what_it_announces(flags:
     import asyncio
 
     from client import Client
-    from tests.helpers import run
-    from transferd.protocol.frames import FrameDecoder as Dec
+    from tests.helpers import lying_server, run
     from transferd.protocol.frames import encode_header
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = Dec()
-        while data := await reader.read(4096):
-            for f in dec.feed(data):
-                if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
-                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
-                        "max_body": 1 << 22, "max_payload": 1 << 34}))
-                    if flags & int(Flag.EVENT):
-                        writer.write(encode_header(cmd, flags, 0, 0, 8 << 30))
-                else:  # the reply to a request that takes no payload back
-                    writer.write(encode_header(f.cmd, flags, f.seq, 0, 8 << 30))
-                await writer.drain()
-        writer.close()
+    def announce(writer: asyncio.StreamWriter) -> None:
+        if flags & int(Flag.EVENT):
+            writer.write(encode_header(cmd, flags, 0, 0, 8 << 30))
+
+    def lie(f: Frame, writer: asyncio.StreamWriter) -> None:
+        # the reply to a request that takes no payload back
+        writer.write(encode_header(f.cmd, flags, f.seq, 0, 8 << 30))
 
     async def main() -> None:
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        c = await Client.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            if flags & int(Flag.REPLY):
-                with pytest.raises(TransferdError) as info:
-                    await c.get_devices()
-                err: Any = info.value
-            else:
-                for _ in range(200):
-                    if c._conn is not None and c._conn.lost is not None:
-                        break
-                    await asyncio.sleep(0.01)
-                err = c._conn.lost if c._conn is not None else None
-            assert err is not None and err.code is ErrorCode.BAD_FRAME, err
-            assert "nothing asked for" in err.message
-        finally:
-            srv.close()
-            with contextlib.suppress(Exception):
-                await c.close()
+        async with lying_server(lie, max_payload=1 << 34, hello=announce) as url:
+            c = await Client.connect(url)
+            try:
+                await _lost(c)
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+
+    async def _lost(c: Client) -> None:
+        if flags & int(Flag.REPLY):
+            with pytest.raises(TransferdError) as info:
+                await c.get_devices()
+            err: Any = info.value
+        else:
+            for _ in range(200):
+                if c._conn is not None and c._conn.lost is not None:
+                    break
+                await asyncio.sleep(0.01)
+            err = c._conn.lost if c._conn is not None else None
+        assert err is not None and err.code is ErrorCode.BAD_FRAME, err
+        assert "nothing asked for" in err.message
 
     run(main(), timeout=20)

@@ -10,10 +10,10 @@ import contextlib
 import pytest
 
 from client import Client
-from tests.helpers import run
+from tests.helpers import lying_server, run
 from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.frames import FrameDecoder, encode_frame, encode_header
+from transferd.protocol.frames import Frame, encode_header
 
 
 @pytest.mark.parametrize("rows, size, wrong", [
@@ -24,24 +24,17 @@ from transferd.protocol.frames import FrameDecoder, encode_frame, encode_header
 ])
 def test_a_batch_reply_of_another_size_than_asked_is_bad_frame(rows: int, size: int,
                                                               wrong: int) -> None:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
-                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
-                        "max_body": 1 << 22, "max_payload": 1 << 30}))
-                elif f.cmd == int(Command.GET_TENSORS):
-                    n = sum(t[2] for t in f.body["tensors"]) + wrong
-                    writer.write(encode_header(f.cmd, int(Flag.REPLY), f.seq, 0, n) + bytes(n))
-                await writer.drain()
-        writer.close()
+    def lie(f: Frame, writer: asyncio.StreamWriter) -> None:
+        if f.cmd == int(Command.GET_TENSORS):
+            n = sum(t[2] for t in f.body["tensors"]) + wrong
+            writer.write(encode_header(f.cmd, int(Flag.REPLY), f.seq, 0, n) + bytes(n))
 
     async def main() -> None:
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        c = await Client.connect(f"tcp://127.0.0.1:{port}")
+        async with lying_server(lie) as url:
+            await _reads(url)
+
+    async def _reads(url: str) -> None:
+        c = await Client.connect(url)
         try:
             futs = [c.get_tensor_async((1, i * size, size)) for i in range(rows)]
             try:
@@ -55,7 +48,6 @@ def test_a_batch_reply_of_another_size_than_asked_is_bad_frame(rows: int, size: 
                 if not f.cancelled():
                     assert f.exception().code is ErrorCode.BAD_FRAME  # type: ignore[union-attr]
         finally:
-            srv.close()
             with contextlib.suppress(Exception):
                 await c.close()
 
@@ -67,32 +59,21 @@ def test_a_get_tensor_reply_of_another_size_than_asked_is_bad_frame(wrong: int) 
     # GET_TENSOR without out= collects its reply: the size collected is the tensor's
     # (the client's own), never one only the server vouches for (up to the client's
     # max_payload, 16 GiB, it was allocated as announced).
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
-                        "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
-                        "max_body": 1 << 22, "max_payload": 1 << 30}))
-                elif f.cmd == int(Command.GET_TENSOR):
-                    n = f.body["tensor"][2] + wrong
-                    writer.write(encode_header(f.cmd, int(Flag.REPLY), f.seq, 0, n)
-                                 + bytes(min(n, 1 << 16)))
-                await writer.drain()
-        writer.close()
+    def lie(f: Frame, writer: asyncio.StreamWriter) -> None:
+        if f.cmd == int(Command.GET_TENSOR):
+            n = f.body["tensor"][2] + wrong
+            writer.write(encode_header(f.cmd, int(Flag.REPLY), f.seq, 0, n)
+                         + bytes(min(n, 1 << 16)))
 
     async def main() -> None:
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        c = await Client.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            with pytest.raises(TransferdError) as info:
-                await c.get_tensor((1, 0, 16))
-            assert info.value.code is ErrorCode.BAD_FRAME, info.value
-        finally:
-            srv.close()
-            with contextlib.suppress(Exception):
-                await c.close()
+        async with lying_server(lie) as url:
+            c = await Client.connect(url)
+            try:
+                with pytest.raises(TransferdError) as info:
+                    await c.get_tensor((1, 0, 16))
+                assert info.value.code is ErrorCode.BAD_FRAME, info.value
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
 
     run(main(), timeout=20)
