@@ -29,7 +29,8 @@ def test_doctor_passes_the_defaults_here(tmp_path: Path) -> None:
     assert r.returncode in (Exit.OK, Exit.FAILURE), r.stderr
     lines = r.stdout.splitlines()
     assert all(line.split()[0] in ("ok", "warn", "FAIL") for line in lines[:-1]), lines
-    for check in ("start-up", "memlock", "secrets", "numa", "nics", "gpus", "rdma"):
+    for check in ("start-up", "memlock", "secrets", "checksums", "numa", "nics", "gpus",
+                  "rdma"):
         assert any(line.split()[1].rstrip(":") == check for line in lines[:-1]), check
     fails = [line for line in lines if line.startswith("FAIL")]
     assert (r.returncode == Exit.OK) == (not fails), r.stdout

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
+import random
 import re
 
 import pytest
 
-from transferd.protocol import trace
+from transferd.protocol import crc, trace
 from transferd.protocol.crc import crc_of
 from transferd.protocol.errors import BadRequest, IntegrityError
 from transferd.protocol.peer_ext import CRC32C, TRACE, encode_ext, parse_ext
@@ -25,6 +27,46 @@ TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 def test_crc32c_is_castagnoli() -> None:
     # The check value of CRC-32C (RFC 3720): "123456789" -> 0xE3069283.
     assert crc_of([b"1234", memoryview(b"56789")]) == 0xE3069283
+
+
+def _installed() -> list[str]:
+    out = []
+    for name, _ in crc.BACKENDS:
+        try:
+            crc.load(name)
+        except ImportError:
+            continue
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in crc.BACKENDS])
+def test_every_backend_computes_the_same_crc(name: str) -> None:
+    # A sender on one backend and a receiver on the other must agree: the check value,
+    # continuation across cuts at any byte, views of writable (mmap) memory, empty views.
+    if name not in _installed():
+        pytest.skip(f"the {name} package is not installed here")
+    fn = crc.load(name)
+    assert fn(b"123456789", 0) == 0xE3069283
+    rng = random.Random(20)
+    m = mmap.mmap(-1, 1 << 20)
+    m[:] = rng.randbytes(1 << 20)
+    whole = memoryview(m)
+    ref = crc.load(_installed()[-1])
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, 1 << 20), 3))
+        v = 0
+        for a, b in zip([0, *cuts], [*cuts, 1 << 20], strict=True):
+            v = fn(whole[a:b], v)
+        v = fn(whole[:0], v)
+        assert v == ref(whole, 0)
+    del whole
+    m.close()
+
+
+def test_require_prefers_the_fastest_installed() -> None:
+    crc.require()
+    assert crc.backend == _installed()[0]
 
 
 @pytest.mark.parametrize("addrs,lens,span", [

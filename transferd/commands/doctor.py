@@ -79,6 +79,7 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
     else:
         out.append(("ok", "secrets", f"clients prove the token of {token}" if token
                     else "loopback only, no token"))
+    out.append(_checksums(cfg))
     from transferd.discovery.check import discovery_checks
 
     out += discovery_checks(cfg)
@@ -91,6 +92,22 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
             out.append(("ok", sec.name, f"{count} found" + (f" ({sec.note})" if sec.note
                                                               else "")))
     return out
+
+
+def _checksums(cfg: cfgmod.Config) -> tuple[str, str, str]:
+    """Which CRC32C a verified write gets here (docs/integrity.md)."""
+    from transferd.protocol import crc
+    from transferd.protocol.errors import TransferdError
+
+    try:
+        crc.require()
+    except TransferdError as exc:
+        # A daemon with engine.verify refuses every write it receives without one.
+        return ("FAIL" if cfg.engine.verify else "warn", "checksums", str(exc))
+    if crc.backend == "awscrt":
+        return ("ok", "checksums", "CRC32C from awscrt")
+    return ("ok", "checksums", f"CRC32C from {crc.backend} (pip install awscrt: about "
+            "twice as fast on a large part)")
 
 
 CONFIG = click.option("-c", "--config", "config_path", default=None,

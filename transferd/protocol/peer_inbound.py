@@ -19,6 +19,7 @@ from typing import Any
 
 from transferd.copies import COUNTING, count
 
+from . import crc
 from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
@@ -118,6 +119,11 @@ class InboundLink(LinkEnd):
         # bytes received, never to the length its header names before they are here).
         self._collect = False
         self._direct = False
+        # A checksummed WRITE's CRC32C so far, over its payload bytes in the order they
+        # were placed (each receive's, while they are in cache: never a second pass
+        # over the part from memory); None when the frame in hand has no checksum.
+        self._crc: int | None = None
+        self._crc_fn: crc.CrcFn | None = None
         # How much a frame's start is read as: HEAD_GUESS, or more once this link's
         # writes carry an extension block (checksum, trace id: one read, not two).
         self._guess = HEAD_GUESS
@@ -211,6 +217,10 @@ class InboundLink(LinkEnd):
         self._now = now
         if self._direct:
             self._direct = False
+            if self._crc is not None:
+                assert self._crc_fn is not None
+                self._crc = crc.crc_span(self._crc_fn, self._segs, self._seg, self._pos,
+                                         min(n, self._left), self._crc)
             left = self._left - n
             if left > 0:
                 self._advance(n)
@@ -248,6 +258,9 @@ class InboundLink(LinkEnd):
             return
         if COUNTING:
             count("peer.buffered", len(data))  # (only after a header shorter than guessed)
+        if self._crc is not None:
+            assert self._crc_fn is not None
+            self._crc = self._crc_fn(data, self._crc)
         segs = self._segs
         i, off, total = self._seg, self._pos, len(data)
         if off == 0 and i == 0 and len(segs) == 1 and total == len(segs[0]):
@@ -352,6 +365,7 @@ class InboundLink(LinkEnd):
         self._opened = self._now
         self._kind, self._ref, self._nbytes, self._left = WRITE, (op, part), plen, plen
         self._seg = self._pos = 0
+        self._crc = None
         try:
             try:
                 w = parse_write(buf, start, head)
@@ -365,6 +379,13 @@ class InboundLink(LinkEnd):
             self._refusal = None
             self._segs = adm.views
             self._drop = adm.duplicate
+            if w.crc is not None and not adm.duplicate:
+                try:
+                    self._crc_fn = crc.require()
+                except TransferdError:
+                    pass  # (verify refuses it, saying what to install)
+                else:
+                    self._crc = 0
         if not plen:
             self._finish()
 
@@ -485,7 +506,8 @@ class InboundLink(LinkEnd):
         checksums fail MISMATCH_CUTOFF times in a row is cut off: its sender's
         copies are not to be trusted with more."""
         try:
-            err: TransferdError | None = adm.verify()
+            got, self._crc = self._crc, None
+            err: TransferdError | None = adm.verify(got)
         except TransferdError as exc:  # no crc32c here: refused, never skipped
             err = exc
         if err is None:

@@ -117,14 +117,18 @@ class Admission:
         assert self._placement is not None
         self._placement.land(done)
 
-    def verify(self) -> IntegrityError | None:
+    def verify(self, got: int | None = None) -> IntegrityError | None:
         """A part with a checksum: CRC32C of what was placed (its views: the pages, or
         the staging chunks of device memory) against the sender's; the error refusing
-        it if they differ (counted by peer and rail; fail it with that error)."""
+        it if they differ (counted by peer and rail; fail it with that error).
+
+        ``got``: the CRC32C the link took of the bytes as each receive placed them (in
+        order, over these views), so that they are not read again from memory."""
         w = self.header
         if w.crc is None or self._placement is None:
             return None
-        got = crc_of(self.views)
+        if got is None:
+            got = crc_of(self.views)
         if got == w.crc:
             return None
         lg = self._landing
