@@ -131,7 +131,8 @@ def _load(config_path: str | None) -> cfgmod.Config:
               help="Skip what depends on this machine's addresses, memory and ports.")
 @click.option("--json", "as_json", is_flag=True, help="The checks as a JSON list.")
 def doctor(config_path: str | None, other_node: bool, as_json: bool) -> None:
-    """Check the configuration, start-up needs, memlock, permissions, secrets and devices.
+    """Check the configuration, start-up needs, memlock, permissions, secrets, checksums
+    and devices.
 
     Exit 1 when something the configuration needs is missing (a FAIL line), 3 when
     the configuration is invalid, 0 otherwise (warnings do not fail).
