@@ -5,13 +5,13 @@ in), and both take any C-contiguous buffer, a memoryview of a region, never a co
 
 - ``awscrt`` (aws-checksums): folds 64 bytes at a time with VPCLMULQDQ on AVX-512 CPUs
   (CLMUL on others), about 2x the CRC32 instruction on a large part: 42 ms per GiB
-  from memory and 25 ms from cache, against 81 and 53 for ``crc32c`` here (Zen 4).
-  It is what lets a verified 1 GiB write run near the rate of one unverified
-  (docs/integrity.md, "What it costs").
+  from memory and 25 ms from cache, against 81 and 53 for ``crc32c`` here (Zen 4):
+  half the CPU a verified byte costs each side (docs/integrity.md, "What it costs").
 - ``crc32c``: the CPU's CRC32 instruction (SSE 4.2, ARMv8), its own table code where
-  there is none.  Used where awscrt is not installed (no wheel for the platform).
+  there is none.  Used where awscrt is not installed.
 
-Both are dependencies in pyproject.toml.  Imported on first use, so that a daemon
+Both are dependencies in pyproject.toml (awscrt on x86-64 and ARM64, where it ships
+wheels).  Imported on first use, so that a daemon
 that never verifies never loads them; with neither :func:`require` raises BadRequest
 saying what to install (a verify asked for is refused, never skipped).
 """
