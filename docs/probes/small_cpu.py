@@ -7,7 +7,9 @@ N = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
 PERF = len(sys.argv) > 2
 base = daemon_command()
 flags = base[3:] if base[1:2] == ["-m"] else base[1:]
-argv = [sys.executable, "-m", "benchmarks.engine_steps", "daemon", *flags]
+# DAEMON=path: another entry for both daemons (gc_daemon.py: the collector's settings)
+argv = ([sys.executable, os.environ["DAEMON"], *flags] if os.environ.get("DAEMON")
+        else [sys.executable, "-m", "benchmarks.engine_steps", "daemon", *flags])
 allowed = frozenset(os.sched_getaffinity(0))
 pa = Pinning(frozenset({0}), frozenset({0}), allowed); pb = Pinning(frozenset({1}), frozenset({1}), allowed)
 a = ServerProcess(argv, pa, name="A").start()
