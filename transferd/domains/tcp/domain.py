@@ -266,10 +266,14 @@ class TcpDomain(Domain):
             self._sweep_later()
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
-        """A transfer to ``dst`` timed out: close its link if bytes still wait to go."""
+        """A transfer to ``dst`` timed out: close its link if bytes still wait to go,
+        else let go of what the link holds for parts that ended (a peer that never
+        answers would keep their memory as long as the link lives)."""
         link = self._links.get(link_key(dst))
         if link is not None and link.core.stalled:
             link.close(error)
+        elif link is not None:
+            link.core.let_go_ended()
 
     def forget(self, link: PeerLink) -> None:
         key = link_key(link.dst)
