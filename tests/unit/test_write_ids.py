@@ -112,6 +112,23 @@ def test_one_peer_cannot_push_another_peers_ids_out() -> None:
     assert all(ids.claim(honest, hdr(wid)) is Seen.APPLIED for wid in range(50))
 
 
+def test_peers_by_the_thousand_leave_no_empty_windows_behind() -> None:
+    # Peers minted by the thousand (no cluster secret), one write id each: the windows
+    # the cap in all emptied were kept, one per peer ever seen, never expired (a peer
+    # that never comes back is never looked at again) and each one more for the scan
+    # that finds the largest: the table grew without bound with the peers.
+    ids = WriteIds(window=2)
+    for n in range(5000):
+        w = hdr(7)
+        assert ids.claim((n + 1, 0), w) is Seen.NEW
+        ids.applied((n + 1, 0), w)
+    assert len(ids) == 4 * 2
+    assert len(ids._applied) <= len(ids)
+    # The latest are remembered still; the rest land as new.
+    assert ids.claim((5000, 0), hdr(7)) is Seen.APPLIED
+    assert ids.claim((1, 0), hdr(7)) is Seen.NEW
+
+
 def test_write_ids_are_refused_where_the_nic_places_writes() -> None:
     """On the verbs Domain no receiver code sees a retry, so a wid is BAD_REQUEST at
     submit (before any region lookup); a wid that is not a u64 likewise."""

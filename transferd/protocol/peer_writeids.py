@@ -113,9 +113,11 @@ class WriteIds:
             table.popitem(last=False)
             self._total -= 1
         while self._total > self.window * PEERS_WINDOWS:
-            largest = max(self._applied.values(), key=len)
+            who, largest = max(self._applied.items(), key=lambda kv: len(kv[1]))
             largest.popitem(last=False)
             self._total -= 1
+            if not largest:
+                del self._applied[who]  # (no window left behind per peer ever seen)
 
     def failed(self, peer: Peer, w: WriteHeader) -> None:
         """The claimed frame did not land (refused, or its link closed): a retry may."""
