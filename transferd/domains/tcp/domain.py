@@ -273,7 +273,7 @@ class TcpDomain(Domain):
         if link is not None and link.core.stalled:
             link.close(error)
         elif link is not None:
-            link.core.let_go_ended()
+            link.let_go_ended()
 
     def forget(self, link: PeerLink) -> None:
         key = link_key(link.dst)
@@ -371,6 +371,7 @@ class PeerLink:
         # A part sent this turn of the loop: the parts after it wait for the turn's end
         # and go together (one send for a burst of small writes, none delayed alone).
         self._bursting = False
+        self._letting_go = False  # a let_go_ended is due this turn
         self._task = loop.create_task(self._connect())
 
     @property
@@ -451,6 +452,17 @@ class PeerLink:
             done, core.completions = core.completions, []
             for token, err in done:
                 token.part_done(err)
+
+    def let_go_ended(self) -> None:
+        """What the core holds for parts whose transfer ended goes, once this turn (the
+        transfers that time out together cost one pass over what it holds)."""
+        if not self._letting_go:
+            self._letting_go = True
+            self.domain.loop.call_soon(self._let_go)
+
+    def _let_go(self) -> None:
+        self._letting_go = False
+        self.core.let_go_ended()
 
     def burst_end(self) -> None:
         self._bursting = False
