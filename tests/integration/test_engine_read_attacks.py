@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from client import MrDesc, NetAddr
-from tests.helpers import DaemonProcess, async_test, digest
+from tests.helpers import DaemonProcess, async_test, digest, metric, scrape, wait_until
 from tests.integration.engine_cluster import (
     RAILS,
     SECRET,
@@ -30,7 +30,7 @@ from tests.integration.engine_cluster import (
 from tests.integration.test_engine_reads import region
 from tests.peerlink import HostMemory, drain, feed
 from transferd.domains.rails import rail_bytes
-from transferd.protocol.errors import PeerUnreachable
+from transferd.protocol.errors import PeerUnreachable, Timeout
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
@@ -86,6 +86,8 @@ class LyingResponder:
                     self._one(sock, rail)
 
     def _one(self, sock: socket.socket, rail: int) -> None:
+        if self.lie == "silent":
+            sock.settimeout(0.2)
         core = InboundLink(self.me, rail, SECRET, time.monotonic(),
                            landing=Landing(HostMemory(2), 2), timeout=5, max_message=1024)
         while not core.authenticated:  # the real handshake, through the sans-IO core
@@ -101,6 +103,15 @@ class LyingResponder:
         assert cmd == READ
         self._exact(sock, 16 * npages)
         self.reads_seen += 1
+        if self.lie == "silent":
+            # Takes the READ, answers nothing, keeps the link open (a hung peer).
+            while not self._stop.is_set():
+                try:
+                    if not sock.recv(65536):
+                        return
+                except TimeoutError:
+                    continue
+            return
         if self.lie == "unasked":
             sock.sendall(encode_read_data(op + 1000, part, total) + b"\xAA" * total)
         elif self.lie == "more":
@@ -117,7 +128,10 @@ class LyingResponder:
     def _exact(sock: socket.socket, n: int) -> bytes:
         buf = b""
         while len(buf) < n:
-            data = sock.recv(n - len(buf))
+            try:
+                data = sock.recv(n - len(buf))
+            except TimeoutError:
+                continue
             if not data:
                 raise ConnectionError("closed")
             buf += data
@@ -205,6 +219,52 @@ async def test_a_reader_that_never_takes_its_answers_holds_back_only_itself(
                 while p.conn.sock.recv(1 << 20):
                     pass  # until B's close arrives
         assert "Traceback" not in b_d.stderr
+
+
+@async_test(timeout=60)
+async def test_a_read_a_responder_never_answers_lets_its_memory_go_when_it_times_out(
+    silent: list[DaemonProcess]
+) -> None:
+    """A peer takes A's READ and never answers, its link kept open (a hung peer: not
+    one A's bytes wait for, so not closed as stalled).  The read fails TIMEOUT; the
+    buffer it was to land in, freed, was held as long as that link lived (the link
+    kept views of it for an answer that never came).  Now its memory goes at once,
+    and a late answer could land nowhere."""
+    (a_d,) = silent
+    liar = LyingResponder("silent")
+    try:
+        async with nodes(a_d) as (a,):
+            dst = await region(a, 8 * MiB, seed=41)
+            r = await a.client.submit_single_read(8 * MiB, (dst.mr, 0),
+                                                  (liar.desc(8 * MiB), 0))
+            with pytest.raises(Timeout):
+                await r.wait(WAIT)
+            assert liar.reads_seen >= 1
+            await a.client.dereg_mr(dst.mr)
+            a.buffers.remove(dst.buf)
+            await a.client.free_buffer(dst.buf)
+            assert await asyncio.to_thread(wait_until, lambda: _lingering(a_d) == 0, 5), \
+                _lingering(a_d)
+            # A serves on: a buffer of the same size, written and read back.
+            again = await region(a, 8 * MiB, seed=42)
+            assert digest(await a.read(again)) == digest(bytes(again.data))
+    finally:
+        liar.close()
+    assert "Traceback" not in a_d.stderr
+
+
+def _lingering(d: DaemonProcess) -> float:
+    assert d.metrics_url is not None
+    return metric(scrape(d.metrics_url), "transferd_buffer_lingering_bytes", device="cpu")
+
+
+@pytest.fixture
+def silent() -> Iterator[list[DaemonProcess]]:
+    ds = start_many([{"env": engine_env(RAILS["a"], secret_file=secret_file(),
+                                        peer_timeout_s=1)}])
+    yield ds
+    for d in ds:
+        d.stop()
 
 
 def _rss(d: DaemonProcess) -> int:

@@ -217,6 +217,33 @@ def test_a_read_whose_transfer_ended_drops_what_still_arrives() -> None:
     assert not p.out.completions  # and nothing completes twice
 
 
+@pytest.mark.parametrize("cut", [0, 10, 50_000])
+def test_reads_that_ended_unanswered_are_let_go_and_a_late_answer_is_dropped(cut: int) -> None:
+    # The reader's transfer timed out with no answer (or part of one, ``cut`` bytes):
+    # the link lets go of the views it was to land in (their memory may go back to
+    # its owner: a bytearray with views taken cannot be resized), keeps its length,
+    # and drops the answer when it comes late, whole or in pieces; others land.
+    p, _, src = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst, other = bytearray(200_000), bytearray(1000)
+    tok, live = Token(), Token()
+    p.out.read(tok, 1, 0, r.rkeys[0], [r.ptr], [200_000], [memoryview(dst)])
+    p.out.read(live, 2, 0, r.rkeys[0], [r.ptr + 5], [1000], [memoryview(other)])
+    feed(p.inb, drain(p.out))
+    answer = drain(p.inb)
+    first = 24 + 200_000
+    feed(p.out, answer[:cut])
+    tok.finished = True
+    p.out.let_go_ended()
+    dst.extend(b"x")  # no view of it is left (BufferError otherwise)
+    del dst[-1]
+    feed(p.out, answer[cut:first], chunk=4096)
+    feed(p.out, answer[first:])
+    assert not p.out.closed
+    assert dst[max(cut - 24, 0):] == bytes(200_000 - max(cut - 24, 0))
+    assert complete(p) == [(live, None)] and other == src[5:1005]
+
+
 def test_the_responder_holds_the_region_until_sent_and_reads_no_more_above_water() -> None:
     n = READ_HIGH + 1
     p, _, _ = pair(size=n)

@@ -3,6 +3,8 @@ write's parts from two attempts cover one span (transferd/protocol/peer_coverage
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from transferd.protocol.errors import BadRequest, Timeout
@@ -110,6 +112,50 @@ def test_one_peer_cannot_push_another_peers_ids_out() -> None:
     assert len(ids) <= 4 * 100
     # The largest windows gave way, never the small honest one.
     assert all(ids.claim(honest, hdr(wid)) is Seen.APPLIED for wid in range(50))
+
+
+def test_peers_by_the_thousand_leave_no_empty_windows_behind() -> None:
+    # Peers minted by the thousand (no cluster secret), one write id each: the windows
+    # the cap in all emptied were kept, one per peer ever seen, never expired (a peer
+    # that never comes back is never looked at again) and each one more for the scan
+    # that finds the largest: the table grew without bound with the peers.
+    ids = WriteIds(window=2)
+    for n in range(5000):
+        w = hdr(7)
+        assert ids.claim((n + 1, 0), w) is Seen.NEW
+        ids.applied((n + 1, 0), w)
+    assert len(ids) == 4 * 2
+    assert len(ids._applied) <= len(ids)
+    # The latest are remembered still; the rest land as new.
+    assert ids.claim((5000, 0), hdr(7)) is Seen.APPLIED
+    assert ids.claim((1, 0), hdr(7)) is Seen.NEW
+
+
+def test_a_full_table_of_minted_peers_costs_a_write_no_scan_of_them_all() -> None:
+    # The table full of one-entry windows (4 x 16384 minted peers): each write id
+    # applied after it looked for the largest window over all of them (8 ms a write
+    # here, ~125 writes a second for every peer).  Counted in steps, not timed: the
+    # largest window is found without visiting the others.
+    ids = WriteIds(window=64)
+    for n in range(4 * 64):
+        ids.applied((n + 1, 0), hdr(7))
+    visits = [0]
+
+    class Counting(dict[Any, Any]):
+        def items(self) -> Any:
+            for kv in super().items():
+                visits[0] += 1
+                yield kv
+
+        def values(self) -> Any:
+            for v in super().values():
+                visits[0] += 1
+                yield v
+
+    ids._applied = Counting(ids._applied)
+    for n in range(100):
+        ids.applied((10_000 + n, 0), hdr(8))
+    assert len(ids) == 4 * 64 and visits[0] < 100 * 4, visits[0]
 
 
 def test_write_ids_are_refused_where_the_nic_places_writes() -> None:

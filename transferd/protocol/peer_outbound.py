@@ -232,6 +232,22 @@ class OutboundLink(LinkEnd):
         """Stop waiting for the ACK of ``(op, part)`` (its transfer ended); its token."""
         return self._pending.pop((op, part), None)
 
+    def let_go_ended(self) -> None:
+        """Forget the parts whose transfer ended (timed out) with no answer yet: their
+        tokens, and the views a read's answer was to land in, which held its owner's
+        memory for as long as this link lived.  A read keeps only its length, so that
+        a late answer is still framed, and dropped."""
+        pending, reads = self._pending, self._reads
+        ended = [k for k, t in pending.items() if getattr(t, "finished", False)]
+        for key in ended:
+            del pending[key]
+            asked = reads.get(key)
+            if asked is not None:
+                reads[key] = ((), asked[1][-1:])
+        inc = self._in
+        if inc is not None and inc.dropping:
+            inc.segs = ()  # (its bytes are dropped from here on)
+
     def sent(self, n: int) -> None:
         """``n`` bytes of :attr:`out` went; below the low watermark a paused link goes on."""
         self.out.sent(n)

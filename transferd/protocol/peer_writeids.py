@@ -65,6 +65,11 @@ class WriteIds:
         self.ttl_s = ttl_s
         self._clock = clock
         self._applied: dict[Peer, OrderedDict[Key, tuple[float, int]]] = {}
+        # The peers by how many entries their window holds, and the most any holds (at
+        # most): the largest is found without a scan over every peer (thousands, minted
+        # without a cluster secret, each a window of one).
+        self._sizes: dict[int, dict[Peer, None]] = {}
+        self._top = 0
         self._total = 0
         self._landing: dict[tuple[Peer, Key], int] = {}
         self.duplicates = 0
@@ -105,6 +110,7 @@ class WriteIds:
         k = (w.wid, w.part)
         what = self._landing.pop((peer, k), None)
         table = self._applied.setdefault(peer, OrderedDict())
+        had = len(table)
         if k not in table:
             self._total += 1
         table[k] = (self._clock(), what if what is not None else _what(w))
@@ -112,10 +118,37 @@ class WriteIds:
         while len(table) > self.window:
             table.popitem(last=False)
             self._total -= 1
+        self._resized(peer, had, len(table))
         while self._total > self.window * PEERS_WINDOWS:
-            largest = max(self._applied.values(), key=len)
+            who = self._largest()
+            largest = self._applied[who]
             largest.popitem(last=False)
             self._total -= 1
+            self._resized(who, len(largest) + 1, len(largest))
+            if not largest:
+                del self._applied[who]  # (no window left behind per peer ever seen)
+
+    def _resized(self, peer: Peer, old: int, new: int) -> None:
+        """``peer``'s window went from ``old`` entries to ``new``."""
+        if old == new:
+            return
+        sizes = self._sizes
+        if old:
+            bucket = sizes[old]
+            del bucket[peer]
+            if not bucket:
+                del sizes[old]
+        if new:
+            sizes.setdefault(new, {})[peer] = None
+            if new > self._top:
+                self._top = new
+
+    def _largest(self) -> Peer:
+        """The peer whose window holds the most entries (the first to get there)."""
+        sizes = self._sizes
+        while self._top not in sizes:
+            self._top -= 1
+        return next(iter(sizes[self._top]))
 
     def failed(self, peer: Peer, w: WriteHeader) -> None:
         """The claimed frame did not land (refused, or its link closed): a retry may."""
@@ -124,10 +157,13 @@ class WriteIds:
 
     def _expire(self, peer: Peer, table: OrderedDict[Key, tuple[float, int]]) -> None:
         cut = self._clock() - self.ttl_s
+        had = len(table)
         while table:
             k, (t, _) = next(iter(table.items()))
             if t >= cut:
+                self._resized(peer, had, len(table))
                 return
             del table[k]
             self._total -= 1
+        self._resized(peer, had, 0)
         del self._applied[peer]

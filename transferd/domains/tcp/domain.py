@@ -266,10 +266,14 @@ class TcpDomain(Domain):
             self._sweep_later()
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
-        """A transfer to ``dst`` timed out: close its link if bytes still wait to go."""
+        """A transfer to ``dst`` timed out: close its link if bytes still wait to go,
+        else let go of what the link holds for parts that ended (a peer that never
+        answers would keep their memory as long as the link lives)."""
         link = self._links.get(link_key(dst))
         if link is not None and link.core.stalled:
             link.close(error)
+        elif link is not None:
+            link.let_go_ended()
 
     def forget(self, link: PeerLink) -> None:
         key = link_key(link.dst)
@@ -367,6 +371,7 @@ class PeerLink:
         # A part sent this turn of the loop: the parts after it wait for the turn's end
         # and go together (one send for a burst of small writes, none delayed alone).
         self._bursting = False
+        self._letting_go = False  # a let_go_ended is due this turn
         self._task = loop.create_task(self._connect())
 
     @property
@@ -447,6 +452,17 @@ class PeerLink:
             done, core.completions = core.completions, []
             for token, err in done:
                 token.part_done(err)
+
+    def let_go_ended(self) -> None:
+        """What the core holds for parts whose transfer ended goes, once this turn (the
+        transfers that time out together cost one pass over what it holds)."""
+        if not self._letting_go:
+            self._letting_go = True
+            self.domain.loop.call_soon(self._let_go)
+
+    def _let_go(self) -> None:
+        self._letting_go = False
+        self.core.let_go_ended()
 
     def burst_end(self) -> None:
         self._bursting = False
