@@ -114,6 +114,11 @@ class LyingResponder:
             return
         if self.lie == "unasked":
             sock.sendall(encode_read_data(op + 1000, part, total) + b"\xAA" * total)
+        elif self.lie == "unreachable":
+            # A refusal as its answer whose code says PEER_UNREACHABLE: the peer's word,
+            # answered on a live link, not a link of the reader's that failed.
+            sock.sendall(encode_read_data(op, part, 0, PeerUnreachable(
+                "no route from here, says the peer")))
         elif self.lie == "more":
             sock.sendall(encode_read_data(op, part, total + 4096) + b"\xAA" * (total + 4096))
         else:
@@ -178,6 +183,30 @@ async def test_a_lying_responder_is_cut_off_and_nothing_lands(
             await asyncio.sleep(0.2)
             assert liar.cut == liar.reads_seen  # every lying link was cut
             assert "peer link broken" in a_d.stderr
+    finally:
+        liar.close()
+
+
+@async_test(timeout=60)
+async def test_a_peer_that_answers_peer_unreachable_fails_the_read_without_a_failover(
+    daemons: list[DaemonProcess]
+) -> None:
+    """Only a link of ours that fails is re-sent on another rail (domains/failover.py);
+    any answer from the peer is the transfer's, PEER_UNREACHABLE's code included: the
+    read fails with the peer's message, is not asked again on the peer's other rail,
+    and no rail of it is marked down."""
+    a_d, _ = daemons
+    liar = LyingResponder("unreachable")
+    try:
+        async with nodes(a_d) as (a,):
+            dst = await region(a, 64 * 1024, seed=33)
+            r = await a.client.submit_single_read(4096, (dst.mr, 0), (liar.desc(64 * 1024), 0))
+            with pytest.raises(PeerUnreachable, match="says the peer"):
+                await r.wait(WAIT)
+            await asyncio.sleep(0.3)
+            assert liar.reads_seen == 1  # not re-read on the other rail
+            assert "re-sent on rail" not in a_d.stderr
+            assert digest(await a.read(dst)) == digest(bytes(dst.data))  # untouched
     finally:
         liar.close()
 

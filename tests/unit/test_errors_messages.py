@@ -60,7 +60,8 @@ def _classes() -> dict[str, type[TransferdError]]:
             and issubclass(obj, TransferdError)
             and obj.__name__ not in ("TransferdError", "ProtocolError", "ConnectionLost",
                                      "OverLimit",  # TOO_LARGE that keeps the connection
-                                     "IntegrityError")  # PEER_UNREACHABLE, refined
+                                     "IntegrityError", "PeerAnswered")  # refinements
+                                                                       # of PEER_UNREACHABLE
         ):
             out[obj.code.value] = obj
     return out

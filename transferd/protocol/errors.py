@@ -116,6 +116,13 @@ class PeerUnreachable(TransferdError):
     code = ErrorCode.PEER_UNREACHABLE
 
 
+class PeerAnswered(PeerUnreachable):
+    """PEER_UNREACHABLE as a peer's own answer to a part (its ACK or READ_DATA says so),
+    not a link of ours that failed: the transfer's error like any answer, never re-sent
+    on another rail nor a rail marked down for it (domains/failover.py).  No code of its
+    own: a client sees PEER_UNREACHABLE with the peer's message."""
+
+
 class IntegrityError(PeerUnreachable):
     """A part's bytes did not match its checksum (CRC32C) where they were placed: that
     range was not counted.  Its own code only on the peer wire (an ACK's

@@ -57,7 +57,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import BadFrame, BadRequest, IntegrityError, TransferdError, error_from_body
+from .errors import (
+    BadFrame,
+    BadRequest,
+    IntegrityError,
+    PeerAnswered,
+    PeerUnreachable,
+    TransferdError,
+    error_from_body,
+)
 from .peer_ext import parse_ext
 
 # The largest page list one WRITE carries (the engine puts 256 in a frame).
@@ -343,7 +351,9 @@ def ack_error(status: int, text: bytes | bytearray | memoryview) -> TransferdErr
     code, _, message = bytes(text).decode("utf-8", "replace").partition("\0")
     if code == IntegrityError.peer_code:
         return IntegrityError(message)
-    return error_from_body({"code": code or "INTERNAL", "message": message})
+    err = error_from_body({"code": code or "INTERNAL", "message": message})
+    # (Said by the peer on a live link: its answer, not our link failing.)
+    return PeerAnswered(err.message) if type(err) is PeerUnreachable else err
 
 
 def encode_send(op: int, part: int, length: int) -> bytes:
