@@ -718,11 +718,12 @@ class Client:
 
     def _raise_failures(self) -> None:
         failed = self.conn.take_failures()
+        dropped = self.conn.take_dropped()
         if failed:
             first = failed[0]
-            if len(failed) > 1:
+            if len(failed) + dropped > 1:
                 first.add_note(
-                    f"and {len(failed) - 1} more one-way command(s) failed: "
+                    f"and {len(failed) - 1 + dropped} more one-way command(s) failed: "
                     + "; ".join(str(f) for f in failed[1:4])
                 )
             raise first
