@@ -34,6 +34,7 @@ from transferd.discovery.backlog import Backlog
 from transferd.discovery.records import Change, Peer, Value, decode_value, encode_value
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import (
+    BadFrame,
     BadRequest,
     Cancelled,
     ConnectionLost,
@@ -155,8 +156,22 @@ class Names:
                 body["limit"] = limit - len(out)
             r = (await self._request(Command.NAMES, body)).body
             rows = r.get("names") or []
-            out += [NameInfo(str(n["name"]), str(n.get("kind", "")), str(n.get("node", "")),
-                             int(n.get("size", 0))) for n in rows]
+            try:
+                if not isinstance(rows, list):
+                    raise TypeError
+                page = [NameInfo(str(n["name"]), str(n.get("kind", "")),
+                                 str(n.get("node", "")), int(n.get("size", 0)))
+                        for n in rows]
+            except (TypeError, ValueError, KeyError, AttributeError):
+                raise BadFrame(f"the server's NAMES reply is not a list of names: "
+                               f"{str(rows)[:100]}") from None
+            # Sorted, every one past 'after': a page that does not move on would be asked
+            # for again and again (a lying server's, this list growing without end).
+            if any(n.name <= prev for prev, n in zip([after] + [p.name for p in page], page,
+                                                    strict=False)):
+                raise BadFrame(f"the server's NAMES reply after {after!r} is not sorted past "
+                               "it: the listing would not end")
+            out += page
             if not r.get("more") or not rows:
                 break
             after = out[-1].name

@@ -94,3 +94,50 @@ def test_a_hello_reply_with_features_not_a_list_of_names_is_bad_frame(features: 
 
     run(main(), timeout=20)
 
+
+
+def _names_server(rows: Any, more: bool = True) -> Any:
+    """Answers HELLO as a names-serving minor-2 server, every NAMES with ``rows``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f.cmd == int(Command.HELLO):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
+                                              dict(_HELLO, features=["engine", "names"])))
+                elif f.cmd == int(Command.NAMES):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
+                                              {"names": rows, "more": more}))
+                elif not f.no_reply:
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {}))
+                await writer.drain()
+        writer.close()
+
+    return serve
+
+
+@pytest.mark.parametrize("rows", [
+    [{"name": "a"}],  # the same page again and again, "more" each time
+    [{"name": "b"}, {"name": "a"}],  # a page not in order (its last is not past 'after')
+    [5], [{"kind": "x"}], "abc", [{"name": "a", "size": "big"}],  # not rows at all
+])
+def test_a_names_listing_that_does_not_move_on_is_bad_frame_not_a_loop(rows: Any) -> None:
+    # Client.names pages with 'after' = the last name seen until 'more' is false: a server
+    # that sent the same page with more=true kept it asking (and its list growing) forever.
+    async def main() -> None:
+        srv = await asyncio.start_server(_names_server(rows), "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            c = await Client.connect(url, timeout=5)
+            try:
+                with pytest.raises(TransferdError) as info:
+                    await asyncio.wait_for(c.names(), 10)
+                assert info.value.code is ErrorCode.BAD_FRAME, info.value
+                assert c.conn.stats.commands.get("NAMES", 0) <= 2, c.conn.stats.commands
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+        finally:
+            srv.close()
+
+    run(main(), timeout=30)
