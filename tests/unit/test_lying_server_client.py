@@ -141,3 +141,54 @@ def test_a_names_listing_that_does_not_move_on_is_bad_frame_not_a_loop(rows: Any
             srv.close()
 
     run(main(), timeout=30)
+
+
+def _answering(reply: dict[str, Any]) -> Any:
+    """Answers HELLO (engine and names served), every other request with ``reply``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                body = dict(_HELLO, features=["engine", "names"]) \
+                    if f.cmd == int(Command.HELLO) else reply
+                if not f.no_reply:
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, body))
+                await writer.drain()
+        writer.close()
+
+    return serve
+
+
+@pytest.mark.parametrize("reply", [
+    {},  # nothing of what the reply must hold
+    {"buffer": "x", "size": None, "mr": [1], "desc": 5, "devices": 7, "addr": 1,
+     "group": "g", "value": 1.5, "watcher": None},  # all of it, of the wrong types
+])
+def test_a_reply_missing_or_mistyping_its_fields_is_a_typed_error(reply: dict[str, Any]) -> None:
+    # A reply is read field by field (r.body["buffer"], int(...)): a server that left one
+    # out or sent another type made the call raise a bare KeyError / TypeError / ValueError.
+    async def main() -> None:
+        srv = await asyncio.start_server(_answering(reply), "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            c = await Client.connect(url, timeout=5)
+            try:
+                calls = {
+                    "get_devices": lambda: c.get_devices(),
+                    "alloc_buffer": lambda: c.alloc_buffer(4096),
+                    "main_address": lambda: c.main_address(),
+                    "imm_count": lambda: c.imm_count(1),
+                    "alloc_uvm_watcher": lambda: c.alloc_uvm_watcher(lambda o, n: None),
+                }
+                for name, call in calls.items():
+                    with pytest.raises(TransferdError) as info:
+                        await asyncio.wait_for(call(), 10)
+                    assert info.value.code in (ErrorCode.BAD_FRAME, ErrorCode.BAD_REQUEST), \
+                        (name, info.value)
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+        finally:
+            srv.close()
+
+    run(main(), timeout=60)
