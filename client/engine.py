@@ -164,7 +164,10 @@ class EngineEvents:
             if cb is not None:
                 if COUNTING:
                     count("client.recv_message", frame.payload_len)
-                cb(bytes(frame.payload or b""))
+                try:
+                    cb(bytes(frame.payload or b""))
+                except Exception:  # the user's callback: it must not break the connection
+                    log.exception("receive callback failed")
                 return True
             return False
         c = self.waiting.pop(frame.seq, None)
