@@ -145,6 +145,9 @@ class EngineEvents:
 
     def __init__(self) -> None:
         self.waiting: dict[int, Completion] = {}
+        # SUBMIT_RECVS seq -> its callback: its receives stay posted until the connection
+        # closes (bounded by the daemon's engine.max_recv_pools); forgotten if the post
+        # was refused (an EVENT|ERROR of its seq).
         self.receivers: dict[int, MessageHandler] = {}
         # ALLOC_UVM_WATCHER seq -> the watcher's EVENT handler (client.watchers).
         self.watchers: dict[int, Callable[[Frame], None]] = {}
@@ -159,7 +162,10 @@ class EngineEvents:
             except Exception:  # the user's callback: it must not break the connection
                 log.exception("watcher callback failed")
             return True
-        if frame.cmd == Command.SUBMIT_RECVS and not frame.is_error:
+        if frame.cmd == Command.SUBMIT_RECVS:
+            if frame.is_error:
+                self.receivers.pop(frame.seq, None)
+                return False  # the post's failure: raised at the next flush point
             cb = self.receivers.get(frame.seq)
             if cb is not None:
                 if COUNTING:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from client import Client
 from tests.helpers import DaemonProcess, async_test
+from transferd.protocol.errors import BadRequest
 
 
 @async_test(timeout=30)
@@ -34,4 +37,21 @@ async def test_a_receive_callback_that_raises_does_not_break_the_connection(
         assert got == [b"one", b"two"], got
         assert c.conn.lost is None, c.conn.lost
         buf = await c.alloc_buffer(4096)  # the connection goes on
+        await c.free_buffer(buf)
+
+
+@async_test(timeout=60)
+async def test_a_refused_receive_post_is_forgotten(daemon: DaemonProcess) -> None:
+    # Posted receives stay until the connection closes (bounded by the daemon's
+    # engine.max_recv_pools), but a post the daemon refused kept its callback for good:
+    # a client retrying refused posts grew the table by one entry each.
+    async with await Client.connect(daemon.url) as c:
+        for _ in range(20):
+            c.submit_recvs(64, 0, lambda msg: None)  # count 0: BAD_REQUEST
+            with pytest.raises(BadRequest):
+                for _ in range(250):
+                    await c.synchronize()
+                    await asyncio.sleep(0.02)
+        assert len(c._events.receivers) == 0, len(c._events.receivers)
+        buf = await c.alloc_buffer(4096)
         await c.free_buffer(buf)
