@@ -192,3 +192,39 @@ def test_a_reply_missing_or_mistyping_its_fields_is_a_typed_error(reply: dict[st
             srv.close()
 
     run(main(), timeout=60)
+
+
+@pytest.mark.parametrize("value", [1 << 40, 1 << 20, "abc", 1.5, {"a": 1}, [1, 2]])
+def test_a_name_value_that_is_not_bytes_is_a_typed_error_never_an_allocation(
+        value: Any) -> None:
+    # decode_value did bytes(data): a LOOKUP reply (or a WATCH change) whose value was
+    # the integer 2**40 asked for a TiB of zeros (1 << 20: a MiB, made of nothing), and a
+    # str or a float raised a bare TypeError (in a WATCH EVENT, out of the protocol's
+    # buffer_updated: the connection closed).
+    change = {"op": "put", "name": "a", "node": "n", "kind": "bytes", "value": value}
+
+    async def main() -> None:
+        srv = await asyncio.start_server(
+            _answering({"kind": "bytes", "value": value, "watch": 0, "names": 0,
+                        "node": "n"}), "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            c = await Client.connect(url, timeout=5)
+            try:
+                with pytest.raises(TransferdError) as info:
+                    await asyncio.wait_for(c.lookup("a"), 10)
+                assert info.value.code is ErrorCode.BAD_REQUEST, info.value
+                # The same value in a WATCH EVENT: dropped (logged), the connection goes on.
+                from transferd.protocol.frames import Frame
+                frame = Frame(int(Command.WATCH), int(Flag.EVENT), 99, change)
+                watch = c.names_part.watch("a")
+                c.names_part.watches[99] = watch
+                assert c.names_part.on_event(frame) is True
+                assert c.conn.lost is None
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+        finally:
+            srv.close()
+
+    run(main(), timeout=30)
