@@ -139,12 +139,23 @@ class Names:
 
     async def peers(self) -> list[Peer]:
         r = (await self._request(Command.PEERS, {})).body
-        return [Peer.from_body(p) for p in r.get("peers") or ()]
+        rows = r.get("peers") or []
+        try:
+            if not isinstance(rows, list):
+                raise TypeError
+            return [Peer.from_body(p) for p in rows]
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            raise BadFrame(f"the server's PEERS reply is not a list of peer records: "
+                           f"{str(rows)[:100]}") from None
 
     async def discovery_status(self) -> dict[str, Any]:
         """Where the daemon's names live and whether that store is reachable now."""
         r = (await self._request(Command.PEERS, {})).body
-        return dict(r.get("discovery") or {})
+        status = r.get("discovery") or {}
+        if not isinstance(status, dict):
+            raise BadFrame(f"the server's PEERS reply: 'discovery' is {str(status)[:40]!r}, "
+                           "not a map")
+        return dict(status)
 
     async def names(self, prefix: str = "", limit: int | None = None) -> list[NameInfo]:
         """The names under ``prefix`` (sorted), page after page, at most ``limit``."""

@@ -228,3 +228,30 @@ def test_a_name_value_that_is_not_bytes_is_a_typed_error_never_an_allocation(
             srv.close()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("peers", [
+    [5], "ab", [{"node": "x"}], [{"node": [1]}], [{"version": 3}], [{"version": ["a"]}],
+    [{"capabilities": [1]}], [{"rails": 7}],
+])
+def test_a_peers_reply_that_is_not_peer_records_is_bad_frame(peers: Any) -> None:
+    async def main() -> None:
+        srv = await asyncio.start_server(_answering({"peers": peers, "discovery": 5}),
+                                         "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            c = await Client.connect(url, timeout=5)
+            try:
+                with pytest.raises(TransferdError) as info:
+                    await asyncio.wait_for(c.names_part.peers(), 10)
+                assert info.value.code is ErrorCode.BAD_FRAME, info.value
+                with pytest.raises(TransferdError) as info:
+                    await asyncio.wait_for(c.names_part.discovery_status(), 10)
+                assert info.value.code is ErrorCode.BAD_FRAME, info.value
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+        finally:
+            srv.close()
+
+    run(main(), timeout=30)
