@@ -187,12 +187,12 @@ class Connection(asyncio.BufferedProtocol):
                 ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
             except TimeoutError:
                 raise Timeout(f"HELLO got no reply in {timeout:g} s", seq=1) from None
+            body = ready.hello
+            if "max_message" in body:  # (judged here: a refusal closes, as any above)
+                self.set_max_message(int(body["max_message"]))
         except TransferdError:
             await self.close()
             raise
-        body = ready.hello
-        if "max_message" in body:
-            self.set_max_message(int(body["max_message"]))
         return body
 
     def set_max_message(self, max_message: int) -> None:

@@ -255,3 +255,35 @@ def test_a_peers_reply_that_is_not_peer_records_is_bad_frame(peers: Any) -> None
             srv.close()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("max_message", [1, 1 << 40])
+def test_a_hello_reply_refused_after_ready_closes_the_connection(max_message: int) -> None:
+    # A max_message outside 64 KiB-64 MiB is BAD_FRAME, but it was judged after the
+    # handshake's close-on-failure: Client.connect raised and the socket stayed open, with
+    # nobody holding it to close it.
+    async def main() -> None:
+        closed = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            dec = FrameDecoder()
+            while data := await reader.read(65536):
+                for f in dec.feed(data):
+                    if f.cmd == int(Command.HELLO):
+                        writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
+                                                  dict(_HELLO, max_message=max_message)))
+                await writer.drain()
+            closed.set()
+            writer.close()
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(TransferdError) as info:
+                await Client.connect(url, timeout=5)
+            assert info.value.code is ErrorCode.BAD_FRAME, info.value
+            await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            srv.close()
+
+    run(main(), timeout=30)
