@@ -39,6 +39,7 @@ from transferd.protocol.errors import (
     Cancelled,
     ConnectionLost,
     NotFound,
+    OverLimit,
     TransferdError,
     UnknownCommand,
     error_from_body,
@@ -232,6 +233,10 @@ class Watch:
     daemon by itself (a CANCEL is sent), so the connection's watches do not add up.
     """
 
+    # The most changes (names) that wait here: past it the watch ends with OVER_LIMIT (a
+    # server streaming ever new names, or far more than the daemon's own caps allow).
+    max_pending = 1 << 20
+
     def __init__(self, names: Names, prefix: str, initial: bool) -> None:
         self.names = names
         self.prefix = prefix
@@ -262,6 +267,8 @@ class Watch:
             n.watches.pop(self.seq, None)
             raise
         self.count = int(reply.body.get("names", 0))
+        if self._error is not None:
+            return self  # ended already (its EVENTs came with the reply)
         # Dropped without close(): CANCEL it then (holds neither self nor the Names).
         self._finalizer = weakref.finalize(self, _abandoned, n.conn, self.seq,
                                            asyncio.get_running_loop())
@@ -270,6 +277,14 @@ class Watch:
 
     def _push(self, change: Change, new: bool = False) -> None:
         self._pending.add(change, new)
+        if len(self._pending) > self.max_pending:
+            # As the daemon ends a watch its connection lags on: over, and ended there too.
+            self._pending.clear()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            _abandoned(self.names.conn, self.seq, asyncio.get_running_loop())  # CANCEL
+            self._end(OverLimit(f"watch {self.prefix!r}: over {self.max_pending} changes "
+                                "wait here unread; watch again"))
         if self._wake is not None:
             self._wake.set()
 

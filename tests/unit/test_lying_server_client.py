@@ -287,3 +287,63 @@ def test_a_hello_reply_refused_after_ready_closes_the_connection(max_message: in
             srv.close()
 
     run(main(), timeout=30)
+
+
+def test_a_watch_fed_more_changes_than_it_may_hold_ends_over_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # What waits in a Watch is one change per name: bounded by the names under the prefix
+    # on an honest daemon, but a server streaming ever new names grew it without end while
+    # the caller did not read.  Past Watch.max_pending it ends (OVER_LIMIT: watch again)
+    # and a CANCEL goes to the server, as the daemon ends a watch its connection lags on.
+    from client.names import Watch
+    monkeypatch.setattr(Watch, "max_pending", 1000, raising=False)
+    cancels: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f.cmd == int(Command.HELLO):
+                    body: dict[str, Any] = dict(_HELLO, features=["engine", "names"])
+                elif f.cmd == int(Command.WATCH):
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
+                                              {"watch": f.seq, "names": 0, "node": "n"}))
+                    writer.write(b"".join(encode_frame(f.cmd, int(Flag.EVENT), f.seq, {
+                        "op": "put", "name": f"n{i}", "node": "n", "kind": "bytes",
+                        "value": b"v"}) for i in range(5000)))
+                    await writer.drain()
+                    continue
+                else:
+                    if f.cmd == int(Command.CANCEL):
+                        cancels.append(f.body["seq"])
+                    body = {}
+                writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, body))
+                await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            c = await Client.connect(url, timeout=5)
+            try:
+                w = await c.names_part.watch("").start()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while w._error is None and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
+                assert len(w._pending) <= 1000, len(w._pending)
+                with pytest.raises(TransferdError) as info:
+                    await asyncio.wait_for(w.__anext__(), 5)
+                assert info.value.code is ErrorCode.TOO_LARGE, info.value
+                deadline = loop.time() + 5
+                while not cancels and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
+                assert cancels == [w.seq], cancels
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.close()
+        finally:
+            srv.close()
+
+    run(main(), timeout=30)
