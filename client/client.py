@@ -49,7 +49,7 @@ from .queue import (
     segments,
 )
 from .reads import ReadOps
-from .replies import out_view
+from .replies import out_view, reply_field, reply_uint
 from .shared import SharedBuffer, map_shared, read_local
 from .switches import Switches
 from .watchers import Change, UvmWatcher, Watchers
@@ -285,7 +285,7 @@ class Client:
     # -- devices and buffers --------------------------------------------------------
 
     async def get_devices(self) -> list[dict[str, Any]]:
-        return list((await self._call(Command.GET_DEVICES)).body["devices"])
+        return list(reply_field(await self._call(Command.GET_DEVICES), "devices", list))
 
     async def alloc_buffer(self, size: int, device: str = "cpu", *, owner: str | None = None,
                            lease: str | None = None) -> RemoteBuffer:
@@ -299,7 +299,7 @@ class Client:
         """
         body = {"device": device, "size": size, **owner_fields(owner, lease)}
         r = await self._call(Command.ALLOC_BUFFER, body)
-        buffer_id, got = int(r.body["buffer"]), int(r.body["size"])
+        buffer_id, got = reply_uint(r, "buffer"), reply_uint(r, "size")
         nfds = r.body.get("fds", 0)
         if not nfds:
             return RemoteBuffer(buffer_id, got, device)
@@ -718,11 +718,12 @@ class Client:
 
     def _raise_failures(self) -> None:
         failed = self.conn.take_failures()
+        dropped = self.conn.take_dropped()
         if failed:
             first = failed[0]
-            if len(failed) > 1:
+            if len(failed) + dropped > 1:
                 first.add_note(
-                    f"and {len(failed) - 1} more one-way command(s) failed: "
+                    f"and {len(failed) - 1 + dropped} more one-way command(s) failed: "
                     + "; ".join(str(f) for f in failed[1:4])
                 )
             raise first

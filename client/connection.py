@@ -46,6 +46,11 @@ from transferd.protocol.frames import Frame, Phase, Sink
 from transferd.transports import TransportKind
 from transferd.transports.carriers import Carrier
 
+# The most one-way failures kept between two flush points: a server that sends error
+# frames for requests never made (or one that fails thousands at once) costs a count past
+# it, not a list that grows with what it sends.  A fatal one is always kept.
+MAX_FAILURES = 1024
+
 # How long close() waits for the server to finish what this connection sent
 # and close its side, before closing outright.
 CLOSE_LINGER = 5.0
@@ -99,6 +104,8 @@ class Connection(asyncio.BufferedProtocol):
         self._ready: asyncio.Future[Ready] | None = None
         # Failures of NO_REPLY commands, raised at the next flush point.
         self.failed: list[TransferdError] = []
+        # How many more there were, past MAX_FAILURES (reported with the first).
+        self.failures_dropped = 0
         # Unasked EVENT frames (engine completions, messages) go here.
         # Returns True when it consumed the event (an engine completion).
         self.on_event: Callable[[Frame], bool] | None = None
@@ -180,12 +187,12 @@ class Connection(asyncio.BufferedProtocol):
                 ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
             except TimeoutError:
                 raise Timeout(f"HELLO got no reply in {timeout:g} s", seq=1) from None
+            body = ready.hello
+            if "max_message" in body:  # (judged here: a refusal closes, as any above)
+                self.set_max_message(int(body["max_message"]))
         except TransferdError:
             await self.close()
             raise
-        body = ready.hello
-        if "max_message" in body:
-            self.set_max_message(int(body["max_message"]))
         return body
 
     def set_max_message(self, max_message: int) -> None:
@@ -259,7 +266,7 @@ class Connection(asyncio.BufferedProtocol):
                 if self.on_event is not None and self.on_event(ev.frame):
                     continue
                 if ev.error is not None:
-                    self.failed.append(ev.error)
+                    self.note_failure(ev.error)
             elif type(ev) is Ready:
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(ev)
@@ -281,7 +288,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.close()
             return
         # A fatal error before any request, or for a seq we gave up on.
-        self.failed.append(ev.error)
+        self.note_failure(ev.error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail_all(ConnectionLost(f"connection closed{': ' + str(exc) if exc else ''}"))
@@ -442,9 +449,23 @@ class Connection(asyncio.BufferedProtocol):
             self._drain_waiters.append(w)
             await w
 
+    def note_failure(self, exc: TransferdError) -> None:
+        """A one-way command failed: raised at the next flush point (at most MAX_FAILURES
+        kept; past them only counted, but a fatal one is kept if none is yet)."""
+        failed = self.failed
+        if len(failed) < MAX_FAILURES or (exc.fatal and not any(f.fatal for f in failed)):
+            failed.append(exc)
+        else:
+            self.failures_dropped += 1
+
     def take_failures(self) -> list[TransferdError]:
         failed, self.failed = self.failed, []
         return failed
+
+    def take_dropped(self) -> int:
+        """How many failures past MAX_FAILURES were counted since the last call."""
+        n, self.failures_dropped = self.failures_dropped, 0
+        return n
 
     async def close(self, linger: float = CLOSE_LINGER) -> None:
         t = self.transport

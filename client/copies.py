@@ -244,7 +244,7 @@ class Copies:
         exc = fut.exception()
         if isinstance(exc, TransferdError):
             with contextlib.suppress(TransferdError):
-                client.conn.failed.append(exc)
+                client.conn.note_failure(exc)
 
     async def take_queue(self) -> list[Any]:
         """At a flush point: once every queued copy's bytes are in staging, the queue

@@ -27,6 +27,7 @@ from transferd.protocol.constants import Command
 
 from .buffers import RemoteBuffer
 from .devices import CudaExport, export_cuda
+from .replies import reply_uint
 
 if TYPE_CHECKING:
     from .calls import Calls
@@ -47,4 +48,4 @@ class CudaIpc:
         r = await self._client._call(Command.ALLOC_BUFFER, {
             "device": dev, "size": export.nbytes, "ipc_handle": export.handle,
             "ipc_offset": export.offset})
-        return RemoteBuffer(int(r.body["buffer"]), int(r.body["size"]), dev)
+        return RemoteBuffer(reply_uint(r, "buffer"), reply_uint(r, "size"), dev)

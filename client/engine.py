@@ -28,6 +28,7 @@ from transferd.protocol.errors import ConnectionLost, NotFound, TransferdError, 
 from transferd.protocol.frames import Frame
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
+from .replies import reply_field, reply_uint
 from .tracing import tag as _tag
 
 if TYPE_CHECKING:
@@ -144,6 +145,9 @@ class EngineEvents:
 
     def __init__(self) -> None:
         self.waiting: dict[int, Completion] = {}
+        # SUBMIT_RECVS seq -> its callback: its receives stay posted until the connection
+        # closes (bounded by the daemon's engine.max_recv_pools); forgotten if the post
+        # was refused (an EVENT|ERROR of its seq).
         self.receivers: dict[int, MessageHandler] = {}
         # ALLOC_UVM_WATCHER seq -> the watcher's EVENT handler (client.watchers).
         self.watchers: dict[int, Callable[[Frame], None]] = {}
@@ -158,12 +162,18 @@ class EngineEvents:
             except Exception:  # the user's callback: it must not break the connection
                 log.exception("watcher callback failed")
             return True
-        if frame.cmd == Command.SUBMIT_RECVS and not frame.is_error:
+        if frame.cmd == Command.SUBMIT_RECVS:
+            if frame.is_error:
+                self.receivers.pop(frame.seq, None)
+                return False  # the post's failure: raised at the next flush point
             cb = self.receivers.get(frame.seq)
             if cb is not None:
                 if COUNTING:
                     count("client.recv_message", frame.payload_len)
-                cb(bytes(frame.payload or b""))
+                try:
+                    cb(bytes(frame.payload or b""))
+                except Exception:  # the user's callback: it must not break the connection
+                    log.exception("receive callback failed")
                 return True
             return False
         c = self.waiting.pop(frame.seq, None)
@@ -190,7 +200,7 @@ class EngineOps:
 
     async def main_address(self) -> NetAddr:
         r = await self._client._call(Command.MAIN_ADDRESS)
-        return NetAddr.from_bytes(r.body["addr"])
+        return NetAddr.from_bytes(reply_field(r, "addr", bytes))
 
     async def reg_mr(self, buf: RemoteBuffer, access: str = "w") -> tuple[MrHandle, MrDesc]:
         """``access``: what peers may do through the MrDesc's rkeys: ``"w"`` write (the
@@ -199,7 +209,7 @@ class EngineOps:
         if access != "w":
             body["access"] = access  # (a daemon before reads refuses nothing it knows)
         r = await self._client._call(Command.REG_MR, body)
-        return MrHandle(int(r.body["mr"]), buf), MrDesc.from_wire(r.body["desc"])
+        return MrHandle(reply_uint(r, "mr"), buf), MrDesc.from_wire(reply_field(r, "desc", list))
 
     async def dereg_mr(self, mr: MrHandle) -> None:
         await self._client._call(Command.DEREG_MR, {"mr": mr.id})
@@ -253,7 +263,7 @@ class EngineOps:
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         r = await self._client._call(Command.ADD_PEER_GROUP,
                                      {"addrs": [a.to_bytes() for a in addrs]})
-        return PeerGroup(int(r.body["group"]), tuple(addrs))
+        return PeerGroup(reply_uint(r, "group"), tuple(addrs))
 
     async def submit_scatter(
         self, group: PeerGroup | None, imm: int | None, src: MrHandle,
@@ -320,4 +330,4 @@ class EngineOps:
 
     async def imm_count(self, imm: int) -> int:
         """The current, unconsumed count of an immediate (for polling)."""
-        return int((await self._client._call(Command.IMM_COUNT, {"imm": imm})).body["value"])
+        return reply_uint(await self._client._call(Command.IMM_COUNT, {"imm": imm}), "value")

@@ -34,10 +34,12 @@ from transferd.discovery.backlog import Backlog
 from transferd.discovery.records import Change, Peer, Value, decode_value, encode_value
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import (
+    BadFrame,
     BadRequest,
     Cancelled,
     ConnectionLost,
     NotFound,
+    OverLimit,
     TransferdError,
     UnknownCommand,
     error_from_body,
@@ -138,12 +140,23 @@ class Names:
 
     async def peers(self) -> list[Peer]:
         r = (await self._request(Command.PEERS, {})).body
-        return [Peer.from_body(p) for p in r.get("peers") or ()]
+        rows = r.get("peers") or []
+        try:
+            if not isinstance(rows, list):
+                raise TypeError
+            return [Peer.from_body(p) for p in rows]
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            raise BadFrame(f"the server's PEERS reply is not a list of peer records: "
+                           f"{str(rows)[:100]}") from None
 
     async def discovery_status(self) -> dict[str, Any]:
         """Where the daemon's names live and whether that store is reachable now."""
         r = (await self._request(Command.PEERS, {})).body
-        return dict(r.get("discovery") or {})
+        status = r.get("discovery") or {}
+        if not isinstance(status, dict):
+            raise BadFrame(f"the server's PEERS reply: 'discovery' is {str(status)[:40]!r}, "
+                           "not a map")
+        return dict(status)
 
     async def names(self, prefix: str = "", limit: int | None = None) -> list[NameInfo]:
         """The names under ``prefix`` (sorted), page after page, at most ``limit``."""
@@ -155,8 +168,22 @@ class Names:
                 body["limit"] = limit - len(out)
             r = (await self._request(Command.NAMES, body)).body
             rows = r.get("names") or []
-            out += [NameInfo(str(n["name"]), str(n.get("kind", "")), str(n.get("node", "")),
-                             int(n.get("size", 0))) for n in rows]
+            try:
+                if not isinstance(rows, list):
+                    raise TypeError
+                page = [NameInfo(str(n["name"]), str(n.get("kind", "")),
+                                 str(n.get("node", "")), int(n.get("size", 0)))
+                        for n in rows]
+            except (TypeError, ValueError, KeyError, AttributeError):
+                raise BadFrame(f"the server's NAMES reply is not a list of names: "
+                               f"{str(rows)[:100]}") from None
+            # Sorted, every one past 'after': a page that does not move on would be asked
+            # for again and again (a lying server's, this list growing without end).
+            if any(n.name <= prev for prev, n in zip([after] + [p.name for p in page], page,
+                                                    strict=False)):
+                raise BadFrame(f"the server's NAMES reply after {after!r} is not sorted past "
+                               "it: the listing would not end")
+            out += page
             if not r.get("more") or not rows:
                 break
             after = out[-1].name
@@ -206,6 +233,10 @@ class Watch:
     daemon by itself (a CANCEL is sent), so the connection's watches do not add up.
     """
 
+    # The most changes (names) that wait here: past it the watch ends with OVER_LIMIT (a
+    # server streaming ever new names, or far more than the daemon's own caps allow).
+    max_pending = 1 << 20
+
     def __init__(self, names: Names, prefix: str, initial: bool) -> None:
         self.names = names
         self.prefix = prefix
@@ -236,6 +267,8 @@ class Watch:
             n.watches.pop(self.seq, None)
             raise
         self.count = int(reply.body.get("names", 0))
+        if self._error is not None:
+            return self  # ended already (its EVENTs came with the reply)
         # Dropped without close(): CANCEL it then (holds neither self nor the Names).
         self._finalizer = weakref.finalize(self, _abandoned, n.conn, self.seq,
                                            asyncio.get_running_loop())
@@ -244,6 +277,14 @@ class Watch:
 
     def _push(self, change: Change, new: bool = False) -> None:
         self._pending.add(change, new)
+        if len(self._pending) > self.max_pending:
+            # As the daemon ends a watch its connection lags on: over, and ended there too.
+            self._pending.clear()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            _abandoned(self.names.conn, self.seq, asyncio.get_running_loop())  # CANCEL
+            self._end(OverLimit(f"watch {self.prefix!r}: over {self.max_pending} changes "
+                                "wait here unread; watch again"))
         if self._wake is not None:
             self._wake.set()
 

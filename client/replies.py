@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from transferd.protocol.errors import BadRequest
+from transferd.protocol.constants import command_name
+from transferd.protocol.errors import BadFrame, BadRequest
+from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
 
@@ -23,3 +25,23 @@ def out_view(t: Tensor, out: Any) -> memoryview:
     if view.nbytes != t.size:
         raise BadRequest(f"out= holds {view.nbytes} bytes for a tensor of {t.size}")
     return view
+
+
+def reply_uint(r: Frame, name: str, default: int | None = None) -> int:
+    """Field ``name`` of the reply ``r``, an unsigned integer (``default`` when absent and
+    one is given): a server's reply that lacks it, or holds another type, is BAD_FRAME
+    naming it, not a KeyError in the caller."""
+    v = r.body.get(name, default)
+    if type(v) is not int or v < 0:
+        raise BadFrame(f"the server's {command_name(r.cmd)} reply: field {name!r} is "
+                       f"{str(v)[:40]!r}, not an unsigned integer", seq=r.seq)
+    return v
+
+
+def reply_field(r: Frame, name: str, kind: type | tuple[type, ...]) -> Any:
+    """Field ``name`` of the reply ``r``, an instance of ``kind`` (else BAD_FRAME)."""
+    v = r.body.get(name)
+    if not isinstance(v, kind):
+        raise BadFrame(f"the server's {command_name(r.cmd)} reply: field {name!r} is "
+                       f"{str(v)[:40]!r}, not of the type it must be", seq=r.seq)
+    return v

@@ -25,6 +25,8 @@ from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
 
+from .replies import reply_uint
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -174,6 +176,8 @@ class Watchers:
         self._events.watchers[seq] = route
         try:
             reply = await fut
+            reply_uint(reply, "watcher")  # (a lying server's reply: BAD_FRAME)
+            reply_uint(reply, "value", 0)
         except BaseException:
             self._events.watchers.pop(seq, None)
             raise

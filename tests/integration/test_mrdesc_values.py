@@ -174,3 +174,39 @@ def test_a_pages_number_that_is_not_an_integer_is_bad_request(daemon: DaemonProc
                 assert f.flags == REFUSED, (why, cmd.name, f)
                 assert f.body["code"] == ErrorCode.BAD_REQUEST.value, (why, cmd.name, f.body)
                 assert "Pages" in f.body["message"], (why, cmd.name, f.body)
+
+
+@pytest.mark.parametrize("cmd", ["SINGLE_WRITE", "PAGED_WRITES", "SCATTER", "BARRIER",
+                                 "SINGLE_READ"])
+def test_an_mrdesc_with_more_rkeys_than_rails_can_be_is_refused_before_decoding_them(
+        daemon: DaemonProcess, cmd: str) -> None:
+    # One rkey per rail, at most 16 (the peer handshake's MAX_RAILS).  140,000 rkeys, each
+    # a distinct NetAddr, fit a 4 MiB body: each was decoded (1.4 s of the daemon's loop,
+    # everybody's frames waiting) before the rail count was looked at.
+    from transferd.protocol.values import NetAddr
+
+    with RawConn.to(daemon) as c:
+        c.hello()
+        mr, desc = _setup(c)
+        ptr, size, _ = desc
+        wide = [[NetAddr(i, 0, [b"127.0.0.1:%d" % (1 + i % 65000)]).to_bytes(), 1]
+                for i in range(130_000)]
+        for rkeys in (wide[:17], wide):
+            command, body = _bodies(mr, [ptr, size, rkeys])[cmd]
+            t0 = time.monotonic()
+            f = c.request(command, body)
+            took = time.monotonic() - t0
+            assert f.flags == REFUSED, f
+            assert f.body["code"] == ErrorCode.BAD_REQUEST.value, f.body
+            assert "at most 16" in f.body["message"], f.body
+        assert took < 5.0, took  # (the request and its refusal, not the cost of each rkey)
+        # A NetAddr of more rails than a daemon can have is malformed too.
+        addr = NetAddr(1, 0, [b"127.0.0.1:1"] * 17).to_bytes()
+        f = c.request(Command.ADD_PEER_GROUP, {"addrs": [addr]})
+        assert f.flags == REFUSED and f.body["code"] == ErrorCode.BAD_REQUEST.value, f.body
+        assert "NetAddr" in f.body["message"], f.body
+        command, body = _bodies(mr, desc)[cmd]
+        f = c.request(command, body)
+        assert f.flags == int(Flag.REPLY), f.body
+        event = c.recv()
+        assert event.flags == int(Flag.EVENT) and event.body == {"ok": True}, event

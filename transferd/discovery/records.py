@@ -46,6 +46,9 @@ def check_kind(kind: Any) -> Kind:
 
 def decode_value(kind: Any, data: bytes) -> Value:
     """The value of ``kind`` and ``data``; BadRequest when they do not parse."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        # Never bytes() of anything else: bytes(1 << 40) allocates a TiB of zeros.
+        raise BadRequest(f"a name's value must be bytes, not {type(data).__name__}")
     k = check_kind(kind)
     if k is Kind.MR_DESC:
         return MrDesc.from_bytes(data)

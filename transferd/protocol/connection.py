@@ -1089,6 +1089,9 @@ class ClientConnection(_Machine):
             for name in _HELLO_LIMITS:
                 if name in body:
                     uint_field(body, name)
+            features = body.get("features", [])
+            if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+                raise BadRequest("field 'features' must be a list of names")
         except BadRequest as exc:
             self._go(Input.REFUSED)
             raise BadFrame(f"the server's HELLO reply: {exc.message}") from None
