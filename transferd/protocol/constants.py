@@ -96,6 +96,11 @@ def command_name(cmd: int) -> str:
         return f"0x{cmd:02X}"
 
 
+# Rails of one domain group, the most a peer address or an MrDesc lists (one rkey per
+# rail): the peer handshake, NetAddr and MrDesc refuse more before reading any.
+MAX_RAILS = 16
+
+
 class ErrorCode(enum.StrEnum):
     BAD_FRAME = "BAD_FRAME"
     TOO_LARGE = "TOO_LARGE"

@@ -56,7 +56,7 @@ from typing import Any
 
 import msgpack
 
-from .constants import Flag
+from .constants import MAX_RAILS, Flag
 from .errors import (
     BadFrame,
     BadRequest,
@@ -80,7 +80,6 @@ NONCE_LEN = 32
 MAC_LEN = 32
 # Before the handshake is done a link takes bodies of at most this and no payload.
 MAX_HANDSHAKE_BODY = 4096
-MAX_RAILS = 16
 MAX_ADDR_LEN = 256
 DEFAULT_TIMEOUT = 5.0
 RESPONDER_LABEL = b"transferd-peer-responder-v1"

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
+from .constants import MAX_RAILS
 from .errors import BadRequest
-from .peer_handshake import MAX_RAILS
 
 _FORMAT = 1
 U64 = (1 << 64) - 1
