@@ -586,3 +586,44 @@ def test_a_batch_body_over_repeat_body_is_not_remembered() -> None:
     s1, s2 = dec.feed(encode_frame(Command.GET_TENSORS, 0, 3, small) +
                       encode_frame(Command.GET_TENSORS, 0, 4, small))
     assert s1.body["tensors"] is s2.body["tensors"]
+
+
+def test_a_body_length_the_other_side_claims_is_not_allocated_before_its_bytes_come() -> None:
+    """A client takes the server's announced max_body (any u64); a header claiming a
+    3 GiB body, with nothing after it, must not make the decoder allocate 3 GiB: its
+    buffer grows with the bytes that arrive (doubling), never to the size told."""
+    import tracemalloc
+
+    dec = FrameDecoder(max_body=1 << 62)
+    tracemalloc.start()
+    try:
+        dec.feed(frames.encode_header(Command.GET_TENSORS, 0, 1, 3 << 30, 0))
+        dec.feed(b"\x00" * 100_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * frames.READ_CHUNK, peak
+
+
+def test_a_body_many_times_the_buffer_comes_whole_in_small_receives() -> None:
+    """The growing buffer: a 6 MiB body fed in 64 KiB pieces (and one byte at a time at
+    its end) decodes byte for byte, in memory bounded by twice what arrived."""
+    import tracemalloc
+
+    blob = random.Random(3).randbytes(6 << 20)
+    raw = encode_frame(Command.GET_TENSORS, 0, 9, {"blob": blob})
+    dec = FrameDecoder(max_body=1 << 62)
+    got: list[Frame] = []
+    tracemalloc.start()
+    try:
+        cut = len(raw) - 7
+        for i in range(0, cut, 64 * 1024):
+            got += dec.feed(raw[i : min(i + 64 * 1024, cut)])
+        for i in range(cut, len(raw)):
+            got += dec.feed(raw[i : i + 1])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (f,) = got
+    assert hashlib.sha256(f.body["blob"]).digest() == hashlib.sha256(blob).digest()
+    assert peak < 3 * len(raw) + 4 * frames.READ_CHUNK, peak

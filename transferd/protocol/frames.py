@@ -408,6 +408,9 @@ class FrameDecoder:
                     h = hb
                     body_len = h.body_len
                     if avail < body_len:
+                        if HEADER_SIZE + body_len > len(self._buf) \
+                                and len(self._buf) - self._end < READ_CHUNK:
+                            self._grow(body_len)  # the bytes came: room for more of them
                         return None
                 elif phase is _PAYLOAD:
                     if avail:
@@ -597,8 +600,10 @@ class FrameDecoder:
 
     def _grow(self, body_len: int) -> None:
         # Only for a body within max_body (checked above): before
-        # authentication that is at most 4096 bytes, inside the small buffer.
-        self._resize(max(READ_CHUNK, body_len + READ_CHUNK))
+        # authentication that is at most 4096 bytes, inside the small buffer.  Never
+        # to the length a header claims at once (a client takes any max_body its
+        # server announces): at most twice the buffer each time, as its bytes come.
+        self._resize(max(READ_CHUNK, min(body_len + READ_CHUNK, 2 * len(self._buf))))
 
     def _resize(self, size: int) -> None:
         live = bytes(self._view[self._start : self._end])
