@@ -277,6 +277,13 @@ class EngineConfig:
         "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",
         min=1, max=65536,
     )
+    max_scatter_dsts: int = key(
+        4096,
+        "Most destinations one SCATTER or BARRIER may name; more is refused whole with "
+        "TOO_LARGE (the connection goes on) before any is read: each costs the daemon's "
+        "loop its checks and its plan.",
+        min=1, max=1 << 20,
+    )
     max_peer_groups: int = key(
         64,
         "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "
