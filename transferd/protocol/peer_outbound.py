@@ -345,6 +345,10 @@ class OutboundLink(LinkEnd):
                 self.completions.append((token, ack_error(status, buf[start + 24:
                                                                     start + 24 + mlen])))
             return start + 24 + mlen
+        if mlen:
+            # (frame_size counts it, a stream would read it as payload: refused as an ok
+            # ACK with text is.)
+            raise BadFrame(f"an ok READ_DATA announcing a {mlen}-byte message")
         asked = self._reads.pop(key, None)
         if asked is None:
             # Nothing of it is read: the link is cut before any byte lands anywhere.
