@@ -420,3 +420,34 @@ async def test_a_process_killed_mid_write_and_mid_receive_leaves_the_daemon_clea
             proc.kill()
             proc.wait()
         d.stop()
+
+
+@async_test(timeout=60)
+async def test_refused_expectations_and_arms_leave_no_completion_behind() -> None:
+    # Before the fix an expect_imm_count or arm_paged_writes the node refused (a count
+    # over 32 bits, the connection's engine.max_expectations reached, no such watcher)
+    # raised, but its Completion stayed in the client's table of pending ones for ever:
+    # a caller retrying a refused call grew that table without bound.
+    from transferd.protocol.errors import NotFound, OverLimit
+    from transferd.protocol.values import Pages
+
+    async with engine(**{"engine.max_expectations": 4}) as a:
+        held = [await a.expect_imm_count(fresh_imm(), 1, wait=False) for _ in range(4)]
+        assert len(a._completions) == 4
+        for _ in range(300):
+            with pytest.raises(OverLimit, match="max_expectations"):
+                await a.expect_imm_count(fresh_imm(), 1, wait=False)
+            with pytest.raises(BadRequest, match="32-bit"):
+                await a.expect_imm_count(1, 2 ** 32, wait=False)
+        src = np.zeros(4096, np.uint8)
+        smr, sdesc = await a.reg_mr(await a.register_memory(src))
+        for _ in range(300):
+            with pytest.raises(NotFound, match="watcher"):
+                await a.arm_paged_writes(987654, 1, 4096, None, (smr, Pages([0], 4096, 0)),
+                                         (sdesc, Pages([0], 4096, 0)))
+        assert len(a._completions) == 4, len(a._completions)
+        for h in held:
+            assert await h.cancel()
+        assert len(a._completions) == 0
+        # And the node still serves: an expectation met by the counter fires.
+        assert await a.imm_count(0) >= 0
