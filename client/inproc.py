@@ -661,6 +661,9 @@ class InprocClient(Client):
             # As over the wire, where a submit is one-way: the Service's refusal (checked
             # before anything was queued) is the Completion's error, not the call's.
             c.end(exc)
+        except BaseException:  # given up while it waited for a slot: never started
+            c.refused()
+            raise
         return c
 
     async def submit_single_write(

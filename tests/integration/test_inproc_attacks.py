@@ -451,3 +451,39 @@ async def test_refused_expectations_and_arms_leave_no_completion_behind() -> Non
         assert len(a._completions) == 0
         # And the node still serves: an expectation met by the counter fires.
         assert await a.imm_count(0) >= 0
+
+
+@async_test(timeout=60)
+async def test_a_submit_given_up_while_it_waits_for_a_slot_leaves_nothing_behind() -> None:
+    # Before the fix a submit waiting for a slot (engine.max_inflight_per_client taken)
+    # whose caller gave up (asyncio.wait_for, a task cancelled) stayed in the client's
+    # table of pending Completions for ever, one more per retry.
+    from transferd.protocol.values import NetAddr
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted, never read: a write to it is held
+    try:
+        async with engine(**{"engine.max_inflight_per_client": 1,
+                             "engine.peer_timeout_s": 20}) as a:
+            src = np.arange(4096, dtype=np.uint8)
+            smr, sdesc = await a.reg_mr(await a.register_memory(src))
+            nowhere = NetAddr(0x5157, 0, (silent.getsockname(),))
+            desc = MrDesc(1 << 20, [(nowhere, 0x1234)], 4096)
+            held = await a.submit_single_write(4096, None, (smr, 0), (desc, 0))
+            assert not held.done()
+            for _ in range(50):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        a.submit_single_write(4096, None, (smr, 0), (sdesc, 0)), 0.01)
+            assert len(a._completions) == 1, len(a._completions)
+            assert await held.cancel()
+            assert len(a._completions) == 0
+            # The slot is free again: a write to itself lands, every byte.
+            dst = np.zeros(4096, np.uint8)
+            _, ddesc = await a.reg_mr(await a.register_memory(dst))
+            await asyncio.wait_for(
+                await a.submit_single_write(4096, None, (smr, 0), (ddesc, 0)), WAIT)
+            assert sha(dst) == sha(src)
+    finally:
+        silent.close()
