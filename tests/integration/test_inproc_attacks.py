@@ -487,3 +487,37 @@ async def test_a_submit_given_up_while_it_waits_for_a_slot_leaves_nothing_behind
             assert sha(dst) == sha(src)
     finally:
         silent.close()
+
+
+@async_test(timeout=90)
+async def test_immediates_used_once_each_leave_no_counter_behind() -> None:
+    # A fresh immediate per transfer (a request id), each write's count consumed by its
+    # expectation: before the fix every one left a counter at 0 in the node for ever,
+    # so a long-running receiver's table of counters grew with every request it served.
+    async with engine() as a:
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        counter = a.service._engine().counter
+        before = len(counter._counts)
+        base = fresh_imm()
+        for i in range(300):
+            imm = base + (i + 1) * 1_000_003 % (2 ** 31)
+            w = await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0))
+            await asyncio.wait_for(w, WAIT)
+            await asyncio.wait_for(a.expect_imm_count(imm, 1), WAIT)
+            assert await a.imm_count(imm) == 0
+        assert sha(dst) == sha(src)
+        assert len(counter._counts) <= before + 1, len(counter._counts) - before
+        # Counted once, never lost: a count not yet consumed stays, then is consumed.
+        imm = base + 7
+        for _ in range(3):
+            await asyncio.wait_for(
+                await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0)), WAIT)
+        assert await a.imm_count(imm) == 3
+        await asyncio.wait_for(a.expect_imm_count(imm, 2), WAIT)
+        assert await a.imm_count(imm) == 1
+        await asyncio.wait_for(a.expect_imm_count(imm, 1), WAIT)
+        assert await a.imm_count(imm) == 0
+        assert len(counter._counts) <= before + 1
