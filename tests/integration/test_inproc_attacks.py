@@ -521,3 +521,33 @@ async def test_immediates_used_once_each_leave_no_counter_behind() -> None:
         await asyncio.wait_for(a.expect_imm_count(imm, 1), WAIT)
         assert await a.imm_count(imm) == 0
         assert len(counter._counts) <= before + 1
+
+
+@async_test(timeout=60)
+async def test_receives_and_expectations_of_odd_numbers_are_refused_typed() -> None:
+    # Over the wire the daemon's handlers take only unsigned integers; in process the
+    # Service took what it was given: before the fix submit_recvs posted a pool of NaN,
+    # 1.5 or True bytes (a NaN length in the sorted index of lengths), raised a bare
+    # TypeError for a string, and expect_imm_count waited on immediate 1.5 (never met).
+    import math
+
+    async with engine() as a:
+        for length, count in [("x", 1), (math.nan, 1), (True, 1), (1.5, 1), (4096, math.inf),
+                              (4096, 2.0), (2 ** 64, 1), (-1, 1), (4096, 2 ** 64)]:
+            with pytest.raises(BadRequest, match="length|count"):
+                a.submit_recvs(length, count, lambda m: None)
+        for imm, count in [(1.5, 1), ("a", 1), (True, 1), (1, True), (1, math.nan)]:
+            with pytest.raises(BadRequest, match="imm|count"):
+                await a.expect_imm_count(imm, count, wait=False)
+        assert len(a._completions) == 0
+        assert a.service._engine().receives.pools == 0
+        # What is right is taken: a message to itself lands in the receive it posted.
+        got: list[bytes] = []
+        a.submit_recvs(4096, 1, got.append)
+        msg = bytes(pattern(1000, 3))
+        await asyncio.wait_for(await a.submit_send(await a.main_address(), msg), WAIT)
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert [sha(m) for m in got] == [sha(msg)]

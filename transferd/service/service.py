@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,7 @@ Admitted = Op | Awaitable[Op]
 Arrived = Callable[[tuple[int, int], bytes], bool]
 
 U32 = 0xFFFFFFFF
+U64 = 0xFFFFFFFFFFFFFFFF
 
 
 class Service:
@@ -486,7 +488,11 @@ class Service:
 
     def submit_recvs(self, caller: Caller, length: int, count: int, arrived: Arrived) -> None:
         """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
-        self._engine().submit_recvs(caller, length, count, arrived)
+        engine = self._engine()
+        # Unsigned 64-bit integers, as the wire's fields are (an inproc caller's too).
+        length = _unsigned(length, "submit_recvs' length", U64)
+        count = _unsigned(count, "submit_recvs' count", U64)
+        engine.submit_recvs(caller, length, count, arrived)
 
     # -- the engine: counts ------------------------------------------------------------
 
@@ -496,8 +502,11 @@ class Service:
         its deadline (engine.expect_timeout_s unless given) ``on_end(Timeout)``, nothing
         consumed.  It ends with its caller."""
         engine = self._engine()
-        if not 0 <= imm <= U32 or not 0 <= count <= U32:
-            raise BadRequest(f"imm {imm} and count {count} must be 32-bit unsigned values")
+        try:
+            imm, count = _unsigned(imm, "imm", U32), _unsigned(count, "count", U32)
+        except BadRequest:
+            raise BadRequest(f"imm {imm!r} and count {count!r} must be 32-bit unsigned "
+                             "values") from None
         cfg = engine.config
         timeout = deadline(timeout, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
                            "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
@@ -687,3 +696,17 @@ class Service:
 def _alive(owner: Hashable) -> bool:
     """Whether a watcher's owner is still there (the sweep ends those of gone callers)."""
     return not getattr(owner, "closed", False)
+
+
+def _unsigned(v: Any, what: str, limit: int) -> int:
+    """``v`` as an int in 0..limit: an integer (a numpy one too), never a bool, a float or
+    a string (an inproc caller's arguments are not the wire's checked fields)."""
+    if isinstance(v, bool):
+        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}") from None
+    if not 0 <= n <= limit:
+        raise BadRequest(f"{what} = {n} is out of range 0..{limit}")
+    return n
