@@ -551,3 +551,46 @@ async def test_receives_and_expectations_of_odd_numbers_are_refused_typed() -> N
                 break
             await asyncio.sleep(0.01)
         assert [sha(m) for m in got] == [sha(msg)]
+
+
+WATCHED_AND_RESIZED = r"""
+import asyncio, sys, time
+import numpy as np
+from client import Client
+
+async def main():
+    c = await Client.connect("inproc://", timeout=10)
+    pinned = 0
+    for i in range(12):
+        a = np.zeros(1 << 22, np.uint8)
+        buf = await c.register_memory(a)
+        await c.alloc_uvm_watcher(lambda o, n: None, buffer=buf, offset=(1 << 22) - 8 * (i + 1))
+        await c.free_buffer(buf)
+        deadline = time.monotonic() + 10
+        while True:  # bounded: the watcher ends within its sweep
+            try:
+                a.resize(1 << 26, refcheck=False)  # the old mapping is unmapped
+                break
+            except ValueError:
+                pinned += 1
+                assert time.monotonic() < deadline, "the freed buffer stayed pinned"
+                await asyncio.sleep(0.01)
+        del a
+        await asyncio.sleep(0.02)  # the watcher thread polls meanwhile
+    await asyncio.sleep(0.3)
+    await c.close()
+    print("ok", pinned)
+
+asyncio.run(main())
+"""
+
+
+def test_a_watched_array_freed_and_reallocated_is_never_read_again() -> None:
+    # Before the fix a watcher on a registered numpy array kept polling its word after
+    # free_buffer let go of the array's pins: the caller's resize(refcheck=False)
+    # unmapped the old data and the watcher thread read it (SIGSEGV, the whole process).
+    # Now the watcher pins the array until it ended: the resize is refused until then.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", WATCHED_AND_RESIZED],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])

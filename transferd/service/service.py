@@ -590,6 +590,8 @@ class Service:
         for a page word)."""
         from transferd.engine.watchers import WORD, WordPage, buffer_words
 
+        from .caller_memory import _pin_arrays
+
         watchers = self.watchers
         assert watchers is not None, "start() makes the watcher set"
         loop = asyncio.get_running_loop()
@@ -602,7 +604,10 @@ class Service:
             if buf.staging is not None:
                 raise BadRequest(f"buffer {buf.id} has no host view to watch")
             view = buf.view(0, buf.size)
-            (words, index), keep = buffer_words(view, offset), view
+            # The view and, for a caller's numpy array, its pins (caller_memory.py): the
+            # buffer's free lets go of the array's own, and the caller's resize would move
+            # the data under the watcher thread before this watcher's sweep ended it.
+            (words, index), keep = buffer_words(view, offset), (view, _pin_arrays(view.obj))
             key: Hashable = ("buffer", buf.id)
             # Ends once the buffer is freed: its view would hold the memory and the charge.
             gone = lambda: buf.freed
