@@ -594,3 +594,35 @@ def test_a_watched_array_freed_and_reallocated_is_never_read_again() -> None:
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", WATCHED_AND_RESIZED],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+@async_test(timeout=60)
+async def test_a_write_whose_immediate_is_not_an_integer_is_refused_typed() -> None:
+    # Over the wire the daemon takes only unsigned integers; in process, before the fix,
+    # imm=1.5 passed the range check and broke the peer link's encoder in a loop
+    # callback (struct.error): the write never ended until its deadline.
+    import math
+
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for imm in (1.5, math.nan, "7", -1, 2 ** 32):
+            w = await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0), timeout=20)
+            with pytest.raises(BadRequest, match="immediate"):
+                await asyncio.wait_for(w.wait(), 5)
+            p = await a.submit_paged_writes(4096, imm, (smr, Pages([0], 4096)),
+                                            (ddesc, Pages([1], 4096)), timeout=20)
+            with pytest.raises(BadRequest, match="immediate"):
+                await asyncio.wait_for(p.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))  # nothing of those landed
+        # A numpy integer is an integer: taken, counted once.
+        imm = np.uint32(fresh_imm() % 2 ** 32)
+        await asyncio.wait_for(
+            await a.submit_single_write(8192, imm, (smr, 0), (ddesc, 0)), WAIT)
+        await asyncio.wait_for(a.expect_imm_count(int(imm), 1), WAIT)
+        assert sha(dst) == sha(src)
