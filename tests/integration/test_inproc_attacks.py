@@ -626,3 +626,37 @@ async def test_a_write_whose_immediate_is_not_an_integer_is_refused_typed() -> N
             await a.submit_single_write(8192, imm, (smr, 0), (ddesc, 0)), WAIT)
         await asyncio.wait_for(a.expect_imm_count(int(imm), 1), WAIT)
         assert sha(dst) == sha(src)
+
+
+@async_test(timeout=60)
+async def test_odd_offsets_and_lengths_of_watchers_and_writes_are_refused_typed() -> None:
+    # Before the fix an inproc caller's float or string offset reached numpy or a slice:
+    # a bare IndexError or TypeError, not the daemon's BadRequest.
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        sbuf = await a.register_memory(src)
+        smr, _ = await a.reg_mr(sbuf)
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for off in (8.0, "8", None):
+            with pytest.raises(BadRequest, match="offset"):
+                await a.alloc_uvm_watcher(lambda o, n: None, buffer=sbuf, offset=off)
+        for bad in (1.5, "4096"):
+            w = await a.submit_single_write(bad, None, (smr, 0), (ddesc, 0))
+            with pytest.raises(BadRequest, match="length"):
+                await asyncio.wait_for(w.wait(), 5)
+            w = await a.submit_single_write(4096, None, (smr, bad), (ddesc, 0))
+            with pytest.raises(BadRequest, match="offset"):
+                await asyncio.wait_for(w.wait(), 5)
+            w = await a.submit_single_write(4096, None, (smr, 0), (ddesc, bad))
+            with pytest.raises(BadRequest, match="offset"):
+                await asyncio.wait_for(w.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))
+        got: list[tuple[int, int]] = []
+        w8 = await a.alloc_uvm_watcher(lambda o, n: got.append((o, n)), buffer=sbuf,
+                                       offset=np.int64(8))
+        assert w8.id
+        await asyncio.wait_for(
+            await a.submit_single_write(np.int64(8192), None, (smr, 0), (ddesc, 0)), WAIT)
+        assert sha(dst) == sha(src)

@@ -434,6 +434,9 @@ class Service:
         ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
         are two writes).  ``verify``: a CRC32C per part (None: engine.verify);
         ``traceparent``: a W3C trace context (docs/integrity.md)."""
+        length = _integer(length, "a write's length")
+        src = (src[0], _integer(src[1], "a write's source offset"))
+        dst = (dst[0], _integer(dst[1], "a write's destination offset"))
         engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
@@ -599,7 +602,9 @@ class Service:
         keep: Any
         gone: Any
         watchers.check_room(caller)  # before a word of the page is taken
+        offset = _integer(offset, "a watcher's offset")
         if buffer_id is not None:
+            buffer_id = _integer(buffer_id, "a watcher's buffer")
             buf = self.buffers.get(buffer_id)
             if buf.staging is not None:
                 raise BadRequest(f"buffer {buf.id} has no host view to watch")
@@ -701,6 +706,16 @@ class Service:
 def _alive(owner: Hashable) -> bool:
     """Whether a watcher's owner is still there (the sweep ends those of gone callers)."""
     return not getattr(owner, "closed", False)
+
+
+def _integer(v: Any, what: str) -> int:
+    """``v`` as an int (a numpy integer too): BadRequest for a bool, a float, a string."""
+    if type(v) is int:
+        return v
+    if not isinstance(v, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(v)
+    raise BadRequest(f"{what} must be an integer, not {v!r}")
 
 
 def _unsigned(v: Any, what: str, limit: int) -> int:
