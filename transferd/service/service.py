@@ -46,6 +46,7 @@ from transferd.protocol.errors import (
     BadRequest,
     Cancelled,
     NotFound,
+    OverLimit,
     TransferdError,
     UnknownCommand,
 )
@@ -461,6 +462,7 @@ class Service:
                        on_end: End, verify: bool | None = None,
                        traceparent: str | None = None) -> Admitted:
         engine = self._engine()
+        _few_enough(engine, dsts, "SCATTER")
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
             group, imm, mr, dsts, verify=verify, traceparent=traceparent), timeout, on_end)
 
@@ -468,6 +470,7 @@ class Service:
                        dsts: Sequence[MrDesc], *, timeout: float | None = None,
                        on_end: End) -> Admitted:
         engine = self._engine()
+        _few_enough(engine, dsts, "BARRIER")
         return self.submit(caller, key, Command.BARRIER, lambda: engine.submit_barrier(
             group, imm, dsts), timeout, on_end)
 
@@ -706,6 +709,15 @@ class Service:
 def _alive(owner: Hashable) -> bool:
     """Whether a watcher's owner is still there (the sweep ends those of gone callers)."""
     return not getattr(owner, "closed", False)
+
+
+def _few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
+    """engine.max_scatter_dsts, for every caller (the wire's handler counts them before
+    decoding one; an inproc caller's list is counted here)."""
+    cap = engine.config.max_scatter_dsts
+    if len(dsts) > cap:
+        raise OverLimit(f"a {what} of {len(dsts)} destinations is over this daemon's cap "
+                        f"of {cap} (engine.max_scatter_dsts): split it")
 
 
 def _integer(v: Any, what: str) -> int:
