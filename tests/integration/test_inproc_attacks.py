@@ -534,10 +534,10 @@ async def test_receives_and_expectations_of_odd_numbers_are_refused_typed() -> N
     async with engine() as a:
         for length, count in [("x", 1), (math.nan, 1), (True, 1), (1.5, 1), (4096, math.inf),
                               (4096, 2.0), (2 ** 64, 1), (-1, 1), (4096, 2 ** 64)]:
-            with pytest.raises(BadRequest, match="length|count"):
+            with pytest.raises(BadRequest, match=r"length|count"):
                 a.submit_recvs(length, count, lambda m: None)
         for imm, count in [(1.5, 1), ("a", 1), (True, 1), (1, True), (1, math.nan)]:
-            with pytest.raises(BadRequest, match="imm|count"):
+            with pytest.raises(BadRequest, match=r"imm|count"):
                 await a.expect_imm_count(imm, count, wait=False)
         assert len(a._completions) == 0
         assert a.service._engine().receives.pools == 0
