@@ -660,3 +660,32 @@ async def test_odd_offsets_and_lengths_of_watchers_and_writes_are_refused_typed(
         await asyncio.wait_for(
             await a.submit_single_write(np.int64(8192), None, (smr, 0), (ddesc, 0)), WAIT)
         assert sha(dst) == sha(src)
+
+
+@async_test(timeout=60)
+async def test_odd_page_lengths_and_scatter_fields_are_refused_typed() -> None:
+    # Before the fix an inproc caller's float page_len or ScatterDst field reached a
+    # slice or the peer wire's struct: a bare TypeError or struct.error, not BadRequest.
+    from client import ScatterDst
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for pl in (4096.0, "4096"):
+            w = await a.submit_paged_writes(pl, None, (smr, Pages([0], 4096)),
+                                            (ddesc, Pages([1], 4096)))
+            with pytest.raises(BadRequest, match="page length"):
+                await asyncio.wait_for(w.wait(), 5)
+        for d in (ScatterDst(16.0, 0, (ddesc, 0)), ScatterDst(16, 0.0, (ddesc, 0)),
+                  ScatterDst(16, 0, (ddesc, 0.5))):
+            w = await a.submit_scatter(None, None, smr, [d])
+            with pytest.raises(BadRequest, match="scatter"):
+                await asyncio.wait_for(w.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))
+        w = await a.submit_scatter(None, None, smr, [ScatterDst(np.int64(16), 0, (ddesc, 32))])
+        await asyncio.wait_for(w.wait(), WAIT)
+        assert sha(dst[32:48]) == sha(src[:16])

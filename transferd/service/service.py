@@ -453,6 +453,7 @@ class Service:
                             on_end: End, verify: bool | None = None,
                             traceparent: str | None = None) -> Admitted:
         engine = self._engine()
+        page_len = _integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
             timeout, on_end)
@@ -463,6 +464,13 @@ class Service:
                        traceparent: str | None = None) -> Admitted:
         engine = self._engine()
         _few_enough(engine, dsts, "SCATTER")
+        for d in dsts:  # (an inproc caller's: the wire's are decoded as integers)
+            if type(d.len) is not int or type(d.src) is not int or type(d.dst[1]) is not int:
+                dsts = [ScatterDst(_integer(d.len, "a scatter's length"),
+                                   _integer(d.src, "a scatter's source offset"),
+                                   (d.dst[0], _integer(d.dst[1], "a scatter's destination "
+                                                                 "offset"))) for d in dsts]
+                break
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
             group, imm, mr, dsts, verify=verify, traceparent=traceparent), timeout, on_end)
 
