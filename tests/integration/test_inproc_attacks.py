@@ -689,3 +689,25 @@ async def test_odd_page_lengths_and_scatter_fields_are_refused_typed() -> None:
         w = await a.submit_scatter(None, None, smr, [ScatterDst(np.int64(16), 0, (ddesc, 32))])
         await asyncio.wait_for(w.wait(), WAIT)
         assert sha(dst[32:48]) == sha(src[:16])
+
+
+@async_test(timeout=60)
+async def test_an_arm_with_an_immediate_or_page_length_no_write_takes_is_refused_at_once(
+) -> None:
+    # An arm is checked whole when it is made (service/armed.py); before the fix its
+    # immediate (-1, 1.5) and a float page length were checked only when it fired.
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        mem = np.zeros(1 << 16, np.uint8)
+        mr, desc = await a.reg_mr(await a.register_memory(mem))
+        w = await a.alloc_uvm_watcher(lambda o, n: None)
+        for pl, imm in ((4096.0, None), (4096, 1.5), (4096, -1), (4096, 2 ** 32)):
+            with pytest.raises(BadRequest, match=r"immediate|page length"):
+                await a.arm_paged_writes(w, 1, pl, imm, (mr, Pages([0], 4096)),
+                                         (desc, Pages([1], 4096)))
+        assert len(a._completions) == 0
+        ok = await a.arm_paged_writes(w, 1, 4096, fresh_imm() % 2 ** 32,
+                                      (mr, Pages([0], 4096)), (desc, Pages([1], 4096)))
+        w.set(5)
+        await asyncio.wait_for(ok.wait(), WAIT)
