@@ -319,11 +319,16 @@ class EngineOps:
             body["timeout_ms"] = _ms(timeout)
         conn = self._client.conn
         r = conn.request(Command.EXPECT_IMM_COUNT, body)
-        c._origin = (self._client, conn.last_seq)
-        self._events.waiting[conn.last_seq] = c
+        seq = conn.last_seq
+        c._origin = (self._client, seq)
+        self._events.waiting[seq] = c
         if callback is not None:
             c.add_done_callback(lambda done: None if done.exception() else callback())
-        await r
+        try:
+            await r
+        except BaseException:  # refused (or the call gave up): no EVENT will end it
+            self._events.waiting.pop(seq, None)
+            raise
         if wait if wait is not None else callback is None:
             await c
         return c

@@ -130,6 +130,11 @@ class InprocCompletion(Completion):
         elif not self._future.done():  # (cancelled by its awaiter: nothing to say)
             self._future.set_result(value)
 
+    def refused(self) -> None:
+        """The node refused it (the call raises): never pending, so not in the table
+        (its future is left as it is: a done callback must not see it cancelled)."""
+        self._client._completions.pop(self._key, None)
+
     async def cancel(self) -> bool:
         if self.done():
             return False
@@ -656,6 +661,9 @@ class InprocClient(Client):
             # As over the wire, where a submit is one-way: the Service's refusal (checked
             # before anything was queued) is the Completion's error, not the call's.
             c.end(exc)
+        except BaseException:  # given up while it waited for a slot: never started
+            c.refused()
+            raise
         return c
 
     async def submit_single_write(
@@ -756,8 +764,12 @@ class InprocClient(Client):
         body = {"imm": imm, "count": count}
         if callback is not None:
             c.add_done_callback(lambda done: None if done.exception() else callback())
-        self.service.expect_imm_count(self.caller, key, imm, count, timeout=timeout,
-                                      on_end=lambda err: c.end(err, body))
+        try:
+            self.service.expect_imm_count(self.caller, key, imm, count, timeout=timeout,
+                                          on_end=lambda err: c.end(err, body))
+        except BaseException:
+            c.refused()
+            raise
         if wait if wait is not None else callback is None:
             await c
         return c
@@ -831,6 +843,7 @@ class InprocClient(Client):
             wid = watcher.id if isinstance(watcher, UvmWatcher) else watcher
             self.service.arm_paged_writes(self.caller, key, wid, value, write, on_end=c.end)
         except BaseException:
+            c.refused()
             c._future.cancel()
             raise
         return c

@@ -13,9 +13,13 @@ import hashlib
 import time
 from typing import Any
 
+import pytest
+
+from client import Client
 from tests.conftest import DaemonFactory
-from tests.helpers import RawConn
+from tests.helpers import RawConn, async_test
 from transferd.protocol.constants import Command, Flag
+from transferd.protocol.errors import BadRequest, OverLimit
 from transferd.protocol.frames import encode_frame
 
 MiB = 1 << 20
@@ -136,3 +140,26 @@ def test_expectations_per_connection_are_capped(daemon_factory: DaemonFactory) -
     o = RawConn.to(d)
     o.hello()
     ok(o.request(Command.EXPECT_IMM_COUNT, {"imm": 99, "count": 5}))
+
+
+@async_test(timeout=60)
+async def test_refused_expectations_leave_no_completion_in_the_client(
+        daemon_factory: DaemonFactory) -> None:
+    """Before the fix an EXPECT_IMM_COUNT the daemon refused (engine.max_expectations
+    reached, a count over 32 bits) raised, but its Completion stayed in the client's
+    table of events awaited for ever: retrying a refused call grew it without bound."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_MAX_EXPECTATIONS": "4"})
+    async with await Client.connect(d.url) as c:
+        held = [await c.expect_imm_count(7000 + i, 5, wait=False) for i in range(4)]
+        waiting = c.engine._events.waiting
+        assert len(waiting) == 4
+        for i in range(200):
+            with pytest.raises(OverLimit, match="max_expectations"):
+                await c.expect_imm_count(8000 + i, 5, wait=False)
+            with pytest.raises(BadRequest):
+                await c.expect_imm_count(1, 2 ** 32, wait=False)
+        assert len(waiting) == 4, len(waiting)
+        for h in held:
+            assert await h.cancel()
+        assert len(waiting) == 0, len(waiting)
+        assert await c.imm_count(0) >= 0  # still served

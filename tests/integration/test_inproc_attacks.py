@@ -420,3 +420,294 @@ async def test_a_process_killed_mid_write_and_mid_receive_leaves_the_daemon_clea
             proc.kill()
             proc.wait()
         d.stop()
+
+
+@async_test(timeout=60)
+async def test_refused_expectations_and_arms_leave_no_completion_behind() -> None:
+    # Before the fix an expect_imm_count or arm_paged_writes the node refused (a count
+    # over 32 bits, the connection's engine.max_expectations reached, no such watcher)
+    # raised, but its Completion stayed in the client's table of pending ones for ever:
+    # a caller retrying a refused call grew that table without bound.
+    from transferd.protocol.errors import NotFound, OverLimit
+    from transferd.protocol.values import Pages
+
+    async with engine(**{"engine.max_expectations": 4}) as a:
+        held = [await a.expect_imm_count(fresh_imm(), 1, wait=False) for _ in range(4)]
+        assert len(a._completions) == 4
+        for _ in range(300):
+            with pytest.raises(OverLimit, match="max_expectations"):
+                await a.expect_imm_count(fresh_imm(), 1, wait=False)
+            with pytest.raises(BadRequest, match="32-bit"):
+                await a.expect_imm_count(1, 2 ** 32, wait=False)
+        src = np.zeros(4096, np.uint8)
+        smr, sdesc = await a.reg_mr(await a.register_memory(src))
+        for _ in range(300):
+            with pytest.raises(NotFound, match="watcher"):
+                await a.arm_paged_writes(987654, 1, 4096, None, (smr, Pages([0], 4096, 0)),
+                                         (sdesc, Pages([0], 4096, 0)))
+        assert len(a._completions) == 4, len(a._completions)
+        for h in held:
+            assert await h.cancel()
+        assert len(a._completions) == 0
+        # And the node still serves: an expectation met by the counter fires.
+        assert await a.imm_count(0) >= 0
+
+
+@async_test(timeout=60)
+async def test_a_submit_given_up_while_it_waits_for_a_slot_leaves_nothing_behind() -> None:
+    # Before the fix a submit waiting for a slot (engine.max_inflight_per_client taken)
+    # whose caller gave up (asyncio.wait_for, a task cancelled) stayed in the client's
+    # table of pending Completions for ever, one more per retry.
+    from transferd.protocol.values import NetAddr
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted, never read: a write to it is held
+    try:
+        async with engine(**{"engine.max_inflight_per_client": 1,
+                             "engine.peer_timeout_s": 20}) as a:
+            src = np.arange(4096, dtype=np.uint8)
+            smr, sdesc = await a.reg_mr(await a.register_memory(src))
+            nowhere = NetAddr(0x5157, 0, (silent.getsockname(),))
+            desc = MrDesc(1 << 20, [(nowhere, 0x1234)], 4096)
+            held = await a.submit_single_write(4096, None, (smr, 0), (desc, 0))
+            assert not held.done()
+            for _ in range(50):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        a.submit_single_write(4096, None, (smr, 0), (sdesc, 0)), 0.01)
+            assert len(a._completions) == 1, len(a._completions)
+            assert await held.cancel()
+            assert len(a._completions) == 0
+            # The slot is free again: a write to itself lands, every byte.
+            dst = np.zeros(4096, np.uint8)
+            _, ddesc = await a.reg_mr(await a.register_memory(dst))
+            await asyncio.wait_for(
+                await a.submit_single_write(4096, None, (smr, 0), (ddesc, 0)), WAIT)
+            assert sha(dst) == sha(src)
+    finally:
+        silent.close()
+
+
+@async_test(timeout=90)
+async def test_immediates_used_once_each_leave_no_counter_behind() -> None:
+    # A fresh immediate per transfer (a request id), each write's count consumed by its
+    # expectation: before the fix every one left a counter at 0 in the node for ever,
+    # so a long-running receiver's table of counters grew with every request it served.
+    async with engine() as a:
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        counter = a.service._engine().counter
+        before = len(counter._counts)
+        base = fresh_imm()
+        for i in range(300):
+            imm = base + (i + 1) * 1_000_003 % (2 ** 31)
+            w = await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0))
+            await asyncio.wait_for(w, WAIT)
+            await asyncio.wait_for(a.expect_imm_count(imm, 1), WAIT)
+            assert await a.imm_count(imm) == 0
+        assert sha(dst) == sha(src)
+        assert len(counter._counts) <= before + 1, len(counter._counts) - before
+        # Counted once, never lost: a count not yet consumed stays, then is consumed.
+        imm = base + 7
+        for _ in range(3):
+            await asyncio.wait_for(
+                await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0)), WAIT)
+        assert await a.imm_count(imm) == 3
+        await asyncio.wait_for(a.expect_imm_count(imm, 2), WAIT)
+        assert await a.imm_count(imm) == 1
+        await asyncio.wait_for(a.expect_imm_count(imm, 1), WAIT)
+        assert await a.imm_count(imm) == 0
+        assert len(counter._counts) <= before + 1
+
+
+@async_test(timeout=60)
+async def test_receives_and_expectations_of_odd_numbers_are_refused_typed() -> None:
+    # Over the wire the daemon's handlers take only unsigned integers; in process the
+    # Service took what it was given: before the fix submit_recvs posted a pool of NaN,
+    # 1.5 or True bytes (a NaN length in the sorted index of lengths), raised a bare
+    # TypeError for a string, and expect_imm_count waited on immediate 1.5 (never met).
+    import math
+
+    async with engine() as a:
+        for length, count in [("x", 1), (math.nan, 1), (True, 1), (1.5, 1), (4096, math.inf),
+                              (4096, 2.0), (2 ** 64, 1), (-1, 1), (4096, 2 ** 64)]:
+            with pytest.raises(BadRequest, match=r"length|count"):
+                a.submit_recvs(length, count, lambda m: None)
+        for imm, count in [(1.5, 1), ("a", 1), (True, 1), (1, True), (1, math.nan)]:
+            with pytest.raises(BadRequest, match=r"imm|count"):
+                await a.expect_imm_count(imm, count, wait=False)
+        assert len(a._completions) == 0
+        assert a.service._engine().receives.pools == 0
+        # What is right is taken: a message to itself lands in the receive it posted.
+        got: list[bytes] = []
+        a.submit_recvs(4096, 1, got.append)
+        msg = bytes(pattern(1000, 3))
+        await asyncio.wait_for(await a.submit_send(await a.main_address(), msg), WAIT)
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert [sha(m) for m in got] == [sha(msg)]
+
+
+WATCHED_AND_RESIZED = r"""
+import asyncio, sys, time
+import numpy as np
+from client import Client
+
+async def main():
+    c = await Client.connect("inproc://", timeout=10)
+    pinned = 0
+    for i in range(12):
+        a = np.zeros(1 << 22, np.uint8)
+        buf = await c.register_memory(a)
+        await c.alloc_uvm_watcher(lambda o, n: None, buffer=buf, offset=(1 << 22) - 8 * (i + 1))
+        await c.free_buffer(buf)
+        deadline = time.monotonic() + 10
+        while True:  # bounded: the watcher ends within its sweep
+            try:
+                a.resize(1 << 26, refcheck=False)  # the old mapping is unmapped
+                break
+            except ValueError:
+                pinned += 1
+                assert time.monotonic() < deadline, "the freed buffer stayed pinned"
+                await asyncio.sleep(0.01)
+        del a
+        await asyncio.sleep(0.02)  # the watcher thread polls meanwhile
+    await asyncio.sleep(0.3)
+    await c.close()
+    print("ok", pinned)
+
+asyncio.run(main())
+"""
+
+
+def test_a_watched_array_freed_and_reallocated_is_never_read_again() -> None:
+    # Before the fix a watcher on a registered numpy array kept polling its word after
+    # free_buffer let go of the array's pins: the caller's resize(refcheck=False)
+    # unmapped the old data and the watcher thread read it (SIGSEGV, the whole process).
+    # Now the watcher pins the array until it ended: the resize is refused until then.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", WATCHED_AND_RESIZED],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+@async_test(timeout=60)
+async def test_a_write_whose_immediate_is_not_an_integer_is_refused_typed() -> None:
+    # Over the wire the daemon takes only unsigned integers; in process, before the fix,
+    # imm=1.5 passed the range check and broke the peer link's encoder in a loop
+    # callback (struct.error): the write never ended until its deadline.
+    import math
+
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for imm in (1.5, math.nan, "7", -1, 2 ** 32):
+            w = await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0), timeout=20)
+            with pytest.raises(BadRequest, match="immediate"):
+                await asyncio.wait_for(w.wait(), 5)
+            p = await a.submit_paged_writes(4096, imm, (smr, Pages([0], 4096)),
+                                            (ddesc, Pages([1], 4096)), timeout=20)
+            with pytest.raises(BadRequest, match="immediate"):
+                await asyncio.wait_for(p.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))  # nothing of those landed
+        # A numpy integer is an integer: taken, counted once.
+        imm = np.uint32(fresh_imm() % 2 ** 32)
+        await asyncio.wait_for(
+            await a.submit_single_write(8192, imm, (smr, 0), (ddesc, 0)), WAIT)
+        await asyncio.wait_for(a.expect_imm_count(int(imm), 1), WAIT)
+        assert sha(dst) == sha(src)
+
+
+@async_test(timeout=60)
+async def test_odd_offsets_and_lengths_of_watchers_and_writes_are_refused_typed() -> None:
+    # Before the fix an inproc caller's float or string offset reached numpy or a slice:
+    # a bare IndexError or TypeError, not the daemon's BadRequest.
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        sbuf = await a.register_memory(src)
+        smr, _ = await a.reg_mr(sbuf)
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for off in (8.0, "8", None):
+            with pytest.raises(BadRequest, match="offset"):
+                await a.alloc_uvm_watcher(lambda o, n: None, buffer=sbuf, offset=off)
+        for bad in (1.5, "4096"):
+            w = await a.submit_single_write(bad, None, (smr, 0), (ddesc, 0))
+            with pytest.raises(BadRequest, match="length"):
+                await asyncio.wait_for(w.wait(), 5)
+            w = await a.submit_single_write(4096, None, (smr, bad), (ddesc, 0))
+            with pytest.raises(BadRequest, match="offset"):
+                await asyncio.wait_for(w.wait(), 5)
+            w = await a.submit_single_write(4096, None, (smr, 0), (ddesc, bad))
+            with pytest.raises(BadRequest, match="offset"):
+                await asyncio.wait_for(w.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))
+        got: list[tuple[int, int]] = []
+        w8 = await a.alloc_uvm_watcher(lambda o, n: got.append((o, n)), buffer=sbuf,
+                                       offset=np.int64(8))
+        assert w8.id
+        await asyncio.wait_for(
+            await a.submit_single_write(np.int64(8192), None, (smr, 0), (ddesc, 0)), WAIT)
+        assert sha(dst) == sha(src)
+
+
+@async_test(timeout=60)
+async def test_odd_page_lengths_and_scatter_fields_are_refused_typed() -> None:
+    # Before the fix an inproc caller's float page_len or ScatterDst field reached a
+    # slice or the peer wire's struct: a bare TypeError or struct.error, not BadRequest.
+    from client import ScatterDst
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        for pl in (4096.0, "4096"):
+            w = await a.submit_paged_writes(pl, None, (smr, Pages([0], 4096)),
+                                            (ddesc, Pages([1], 4096)))
+            with pytest.raises(BadRequest, match="page length"):
+                await asyncio.wait_for(w.wait(), 5)
+        for d in (ScatterDst(16.0, 0, (ddesc, 0)), ScatterDst(16, 0.0, (ddesc, 0)),
+                  ScatterDst(16, 0, (ddesc, 0.5))):
+            w = await a.submit_scatter(None, None, smr, [d])
+            with pytest.raises(BadRequest, match="scatter"):
+                await asyncio.wait_for(w.wait(), 5)
+        assert len(a._completions) == 0
+        assert sha(dst) == sha(bytes(8192))
+        w = await a.submit_scatter(None, None, smr, [ScatterDst(np.int64(16), 0, (ddesc, 32))])
+        await asyncio.wait_for(w.wait(), WAIT)
+        assert sha(dst[32:48]) == sha(src[:16])
+
+
+@async_test(timeout=60)
+async def test_an_arm_with_an_immediate_or_page_length_no_write_takes_is_refused_at_once(
+) -> None:
+    # An arm is checked whole when it is made (service/armed.py); before the fix its
+    # immediate (-1, 1.5) and a float page length were checked only when it fired.
+    from transferd.protocol.values import Pages
+
+    async with engine() as a:
+        mem = np.zeros(1 << 16, np.uint8)
+        mr, desc = await a.reg_mr(await a.register_memory(mem))
+        w = await a.alloc_uvm_watcher(lambda o, n: None)
+        for pl, imm in ((4096.0, None), (4096, 1.5), (4096, -1), (4096, 2 ** 32)):
+            with pytest.raises(BadRequest, match=r"immediate|page length"):
+                await a.arm_paged_writes(w, 1, pl, imm, (mr, Pages([0], 4096)),
+                                         (desc, Pages([1], 4096)))
+        assert len(a._completions) == 0
+        ok = await a.arm_paged_writes(w, 1, 4096, fresh_imm() % 2 ** 32,
+                                      (mr, Pages([0], 4096)), (desc, Pages([1], 4096)))
+        w.set(5)
+        await asyncio.wait_for(ok.wait(), WAIT)

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import operator
 import secrets
 import threading
 import time
@@ -802,9 +803,15 @@ def _wid(parts: Any, wid: int | None, tag: Tag = (False, None)) -> list[WritePar
 def _imm(imm: int | None) -> int | None:
     if imm is None:
         return None
-    if not 0 <= imm <= 0xFFFFFFFF:
-        raise BadRequest(f"immediate {imm} is not a 32-bit unsigned value")
-    return imm
+    # An integer (a numpy one too), never a float, a bool or a string: an inproc caller's
+    # is not the wire's checked field, and the peer wire packs it as an unsigned int.
+    try:
+        value = operator.index(imm) if not isinstance(imm, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value <= 0xFFFFFFFF:
+        raise BadRequest(f"immediate {imm!r} is not a 32-bit unsigned value")
+    return value
 
 
 T = TypeVar("T")

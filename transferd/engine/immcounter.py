@@ -65,7 +65,8 @@ class ImmCounter:
     def add(self, imm: int, n: int = 1) -> int:
         """Add ``n`` to ``imm``'s counter; how many expectations that met."""
         with self._lock:
-            self._counts[imm] += n
+            if n:
+                self._counts[imm] += n
             fired = self._fire(imm)
         for e in fired:
             self._now(e.callback)
@@ -93,16 +94,22 @@ class ImmCounter:
         if q is None:
             return fired
         counts = self._counts
+        have = counts.get(imm, 0)
         while q:
             e = next(iter(q.values()))
-            if counts[imm] < e.count:
+            if have < e.count:
                 break
             q.popitem(last=False)
-            counts[imm] -= e.count
+            have -= e.count
             self._forget(e)
             fired.append(e)
         if not q:
             del self._waiting[imm]
+        # A counter at 0 is no counter: kept, every immediate ever used once would stay.
+        if have:
+            counts[imm] = have
+        else:
+            counts.pop(imm, None)
         return fired
 
     def _forget(self, e: Expectation) -> None:

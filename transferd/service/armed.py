@@ -94,12 +94,17 @@ class Armed:
 def check_paged_write(engine: TransferEngine, w: PagedWrite) -> None:
     """What the engine's submit_paged_writes checks before it sends, checked now and
     nothing sent: the typed error of the first thing wrong."""
+    from transferd.engine.engine import _imm
     from transferd.engine.plan import plan_paged
+
+    from .service import _integer
 
     # The engine's own checks, the ones its submit starts with (trust of every rail of
     # the destination, the integrity tags): the same calls, not a second copy of them.
     engine._check_descs([w.dst[0]])
     engine._tag(w.verify, w.traceparent)
+    imm = _imm(w.imm)  # an integer of 32 bits (or None), as the submit's
+    _integer(w.page_len, "a paged write's page length")
     region = engine.regions.get(w.src[0])
     sp = w.src[1]
     n = len(sp.indices)
@@ -115,7 +120,7 @@ def check_paged_write(engine: TransferEngine, w: PagedWrite) -> None:
     # The destination: rails, stride and every page inside the peer's region, as the
     # plan checks them (placeholder views: the plan only carries them).
     empty = memoryview(b"")
-    plan_paged(0, w.page_len, w.imm, [empty] * n, w.dst[0], w.dst[1], engine.rails)
+    plan_paged(0, w.page_len, imm, [empty] * n, w.dst[0], w.dst[1], engine.rails)
 
 
 class ArmedWrites:

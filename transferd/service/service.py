@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from transferd.protocol.errors import (
     BadRequest,
     Cancelled,
     NotFound,
+    OverLimit,
     TransferdError,
     UnknownCommand,
 )
@@ -80,6 +82,7 @@ Admitted = Op | Awaitable[Op]
 Arrived = Callable[[tuple[int, int], bytes], bool]
 
 U32 = 0xFFFFFFFF
+U64 = 0xFFFFFFFFFFFFFFFF
 
 
 class Service:
@@ -432,6 +435,9 @@ class Service:
         ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
         are two writes).  ``verify``: a CRC32C per part (None: engine.verify);
         ``traceparent``: a W3C trace context (docs/integrity.md)."""
+        length = _integer(length, "a write's length")
+        src = (src[0], _integer(src[1], "a write's source offset"))
+        dst = (dst[0], _integer(dst[1], "a write's destination offset"))
         engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
@@ -447,6 +453,7 @@ class Service:
                             on_end: End, verify: bool | None = None,
                             traceparent: str | None = None) -> Admitted:
         engine = self._engine()
+        page_len = _integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
             timeout, on_end)
@@ -456,6 +463,14 @@ class Service:
                        on_end: End, verify: bool | None = None,
                        traceparent: str | None = None) -> Admitted:
         engine = self._engine()
+        _few_enough(engine, dsts, "SCATTER")
+        for d in dsts:  # (an inproc caller's: the wire's are decoded as integers)
+            if type(d.len) is not int or type(d.src) is not int or type(d.dst[1]) is not int:
+                dsts = [ScatterDst(_integer(d.len, "a scatter's length"),
+                                   _integer(d.src, "a scatter's source offset"),
+                                   (d.dst[0], _integer(d.dst[1], "a scatter's destination "
+                                                                 "offset"))) for d in dsts]
+                break
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
             group, imm, mr, dsts, verify=verify, traceparent=traceparent), timeout, on_end)
 
@@ -463,6 +478,7 @@ class Service:
                        dsts: Sequence[MrDesc], *, timeout: float | None = None,
                        on_end: End) -> Admitted:
         engine = self._engine()
+        _few_enough(engine, dsts, "BARRIER")
         return self.submit(caller, key, Command.BARRIER, lambda: engine.submit_barrier(
             group, imm, dsts), timeout, on_end)
 
@@ -486,7 +502,11 @@ class Service:
 
     def submit_recvs(self, caller: Caller, length: int, count: int, arrived: Arrived) -> None:
         """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
-        self._engine().submit_recvs(caller, length, count, arrived)
+        engine = self._engine()
+        # Unsigned 64-bit integers, as the wire's fields are (an inproc caller's too).
+        length = _unsigned(length, "submit_recvs' length", U64)
+        count = _unsigned(count, "submit_recvs' count", U64)
+        engine.submit_recvs(caller, length, count, arrived)
 
     # -- the engine: counts ------------------------------------------------------------
 
@@ -496,8 +516,11 @@ class Service:
         its deadline (engine.expect_timeout_s unless given) ``on_end(Timeout)``, nothing
         consumed.  It ends with its caller."""
         engine = self._engine()
-        if not 0 <= imm <= U32 or not 0 <= count <= U32:
-            raise BadRequest(f"imm {imm} and count {count} must be 32-bit unsigned values")
+        try:
+            imm, count = _unsigned(imm, "imm", U32), _unsigned(count, "count", U32)
+        except BadRequest:
+            raise BadRequest(f"imm {imm!r} and count {count!r} must be 32-bit unsigned "
+                             "values") from None
         cfg = engine.config
         timeout = deadline(timeout, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
                            "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
@@ -581,6 +604,8 @@ class Service:
         for a page word)."""
         from transferd.engine.watchers import WORD, WordPage, buffer_words
 
+        from .caller_memory import _pin_arrays
+
         watchers = self.watchers
         assert watchers is not None, "start() makes the watcher set"
         loop = asyncio.get_running_loop()
@@ -588,12 +613,17 @@ class Service:
         keep: Any
         gone: Any
         watchers.check_room(caller)  # before a word of the page is taken
+        offset = _integer(offset, "a watcher's offset")
         if buffer_id is not None:
+            buffer_id = _integer(buffer_id, "a watcher's buffer")
             buf = self.buffers.get(buffer_id)
             if buf.staging is not None:
                 raise BadRequest(f"buffer {buf.id} has no host view to watch")
             view = buf.view(0, buf.size)
-            (words, index), keep = buffer_words(view, offset), view
+            # The view and, for a caller's numpy array, its pins (caller_memory.py): the
+            # buffer's free lets go of the array's own, and the caller's resize would move
+            # the data under the watcher thread before this watcher's sweep ended it.
+            (words, index), keep = buffer_words(view, offset), (view, _pin_arrays(view.obj))
             key: Hashable = ("buffer", buf.id)
             # Ends once the buffer is freed: its view would hold the memory and the charge.
             gone = lambda: buf.freed
@@ -687,3 +717,36 @@ class Service:
 def _alive(owner: Hashable) -> bool:
     """Whether a watcher's owner is still there (the sweep ends those of gone callers)."""
     return not getattr(owner, "closed", False)
+
+
+def _few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
+    """engine.max_scatter_dsts, for every caller (the wire's handler counts them before
+    decoding one; an inproc caller's list is counted here)."""
+    cap = engine.config.max_scatter_dsts
+    if len(dsts) > cap:
+        raise OverLimit(f"a {what} of {len(dsts)} destinations is over this daemon's cap "
+                        f"of {cap} (engine.max_scatter_dsts): split it")
+
+
+def _integer(v: Any, what: str) -> int:
+    """``v`` as an int (a numpy integer too): BadRequest for a bool, a float, a string."""
+    if type(v) is int:
+        return v
+    if not isinstance(v, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(v)
+    raise BadRequest(f"{what} must be an integer, not {v!r}")
+
+
+def _unsigned(v: Any, what: str, limit: int) -> int:
+    """``v`` as an int in 0..limit: an integer (a numpy one too), never a bool, a float or
+    a string (an inproc caller's arguments are not the wire's checked fields)."""
+    if isinstance(v, bool):
+        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}") from None
+    if not 0 <= n <= limit:
+        raise BadRequest(f"{what} = {n} is out of range 0..{limit}")
+    return n
