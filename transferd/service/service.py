@@ -435,9 +435,12 @@ class Service:
         ``wid``: a write id of ``caller``'s (ids are per caller: two callers' equal ids
         are two writes).  ``verify``: a CRC32C per part (None: engine.verify);
         ``traceparent``: a W3C trace context (docs/integrity.md)."""
-        length = _integer(length, "a write's length")
-        src = (src[0], _integer(src[1], "a write's source offset"))
-        dst = (dst[0], _integer(dst[1], "a write's destination offset"))
+        if type(length) is not int or type(src[1]) is not int or type(dst[1]) is not int:
+            # (An inproc caller's: the wire's are decoded as integers. Tested at once,
+            # without three calls on every small write's path.)
+            length = _integer(length, "a write's length")
+            src = (src[0], _integer(src[1], "a write's source offset"))
+            dst = (dst[0], _integer(dst[1], "a write's destination offset"))
         engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
