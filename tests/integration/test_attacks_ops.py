@@ -1,0 +1,72 @@
+"""Operator commands against peers that lie or dribble: bounded in time, a clear error."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.integration.test_doctor import cli
+from transferd.exits import Exit
+
+
+@contextmanager
+def dribbling_http(head: bytes, every_s: float = 0.3, limit_s: float = 60.0
+                   ) -> Iterator[socket.socket]:
+    """A listener on loopback that answers each connection with ``head``, then one
+    byte every ``every_s`` (never the whole body), for at most ``limit_s``."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(8)
+    ls.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve(c: socket.socket) -> None:
+        with c:
+            c.settimeout(1.0)
+            try:
+                c.recv(65536)
+                c.sendall(head)
+                end = time.monotonic() + limit_s
+                while not stop.is_set() and time.monotonic() < end:
+                    c.sendall(b"#")
+                    stop.wait(every_s)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        end = time.monotonic() + limit_s
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield ls
+    finally:
+        stop.set()
+        t.join(5)
+        ls.close()
+
+
+def test_doctor_is_bounded_in_time_by_a_metrics_port_that_dribbles(tmp_path: Path) -> None:
+    """A program on metrics.port that answers a byte at a time (each within the
+    socket timeout, never the end): doctor still ends within its bound, saying so."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\n\r\n# transferd_"
+    with dribbling_http(head) as ls:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f"[metrics]\nport = {ls.getsockname()[1]}\n")
+        t0 = time.monotonic()
+        r = cli("doctor", "-c", str(cfg))
+        took = time.monotonic() - t0
+    assert took < 20, took
+    assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+    assert "metrics.port" in r.stdout and "does not answer as transferd's metrics" \
+        in r.stdout, r.stdout
