@@ -70,3 +70,34 @@ def test_doctor_is_bounded_in_time_by_a_metrics_port_that_dribbles(tmp_path: Pat
     assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
     assert "metrics.port" in r.stdout and "does not answer as transferd's metrics" \
         in r.stdout, r.stdout
+
+
+def test_sighup_with_the_config_file_turned_into_a_fifo_keeps_the_daemon_serving(
+        tmp_path: Path) -> None:
+    """The configuration path replaced by a FIFO nobody writes (or a device): SIGHUP
+    must refuse it, naming why, not block the daemon's loop on the open forever."""
+    import os
+    import signal
+
+    from client import SyncClient
+    from tests.helpers import DaemonProcess, wait_until
+    from tests.integration.test_cli import SERVE
+
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[server]\nport = 0\n[metrics]\nport = 0\n")
+    with DaemonProcess(command=[*SERVE, "-c", str(cfg)]) as d:
+        assert d.proc is not None
+        cfg.unlink()
+        os.mkfifo(cfg)
+        d.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "the running one stays" in d.stderr, 5), d.output()
+        assert "not a regular file" in d.stderr, d.stderr
+        with SyncClient(d.url, timeout=5) as c:
+            assert c.get_devices()
+        cfg.unlink()
+        cfg.symlink_to("/dev/zero")
+        d.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: d.stderr.count("not a regular file") >= 2, 5), d.stderr
+        with SyncClient(d.url, timeout=5) as c:
+            assert c.get_devices()
+    assert d.returncode == 0, d.output()
