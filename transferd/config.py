@@ -292,6 +292,10 @@ class _Loader:
         except OSError as exc:
             self.errors.append(f"{path}: cannot read: {exc.strerror}")
             return
+        except UnicodeDecodeError as exc:
+            self.errors.append(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at "
+                               f"byte {exc.start})")
+            return
         except tomllib.TOMLDecodeError as exc:
             self.errors.append(f"{path}: not valid TOML: {exc}")
             return

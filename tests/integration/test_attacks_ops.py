@@ -101,3 +101,14 @@ def test_sighup_with_the_config_file_turned_into_a_fifo_keeps_the_daemon_serving
         with SyncClient(d.url, timeout=5) as c:
             assert c.get_devices()
     assert d.returncode == 0, d.output()
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_not_a_traceback(
+        tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_bytes(b"[server]\nport = 0\n# caf\xe9 (latin-1)\n")
+    for args in (("check-config", str(cfg)), ("serve", "-c", str(cfg))):
+        r = cli(*args)
+        assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        assert f"{cfg}: not valid TOML: not UTF-8" in r.stdout + r.stderr, r.stdout + r.stderr
