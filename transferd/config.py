@@ -299,6 +299,9 @@ class _Loader:
         except tomllib.TOMLDecodeError as exc:
             self.errors.append(f"{path}: not valid TOML: {exc}")
             return
+        except ValueError as exc:  # an integer past Python's 4300 digits
+            self.errors.append(f"{path}: not valid TOML: {str(exc)[:200]}")
+            return
         for section, table in data.items():
             if section not in self.sections:
                 self.errors.append(

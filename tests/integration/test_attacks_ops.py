@@ -112,3 +112,21 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error_not_a_traceback(
         assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
         assert "Traceback" not in r.stderr, r.stderr
         assert f"{cfg}: not valid TOML: not UTF-8" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_an_integer_of_5000_digits_in_the_file_is_a_config_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "big.toml"
+    cfg.write_text(f"[server]\nport = {'9' * 5000}\n")
+    r = cli("check-config", str(cfg))
+    assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"{cfg}: not valid TOML" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_secret_file_path_with_a_nul_byte_is_a_config_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "nul.toml"
+    cfg.write_text('[server]\ntoken_file = "/tmp/x\\u0000y"\n')
+    r = cli("check-config", str(cfg))
+    assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "server.token_file" in r.stdout + r.stderr, r.stdout + r.stderr
