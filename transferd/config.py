@@ -184,6 +184,10 @@ def env_name(dotted: str) -> str:
 
 def _check_value(name: str, meta: Mapping[str, Any], value: Any) -> list[str]:
     lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices") or ()
+    texts = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(t, str) and "\0" in t for t in texts):
+        # No path, URL, name or secret holds one; os.open and lstat raise ValueError.
+        return [f"{name}: has a NUL byte"]
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{name}: must be a finite number, got {value}"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):

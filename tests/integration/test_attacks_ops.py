@@ -130,3 +130,19 @@ def test_a_secret_file_path_with_a_nul_byte_is_a_config_error(tmp_path: Path) ->
     assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "server.token_file" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_nul_byte_in_any_path_key_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """server.unix_socket with a NUL: serve crashed in the preflight's lstat
+    (ValueError); every text key is refused at load instead, by its name."""
+    cfg = tmp_path / "nul.toml"
+    for section, key in (("server", "unix_socket"), ("log", "otel_file"),
+                         ("server", "listen")):
+        value = '["unix:///tmp/a\\u0000b"]' if key == "listen" else '"/tmp/a\\u0000b"'
+        cfg.write_text(f"[{section}]\n{key} = {value}\n")
+        for args in (("check-config", str(cfg)), ("serve", "-c", str(cfg), "--port", "0")):
+            r = cli(*args)
+            assert r.returncode == Exit.CONFIG, (key, args, r.stdout + r.stderr)
+            assert "Traceback" not in r.stderr, r.stderr
+            assert f"{section}.{key}: has a NUL byte" in r.stdout + r.stderr, \
+                r.stdout + r.stderr
