@@ -8,6 +8,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.integration.test_doctor import cli
 from transferd.exits import Exit
@@ -146,3 +149,68 @@ def test_a_nul_byte_in_any_path_key_is_a_config_error_naming_it(tmp_path: Path) 
             assert "Traceback" not in r.stderr, r.stderr
             assert f"{section}.{key}: has a NUL byte" in r.stdout + r.stderr, \
                 r.stdout + r.stderr
+
+
+
+@contextmanager
+def lying_daemon(stats: dict[str, Any], hello: dict[str, Any] | None = None
+                 ) -> Iterator[str]:
+    """A server on loopback that speaks the wire format: HELLO answered with
+    ``hello``, STATS with ``stats``, anything else with {} (on a thread of its own)."""
+    import asyncio
+
+    from transferd.protocol.constants import Command, Flag
+    from transferd.protocol.frames import FrameDecoder, encode_frame
+
+    hello = hello or {"major": 1, "minor": 2, "patch": 0, "server": "liar",
+                      "features": ["engine"], "max_body": 1 << 22, "max_payload": 1 << 30}
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    url: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                body = hello if f.cmd == int(Command.HELLO) else \
+                    stats if f.cmd == int(Command.STATS) else {}
+                if not f.no_reply:
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, body))
+            await writer.drain()
+        writer.close()
+
+    async def start() -> None:
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url.append(f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+        ready.set()
+
+    t = threading.Thread(target=lambda: (loop.run_until_complete(start()),
+                                         loop.run_forever()), daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        yield url[0]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+
+LIES: list[Any] = [
+    {"inflight": {}},                                    # no entries
+    {"inflight": {"entries": "x"}},                      # not a list
+    {"inflight": {"entries": [1, 2]}},                   # rows not objects
+    {"inflight": {"entries": [{"kind": "write"}]}},      # fields missing
+    {"inflight": {"entries": [{"kind": "write", "op": 1, "stage": "sent", "in_stage_s": "x",
+                               "age_s": None, "peer": 7, "rails": 3, "done": "?",
+                               "total": [], "trace_id": {}, "owner": 1}]}},
+    {"inflight": {"entries": [], "stall_warn_s": "soon", "stalls": []}},
+]
+
+
+@pytest.mark.parametrize("lie", range(len(LIES)))
+def test_inflight_against_a_daemon_that_lies_says_so_without_a_traceback(lie: int) -> None:
+    with lying_daemon(LIES[lie]) as url:
+        r = cli("inflight", url)
+    assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"transferd: {url}: " in r.stderr, r.stderr
