@@ -214,3 +214,19 @@ def test_inflight_against_a_daemon_that_lies_says_so_without_a_traceback(lie: in
     assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert f"transferd: {url}: " in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command,lie", [
+    ("stats", {}),
+    ("stats", {"uptime_s": "x", "connections": 5, "bytes_in": 1, "bytes_out": 1}),
+    ("stats", {"bytes_in": 1, "bytes_out": 1, "commands": [], "engine": 3}),
+    ("buffers", {"buffers": [{"id": 1}], "truncated": False}),
+    ("buffers", {"buffers": 7}),
+])
+def test_stats_and_buffers_against_a_daemon_that_lies_say_so_without_a_traceback(
+        command: str, lie: dict[str, Any]) -> None:
+    with lying_daemon(lie) as url:
+        r = cli(command, url, *(["--once"] if command == "stats" else []))
+    assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"transferd: {url}: " in r.stderr and "cannot read" in r.stderr, r.stderr

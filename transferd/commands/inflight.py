@@ -15,7 +15,7 @@ import click
 
 from transferd.exits import Exit
 
-from .remote import TIMEOUT, TOKEN, URL, _size, _with_client
+from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, unreadable
 
 
 def _done(e: dict[str, Any]) -> str:
@@ -50,7 +50,7 @@ def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None
         return
     # Read whole before a line is printed: a daemon that answers something else (a
     # field missing, of another type) gets one error naming it, not a traceback.
-    try:
+    with unreadable(url):
         rows = listing["entries"]
         lines = [f"{'kind':<12}{'op':>8}  {'stage':<24}{'in it':>8}{'age':>8}  "
                  f"{'peer':<17}{'rails':<6}{'done':>20}  {'trace id':<33}owner"]
@@ -65,9 +65,4 @@ def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None
         stalls = (f"; {listing.get('stalls', 0)} stalled so far (engine.stall_warn_s "
                   f"{warn:g} s)" if warn else "; stall warnings off (engine.stall_warn_s = 0)")
         lines.append(f"{len(rows)} in flight{more}{stalls}")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        click.echo(f"transferd: {url}: an in-flight listing this command cannot read "
-                   f"({type(exc).__name__}: {str(exc)[:200]}): is it a transferd daemon "
-                   "of this version?", err=True)
-        sys.exit(Exit.FAILURE)
     click.echo("\n".join(lines))
