@@ -230,3 +230,30 @@ def test_stats_and_buffers_against_a_daemon_that_lies_say_so_without_a_traceback
     assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert f"transferd: {url}: " in r.stderr and "cannot read" in r.stderr, r.stderr
+
+
+def test_a_process_that_binds_the_reload_socket_and_never_reads_cannot_hang_the_daemon(
+        tmp_path: Path) -> None:
+    """Abstract sockets have no permissions: any local user can bind
+    transferd-reload-PID and never read it.  Once its queue is full, the daemon's
+    blocking sendto of a reload's outcome held its event loop for good."""
+    import signal
+
+    from client import SyncClient
+    from tests.helpers import DaemonProcess
+    from tests.integration.test_cli import SERVE
+    from transferd.lifecycle import reload_socket
+
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[server]\nport = 0\n[metrics]\nport = 0\n")
+    with DaemonProcess(command=[*SERVE, "-c", str(cfg)]) as d:
+        assert d.proc is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as squatter:
+            squatter.bind(reload_socket(d.proc.pid))
+            for _ in range(40):  # past net.unix.max_dgram_qlen (10 by default)
+                d.proc.send_signal(signal.SIGHUP)
+                time.sleep(0.05)
+            time.sleep(0.5)
+            with SyncClient(d.url, timeout=5, connect_timeout=5) as c:
+                assert c.get_devices()
+    assert d.returncode == 0, d.output()
