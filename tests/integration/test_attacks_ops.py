@@ -17,10 +17,11 @@ from transferd.exits import Exit
 
 
 @contextmanager
-def dribbling_http(head: bytes, every_s: float = 0.3, limit_s: float = 60.0
-                   ) -> Iterator[socket.socket]:
+def dribbling_http(head: bytes, every_s: float = 0.3, limit_s: float = 60.0,
+                   dribble: bool = True) -> Iterator[socket.socket]:
     """A listener on loopback that answers each connection with ``head``, then one
-    byte every ``every_s`` (never the whole body), for at most ``limit_s``."""
+    byte every ``every_s`` (never the whole body), for at most ``limit_s``; without
+    ``dribble``, ``head`` alone and the connection stays open."""
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
     ls.listen(8)
@@ -35,7 +36,8 @@ def dribbling_http(head: bytes, every_s: float = 0.3, limit_s: float = 60.0
                 c.sendall(head)
                 end = time.monotonic() + limit_s
                 while not stop.is_set() and time.monotonic() < end:
-                    c.sendall(b"#")
+                    if dribble:
+                        c.sendall(b"#")
                     stop.wait(every_s)
             except OSError:
                 pass
@@ -257,3 +259,18 @@ def test_a_process_that_binds_the_reload_socket_and_never_reads_cannot_hang_the_
             with SyncClient(d.url, timeout=5, connect_timeout=5) as c:
                 assert c.get_devices()
     assert d.returncode == 0, d.output()
+
+
+@pytest.mark.parametrize("body", [b"[1]", b'"etcd"', b"7", b'{"version": {"x": 1}}'])
+def test_doctor_against_an_etcd_that_answers_no_object_says_so(tmp_path: Path,
+                                                              body: bytes) -> None:
+    pytest.importorskip("h11")
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with dribbling_http(head, dribble=False) as ls:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'[discovery]\nurl = "etcd://127.0.0.1:{ls.getsockname()[1]}"\n')
+        r = cli("doctor", "-c", str(cfg))
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+    assert "discovery" in r.stdout and "does not answer as etcd" in r.stdout, r.stdout
