@@ -274,3 +274,16 @@ def test_doctor_against_an_etcd_that_answers_no_object_says_so(tmp_path: Path,
     assert "Traceback" not in r.stderr, r.stderr
     assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
     assert "discovery" in r.stdout and "does not answer as etcd" in r.stdout, r.stdout
+
+
+def test_a_hello_whose_major_is_text_is_named_as_text() -> None:
+    """HELLO's major "1" (text): the refusal said 'server speaks major 1, this client
+    1', which reads as a contradiction; it names the value as it came, cut short."""
+    hello = {"major": "1", "minor": 2, "patch": 0, "server": "liar", "features": []}
+    with lying_daemon({}, hello) as url:
+        r = cli("ping", url)
+    assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+    assert "server speaks major '1', this client 1" in r.stderr, r.stderr
+    with lying_daemon({}, {**hello, "major": "9" * 100_000}) as url:
+        r = cli("ping", url)
+    assert r.returncode == Exit.FAILURE and len(r.stderr) < 2000, r.stderr[:300]
