@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -182,6 +184,10 @@ def env_name(dotted: str) -> str:
 
 def _check_value(name: str, meta: Mapping[str, Any], value: Any) -> list[str]:
     lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices") or ()
+    texts = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(t, str) and "\0" in t for t in texts):
+        # No path, URL, name or secret holds one; os.open and lstat raise ValueError.
+        return [f"{name}: has a NUL byte"]
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{name}: must be a finite number, got {value}"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -285,13 +291,20 @@ class _Loader:
 
     def file(self, path: str | Path) -> None:
         try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
+            raw = _read_file(path)
+            data = tomllib.loads(raw.decode())
         except OSError as exc:
             self.errors.append(f"{path}: cannot read: {exc.strerror}")
             return
+        except UnicodeDecodeError as exc:
+            self.errors.append(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at "
+                               f"byte {exc.start})")
+            return
         except tomllib.TOMLDecodeError as exc:
             self.errors.append(f"{path}: not valid TOML: {exc}")
+            return
+        except ValueError as exc:  # an integer past Python's 4300 digits
+            self.errors.append(f"{path}: not valid TOML: {str(exc)[:200]}")
             return
         for section, table in data.items():
             if section not in self.sections:
@@ -324,6 +337,37 @@ class _Loader:
             current = getattr(getattr(self.cfg, section, None), name, "")
             self.apply(section, name, value, source="flag",
                        from_text=isinstance(value, str) and not isinstance(current, str))
+
+
+# Longest configuration file read, in bytes (a longer one is refused, not cut).
+MAX_CONFIG_FILE = 1 << 20
+
+
+def _read_file(path: str | Path) -> bytes:
+    """A configuration file's bytes.  Anything but a regular file (a FIFO nobody
+    writes, /dev/zero) is refused without reading it, and so is one over
+    :data:`MAX_CONFIG_FILE`: SIGHUP reads it on the daemon's loop, which must not
+    block on the open or fill memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > MAX_CONFIG_FILE:
+            raise OSError(errno.EFBIG, f"over {MAX_CONFIG_FILE} bytes")
+        chunks = []
+        got = 0
+        while got <= MAX_CONFIG_FILE:
+            data = os.read(fd, MAX_CONFIG_FILE + 1 - got)
+            if not data:
+                break
+            chunks.append(data)
+            got += len(data)
+        if got > MAX_CONFIG_FILE:  # grew since the fstat
+            raise OSError(errno.EFBIG, f"over {MAX_CONFIG_FILE} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def load_with_sources(

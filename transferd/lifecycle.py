@@ -141,6 +141,9 @@ def reload_ended(outcome: ReloadOutcome, notify: Callable[[str], None] = sd_noti
     word = b"ok " if outcome.ok else b"failed "
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         # Nobody waiting (ECONNREFUSED): a plain `kill -HUP` or systemd's own signal.
+        # Never blocking (EAGAIN: dropped): an abstract name has no permissions, and a
+        # process that binds it and never reads must not hold the daemon's loop.
+        s.setblocking(False)
         s.sendto(word + outcome.text.encode()[:60000], reload_socket(os.getpid()))
 
 

@@ -44,6 +44,8 @@ def read_secret(path: str, key: str, *, insecure: bool = False,
     naming ``key`` when it cannot be read, is not a regular file, is empty (unless
     ``may_be_empty``: then b""), longer than ``limit`` bytes, or (unless
     ``insecure``) open to another user."""
+    if "\0" in path:  # os.open's ValueError, not an OSError
+        raise ConfigError(f"{key}: {path!r} has a NUL byte: not a file name")
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer.
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)

@@ -15,7 +15,7 @@ import click
 
 from transferd.exits import Exit
 
-from .remote import TIMEOUT, TOKEN, URL, _size, _with_client
+from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, unreadable
 
 
 def _done(e: dict[str, Any]) -> str:
@@ -48,17 +48,21 @@ def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None
     if as_json:
         click.echo(json.dumps(listing))
         return
-    rows = listing["entries"]
-    click.echo(f"{'kind':<12}{'op':>8}  {'stage':<24}{'in it':>8}{'age':>8}  "
-               f"{'peer':<17}{'rails':<6}{'done':>20}  {'trace id':<33}owner")
-    for e in rows:
-        what = f" ({e['what']})" if e.get("what") else ""
-        click.echo(f"{e['kind']:<12}{e['op']:>8}  {e['stage']:<24}{e['in_stage_s']:>7.1f}s"
-                   f"{e['age_s']:>7.1f}s  {e['peer'] or '-':<17}"
-                   f"{','.join(map(str, e['rails'])) or '-':<6}{_done(e):>20}  "
-                   f"{e['trace_id'] or '-':<33}{e['owner'] or '-'}{what}")
-    more = " (listing cut at 10,000)" if listing.get("truncated") else ""
-    warn = listing.get("stall_warn_s") or 0
-    stalls = (f"; {listing.get('stalls', 0)} stalled so far (engine.stall_warn_s {warn:g} s)"
-              if warn else "; stall warnings off (engine.stall_warn_s = 0)")
-    click.echo(f"{len(rows)} in flight{more}{stalls}")
+    # Read whole before a line is printed: a daemon that answers something else (a
+    # field missing, of another type) gets one error naming it, not a traceback.
+    with unreadable(url):
+        rows = listing["entries"]
+        lines = [f"{'kind':<12}{'op':>8}  {'stage':<24}{'in it':>8}{'age':>8}  "
+                 f"{'peer':<17}{'rails':<6}{'done':>20}  {'trace id':<33}owner"]
+        for e in rows:
+            what = f" ({e['what']})" if e.get("what") else ""
+            lines.append(f"{e['kind']:<12}{e['op']:>8}  {e['stage']:<24}"
+                         f"{e['in_stage_s']:>7.1f}s{e['age_s']:>7.1f}s  {e['peer'] or '-':<17}"
+                         f"{','.join(map(str, e['rails'])) or '-':<6}{_done(e):>20}  "
+                         f"{e['trace_id'] or '-':<33}{e['owner'] or '-'}{what}")
+        more = " (listing cut at 10,000)" if listing.get("truncated") else ""
+        warn = listing.get("stall_warn_s") or 0
+        stalls = (f"; {listing.get('stalls', 0)} stalled so far (engine.stall_warn_s "
+                  f"{warn:g} s)" if warn else "; stall warnings off (engine.stall_warn_s = 0)")
+        lines.append(f"{len(rows)} in flight{more}{stalls}")
+    click.echo("\n".join(lines))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import urllib.request
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,13 +92,32 @@ async def _hello(url: str, token: str | None, timeout: float) -> tuple[bool, str
 
 
 def _metrics(host: str, port: int, timeout: float) -> tuple[bool, str]:
+    """Whether transferd's metrics answer at ``host:port``: one GET, read for at most
+    ``timeout`` seconds in all and 1 MiB (a program that answers a byte at a time, each
+    within a socket timeout, must not hold doctor: urlopen's timeout is per read)."""
     url = f"http://{_client_host(host)}:{port}/metrics"
+    deadline = time.monotonic() + timeout
+    got = bytearray()
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read(1 << 20).decode(errors="replace")
-    except (OSError, ValueError) as exc:
-        return False, f"{url} does not answer as transferd's metrics: {exc}"
-    if "transferd_" not in body:
+        with socket.create_connection((_client_host(host), port), timeout=timeout) as s:
+            s.sendall(f"GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            while len(got) < 1 << 20:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no whole answer within {timeout:g} s")
+                s.settimeout(left)
+                data = s.recv(1 << 16)
+                if not data:
+                    break
+                got += data
+    except OSError as exc:
+        return False, f"{url} does not answer as transferd's metrics: {exc or 'timed out'}"
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if len(status) < 2 or not status[0].startswith(b"HTTP/") or status[1] != b"200":
+        return False, (f"{url} does not answer as transferd's metrics: "
+                       f"{head[:80].decode(errors='replace')!r}")
+    if b"transferd_" not in body:
         return False, f"{url} answers, but with no transferd_ series: another program"
     return True, f"{url} serves the daemon's metrics"
 

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -81,9 +81,28 @@ def _with_client(url: str, token: str | None, timeout: float,
             await c.close()
 
     try:
-        return asyncio.run(go())
+        with unreadable(url):  # what ``work`` makes of the answers
+            return asyncio.run(go())
     except (OSError, TimeoutError, TransferdError) as exc:
         click.echo(f"transferd: {url}: {explain(url, exc, token, timeout)}", err=True)
+        sys.exit(Exit.FAILURE)
+
+
+# What reading a reply that is not what this version of the daemon sends raises (a
+# field missing, of another type, a number that is text).
+UNREADABLE = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+
+
+@contextlib.contextmanager
+def unreadable(url: str) -> Iterator[None]:
+    """An answer a command cannot read (from a daemon of another version, or anything
+    that speaks the wire format and lies): one line naming it, exit 1, no traceback."""
+    try:
+        yield
+    except UNREADABLE as exc:
+        click.echo(f"transferd: {url}: an answer this command cannot read "
+                   f"({type(exc).__name__}: {str(exc)[:200]}): is it a transferd daemon "
+                   "of this version?", err=True)
         sys.exit(Exit.FAILURE)
 
 
@@ -353,18 +372,23 @@ def buffers(url: str, token: str | None, timeout: float, as_json: bool) -> None:
                    "version): upgrade it", err=True)
         sys.exit(Exit.FAILURE)
     if as_json:
-        click.echo(json.dumps({"buffers": body["buffers"], "truncated": body["truncated"]}))
+        with unreadable(url):
+            click.echo(json.dumps({"buffers": body["buffers"],
+                                   "truncated": body["truncated"]}))
         return
-    rows = body["buffers"]
-    click.echo(f"{'id':>8}  {'device':<8}{'size':>12}  {'allocated by':<24}regions")
-    total: dict[str, int] = {}
-    for b in rows:
-        regions = ", ".join(f"{r['id']} ({_size(r['size'])}"
-                            + (f", {r['admitted']} writes landing" if r["admitted"] else "") + ")"
-                            for r in b["regions"]) or "-"
-        click.echo(f"{b['id']:>8}  {b['device']:<8}{_size(b['size']):>12}  "
-                   f"{_by(b):<24}{regions}")
-        total[b["device"]] = total.get(b["device"], 0) + b["size"]
-    summary = ", ".join(f"{_size(n)} on {d}" for d, n in total.items()) or "nothing"
-    more = " (listing cut at 10,000)" if body["truncated"] else ""
-    click.echo(f"{len(rows)} buffer(s){more}: {summary}")
+    with unreadable(url):  # whole before a line is printed
+        rows = body["buffers"]
+        lines = [f"{'id':>8}  {'device':<8}{'size':>12}  {'allocated by':<24}regions"]
+        total: dict[str, int] = {}
+        for b in rows:
+            regions = ", ".join(f"{r['id']} ({_size(r['size'])}"
+                                + (f", {r['admitted']} writes landing" if r["admitted"]
+                                   else "") + ")"
+                                for r in b["regions"]) or "-"
+            lines.append(f"{b['id']:>8}  {b['device']:<8}{_size(b['size']):>12}  "
+                         f"{_by(b):<24}{regions}")
+            total[b["device"]] = total.get(b["device"], 0) + b["size"]
+        summary = ", ".join(f"{_size(n)} on {d}" for d, n in total.items()) or "nothing"
+        more = " (listing cut at 10,000)" if body["truncated"] else ""
+        lines.append(f"{len(rows)} buffer(s){more}: {summary}")
+    click.echo("\n".join(lines))

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from transferd.config import Config
 
 
+class NotEtcd(Exception):
+    """The store's port answers, with something that is not etcd's status reply."""
+
+
 def discovery_checks(cfg: Config) -> list[tuple[str, str, str]]:
     d = cfg.discovery
     if not d.url:
@@ -37,12 +41,18 @@ def discovery_checks(cfg: Config) -> list[tuple[str, str, str]]:
                 await client.range(f"{d.prefix}/".encode(), limit=1)
         finally:
             client.close()
-        return str(r.get("version", "?"))
+        version = r.get("version") if isinstance(r, dict) else None
+        if not isinstance(version, str):  # what answers 200 there is not etcd's gateway
+            raise NotEtcd(f"etcd at {d.url} does not answer as etcd: its status reply "
+                          f"{str(r)[:80]!r} has no version (another program on that port?)")
+        return version
 
     from .http import StoreError, Unavailable
 
     try:
         version = asyncio.run(probe())
+    except NotEtcd as exc:
+        return [("FAIL", "discovery", str(exc))]
     except (Unavailable, StoreError, TimeoutError, OSError) as exc:
         return [("FAIL", "discovery", f"etcd at {d.url} does not answer: {exc or 'timed out'} "
                  "(the daemon would serve its own names and keep trying)")]

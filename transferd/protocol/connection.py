@@ -1080,7 +1080,8 @@ class ClientConnection(_Machine):
         major = body.get("major")
         if major != PROTO_MAJOR:
             self._go(Input.REFUSED)
-            raise VersionMismatch(f"server speaks major {major}, this client {PROTO_MAJOR}")
+            raise VersionMismatch(f"server speaks major {repr(major)[:40]}, this client "
+                                  f"{PROTO_MAJOR}")
         try:
             # What the client reads off the reply: a lying server is refused here,
             # not met by a KeyError or ValueError in the caller.
