@@ -409,17 +409,17 @@ Lie = Callable[[Frame, asyncio.StreamWriter], None]
 
 @contextlib.asynccontextmanager
 async def lying_server(lie: Lie, max_payload: int = 1 << 30,
-                       hello: Callable[[asyncio.StreamWriter], None] | None = None
-                       ) -> Any:
-    """A server that answers HELLO as a minor-2 server (``max_payload`` announced; then
-    ``hello``) and every other frame with ``lie``: for a real Client held to the
-    protocol by a peer that is not.  Yields its ``tcp://`` URL."""
+                       hello: Callable[[asyncio.StreamWriter], None] | None = None,
+                       hello_body: dict[str, Any] | None = None) -> Any:
+    """A server that answers HELLO as a minor-2 server (``max_payload`` announced, or
+    ``hello_body`` as it is; then ``hello``) and every other frame with ``lie``: for a
+    real Client held to the protocol by a peer that is not.  Yields its ``tcp://`` URL."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         dec = FrameDecoder()
         while data := await reader.read(65536):
             for f in dec.feed(data):
                 if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {
+                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, hello_body or {
                         "major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
                         "max_body": 1 << 22, "max_payload": max_payload}))
                     if hello is not None:

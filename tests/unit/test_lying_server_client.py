@@ -11,36 +11,23 @@ from typing import Any
 import pytest
 
 from client import Client
-from tests.helpers import run
+from tests.helpers import lying_server, run
 from transferd.protocol.constants import Command, ErrorCode, Flag
 from transferd.protocol.errors import TransferdError
-from transferd.protocol.frames import FrameDecoder, encode_frame
+from transferd.protocol.frames import Frame, FrameDecoder, encode_frame
 
 _EVENT_ERROR = int(Flag.EVENT | Flag.ERROR)
 _REPLY_ERROR = int(Flag.REPLY | Flag.ERROR)
 
 
-@contextlib.asynccontextmanager
-async def _server(hello: dict[str, Any], flood: bytes = b"") -> Any:
+def _server(hello: dict[str, Any], flood: bytes = b"") -> Any:
     """Answers HELLO with ``hello`` (then writes ``flood``), every other request with an
     empty reply."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, hello))
-                    writer.write(flood)
-                elif not f.no_reply:
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {}))
-                await writer.drain()
-        writer.close()
+    def empty(f: Frame, writer: asyncio.StreamWriter) -> None:
+        if not f.no_reply:
+            writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {}))
 
-    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    finally:
-        srv.close()
+    return lying_server(empty, hello=lambda w: w.write(flood), hello_body=hello)
 
 
 _HELLO = {"major": 1, "minor": 2, "patch": 0, "server": "liar", "features": [],
