@@ -85,22 +85,14 @@ def test_a_hello_reply_with_features_not_a_list_of_names_is_bad_frame(features: 
 
 def _names_server(rows: Any, more: bool = True) -> Any:
     """Answers HELLO as a names-serving minor-2 server, every NAMES with ``rows``."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f.cmd == int(Command.HELLO):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
-                                              dict(_HELLO, features=["engine", "names"])))
-                elif f.cmd == int(Command.NAMES):
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
-                                              {"names": rows, "more": more}))
-                elif not f.no_reply:
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {}))
-                await writer.drain()
-        writer.close()
+    def lie(f: Frame, writer: asyncio.StreamWriter) -> None:
+        if f.cmd == int(Command.NAMES):
+            writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq,
+                                      {"names": rows, "more": more}))
+        elif not f.no_reply:
+            writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, {}))
 
-    return serve
+    return lying_server(lie, hello_body=dict(_HELLO, features=["engine", "names"]))
 
 
 @pytest.mark.parametrize("rows", [
@@ -112,9 +104,7 @@ def test_a_names_listing_that_does_not_move_on_is_bad_frame_not_a_loop(rows: Any
     # Client.names pages with 'after' = the last name seen until 'more' is false: a server
     # that sent the same page with more=true kept it asking (and its list growing) forever.
     async def main() -> None:
-        srv = await asyncio.start_server(_names_server(rows), "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        try:
+        async with _names_server(rows) as url:
             c = await Client.connect(url, timeout=5)
             try:
                 with pytest.raises(TransferdError) as info:
@@ -124,26 +114,17 @@ def test_a_names_listing_that_does_not_move_on_is_bad_frame_not_a_loop(rows: Any
             finally:
                 with contextlib.suppress(Exception):
                     await c.close()
-        finally:
-            srv.close()
 
     run(main(), timeout=30)
 
 
 def _answering(reply: dict[str, Any]) -> Any:
     """Answers HELLO (engine and names served), every other request with ``reply``."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        dec = FrameDecoder()
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                body = dict(_HELLO, features=["engine", "names"]) \
-                    if f.cmd == int(Command.HELLO) else reply
-                if not f.no_reply:
-                    writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, body))
-                await writer.drain()
-        writer.close()
+    def lie(f: Frame, writer: asyncio.StreamWriter) -> None:
+        if not f.no_reply:
+            writer.write(encode_frame(f.cmd, int(Flag.REPLY), f.seq, reply))
 
-    return serve
+    return lying_server(lie, hello_body=dict(_HELLO, features=["engine", "names"]))
 
 
 @pytest.mark.parametrize("reply", [
@@ -155,9 +136,7 @@ def test_a_reply_missing_or_mistyping_its_fields_is_a_typed_error(reply: dict[st
     # A reply is read field by field (r.body["buffer"], int(...)): a server that left one
     # out or sent another type made the call raise a bare KeyError / TypeError / ValueError.
     async def main() -> None:
-        srv = await asyncio.start_server(_answering(reply), "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        try:
+        async with _answering(reply) as url:
             c = await Client.connect(url, timeout=5)
             try:
                 calls = {
@@ -175,8 +154,6 @@ def test_a_reply_missing_or_mistyping_its_fields_is_a_typed_error(reply: dict[st
             finally:
                 with contextlib.suppress(Exception):
                     await c.close()
-        finally:
-            srv.close()
 
     run(main(), timeout=60)
 
@@ -191,11 +168,8 @@ def test_a_name_value_that_is_not_bytes_is_a_typed_error_never_an_allocation(
     change = {"op": "put", "name": "a", "node": "n", "kind": "bytes", "value": value}
 
     async def main() -> None:
-        srv = await asyncio.start_server(
-            _answering({"kind": "bytes", "value": value, "watch": 0, "names": 0,
-                        "node": "n"}), "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        try:
+        reply = {"kind": "bytes", "value": value, "watch": 0, "names": 0, "node": "n"}
+        async with _answering(reply) as url:
             c = await Client.connect(url, timeout=5)
             try:
                 with pytest.raises(TransferdError) as info:
@@ -211,8 +185,6 @@ def test_a_name_value_that_is_not_bytes_is_a_typed_error_never_an_allocation(
             finally:
                 with contextlib.suppress(Exception):
                     await c.close()
-        finally:
-            srv.close()
 
     run(main(), timeout=30)
 
@@ -223,10 +195,7 @@ def test_a_name_value_that_is_not_bytes_is_a_typed_error_never_an_allocation(
 ])
 def test_a_peers_reply_that_is_not_peer_records_is_bad_frame(peers: Any) -> None:
     async def main() -> None:
-        srv = await asyncio.start_server(_answering({"peers": peers, "discovery": 5}),
-                                         "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-        try:
+        async with _answering({"peers": peers, "discovery": 5}) as url:
             c = await Client.connect(url, timeout=5)
             try:
                 with pytest.raises(TransferdError) as info:
@@ -238,8 +207,6 @@ def test_a_peers_reply_that_is_not_peer_records_is_bad_frame(peers: Any) -> None
             finally:
                 with contextlib.suppress(Exception):
                     await c.close()
-        finally:
-            srv.close()
 
     run(main(), timeout=30)
 
