@@ -17,7 +17,6 @@ from transferd.engine.limits import MAX_MESSAGE
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import (
     BadRequest,
-    OverLimit,
     TransferdError,
     UnknownCommand,
 )
@@ -25,6 +24,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, field, uint_field
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.service import Admitted, End, Op, Service
+from transferd.service.service import few_enough
 
 from .handlers import SINKS, Reply, handler
 from .ops import ms_field
@@ -212,15 +212,6 @@ def _group(body: dict[str, Any]) -> int | None:
     return None if body.get("group") is None else uint_field(body, "group")
 
 
-def _few_enough(service: Service, dsts: list[Any], what: str) -> None:
-    """A SCATTER's or BARRIER's destinations counted before any is read."""
-    assert service.engine is not None  # (_service: a daemon with its engine)
-    cap = service.engine.config.max_scatter_dsts
-    if len(dsts) > cap:
-        raise OverLimit(f"a {what} of {len(dsts)} destinations is over this daemon's cap "
-                        f"of {cap} (engine.max_scatter_dsts): split it")
-
-
 @handler(Command.SCATTER)
 def scatter(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
     b = frame.body
@@ -229,7 +220,8 @@ def scatter(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
     raw = field(b, "dsts")
     if not isinstance(raw, list):
         raise BadRequest("field 'dsts' must be a list of [len, src, desc, dst_offset]")
-    _few_enough(service, raw, "SCATTER")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_enough(service.engine, raw, "SCATTER")  # counted before any is decoded
     dsts = []
     for i, d in enumerate(raw):
         if not isinstance(d, list) or len(d) != 4:
@@ -251,7 +243,8 @@ def barrier(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
     raw = field(b, "dsts")
     if not isinstance(raw, list):
         raise BadRequest("field 'dsts' must be a list of MrDesc")
-    _few_enough(service, raw, "BARRIER")
+    assert service.engine is not None
+    few_enough(service.engine, raw, "BARRIER")  # counted before any is decoded
     dsts = [MrDesc.from_wire(d) for d in raw]
     return _admitted(frame, service.submit_barrier(
         session.caller, frame.seq, _group(b), imm, dsts, timeout=_timeout(frame),

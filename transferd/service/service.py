@@ -466,7 +466,7 @@ class Service:
                        on_end: End, verify: bool | None = None,
                        traceparent: str | None = None) -> Admitted:
         engine = self._engine()
-        _few_enough(engine, dsts, "SCATTER")
+        few_enough(engine, dsts, "SCATTER")
         for d in dsts:  # (an inproc caller's: the wire's are decoded as integers)
             if type(d.len) is not int or type(d.src) is not int or type(d.dst[1]) is not int:
                 dsts = [ScatterDst(_integer(d.len, "a scatter's length"),
@@ -481,7 +481,7 @@ class Service:
                        dsts: Sequence[MrDesc], *, timeout: float | None = None,
                        on_end: End) -> Admitted:
         engine = self._engine()
-        _few_enough(engine, dsts, "BARRIER")
+        few_enough(engine, dsts, "BARRIER")
         return self.submit(caller, key, Command.BARRIER, lambda: engine.submit_barrier(
             group, imm, dsts), timeout, on_end)
 
@@ -722,7 +722,7 @@ def _alive(owner: Hashable) -> bool:
     return not getattr(owner, "closed", False)
 
 
-def _few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
+def few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
     """engine.max_scatter_dsts, for every caller (the wire's handler counts them before
     decoding one; an inproc caller's list is counted here)."""
     cap = engine.config.max_scatter_dsts
