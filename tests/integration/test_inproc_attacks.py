@@ -596,6 +596,17 @@ def test_a_watched_array_freed_and_reallocated_is_never_read_again() -> None:
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
 
 
+async def _pair_of_arrays(a: InprocClient) -> tuple[Any, Any, Any, Any, Any]:
+    """8 KiB source (0, 1, 2, ...) and zeroed destination arrays, registered in ``a``:
+    the arrays, the source's buffer, its MR and the destination's descriptor."""
+    src = np.arange(8192, dtype=np.uint8)
+    dst = np.zeros(8192, np.uint8)
+    sbuf = await a.register_memory(src)
+    smr, _ = await a.reg_mr(sbuf)
+    _, ddesc = await a.reg_mr(await a.register_memory(dst))
+    return src, dst, sbuf, smr, ddesc
+
+
 @async_test(timeout=60)
 async def test_a_write_whose_immediate_is_not_an_integer_is_refused_typed() -> None:
     # Over the wire the daemon takes only unsigned integers; in process, before the fix,
@@ -606,10 +617,7 @@ async def test_a_write_whose_immediate_is_not_an_integer_is_refused_typed() -> N
     from transferd.protocol.values import Pages
 
     async with engine() as a:
-        src = np.arange(8192, dtype=np.uint8)
-        dst = np.zeros(8192, np.uint8)
-        smr, _ = await a.reg_mr(await a.register_memory(src))
-        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        src, dst, _, smr, ddesc = await _pair_of_arrays(a)
         for imm in (1.5, math.nan, "7", -1, 2 ** 32):
             w = await a.submit_single_write(4096, imm, (smr, 0), (ddesc, 0), timeout=20)
             with pytest.raises(BadRequest, match="immediate"):
@@ -633,11 +641,7 @@ async def test_odd_offsets_and_lengths_of_watchers_and_writes_are_refused_typed(
     # Before the fix an inproc caller's float or string offset reached numpy or a slice:
     # a bare IndexError or TypeError, not the daemon's BadRequest.
     async with engine() as a:
-        src = np.arange(8192, dtype=np.uint8)
-        dst = np.zeros(8192, np.uint8)
-        sbuf = await a.register_memory(src)
-        smr, _ = await a.reg_mr(sbuf)
-        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        src, dst, sbuf, smr, ddesc = await _pair_of_arrays(a)
         for off in (8.0, "8", None):
             with pytest.raises(BadRequest, match="offset"):
                 await a.alloc_uvm_watcher(lambda o, n: None, buffer=sbuf, offset=off)
@@ -670,10 +674,7 @@ async def test_odd_page_lengths_and_scatter_fields_are_refused_typed() -> None:
     from transferd.protocol.values import Pages
 
     async with engine() as a:
-        src = np.arange(8192, dtype=np.uint8)
-        dst = np.zeros(8192, np.uint8)
-        smr, _ = await a.reg_mr(await a.register_memory(src))
-        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        src, dst, _, smr, ddesc = await _pair_of_arrays(a)
         for pl in (4096.0, "4096"):
             w = await a.submit_paged_writes(pl, None, (smr, Pages([0], 4096)),
                                             (ddesc, Pages([1], 4096)))

@@ -61,6 +61,7 @@ class SocketLink:
         self.owner = owner
         # An outbound link whose parts may be re-sent elsewhere closes with a reset.
         self.reset_on_close = reset_on_close
+        self.reset_on_cut = False  # this close is a cut: close(reset=True)
         self._fd = sock.fileno()
         self._outbound = isinstance(core, OutboundLink)
         self._writing = False
@@ -199,10 +200,14 @@ class SocketLink:
 
     # -- the end ------------------------------------------------------------------------
 
-    def close(self, error: TransferdError | None = None) -> None:
-        """End the link: the core closes (its parts fail), the socket goes."""
+    def close(self, error: TransferdError | None = None, *, reset: bool = False) -> None:
+        """End the link: the core closes (its parts fail), the socket goes; with
+        ``reset``, what the kernel still holds to send goes with it (a cut, not a
+        goodbye)."""
         if self.closed:
             return
+        # (The core's close comes back through _after as its Closed event.)
+        self.reset_on_cut = self.reset_on_cut or reset
         self.core.close(error)
         self._after()
         self._closed(error)
@@ -225,7 +230,7 @@ class SocketLink:
             if self._writing:
                 self.loop.remove_writer(self._fd)
         self._reading = self._writing = False
-        if self.reset_on_close and type(error) is PeerUnreachable:
+        if self.reset_on_cut or (self.reset_on_close and type(error) is PeerUnreachable):
             # Its parts may be re-sent on another rail: none of this link's bytes
             # may arrive after them.
             abort(self.sock)

@@ -74,6 +74,10 @@ MAX_GUESS_EXT = 64
 # What a shorter frame brings in beyond its header is payload, copied from the buffer
 # to its pages: at most this much a frame.
 MAX_GUESS_TABLE = 48 + 8 + 8 * 256 + MAX_GUESS_EXT
+# A frame's start is read with this much room past the header guessed: a small write's
+# header and payload (4 KiB) in one receive, not two (a receive costs more than
+# copying a page out of the buffer into its region).
+SMALL_PAYLOAD = 16 * 1024
 # Checksum mismatches in a row after which an inbound link is closed.
 MISMATCH_CUTOFF = 4
 
@@ -138,7 +142,7 @@ class InboundLink(LinkEnd):
         # writes carry an extension block (checksum, trace id: one read, not two).
         self._guess = HEAD_GUESS
         self._want = HEAD_GUESS  # bytes to read next (a header's)
-        self._head = memoryview(b"")  # the buffer's first _guess bytes, once it has one
+        self._head = memoryview(b"")  # where a frame starts: _guess + SMALL_PAYLOAD bytes
         # Checksum mismatches in a row on this link (MISMATCH_CUTOFF cuts it off).
         self.mismatches = 0
         # The clock as last fed, and when the frame in hand was opened (inflight).
@@ -221,7 +225,7 @@ class InboundLink(LinkEnd):
         super()._authenticated()
         assert self.peer is not None and self._view is not None
         self._key = self.peer.key
-        self._head = self._view[:self._guess]
+        self._head = self._view[:self._guess + SMALL_PAYLOAD]
 
     def received(self, n: int, now: float) -> None:
         self._now = now
@@ -319,7 +323,7 @@ class InboundLink(LinkEnd):
                         size = 64 + ext  # the small write, verified or traced
                         if size > self._guess:
                             self._guess = size
-                            self._head = view[:size]
+                            self._head = view[:size + SMALL_PAYLOAD]
                     else:
                         if flags & ~KNOWN_FLAGS or npages > MAX_PAGES or ext > MAX_EXT:
                             check_write_head(flags, npages, ext)
@@ -328,7 +332,7 @@ class InboundLink(LinkEnd):
                             # This link carries paged writes: the next frame's start is
                             # read as one such header (one receive for it, not two).
                             self._guess = size
-                            self._head = view[:size]
+                            self._head = view[:size + SMALL_PAYLOAD]
                     if avail < size:
                         self._want = size - avail
                         return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections import OrderedDict
@@ -624,9 +625,13 @@ class InboundPeer:
             self.io._after()
 
     def _abort(self) -> None:
-        # From any thread: the link is closed on its worker, and no more lands.
-        self.domain.loop.call_soon_threadsafe(self.io.close,
-                                              PeerUnreachable("region deregistered"))
+        # From any thread: the link is closed on its worker, and no more lands.  Reset:
+        # a graceful close would hand a reader that takes nothing the answers already
+        # in the kernel's send queue at its own pace, a deregistered region's bytes
+        # going out long after DEREG_MR returned (and the socket lingering as long).
+        self.domain.loop.call_soon_threadsafe(
+            functools.partial(self.io.close, PeerUnreachable("region deregistered"),
+                              reset=True))
 
     def link_closed(self, link: SocketLink, error: TransferdError | None) -> None:
         d = self.domain
