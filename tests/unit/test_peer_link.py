@@ -743,3 +743,19 @@ def test_a_read_whose_transfer_ended_before_it_went_is_never_asked() -> None:
     p.pump()
     assert p.out.waiting == 0 and not p.out.closed and not p.out._reads
     assert [e for _, e in p.out.completions] == [None]  # the write's, only
+
+
+def test_a_frame_of_an_ended_transfer_never_goes_even_before_the_links_pass() -> None:
+    """Between a transfer's end and the link's pass (a turn later), what the socket is
+    offered leaves out its frames not begun: none of it is sent."""
+    mem, r, p = _silent_pair(high_water=1 << 20)
+    t, u = _Transfer(), _Transfer()
+    p.out.write(t, 80, 0, r.rkeys[0], [r.ptr], [4096], [memoryview(b"T" * 4096)], 3)
+    p.out.write(u, 81, 0, r.rkeys[0], [r.ptr + 4096], [4096], [memoryview(b"U" * 4096)], 4)
+    t.finished = True
+    p.pump()
+    assert p.out.completions == [(u, None)] and mem.counts[3] == 0 and mem.counts[4] == 1
+    assert r.data[:4096] == bytes(4096)
+    assert p.out.in_flight == 1  # T's, owed nothing: forgotten by the pass
+    p.out.let_go_ended()
+    assert p.out.in_flight == 0 and not p.out.closed

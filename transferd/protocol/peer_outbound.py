@@ -35,6 +35,7 @@ from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_link import (
     HIGH_WATER,
     LOW_WATER,
+    SEND_BYTES,
     LinkEnd,
     LinkInput,
     LinkState,
@@ -82,11 +83,29 @@ class PartOutput(Output):
     Every frame's bytes are whole entries of the queue (a header, its payload's views),
     so a frame is taken out by leaving out its entries, never by cutting one."""
 
-    __slots__ = ("_frames",)
+    __slots__ = ("_frames", "skipped")
 
     def __init__(self) -> None:
         super().__init__()
         self._frames: deque[_Queued] = deque()
+        # Parts whose frames :meth:`views` left out (their transfer ended before the
+        # link's own pass came): what the link forgets of them then.
+        self.skipped: list[tuple[int, int]] = []
+
+    def views(self, max_bytes: int = SEND_BYTES) -> list[memoryview | bytes]:
+        # A transfer that ended this turn: its frames at the front never go, even
+        # before the link's pass over everything it holds (let_go_ended).
+        frames = self._frames
+        while frames and not frames[0].begun and _ended(frames[0].token):
+            f = frames.popleft()
+            left = f.left
+            q = self._q
+            while left:
+                left -= len(q.popleft())
+            self.queued -= f.left
+            assert f.key is not None
+            self.skipped.append(f.key)
+        return super().views(max_bytes) if self.queued else []
 
     def push(self, data: bytes | memoryview) -> None:
         # Bytes of no part (the handshake's): one entry with the ones before it.
@@ -123,10 +142,12 @@ class PartOutput(Output):
 
     def take(self) -> list[memoryview | bytes]:
         self._frames.clear()
+        self.skipped.clear()
         return super().take()
 
     def clear(self) -> None:
         self._frames.clear()
+        self.skipped.clear()
         super().clear()
 
     def half_sent_ended(self) -> bool:
@@ -265,11 +286,6 @@ class OutboundLink(LinkEnd):
         return (self.state is LinkState.READY and not self._pending and not self._waiting
                 and not self.out.queued)
 
-    @property
-    def stalled(self) -> bool:
-        """Parts wait, or bytes are queued unsent (views of their sources held)."""
-        return bool(self._waiting) or self.out.queued > 0
-
     def connected(self, now: float) -> None:
         """The dial got through: HELLO goes out."""
         self._move(LinkInput.CONNECTED)
@@ -369,7 +385,8 @@ class OutboundLink(LinkEnd):
                 f"{self.label}: cut, a part of a transfer that ended was half sent (its "
                 "peer took too little of it in time)"))
             return
-        for key in out.drop_ended():
+        skipped, out.skipped = out.skipped, []
+        for key in [*skipped, *out.drop_ended()]:
             pending.pop(key, None)
             reads.pop(key, None)  # (never asked: no answer comes)
         ended = [k for k, t in pending.items() if _ended(t)]
