@@ -181,8 +181,8 @@ class Transfer:
     ``done`` is called exactly once, on the worker's loop.
     """
 
-    __slots__ = ("_done", "error", "finished", "nbytes", "op", "remaining", "span", "timer",
-                 "trace")
+    __slots__ = ("_done", "ended", "error", "finished", "nbytes", "op", "remaining", "span",
+                 "timer", "trace")
 
     def __init__(self, op: int, parts: int, nbytes: int,
                  done: Callable[[TransferdError | None], None]) -> None:
@@ -194,6 +194,9 @@ class Transfer:
         self.finished = False
         # Cancelled when the transfer ends (a peer that hangs must not hang us).
         self.timer: asyncio.TimerHandle | None = None
+        # Called once if it fails (timed out, cancelled, refused): the links still
+        # holding its parts let go of them (their views of its source, their bytes).
+        self.ended: Callable[[TransferdError], None] | None = None
         # The submit's W3C trace id (26 bytes), for the log records about it.
         self.trace: bytes | None = None
         # Its OpenTelemetry span where spans are on (transferd.tracing): each part's
@@ -206,6 +209,9 @@ class Transfer:
         if self.timer is not None:
             self.timer.cancel()
         self._done(error)
+        ended, self.ended = self.ended, None
+        if ended is not None and error is not None:
+            ended(error)
 
     def part_done(self, error: TransferdError | None = None) -> None:
         if self.finished:

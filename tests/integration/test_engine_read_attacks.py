@@ -97,6 +97,12 @@ class LyingResponder:
                 return
             feed(core, data, time.monotonic())
         sock.sendall(drain(core))
+        if self.lie == "deaf":
+            # Reads nothing from here on, the link kept open: what the daemon sends
+            # stays in its own output once the socket buffers are full.
+            self.reads_seen += 1
+            self._stop.wait()
+            return
         # From here on, raw fixed headers: take the READ, answer with the lie.
         head = self._exact(sock, 32)
         cmd, _, npages, part, op, _, total = READ_HEAD.unpack(head)
@@ -284,6 +290,55 @@ async def test_a_read_a_responder_never_answers_lets_its_memory_go_when_it_times
     finally:
         liar.close()
     assert "Traceback" not in a_d.stderr
+
+
+@pytest.mark.parametrize("ends", ["client-timeout", "peer-timeout"])
+@async_test(timeout=90)
+async def test_a_write_to_a_peer_that_reads_nothing_lets_its_source_go_when_it_ends(
+    silent_pair: list[DaemonProcess], ends: str
+) -> None:
+    """A peer takes the handshake and then reads nothing: A's 64 MiB write fills the
+    socket buffers and the rest waits in A's output, as views of the source.  The write
+    ends (the client's own timeout: a cancel; or engine.peer_timeout_s): its parts are
+    dropped at once (the half-sent one cuts the link), so the source is deregistered and
+    freed with nothing of it lingering, and A goes on serving a write to B, whole."""
+    a_d, b_d = silent_pair
+    deaf = LyingResponder("deaf")
+    try:
+        async with nodes(a_d, b_d) as (a, b):
+            src = await region(a, 64 * MiB, seed=61)
+            w = await a.client.submit_single_write(
+                64 * MiB, None, (src.mr, 0), (deaf.desc(64 * MiB), 0),
+                **({"timeout": 0.3} if ends == "client-timeout" else {}))
+            with pytest.raises(Timeout):
+                await w.wait(WAIT)
+            assert deaf.reads_seen >= 1
+            await a.client.dereg_mr(src.mr)
+            a.buffers.remove(src.buf)
+            await a.client.free_buffer(src.buf)
+            assert await asyncio.to_thread(wait_until, lambda: _lingering(a_d) == 0, 5), \
+                _lingering(a_d)
+            # A serves on: a write to B lands whole.
+            again = await region(a, 8 * MiB, seed=62)
+            dst = await region(b, 8 * MiB, seed=63)
+            w = await a.client.submit_single_write(8 * MiB, None, (again.mr, 0),
+                                                   (dst.desc, 0))
+            await w.wait(WAIT)
+            assert digest(await b.read(dst)) == digest(bytes(again.data))
+    finally:
+        deaf.close()
+    assert "Traceback" not in a_d.stderr
+
+
+@pytest.fixture
+def silent_pair() -> Iterator[list[DaemonProcess]]:
+    """A (a deadline of 1 s for what it sends to peers), and B."""
+    ds = start_many([{"env": engine_env(RAILS["a"], secret_file=secret_file(),
+                                        peer_timeout_s=1)},
+                     {"env": engine_env(RAILS["b"], secret_file=secret_file())}])
+    yield ds
+    for d in ds:
+        d.stop()
 
 
 def _lingering(d: DaemonProcess) -> float:

@@ -661,3 +661,102 @@ def test_ack_error_text_of_the_maximum_and_one_more(n: int) -> None:
         assert len(p.out.completions[0][1].message) == 4086
     else:
         assert p.out.closed and isinstance(p.out.error, PeerUnreachable)
+
+
+# -- a transfer that ended lets go of its parts ---------------------------------------
+
+
+class _Transfer:
+    """A token as a Domain's: ``finished`` once its transfer ended."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+
+def _silent_pair(high_water: int = 10_000):
+    """A pair whose peer reads nothing yet: what the outbound end is given stays in it."""
+    mem = HostMemory(1)
+    p = link_pair(Landing(mem, 1), identity(1), identity(1))
+    p.out.high_water, p.out.low_water = high_water, high_water // 2
+    return mem, mem.region(1 << 20), p
+
+
+def test_a_transfer_that_ends_drops_its_queued_and_waiting_parts_and_their_views() -> None:
+    """Its frames not begun and its parts waiting go unsent, at once, with the views of
+    its source (a buffer with a view exported cannot be resized, nor a mapping closed);
+    another transfer's part on the link goes on and lands."""
+    mem, r, p = _silent_pair()
+    t, u = _Transfer(), _Transfer()
+    src = bytearray(b"T" * 8000 * 3)
+    view = memoryview(src)
+    for k, token in enumerate([t, t, u, t]):  # T0 queued, T1 queued (paused), U2, T3 wait
+        piece = view[k * 8000 % len(src):][:8000] if token is t else memoryview(b"U" * 8000)
+        p.out.write(token, 50 + k, 0, r.rkeys[0], [r.ptr + k * 8000], [8000], [piece], 3)
+    del piece, view
+    assert p.out.state is LinkState.PAUSED and p.out.waiting == 2
+    with pytest.raises(BufferError):
+        src.extend(b"x")  # held by the link's parts
+    t.finished = True  # timed out, say, its peer having read nothing
+    p.out.let_go_ended()
+    src.extend(b"x")  # no view of it is left
+    assert p.out.state is LinkState.READY and p.out.waiting == 0
+    p.pump()
+    assert p.out.completions == [(u, None)]
+    assert bytes(r.data[2 * 8000:3 * 8000]) == b"U" * 8000
+    assert r.data[:2 * 8000] == bytes(2 * 8000) and r.data[3 * 8000:4 * 8000] == bytes(8000)
+    assert mem.counts[3] == 1  # only U's immediate: nothing of T went
+
+
+def test_a_transfer_that_ends_with_a_frame_half_sent_cuts_the_link() -> None:
+    """The rest of a frame begun cannot be taken back from the stream: the link is cut
+    (PEER_UNREACHABLE for the others on it, which another rail may take), nothing more
+    of it goes, and its views go with the link's output."""
+    mem, r, p = _silent_pair(high_water=1 << 20)
+    t, u = _Transfer(), _Transfer()
+    src = bytearray(b"T" * 64 * 1024)
+    p.out.write(t, 60, 0, r.rkeys[0], [r.ptr], [len(src)], [memoryview(src)], 3)
+    p.out.write(u, 61, 0, r.rkeys[0], [r.ptr + len(src)], [8], [memoryview(b"U" * 8)], 3)
+    sent = drain(p.out, limit=4096)  # the peer took 4 KiB of T's frame, then nothing
+    t.finished = True
+    p.out.let_go_ended()
+    assert p.out.closed and isinstance(p.out.error, PeerUnreachable)
+    assert "half sent" in p.out.error.message
+    assert p.out.out.queued == 0 and drain(p.out) == b""
+    assert [(tok, type(e)) for tok, e in p.out.completions] == [(u, PeerUnreachable)]
+    src.extend(b"x")  # no view of it is left
+    feed(p.inb, sent)
+    assert mem.counts[3] == 0
+
+
+def test_a_read_whose_transfer_ended_before_it_went_is_never_asked() -> None:
+    """A READ still queued when its transfer ended is not sent; the views its answer was
+    to land in go; the link serves on."""
+    _, r, p = _silent_pair(high_water=100)
+    t = _Transfer()
+    p.out.write(_Transfer(), 70, 0, r.rkeys[0], [r.ptr], [4096],
+                [memoryview(b"w" * 4096)], None)  # paused behind it ...
+    into = bytearray(4096)
+    p.out.read(t, 71, 0, r.rkeys[0], [r.ptr], [4096], [memoryview(into)])
+    assert p.out.waiting == 1
+    t.finished = True
+    p.out.let_go_ended()
+    into.extend(b"x")  # not held
+    p.pump()
+    assert p.out.waiting == 0 and not p.out.closed and not p.out._reads
+    assert [e for _, e in p.out.completions] == [None]  # the write's, only
+
+
+def test_a_frame_of_an_ended_transfer_never_goes_even_before_the_links_pass() -> None:
+    """Between a transfer's end and the link's pass (a turn later), what the socket is
+    offered leaves out its frames not begun: none of it is sent."""
+    mem, r, p = _silent_pair(high_water=1 << 20)
+    t, u = _Transfer(), _Transfer()
+    p.out.write(t, 80, 0, r.rkeys[0], [r.ptr], [4096], [memoryview(b"T" * 4096)], 3)
+    p.out.write(u, 81, 0, r.rkeys[0], [r.ptr + 4096], [4096], [memoryview(b"U" * 4096)], 4)
+    t.finished = True
+    p.pump()
+    assert p.out.completions == [(u, None)] and mem.counts[3] == 0 and mem.counts[4] == 1
+    assert r.data[:4096] == bytes(4096)
+    assert p.out.in_flight == 1  # T's, owed nothing: forgotten by the pass
+    p.out.let_go_ended()
+    assert p.out.in_flight == 0 and not p.out.closed

@@ -207,8 +207,10 @@ class Domain(abc.ABC):
         """Open the link to ``dst`` (one rail) ahead of its first part."""
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:  # noqa: B027
-        """A transfer to ``dst`` timed out: let go of a link whose peer reads nothing
-        (so the memory its queued bytes lie in can go back).  Optional."""
+        """A transfer with parts to ``dst`` failed (timed out, cancelled, refused): let
+        go of what the link holds for parts whose transfer ended, views of its source
+        and bytes not yet sent (so that memory can go back, and none of it is sent
+        later).  Optional."""
 
     def link_stats(self) -> LinkStats:
         """Its links now (for the metrics); a Domain without links of its own: none."""

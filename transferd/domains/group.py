@@ -15,6 +15,7 @@ the peer book are what is shared with the daemon's loop, and both are thread saf
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -257,6 +258,7 @@ class DomainGroup:
         if not parts:
             transfer.part_done()
             return
+        transfer.ended = functools.partial(self._let_go, parts)
         domains = self.domains
         # A traced transfer where spans are on: a span per part (transferd.tracing), which
         # its answer ends on its way to the transfer.
@@ -321,11 +323,17 @@ class DomainGroup:
         peer_warning("transfer timed out", dst.node if dst else None, rail,
                      dst.rails[0].decode(errors="replace") if dst and dst.rails else None,
                      err, getattr(transfer, "trace", None))
-        transfer.fail(err)
-        # A link still holding unsent bytes after that long has a peer that reads
-        # nothing: closed, so the memory those bytes lie in can go back.
-        for rail_, dst_ in where:
-            self.domains[rail_].drop_stalled(dst_, err)
+        transfer.fail(err)  # (its links let go of its parts: _let_go)
+
+    def _let_go(self, parts: Sequence[WritePart | SendPart | ReadPart],
+                error: TransferdError) -> None:
+        """A transfer failed (timed out, cancelled, refused): the links its parts are on
+        now (a failover moved some) drop what they hold of it, its views and bytes."""
+        if len(parts) == 1:
+            self.domains[parts[0].rail].drop_stalled(parts[0].dst, error)
+            return
+        for rail, dst in {(p.rail, p.dst.key): (p.rail, p.dst) for p in parts}.values():
+            self.domains[rail].drop_stalled(dst, error)
 
     def connect(self, addr: NetAddr) -> None:
         """Open every rail's link to a peer now, ahead of the first transfer."""

@@ -11,6 +11,14 @@ header are copied there from it.  A READ_DATA for a read this link never asked, 
 another length than asked, cuts the link before any of its bytes is touched.  The
 payload of a read whose transfer already ended (timed out, cancelled) is received and
 dropped, never written to memory its owner may have had back.
+
+The frames in the output are known part by part (:class:`PartOutput`): when a
+transfer ends other than by success (failed, timed out, cancelled), :meth:`OutboundLink.
+let_go_ended` drops at once every frame of it not yet begun, and the parts of it still
+waiting, so that no view of its source outlives it (a held view makes the buffer's
+unmapping fail) and none of its bytes go later; a frame of it already half sent cannot
+be taken back from the stream, so the link is cut then (the other parts on it fail
+PEER_UNREACHABLE: another rail may take them).
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_link import (
     HIGH_WATER,
     LOW_WATER,
+    SEND_BYTES,
     LinkEnd,
     LinkInput,
     LinkState,
+    Output,
     scatter_into,
 )
 from .peer_wire import (
@@ -47,6 +57,129 @@ from .peer_wire import (
 # The most views one receive of a READ's payload is offered, and its bytes.
 _IOV = 512
 _RECV = 1 << 20
+
+
+def _ended(token: Any) -> bool:
+    return bool(getattr(token, "finished", False))
+
+
+class _Queued:
+    """One frame in the output: whose (``token``; None: not a part's, the handshake's
+    bytes), which part (``key``), its bytes not yet sent, whether its first byte went."""
+
+    __slots__ = ("begun", "key", "left", "token")
+
+    def __init__(self, token: Any, key: tuple[int, int] | None, left: int) -> None:
+        self.token = token
+        self.key = key
+        self.left = left
+        self.begun = False
+
+
+class PartOutput(Output):
+    """An outbound link's output, which knows what part each frame is of: the frames of
+    an ended transfer not yet begun can be taken out (their views with them).
+
+    Every frame's bytes are whole entries of the queue (a header, its payload's views),
+    so a frame is taken out by leaving out its entries, never by cutting one."""
+
+    __slots__ = ("_frames", "skipped")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._frames: deque[_Queued] = deque()
+        # Parts whose frames :meth:`views` left out (their transfer ended before the
+        # link's own pass came): what the link forgets of them then.
+        self.skipped: list[tuple[int, int]] = []
+
+    def views(self, max_bytes: int = SEND_BYTES) -> list[memoryview | bytes]:
+        # A transfer that ended this turn: its frames at the front never go, even
+        # before the link's pass over everything it holds (let_go_ended).
+        frames = self._frames
+        while frames and not frames[0].begun and _ended(frames[0].token):
+            f = frames.popleft()
+            left = f.left
+            q = self._q
+            while left:
+                left -= len(q.popleft())
+            self.queued -= f.left
+            assert f.key is not None
+            self.skipped.append(f.key)
+        return super().views(max_bytes) if self.queued else []
+
+    def push(self, data: bytes | memoryview) -> None:
+        # Bytes of no part (the handshake's): one entry with the ones before it.
+        if data:
+            super().push(data)
+            frames = self._frames
+            if frames and frames[-1].token is None:
+                frames[-1].left += len(data)
+            else:
+                frames.append(_Queued(None, None, len(data)))
+
+    def frame(self, token: Any, key: tuple[int, int], head: bytes,
+              body: Sequence[memoryview], nbytes: int) -> None:
+        """A part's frame: ``head``, then ``body`` (``nbytes`` in all), sent as views."""
+        Output.push(self, head)
+        if len(body) == 1:
+            Output.push(self, body[0])
+        elif body:
+            self.extend(body, nbytes)  # the pages' views at once
+        self._frames.append(_Queued(token, key, len(head) + nbytes))
+
+    def sent(self, n: int) -> None:
+        super().sent(n)
+        frames = self._frames
+        while n:
+            f = frames[0]
+            if n >= f.left:
+                n -= f.left
+                frames.popleft()
+            else:
+                f.left -= n
+                f.begun = True
+                return
+
+    def take(self) -> list[memoryview | bytes]:
+        self._frames.clear()
+        self.skipped.clear()
+        return super().take()
+
+    def clear(self) -> None:
+        self._frames.clear()
+        self.skipped.clear()
+        super().clear()
+
+    def half_sent_ended(self) -> bool:
+        """The frame being sent is of an ended transfer (only a cut stops it)."""
+        frames = self._frames
+        return bool(frames) and frames[0].begun and _ended(frames[0].token)
+
+    def drop_ended(self) -> list[tuple[int, int]]:
+        """Take out every frame not yet begun whose transfer ended; their parts."""
+        frames = self._frames
+        if not any(not f.begun and _ended(f.token) for f in frames):
+            return []
+        q = iter(self._q)
+        entries: deque[memoryview | bytes] = deque()
+        kept: deque[_Queued] = deque()
+        dropped: list[tuple[int, int]] = []
+        for f in frames:
+            drop = not f.begun and _ended(f.token)
+            left = f.left
+            while left:
+                v = next(q)
+                left -= len(v)
+                if not drop:
+                    entries.append(v)
+            if drop:
+                self.queued -= f.left
+                assert f.key is not None
+                dropped.append(f.key)
+            else:
+                kept.append(f)
+        self._q, self._frames = entries, kept
+        return dropped
 
 
 class _Incoming:
@@ -119,6 +252,9 @@ class OutboundLink(LinkEnd):
         super().__init__(PeerHandshake(Role.INITIATOR, me, rail, secret, now, timeout=timeout,
                                        expect=expect, admit=admit, everyone=everyone, **kw))
         self.high_water, self.low_water = high_water, low_water
+        # What is queued to send, frame by frame (its parts' views, until sent or ended).
+        self._sending = PartOutput()
+        self.out = self._sending
         # Names the link in the errors its parts fail with ("link to NODE rail R").
         self.label = label
         # Parts taken before the link was ready or while it was paused, in order.
@@ -149,11 +285,6 @@ class OutboundLink(LinkEnd):
         """Ready, with nothing waiting, in flight or unsent."""
         return (self.state is LinkState.READY and not self._pending and not self._waiting
                 and not self.out.queued)
-
-    @property
-    def stalled(self) -> bool:
-        """Parts wait, or bytes are queued unsent (views of their sources held)."""
-        return bool(self._waiting) or self.out.queued > 0
 
     def connected(self, now: float) -> None:
         """The dial got through: HELLO goes out."""
@@ -186,13 +317,12 @@ class OutboundLink(LinkEnd):
         if self.state is LinkState.READY:
             if not isinstance(ext, bytes):
                 ext = ext()
-            self._pending[(op, part)] = token
-            out = self.out
-            out.push(encode_write(op, part, rkey, addrs, lens, imm, span, wid, again, ext))
-            if len(src) == 1:
-                out.push(src[0])
-            else:
-                out.extend(src, sum(map(len, src)))  # the pages' views at once
+            key = (op, part)
+            self._pending[key] = token
+            out = self._sending
+            out.frame(token, key, encode_write(op, part, rkey, addrs, lens, imm, span, wid,
+                                               again, ext),
+                      src, len(src[0]) if len(src) == 1 else sum(map(len, src)))
             if out.queued > self.high_water:
                 self._move(LinkInput.HOLD)
         elif self.state is LinkState.CLOSED:
@@ -204,9 +334,10 @@ class OutboundLink(LinkEnd):
     def send(self, token: Any, op: int, part: int, message: bytes | memoryview) -> None:
         """Send a SEND (a two-sided message); completed when the peer's client has it."""
         if self.state is LinkState.READY:
-            self._pending[(op, part)] = token
-            self.out.push(encode_send(op, part, len(message)))
-            self.out.push(message)
+            key = (op, part)
+            self._pending[key] = token
+            self._sending.frame(token, key, encode_send(op, part, len(message)),
+                                (memoryview(message),), len(message))
             if self.out.queued > self.high_water:
                 self._move(LinkInput.HOLD)
         elif self.state is LinkState.CLOSED:
@@ -222,7 +353,7 @@ class OutboundLink(LinkEnd):
             key = (op, part)
             self._pending[key] = token
             self._reads[key] = (into, list(accumulate(map(len, into))))
-            self.out.push(encode_read(op, part, rkey, addrs, lens))
+            self._sending.frame(token, key, encode_read(op, part, rkey, addrs, lens), (), 0)
         elif self.state is LinkState.CLOSED:
             self.completions.append((token, self._closed_error()))
         else:
@@ -233,12 +364,32 @@ class OutboundLink(LinkEnd):
         return self._pending.pop((op, part), None)
 
     def let_go_ended(self) -> None:
-        """Forget the parts whose transfer ended (timed out) with no answer yet: their
-        tokens, and the views a read's answer was to land in, which held its owner's
-        memory for as long as this link lived.  A read keeps only its length, so that
-        a late answer is still framed, and dropped."""
+        """Let go of everything held for parts whose transfer ended (failed, timed out,
+        cancelled) with no answer yet: the parts still waiting and the frames not yet
+        begun go unsent (their views with them), their tokens, and the views a read's
+        answer was to land in.  A read that went keeps only its length, so that a late
+        answer is still framed, and dropped.  A frame of an ended transfer half sent
+        cuts the link: the rest of it would go later, and hold its views until then."""
+        if self.state is LinkState.CLOSED:
+            return
+        # (An ended transfer is owed no answer, even when the link is cut.)
+        waiting = self._waiting
+        if waiting and any(_ended(args[0]) for _, args in waiting):
+            self._waiting = deque(w for w in waiting if not _ended(w[1][0]))
         pending, reads = self._pending, self._reads
-        ended = [k for k, t in pending.items() if getattr(t, "finished", False)]
+        out = self._sending
+        if out.half_sent_ended():
+            for key in [k for k, t in pending.items() if _ended(t)]:
+                del pending[key]
+            self.close(PeerUnreachable(
+                f"{self.label}: cut, a part of a transfer that ended was half sent (its "
+                "peer took too little of it in time)"))
+            return
+        skipped, out.skipped = out.skipped, []
+        for key in [*skipped, *out.drop_ended()]:
+            pending.pop(key, None)
+            reads.pop(key, None)  # (never asked: no answer comes)
+        ended = [k for k, t in pending.items() if _ended(t)]
         for key in ended:
             del pending[key]
             asked = reads.get(key)
@@ -247,6 +398,9 @@ class OutboundLink(LinkEnd):
         inc = self._in
         if inc is not None and inc.dropping:
             inc.segs = ()  # (its bytes are dropped from here on)
+        if self.state is LinkState.PAUSED and out.queued <= self.low_water:
+            self._move(LinkInput.RELEASE)
+            self._ready()
 
     def sent(self, n: int) -> None:
         """``n`` bytes of :attr:`out` went; below the low watermark a paused link goes on."""

@@ -267,13 +267,12 @@ class TcpDomain(Domain):
             self._sweep_later()
 
     def drop_stalled(self, dst: NetAddr, error: TransferdError) -> None:
-        """A transfer to ``dst`` timed out: close its link if bytes still wait to go,
-        else let go of what the link holds for parts that ended (a peer that never
-        answers would keep their memory as long as the link lives)."""
+        """A transfer to ``dst`` failed (timed out, cancelled, refused): its link lets go
+        of what it holds for parts that ended (the core drops their frames unsent, or
+        cuts the link if one is half sent): a peer that reads nothing would keep their
+        memory as long as the link lives."""
         link = self._links.get(link_key(dst))
-        if link is not None and link.core.stalled:
-            link.close(error)
-        elif link is not None:
+        if link is not None:
             link.let_go_ended()
 
     def forget(self, link: PeerLink) -> None:
@@ -463,7 +462,12 @@ class PeerLink:
 
     def _let_go(self) -> None:
         self._letting_go = False
-        self.core.let_go_ended()
+        core = self.core
+        core.let_go_ended()
+        if self.io is not None:
+            self.io._after()  # (a cut: its Closed; a paused link went on: its parts)
+        elif core.closed:
+            self.close(core.error)
 
     def burst_end(self) -> None:
         self._bursting = False
