@@ -415,6 +415,8 @@ class Service:
                            dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
                            timeout: float | None = None, on_end: End) -> Admitted:
         engine = self._engine()
+        few_pages(engine, dst[1], "PAGED_READS")
+        few_pages(engine, src[1], "PAGED_READS")
         return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
             page_len, dst, src), timeout, on_end)
 
@@ -456,6 +458,8 @@ class Service:
                             on_end: End, verify: bool | None = None,
                             traceparent: str | None = None) -> Admitted:
         engine = self._engine()
+        few_pages(engine, src[1], "PAGED_WRITES")
+        few_pages(engine, dst[1], "PAGED_WRITES")
         page_len = _integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
@@ -668,6 +672,8 @@ class Service:
         from .armed import check_paged_write
 
         engine = self._engine()
+        few_pages(engine, write.src[1], "ARM_PAGED_WRITES")
+        few_pages(engine, write.dst[1], "ARM_PAGED_WRITES")
         watchers, armed = self.watchers, self.armed
         assert watchers is not None and armed is not None, "start() makes them"
         try:
@@ -729,6 +735,23 @@ def few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
     if len(dsts) > cap:
         raise OverLimit(f"a {what} of {len(dsts)} destinations is over this daemon's cap "
                         f"of {cap} (engine.max_scatter_dsts): split it")
+
+
+def few_pages(engine: TransferEngine, pages: Any, what: str) -> None:
+    """engine.max_paged_pages, for every caller, on one side of a paged command:
+    ``pages`` a Pages (an inproc caller's, counted here) or its wire form ``[indices,
+    stride, offset]`` (the wire's handler counts it before one index is decoded; a form
+    that is not one is left to Pages.from_wire to refuse)."""
+    if isinstance(pages, Pages):
+        indices: Any = pages.indices
+    elif isinstance(pages, list | tuple) and pages:
+        indices = pages[0]
+    else:
+        return
+    cap = engine.config.max_paged_pages
+    if isinstance(indices, list | tuple) and len(indices) > cap:
+        raise OverLimit(f"a {what} of {len(indices)} pages is over this daemon's cap of "
+                        f"{cap} (engine.max_paged_pages): split it")
 
 
 def _integer(v: Any, what: str) -> int:
