@@ -344,22 +344,25 @@ class Service:
         comes before the transfer's own clock starts, gets twice engine.peer_timeout_s
         unless it names one.
         """
-        engine, timeout, now = self._admit(caller, label, timeout)
+        engine, timeout, now = self._admit(caller, key, label, timeout)
         if now:
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         async def later() -> Op:
             await caller.wait_room(engine.config.max_inflight_per_client)
             await engine.wait_slot()
+            caller.ops.check_free(key)  # (an armed write of the key may have fired since)
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         return later()
 
-    def _admit(self, caller: Caller, label: str | int, timeout: float | None
+    def _admit(self, caller: Caller, key: int, label: str | int, timeout: float | None
                ) -> tuple[TransferEngine, float | None, bool]:
         """The engine, a submit's checked ``timeout``, and whether it starts now (its
-        caller's share and the engine have room) or waits (:meth:`submit`)."""
+        caller's share and the engine have room) or waits (:meth:`submit`); BadRequest
+        while ``key`` names an operation of ``caller``'s still pending."""
         engine = self._engine()
+        caller.ops.check_free(key)
         config = engine.config
         if timeout is not None:
             timeout = deadline(timeout, None, config.peer_timeout_s,
@@ -443,7 +446,7 @@ class Service:
             length = _integer(length, "a write's length")
             src = (src[0], _integer(src[1], "a write's source offset"))
             dst = (dst[0], _integer(dst[1], "a write's destination offset"))
-        engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
+        engine, timeout, now = self._admit(caller, key, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
                 length, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
@@ -532,6 +535,7 @@ class Service:
         timeout = deadline(timeout, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
                            "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
         ops = caller.ops
+        ops.check_free(key)
 
         def reached() -> None:
             ops.finished(op, None)
@@ -682,8 +686,10 @@ class Service:
             w = None
         if w is None or w.owner is not caller:
             raise NotFound(f"no watcher {watcher_id} on this connection")
+        caller.ops.check_free(key)
         if write.timeout is not None:
-            self._admit(caller, Command.PAGED_WRITES, write.timeout)  # its deadline's checks
+            # Its deadline's checks (the key's were made above).
+            self._admit(caller, key, Command.PAGED_WRITES, write.timeout)
         check_paged_write(engine, write)
         return armed.arm(caller, key, watcher_id, value, w.read(), write, on_end)
 
