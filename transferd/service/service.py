@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import operator
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +49,7 @@ from transferd.protocol.errors import (
     TransferdError,
     UnknownCommand,
 )
+from transferd.protocol.integers import integer, unsigned
 from transferd.protocol.messages import Tensor
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
@@ -443,9 +443,9 @@ class Service:
         if type(length) is not int or type(src[1]) is not int or type(dst[1]) is not int:
             # (An inproc caller's: the wire's are decoded as integers. Tested at once,
             # without three calls on every small write's path.)
-            length = _integer(length, "a write's length")
-            src = (src[0], _integer(src[1], "a write's source offset"))
-            dst = (dst[0], _integer(dst[1], "a write's destination offset"))
+            length = integer(length, "a write's length")
+            src = (src[0], integer(src[1], "a write's source offset"))
+            dst = (dst[0], integer(dst[1], "a write's destination offset"))
         engine, timeout, now = self._admit(caller, key, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
@@ -463,7 +463,7 @@ class Service:
         engine = self._engine()
         few_pages(engine, src[1], "PAGED_WRITES")
         few_pages(engine, dst[1], "PAGED_WRITES")
-        page_len = _integer(page_len, "a paged write's page length")
+        page_len = integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
             timeout, on_end)
@@ -476,9 +476,9 @@ class Service:
         few_enough(engine, dsts, "SCATTER")
         for d in dsts:  # (an inproc caller's: the wire's are decoded as integers)
             if type(d.len) is not int or type(d.src) is not int or type(d.dst[1]) is not int:
-                dsts = [ScatterDst(_integer(d.len, "a scatter's length"),
-                                   _integer(d.src, "a scatter's source offset"),
-                                   (d.dst[0], _integer(d.dst[1], "a scatter's destination "
+                dsts = [ScatterDst(integer(d.len, "a scatter's length"),
+                                   integer(d.src, "a scatter's source offset"),
+                                   (d.dst[0], integer(d.dst[1], "a scatter's destination "
                                                                  "offset"))) for d in dsts]
                 break
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
@@ -514,8 +514,8 @@ class Service:
         """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
         engine = self._engine()
         # Unsigned 64-bit integers, as the wire's fields are (an inproc caller's too).
-        length = _unsigned(length, "submit_recvs' length", U64)
-        count = _unsigned(count, "submit_recvs' count", U64)
+        length = unsigned(length, "submit_recvs' length", U64)
+        count = unsigned(count, "submit_recvs' count", U64)
         engine.submit_recvs(caller, length, count, arrived)
 
     # -- the engine: counts ------------------------------------------------------------
@@ -527,7 +527,7 @@ class Service:
         consumed.  It ends with its caller."""
         engine = self._engine()
         try:
-            imm, count = _unsigned(imm, "imm", U32), _unsigned(count, "count", U32)
+            imm, count = unsigned(imm, "imm", U32), unsigned(count, "count", U32)
         except BadRequest:
             raise BadRequest(f"imm {imm!r} and count {count!r} must be 32-bit unsigned "
                              "values") from None
@@ -624,9 +624,9 @@ class Service:
         keep: Any
         gone: Any
         watchers.check_room(caller)  # before a word of the page is taken
-        offset = _integer(offset, "a watcher's offset")
+        offset = integer(offset, "a watcher's offset")
         if buffer_id is not None:
-            buffer_id = _integer(buffer_id, "a watcher's buffer")
+            buffer_id = integer(buffer_id, "a watcher's buffer")
             buf = self.buffers.get(buffer_id)
             if buf.staging is not None:
                 raise BadRequest(f"buffer {buf.id} has no host view to watch")
@@ -760,25 +760,3 @@ def few_pages(engine: TransferEngine, pages: Any, what: str) -> None:
                         f"{cap} (engine.max_paged_pages): split it")
 
 
-def _integer(v: Any, what: str) -> int:
-    """``v`` as an int (a numpy integer too): BadRequest for a bool, a float, a string."""
-    if type(v) is int:
-        return v
-    if not isinstance(v, bool):
-        with contextlib.suppress(TypeError):
-            return operator.index(v)
-    raise BadRequest(f"{what} must be an integer, not {v!r}")
-
-
-def _unsigned(v: Any, what: str, limit: int) -> int:
-    """``v`` as an int in 0..limit: an integer (a numpy one too), never a bool, a float or
-    a string (an inproc caller's arguments are not the wire's checked fields)."""
-    if isinstance(v, bool):
-        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}")
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}") from None
-    if not 0 <= n <= limit:
-        raise BadRequest(f"{what} = {n} is out of range 0..{limit}")
-    return n
