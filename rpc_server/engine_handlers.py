@@ -24,7 +24,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import bytes_field, field, uint_field
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 from transferd.service import Admitted, End, Op, Service
-from transferd.service.service import few_enough
+from transferd.service.service import few_enough, few_pages
 
 from .handlers import SINKS, Reply, handler
 from .ops import ms_field
@@ -188,6 +188,9 @@ def paged_writes(session: Session, frame: Frame) -> Reply | Awaitable[Reply | No
     imm = _opt_imm(b)
     mr, src_pages = _pair(b, "src")
     desc, dst_pages = _pair(b, "dst")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_pages(service.engine, src_pages, "PAGED_WRITES")  # counted before any is decoded
+    few_pages(service.engine, dst_pages, "PAGED_WRITES")
     src = (_uint(mr, "src mr"), Pages.from_wire(src_pages))
     dst = (MrDesc.from_wire(desc), Pages.from_wire(dst_pages))
     return _admitted(frame, service.submit_paged_writes(

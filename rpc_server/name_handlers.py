@@ -182,11 +182,7 @@ def watch(session: Session, frame: Frame) -> Reply:
     if frame.no_reply:
         raise BadRequest("WATCH answers with its reply before any EVENT: it cannot be one-way")
     ops = session.caller.ops
-    if ops.get(frame.seq) is not None:
-        # Its EVENTs would carry a seq another operation's carry, and CANCEL would
-        # end only the first.
-        raise BadRequest(f"seq {frame.seq} belongs to an operation still running on this "
-                         "connection: a WATCH needs a seq of its own")
+    ops.check_free(frame.seq)
     stream = WatchStream(session, frame.seq, part.directory)
     stream.sub, now = part.watch(session.caller, b.get("prefix", ""), stream.push,
                                  initial=b.get("initial", True))

@@ -20,6 +20,7 @@ from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import field, uint_field
 from transferd.protocol.values import MrDesc, Pages
+from transferd.service.service import few_pages
 
 from .engine_handlers import _admitted, _ended, _pair, _service, _timeout, _uint
 from .handlers import Reply, handler
@@ -52,6 +53,9 @@ def paged_reads(session: Session, frame: Frame) -> Reply | Awaitable[Reply | Non
     page_len = uint_field(b, "page_len")
     mr, dst_pages = _pair(b, "dst")
     desc, src_pages = _pair(b, "src")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_pages(service.engine, dst_pages, "PAGED_READS")  # counted before any is decoded
+    few_pages(service.engine, src_pages, "PAGED_READS")
     dst = (_uint(mr, "dst mr"), Pages.from_wire(dst_pages))
     src = (MrDesc.from_wire(desc), Pages.from_wire(src_pages))
     return _admitted(frame, service.submit_paged_reads(

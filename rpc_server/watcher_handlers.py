@@ -33,6 +33,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import uint_field
 from transferd.protocol.values import MrDesc, Pages
 from transferd.service.armed import PagedWrite
+from transferd.service.service import few_pages
 
 from .engine_handlers import U64, _ended, _opt_imm, _pair, _service, _tags, _timeout, _uint
 from .handlers import Reply, handler
@@ -99,6 +100,9 @@ def arm_paged_writes(session: Session, frame: Frame) -> Reply | None:
     imm = _opt_imm(b)
     mr, src_pages = _pair(b, "src")
     desc, dst_pages = _pair(b, "dst")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_pages(service.engine, src_pages, "ARM_PAGED_WRITES")  # counted before decoding
+    few_pages(service.engine, dst_pages, "ARM_PAGED_WRITES")
     write = PagedWrite(page_len, imm, (_uint(mr, "src mr"), Pages.from_wire(src_pages)),
                        (MrDesc.from_wire(desc), Pages.from_wire(dst_pages)),
                        timeout=_timeout(frame), **_tags(b))

@@ -284,6 +284,14 @@ class EngineConfig:
         "loop its checks and its plan.",
         min=1, max=1 << 20,
     )
+    max_paged_pages: int = key(
+        65536,
+        "Most pages one PAGED_WRITES, PAGED_READS or ARM_PAGED_WRITES may name on either "
+        "side; more is refused whole with TOO_LARGE (the connection goes on) before any "
+        "is read: each costs the daemon's loop its checks and its plan (350,000 pages, "
+        "what a 4 MiB body holds, took 0.65 s).",
+        min=1, max=1 << 22,
+    )
     max_peer_groups: int = key(
         64,
         "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "

@@ -69,7 +69,7 @@ async def test_a_fired_arm_waiting_for_room_is_cancelled_and_never_lands(
 
 @async_test(timeout=90)
 async def test_an_arm_made_as_its_watcher_ends_is_dropped_all_the_same(
-        tcp_cluster: engine_cluster.Cluster) -> None:
+        own_daemons: list[engine_cluster.DaemonProcess]) -> None:
     """The watcher thread's sweep ends a freed buffer's watcher (within 0.5 s) while an
     arm on it is being checked (a long page list: tens of ms); whichever comes first,
     the arm ends, NOT_FOUND: refused, or dropped naming the watcher.  Before, a sweep
@@ -77,7 +77,9 @@ async def test_an_arm_made_as_its_watcher_ends_is_dropped_all_the_same(
     (no arm there yet), and the arm stayed, never to fire or end.  A race: each round
     hits it with a fair chance, all of them together nearly always (on the old code)."""
     n = 200_000  # a long page list: the arm's checks take a while
-    async with nodes(tcp_cluster.a) as (a,):
+    # (over the default engine.max_paged_pages, which refuses it before any check)
+    own_daemons.extend(start_many([{"env": engine_env(RAILS["a"], max_paged_pages=n)}]))
+    async with nodes(*own_daemons) as (a,):
         src, dst = await a.region(PAGE), await a.region(PAGE)
         pages = Pages([0] * n, 1)
         ended = refused = 0

@@ -14,7 +14,7 @@ import pytest
 from client import Client
 from tests.conftest import DaemonFactory
 from tests.helpers import RawConn, async_test, digest, pattern
-from transferd.protocol.constants import Command
+from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import OverLimit
 
 
@@ -136,3 +136,79 @@ async def test_the_client_raises_a_refusal_as_over_limit(daemon_factory: DaemonF
         with pytest.raises(OverLimit, match="max_payload"):
             await c.set_tensor(buf.tensor(0, 8192), bytes(8192))
         await c.synchronize()
+
+
+PAGE = 4096
+
+
+def _paged_bodies(mr: int, desc: Any, src: list[Any], dst: list[Any]
+                  ) -> list[tuple[Command, dict[str, Any]]]:
+    """A PAGED_WRITES, a PAGED_READS and an ARM_PAGED_WRITES (on watcher 0's number,
+    looked up only after the pages are counted) of ``src`` and ``dst`` pages."""
+    return [
+        (Command.PAGED_WRITES, {"page_len": 16, "src": [mr, [src, PAGE, 0]],
+                                "dst": [desc, [dst, PAGE, 0]]}),
+        (Command.PAGED_READS, {"page_len": 16, "dst": [mr, [dst, PAGE, 0]],
+                               "src": [desc, [src, PAGE, 0]]}),
+        (Command.ARM_PAGED_WRITES, {"watcher": 0, "value": 1, "page_len": 16,
+                                    "src": [mr, [src, PAGE, 0]],
+                                    "dst": [desc, [dst, PAGE, 0]]}),
+    ]
+
+
+def test_paged_commands_over_the_page_cap_are_refused_before_a_page_is_read(
+        daemon_factory: DaemonFactory) -> None:
+    """engine.max_paged_pages = 4: five pages on either side refuse a PAGED_WRITES,
+    PAGED_READS or ARM_PAGED_WRITES whole with TOO_LARGE, counted before one index is
+    decoded (five that are not even integers: TOO_LARGE, not BAD_REQUEST); four go, and
+    this connection and another are served.  Before, 350,000 pages (a 4 MiB body) were
+    each decoded and planned: 0.65 s of the daemon's loop."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_MAX_PAGED_PAGES": "4"})
+    c = RawConn.to(d)
+    c.hello()
+    buf = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4 * PAGE})).body
+    reg = ok(c.request(Command.REG_MR, {"buffer": buf["buffer"], "access": "rw"})).body
+    mr, desc = reg["mr"], reg["desc"]
+    four, five, junk = [0, 1, 2, 3], [0, 1, 2, 3, 0], ["x"] * 5
+    for src, dst in ((five, five), (four, five), (five, four), (junk, four), (four, junk)):
+        for cmd, body in _paged_bodies(mr, desc, src, dst):
+            too_large(c.request(cmd, body), "engine.max_paged_pages")
+    # Exactly the cap: the write is taken and lands (its completion EVENT), the read too.
+    for cmd, body in _paged_bodies(mr, desc, four, four)[:2]:
+        ok(c.request(cmd, body))
+        event = c.recv()
+        assert event.flags == int(Flag.EVENT) and event.body == {"ok": True}, event
+    # The ARM at the cap gets past the count to the watcher it names (none here).
+    cmd, body = _paged_bodies(mr, desc, four, four)[2]
+    f = c.request(cmd, body)
+    assert f.is_error and f.body["code"] == "NOT_FOUND", f.body
+    ok(c.request(Command.STATS))
+    o = RawConn.to(d)
+    o.hello()
+    ok(o.request(Command.STATS))
+    c.close()
+    o.close()
+
+
+def test_the_default_page_cap_refuses_what_a_4_mib_body_holds(
+        daemon_factory: DaemonFactory) -> None:
+    """The default engine.max_paged_pages (65,536: scale_pages' largest) is served; the
+    350,000 pages of the attack are TOO_LARGE before one is decoded (before, each was
+    decoded and checked, then the write refused OUT_OF_BOUNDS: 0.65 s of the loop)."""
+    d = daemon_factory()
+    c = RawConn.to(d)
+    c.hello()
+    size = (1 << 16) * 16
+    buf = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": size})).body
+    reg = ok(c.request(Command.REG_MR, {"buffer": buf["buffer"], "access": "rw"})).body
+    mr, desc = reg["mr"], reg["desc"]
+    attack = list(range(350_000))
+    too_large(c.request(Command.PAGED_WRITES, {
+        "page_len": 16, "src": [mr, [attack, 16, 0]], "dst": [desc, [attack, 16, 0]]}),
+        "350000 pages is over this daemon's cap of 65536 (engine.max_paged_pages)")
+    cap = list(range(1 << 16))
+    ok(c.request(Command.PAGED_WRITES, {"page_len": 16, "src": [mr, [cap, 16, 0]],
+                                        "dst": [desc, [cap, 16, 0]]}))
+    event = c.recv()
+    assert event.flags == int(Flag.EVENT) and event.body == {"ok": True}, event
+    c.close()

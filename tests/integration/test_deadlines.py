@@ -19,6 +19,7 @@ from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, async_test, metric, scrape, wait_until
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import BadRequest, Cancelled, Timeout
+from transferd.protocol.frames import Frame
 
 MiB = 1 << 20
 
@@ -149,6 +150,71 @@ async def test_another_connections_seq_cannot_be_cancelled(engine_daemon: Daemon
     assert r.is_error and r.body["code"] == "NOT_FOUND", r.body
     assert not victim.request(Command.STATS).is_error  # both connections still served
     assert not attacker.request(Command.STATS).is_error
+
+
+def _bad_request(f: Frame, seq: int) -> None:
+    assert f.seq == seq and f.flags == int(Flag.REPLY | Flag.ERROR), f
+    assert f.body["code"] == "BAD_REQUEST", f.body
+    assert f"seq {seq} is already in flight on this connection" in f.body["message"], f.body
+
+
+def test_a_seq_still_in_flight_is_refused_to_a_second_request(
+    engine_daemon: DaemonProcess, silent: socket.socket
+) -> None:
+    """A submit, an expectation, an arm or a WATCH under the seq of an operation still
+    pending on that connection: BAD_REQUEST, and nothing of it starts (before, it was
+    taken, its EVENT carried the first's seq, and CANCEL could end only the first).  The
+    first goes on, its CANCEL ends it; the seq is free again once it has ended; another
+    connection is served throughout."""
+    c = RawConn.to(engine_daemon)
+    c.hello()
+    buf = c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": 4 * 4096}).body
+    reg = c.request(Command.REG_MR, {"buffer": buf["buffer"], "access": "rw"}).body
+    mr, desc = reg["mr"], reg["desc"]
+    watcher = c.request(Command.ALLOC_UVM_WATCHER, {}).body["watcher"]
+    imm = 0x7E5A
+    # A write held by a peer that never answers: pending under seq 300.
+    c.send(Command.SINGLE_WRITE, {"len": 16, "src": [mr, 0],
+                                  "dst": [_nowhere(silent, MiB).to_wire(), 0]}, seq=300)
+    assert c.recv().flags == int(Flag.REPLY)
+    again = [
+        (Command.SINGLE_WRITE, {"len": 16, "imm": imm, "src": [mr, 0], "dst": [desc, 4096]}),
+        (Command.PAGED_WRITES, {"page_len": 16, "imm": imm, "src": [mr, [[0], 4096, 0]],
+                                "dst": [desc, [[1], 4096, 0]]}),
+        (Command.EXPECT_IMM_COUNT, {"imm": imm, "count": 0}),
+        (Command.ARM_PAGED_WRITES, {"watcher": watcher, "value": 0, "page_len": 16,
+                                    "imm": imm, "src": [mr, [[0], 4096, 0]],
+                                    "dst": [desc, [[1], 4096, 0]]}),
+        (Command.WATCH, {"prefix": "seq300/"}),
+    ]
+    for cmd, body in again:
+        c.send(cmd, body, seq=300)
+        _bad_request(c.recv(), 300)
+    # One-way too: the refusal is its EVENT|ERROR, nothing else.
+    c.send(*again[0], seq=300, flags=Flag.NO_REPLY)
+    f = c.recv()
+    assert f.seq == 300 and f.flags == int(Flag.EVENT | Flag.ERROR), f
+    assert "already in flight" in f.body["message"], f.body
+    # None of them went: the immediate was never counted, the arm never fired.
+    assert c.request(Command.IMM_COUNT, {"imm": imm}).body["value"] == 0
+    other = RawConn.to(engine_daemon)
+    other.hello()
+    assert not other.request(Command.STATS).is_error
+    # The first write still waits; its CANCEL ends it (the write's EVENT, then the reply).
+    c.send(Command.CANCEL, {"seq": 300}, seq=301)
+    ev = c.recv()
+    assert ev.seq == 300 and ev.flags == int(Flag.EVENT | Flag.ERROR), ev
+    assert ev.cmd == Command.SINGLE_WRITE and ev.body["code"] == "CANCELLED", ev.body
+    assert c.recv().body == {"seq": 300, "cancelled": True}
+    # Ended: seq 300 names a new operation again, which lands and counts.
+    c.send(*again[0], seq=300)
+    assert c.recv().flags == int(Flag.REPLY)
+    ev = c.recv()
+    assert ev.seq == 300 and ev.flags == int(Flag.EVENT) and ev.body == {"ok": True}, ev
+    assert c.request(Command.IMM_COUNT, {"imm": imm}).body["value"] == 1
+    assert not other.request(Command.STATS).is_error
+    c.close()
+    other.close()
 
 
 @async_test(timeout=60)

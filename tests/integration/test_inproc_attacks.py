@@ -454,6 +454,34 @@ async def test_refused_expectations_and_arms_leave_no_completion_behind() -> Non
 
 
 @async_test(timeout=60)
+async def test_an_inproc_paged_submit_over_the_page_cap_is_refused() -> None:
+    # engine.max_paged_pages binds an inproc caller too (the Service counts its Pages, as
+    # the wire's handler counts a request's): five pages refused whole, nothing written,
+    # no Completion left behind; four land, byte for byte.
+    from transferd.protocol.errors import OverLimit
+    from transferd.protocol.values import Pages
+
+    page = 4096
+    async with engine(**{"engine.max_paged_pages": 4}) as a:
+        src = np.frombuffer(bytearray(pattern(8 * page, 7)), dtype=np.uint8)
+        dst = np.zeros(8 * page, np.uint8)
+        smr, _ = await a.reg_mr(await a.register_memory(src))
+        _, ddesc = await a.reg_mr(await a.register_memory(dst))
+        five, four = Pages(range(5), page), Pages(range(4), page)
+        for s_pages, d_pages in ((five, five), (four, five), (five, four)):
+            with pytest.raises(OverLimit, match="max_paged_pages"):
+                w = await a.submit_paged_writes(page, None, (smr, s_pages), (ddesc, d_pages))
+                await w.wait(WAIT)
+            with pytest.raises(OverLimit, match="max_paged_pages"):
+                w = await a.submit_paged_reads(page, (smr, s_pages), (ddesc, d_pages))
+                await w.wait(WAIT)
+        assert len(a._completions) == 0
+        assert not dst.any()
+        await (await a.submit_paged_writes(page, None, (smr, four), (ddesc, four))).wait(WAIT)
+        assert sha(dst[:4 * page]) == sha(src[:4 * page]) and not dst[4 * page:].any()
+
+
+@async_test(timeout=60)
 async def test_a_submit_given_up_while_it_waits_for_a_slot_leaves_nothing_behind() -> None:
     # Before the fix a submit waiting for a slot (engine.max_inflight_per_client taken)
     # whose caller gave up (asyncio.wait_for, a task cancelled) stayed in the client's

@@ -23,7 +23,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import operator
 import secrets
 import threading
 import time
@@ -45,6 +44,7 @@ from transferd.metrics import Metrics
 from transferd.parts import ReadPart
 from transferd.protocol import crc, trace
 from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.integers import unsigned
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import MAX_PIECES
 from transferd.protocol.peer_handshake import node_of
@@ -801,17 +801,9 @@ def _wid(parts: Any, wid: int | None, tag: Tag = (False, None)) -> list[WritePar
 
 
 def _imm(imm: int | None) -> int | None:
-    if imm is None:
-        return None
-    # An integer (a numpy one too), never a float, a bool or a string: an inproc caller's
-    # is not the wire's checked field, and the peer wire packs it as an unsigned int.
-    try:
-        value = operator.index(imm) if not isinstance(imm, bool) else None
-    except TypeError:
-        value = None
-    if value is None or not 0 <= value <= 0xFFFFFFFF:
-        raise BadRequest(f"immediate {imm!r} is not a 32-bit unsigned value")
-    return value
+    # An inproc caller's is not the wire's checked field, and the peer wire packs it as
+    # an unsigned int of 32 bits.
+    return None if imm is None else unsigned(imm, "immediate", 0xFFFFFFFF)
 
 
 T = TypeVar("T")

@@ -96,15 +96,14 @@ def check_paged_write(engine: TransferEngine, w: PagedWrite) -> None:
     nothing sent: the typed error of the first thing wrong."""
     from transferd.engine.engine import _imm
     from transferd.engine.plan import plan_paged
-
-    from .service import _integer
+    from transferd.protocol.integers import integer
 
     # The engine's own checks, the ones its submit starts with (trust of every rail of
     # the destination, the integrity tags): the same calls, not a second copy of them.
     engine._check_descs([w.dst[0]])
     engine._tag(w.verify, w.traceparent)
     imm = _imm(w.imm)  # an integer of 32 bits (or None), as the submit's
-    _integer(w.page_len, "a paged write's page length")
+    integer(w.page_len, "a paged write's page length")
     region = engine.regions.get(w.src[0])
     sp = w.src[1]
     n = len(sp.indices)

@@ -94,8 +94,19 @@ class Ops:
     def __len__(self) -> int:
         return len(self.by_key)
 
+    def check_free(self, key: int) -> None:
+        """Refuse ``key`` while an operation of it is pending: the second's EVENTs would
+        carry the first's seq and a CANCEL could name only one of them.  Called before an
+        operation starts (nothing of it sent or held yet), so the first goes on."""
+        op = self.by_key.get(key)
+        if op is not None:
+            raise BadRequest(f"seq {key} is already in flight on this connection "
+                             f"({op.what}): an operation needs a seq of its own until "
+                             "it ends")
+
     def add(self, op: Op, timeout_s: float | None) -> Op:
-        # A key reused while its first operation is pending: a cancel names the first.
+        # (A key still pending was refused by check_free before its operation started; an
+        # operation started without that check keeps the first, which a cancel names.)
         self.by_key.setdefault(op.key, op)
         if timeout_s is not None:
             op.timer = asyncio.get_running_loop().call_later(timeout_s, _expire, op, timeout_s)

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import operator
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +49,7 @@ from transferd.protocol.errors import (
     TransferdError,
     UnknownCommand,
 )
+from transferd.protocol.integers import integer, unsigned
 from transferd.protocol.messages import Tensor
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
@@ -344,22 +344,25 @@ class Service:
         comes before the transfer's own clock starts, gets twice engine.peer_timeout_s
         unless it names one.
         """
-        engine, timeout, now = self._admit(caller, label, timeout)
+        engine, timeout, now = self._admit(caller, key, label, timeout)
         if now:
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         async def later() -> Op:
             await caller.wait_room(engine.config.max_inflight_per_client)
             await engine.wait_slot()
+            caller.ops.check_free(key)  # (an armed write of the key may have fired since)
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         return later()
 
-    def _admit(self, caller: Caller, label: str | int, timeout: float | None
+    def _admit(self, caller: Caller, key: int, label: str | int, timeout: float | None
                ) -> tuple[TransferEngine, float | None, bool]:
         """The engine, a submit's checked ``timeout``, and whether it starts now (its
-        caller's share and the engine have room) or waits (:meth:`submit`)."""
+        caller's share and the engine have room) or waits (:meth:`submit`); BadRequest
+        while ``key`` names an operation of ``caller``'s still pending."""
         engine = self._engine()
+        caller.ops.check_free(key)
         config = engine.config
         if timeout is not None:
             timeout = deadline(timeout, None, config.peer_timeout_s,
@@ -415,6 +418,8 @@ class Service:
                            dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
                            timeout: float | None = None, on_end: End) -> Admitted:
         engine = self._engine()
+        few_pages(engine, dst[1], "PAGED_READS")
+        few_pages(engine, src[1], "PAGED_READS")
         return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
             page_len, dst, src), timeout, on_end)
 
@@ -438,10 +443,10 @@ class Service:
         if type(length) is not int or type(src[1]) is not int or type(dst[1]) is not int:
             # (An inproc caller's: the wire's are decoded as integers. Tested at once,
             # without three calls on every small write's path.)
-            length = _integer(length, "a write's length")
-            src = (src[0], _integer(src[1], "a write's source offset"))
-            dst = (dst[0], _integer(dst[1], "a write's destination offset"))
-        engine, timeout, now = self._admit(caller, Command.SINGLE_WRITE, timeout)
+            length = integer(length, "a write's length")
+            src = (src[0], integer(src[1], "a write's source offset"))
+            dst = (dst[0], integer(dst[1], "a write's destination offset"))
+        engine, timeout, now = self._admit(caller, key, Command.SINGLE_WRITE, timeout)
         if now:  # the usual case, without a closure: every small write's path
             return self._started(caller, key, Command.SINGLE_WRITE, engine.submit_single_write(
                 length, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
@@ -456,7 +461,9 @@ class Service:
                             on_end: End, verify: bool | None = None,
                             traceparent: str | None = None) -> Admitted:
         engine = self._engine()
-        page_len = _integer(page_len, "a paged write's page length")
+        few_pages(engine, src[1], "PAGED_WRITES")
+        few_pages(engine, dst[1], "PAGED_WRITES")
+        page_len = integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
             timeout, on_end)
@@ -469,9 +476,9 @@ class Service:
         few_enough(engine, dsts, "SCATTER")
         for d in dsts:  # (an inproc caller's: the wire's are decoded as integers)
             if type(d.len) is not int or type(d.src) is not int or type(d.dst[1]) is not int:
-                dsts = [ScatterDst(_integer(d.len, "a scatter's length"),
-                                   _integer(d.src, "a scatter's source offset"),
-                                   (d.dst[0], _integer(d.dst[1], "a scatter's destination "
+                dsts = [ScatterDst(integer(d.len, "a scatter's length"),
+                                   integer(d.src, "a scatter's source offset"),
+                                   (d.dst[0], integer(d.dst[1], "a scatter's destination "
                                                                  "offset"))) for d in dsts]
                 break
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
@@ -507,8 +514,8 @@ class Service:
         """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
         engine = self._engine()
         # Unsigned 64-bit integers, as the wire's fields are (an inproc caller's too).
-        length = _unsigned(length, "submit_recvs' length", U64)
-        count = _unsigned(count, "submit_recvs' count", U64)
+        length = unsigned(length, "submit_recvs' length", U64)
+        count = unsigned(count, "submit_recvs' count", U64)
         engine.submit_recvs(caller, length, count, arrived)
 
     # -- the engine: counts ------------------------------------------------------------
@@ -520,7 +527,7 @@ class Service:
         consumed.  It ends with its caller."""
         engine = self._engine()
         try:
-            imm, count = _unsigned(imm, "imm", U32), _unsigned(count, "count", U32)
+            imm, count = unsigned(imm, "imm", U32), unsigned(count, "count", U32)
         except BadRequest:
             raise BadRequest(f"imm {imm!r} and count {count!r} must be 32-bit unsigned "
                              "values") from None
@@ -528,6 +535,7 @@ class Service:
         timeout = deadline(timeout, cfg.expect_timeout_s, cfg.max_expect_timeout_s,
                            "an EXPECT_IMM_COUNT", "engine.max_expect_timeout_s")
         ops = caller.ops
+        ops.check_free(key)
 
         def reached() -> None:
             ops.finished(op, None)
@@ -616,9 +624,9 @@ class Service:
         keep: Any
         gone: Any
         watchers.check_room(caller)  # before a word of the page is taken
-        offset = _integer(offset, "a watcher's offset")
+        offset = integer(offset, "a watcher's offset")
         if buffer_id is not None:
-            buffer_id = _integer(buffer_id, "a watcher's buffer")
+            buffer_id = integer(buffer_id, "a watcher's buffer")
             buf = self.buffers.get(buffer_id)
             if buf.staging is not None:
                 raise BadRequest(f"buffer {buf.id} has no host view to watch")
@@ -668,6 +676,8 @@ class Service:
         from .armed import check_paged_write
 
         engine = self._engine()
+        few_pages(engine, write.src[1], "ARM_PAGED_WRITES")
+        few_pages(engine, write.dst[1], "ARM_PAGED_WRITES")
         watchers, armed = self.watchers, self.armed
         assert watchers is not None and armed is not None, "start() makes them"
         try:
@@ -676,8 +686,10 @@ class Service:
             w = None
         if w is None or w.owner is not caller:
             raise NotFound(f"no watcher {watcher_id} on this connection")
+        caller.ops.check_free(key)
         if write.timeout is not None:
-            self._admit(caller, Command.PAGED_WRITES, write.timeout)  # its deadline's checks
+            # Its deadline's checks (the key's were made above).
+            self._admit(caller, key, Command.PAGED_WRITES, write.timeout)
         check_paged_write(engine, write)
         return armed.arm(caller, key, watcher_id, value, w.read(), write, on_end)
 
@@ -731,25 +743,20 @@ def few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
                         f"of {cap} (engine.max_scatter_dsts): split it")
 
 
-def _integer(v: Any, what: str) -> int:
-    """``v`` as an int (a numpy integer too): BadRequest for a bool, a float, a string."""
-    if type(v) is int:
-        return v
-    if not isinstance(v, bool):
-        with contextlib.suppress(TypeError):
-            return operator.index(v)
-    raise BadRequest(f"{what} must be an integer, not {v!r}")
+def few_pages(engine: TransferEngine, pages: Any, what: str) -> None:
+    """engine.max_paged_pages, for every caller, on one side of a paged command:
+    ``pages`` a Pages (an inproc caller's, counted here) or its wire form ``[indices,
+    stride, offset]`` (the wire's handler counts it before one index is decoded; a form
+    that is not one is left to Pages.from_wire to refuse)."""
+    if isinstance(pages, Pages):
+        indices: Any = pages.indices
+    elif isinstance(pages, list | tuple) and pages:
+        indices = pages[0]
+    else:
+        return
+    cap = engine.config.max_paged_pages
+    if isinstance(indices, list | tuple) and len(indices) > cap:
+        raise OverLimit(f"a {what} of {len(indices)} pages is over this daemon's cap of "
+                        f"{cap} (engine.max_paged_pages): split it")
 
 
-def _unsigned(v: Any, what: str, limit: int) -> int:
-    """``v`` as an int in 0..limit: an integer (a numpy one too), never a bool, a float or
-    a string (an inproc caller's arguments are not the wire's checked fields)."""
-    if isinstance(v, bool):
-        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}")
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise BadRequest(f"{what} must be an unsigned integer, not {v!r}") from None
-    if not 0 <= n <= limit:
-        raise BadRequest(f"{what} = {n} is out of range 0..{limit}")
-    return n
