@@ -96,8 +96,11 @@ class PartOutput(Output):
         # A transfer that ended this turn: its frames at the front never go, even
         # before the link's pass over everything it holds (let_go_ended).
         frames = self._frames
-        while frames and not frames[0].begun and _ended(frames[0].token):
-            f = frames.popleft()
+        while frames:
+            f = frames[0]
+            if f.begun or not getattr(f.token, "finished", False):
+                break
+            frames.popleft()
             left = f.left
             q = self._q
             while left:
@@ -105,7 +108,7 @@ class PartOutput(Output):
             self.queued -= f.left
             assert f.key is not None
             self.skipped.append(f.key)
-        return super().views(max_bytes) if self.queued else []
+        return Output.views(self, max_bytes) if self.queued else []
 
     def push(self, data: bytes | memoryview) -> None:
         # Bytes of no part (the handshake's): one entry with the ones before it.
@@ -120,16 +123,26 @@ class PartOutput(Output):
     def frame(self, token: Any, key: tuple[int, int], head: bytes,
               body: Sequence[memoryview], nbytes: int) -> None:
         """A part's frame: ``head``, then ``body`` (``nbytes`` in all), sent as views."""
-        Output.push(self, head)
+        q = self._q
+        q.append(head)
         if len(body) == 1:
-            Output.push(self, body[0])
+            if nbytes:
+                q.append(body[0])
         elif body:
-            self.extend(body, nbytes)  # the pages' views at once
-        self._frames.append(_Queued(token, key, len(head) + nbytes))
+            q.extend(filter(None, body))  # the pages' views at once
+        size = len(head) + nbytes
+        self.queued += size
+        self._frames.append(_Queued(token, key, size))
 
     def sent(self, n: int) -> None:
-        super().sent(n)
         frames = self._frames
+        if n == self.queued:
+            # All of it went (the usual send): no walk over its views or frames.
+            self._q.clear()
+            self.queued = 0
+            frames.clear()
+            return
+        Output.sent(self, n)
         while n:
             f = frames[0]
             if n >= f.left:
