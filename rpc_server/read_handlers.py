@@ -20,17 +20,13 @@ from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
 from transferd.protocol.messages import field, uint_field
 from transferd.protocol.values import MrDesc, Pages
-from transferd.service.service import few_pages
+from transferd.service.service import few_enough, few_pages
 
 from .engine_handlers import _admitted, _ended, _pair, _service, _timeout, _uint
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
     from .session import Session
-
-# The most reads one GATHER carries (its body is bounded anyway; this bounds the plan).
-MAX_GATHER = 4096
-
 
 @handler(Command.SINGLE_READ)
 def single_read(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | None:
@@ -69,9 +65,10 @@ def gather(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | 
     service = _service(session)
     mr = uint_field(b, "mr")
     raw = field(b, "srcs")
-    if not isinstance(raw, list) or len(raw) > MAX_GATHER:
-        raise BadRequest(f"field 'srcs' must be a list of at most {MAX_GATHER} "
-                         "[len, dst_offset, desc, src_offset]")
+    if not isinstance(raw, list):
+        raise BadRequest("field 'srcs' must be a list of [len, dst_offset, desc, src_offset]")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_enough(service.engine, raw, "GATHER", "sources")  # counted before any is decoded
     srcs = []
     for i, s in enumerate(raw):
         if not isinstance(s, list) or len(s) != 4:

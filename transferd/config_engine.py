@@ -279,7 +279,8 @@ class EngineConfig:
     )
     max_scatter_dsts: int = key(
         4096,
-        "Most destinations one SCATTER or BARRIER may name; more is refused whole with "
+        "Most destinations one SCATTER or BARRIER, or sources one GATHER, may name; more "
+        "is refused whole with "
         "TOO_LARGE (the connection goes on) before any is read: each costs the daemon's "
         "loop its checks and its plan.",
         min=1, max=1 << 20,

@@ -212,3 +212,27 @@ def test_the_default_page_cap_refuses_what_a_4_mib_body_holds(
     event = c.recv()
     assert event.flags == int(Flag.EVENT) and event.body == {"ok": True}, event
     c.close()
+
+
+def test_a_gather_over_the_source_cap_is_refused_before_a_source_is_read(
+        daemon_factory: DaemonFactory) -> None:
+    """engine.max_scatter_dsts = 4 bounds a GATHER's sources on the wire as a SCATTER's
+    destinations: five that are not even sources are TOO_LARGE (counted before one is
+    decoded), four such are BAD_REQUEST (decoded: the count let them by); the
+    connection and another are served.  Before, the wire's own cap (4096, BAD_REQUEST)
+    was not the daemon's key, and an in-process caller had none."""
+    d = daemon_factory(env={"TRANSFERD_ENGINE_MAX_SCATTER_DSTS": "4"})
+    c = RawConn.to(d)
+    c.hello()
+    buf = ok(c.request(Command.ALLOC_BUFFER, {"device": "cpu", "size": PAGE})).body
+    mr = ok(c.request(Command.REG_MR, {"buffer": buf["buffer"]})).body["mr"]
+    too_large(c.request(Command.GATHER, {"mr": mr, "srcs": [["x"]] * 5}),
+              "a GATHER of 5 sources is over this daemon's cap of 4 (engine.max_scatter_dsts)")
+    f = c.request(Command.GATHER, {"mr": mr, "srcs": [["x"]] * 4})
+    assert f.is_error and f.body["code"] == "BAD_REQUEST", f.body
+    ok(c.request(Command.STATS))
+    o = RawConn.to(d)
+    o.hello()
+    ok(o.request(Command.STATS))
+    c.close()
+    o.close()

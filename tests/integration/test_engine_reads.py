@@ -12,15 +12,18 @@ import pytest
 from client import Client, MrDesc, Pages
 from tests.helpers import async_test, pattern
 from tests.integration.engine_cluster import (
+    RAILS,
     WAIT,
     Cluster,
     MiB,
     Node,
     Region,
     client_url,
+    engine_env,
     nodes,
+    start_many,
 )
-from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OverLimit
 
 
 async def region(n: Node, size: int, seed: int | None = None, access: str = "w") -> Region:
@@ -125,6 +128,33 @@ async def test_gather(tcp_cluster: Cluster) -> None:
         got = await a.read(dst)
         assert sha(got[:2 * MiB]) == sha(sb.data)
         assert got[3 * MiB:3 * MiB + 1000] == sc.data[17:1017]
+
+
+@async_test(timeout=60)
+async def test_a_gather_one_source_over_the_cap_is_refused_whole() -> None:
+    """engine.max_scatter_dsts (here 4) bounds a GATHER's sources as it bounds a
+    SCATTER's destinations: a fifth refuses it whole with TOO_LARGE (the wire's count
+    before decoding: test_caps.py), nothing read; four land, byte for byte, and the
+    connection goes on."""
+    ds = start_many([{"env": engine_env(RAILS[n], max_scatter_dsts=4)} for n in "ab"])
+    try:
+        async with nodes(*ds) as (a, b):
+            sb = await region(b, 4096, seed=61, access="r")
+            dst = await region(a, 4096)
+            five = [(16, 16 * i, sb.desc, 100 + 16 * i) for i in range(5)]
+            r = await a.client.submit_gather(dst.mr, five)
+            with pytest.raises(OverLimit, match=r"5 sources.*max_scatter_dsts"):
+                await r.wait(WAIT)
+            assert sha(await a.read(dst)) == sha(bytes(4096))  # nothing of it read
+            r = await a.client.submit_gather(dst.mr, five[:4])
+            await r.wait(WAIT)
+            got = await a.read(dst)
+            for i in range(4):
+                assert got[16 * i:16 * i + 16] == sb.data[100 + 16 * i:116 + 16 * i]
+            assert got[64:] == bytes(4096 - 64)
+    finally:
+        for d in ds:
+            d.stop()
 
 
 @async_test(timeout=60)

@@ -427,6 +427,7 @@ class Service:
                       srcs: Sequence[tuple[int, int, MrDesc, int]], *,
                       timeout: float | None = None, on_end: End) -> Admitted:
         engine = self._engine()
+        few_enough(engine, srcs, "GATHER", "sources")
         return self.submit(caller, key, Command.GATHER, lambda: engine.submit_gather(
             mr, srcs), timeout, on_end)
 
@@ -734,12 +735,14 @@ def _alive(owner: Hashable) -> bool:
     return not getattr(owner, "closed", False)
 
 
-def few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str) -> None:
+def few_enough(engine: TransferEngine, dsts: Sequence[Any], what: str,
+               named: str = "destinations") -> None:
     """engine.max_scatter_dsts, for every caller (the wire's handler counts them before
-    decoding one; an inproc caller's list is counted here)."""
+    decoding one; an inproc caller's list is counted here): a SCATTER's or BARRIER's
+    destinations, a GATHER's sources."""
     cap = engine.config.max_scatter_dsts
     if len(dsts) > cap:
-        raise OverLimit(f"a {what} of {len(dsts)} destinations is over this daemon's cap "
+        raise OverLimit(f"a {what} of {len(dsts)} {named} is over this daemon's cap "
                         f"of {cap} (engine.max_scatter_dsts): split it")
 
 
