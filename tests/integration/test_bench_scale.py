@@ -13,6 +13,7 @@ from benchmarks import copies
 from benchmarks.harness import Options, Pinning
 from tests.conftest import DaemonFactory
 from tests.helpers import async_test
+from transferd.protocol.peer_inbound import MAX_GUESS_TABLE, SMALL_PAYLOAD
 
 
 def _opts() -> Options:
@@ -24,22 +25,33 @@ def test_copies_counted_match_the_memcpy_count_on_every_path() -> None:
         lib, why = copies.build_memcount(where)
         if lib is None:
             pytest.skip(f"memcpy cross-check needs a C compiler: {why}")
-        doc = copies.run_paths(_opts(), lib, where, sizes="4096")
+        doc = copies.run_paths(_opts(), lib, where, sizes=f"4096,{4 * SMALL_PAYLOAD}")
         assert not list(Path(where).glob("*.sock"))  # daemons gone, socket removed
-    rows = {r["path"]: r for r in doc["results"]}
-    assert len(rows) == 14
+    rows = {(r["path"], r["size"]): r for r in doc["results"]}
+    assert len(rows) == 28
     for path, r in rows.items():
         for proc in copies.PROCS:
             counted = copies_total(r["counted"][proc])
             mem = r["memcpy"][proc]["bytes"] - r["idle"]["memcpy"][proc]["bytes"]
             # A copy site the instrumentation missed would show as memcpy bytes over it.
             assert abs(mem - counted) <= 0.05 * r["moved"], (path, proc, counted, mem)
-    # Engine writes move no payload byte through Python on either daemon.
-    write = rows["single write A->B"]
-    assert all(copies_total(write["counted"][p]) == 0 for p in copies.PROCS)
+    # An engine write's payload goes through Python on neither A nor the client; on B
+    # only what a frame's first receive brought in past its header (at most
+    # SMALL_PAYLOAD a frame: a small write lands in one receive), the rest straight into the region.
+    for size in (4096, 4 * SMALL_PAYLOAD):
+        for path in ("single write A->B", "single write A->B shared buffer"):
+            write = rows[(path, size)]
+            counted = write["counted"]
+            assert copies_total(counted["client"]) == copies_total(counted["daemon A"]) == 0
+            assert set(counted["daemon B"]) == {"peer.buffered"}, counted["daemon B"]
+            b = counted["daemon B"]["peer.buffered"]
+            assert b["calls"] == write["reps"], (path, size, b)
+            # (A header shorter than the link's guess leaves more room: MAX_GUESS_TABLE.)
+            most = min(size, SMALL_PAYLOAD + MAX_GUESS_TABLE) * write["reps"]
+            assert min(size, SMALL_PAYLOAD) * write["reps"] <= b["bytes"] <= most, (path, b)
     # A batch of small gets is cut once (it was cut twice: its callback and the flush).
-    batch = rows["get_tensor_async x8 + flush"]["counted"]["client"]
-    assert batch["client.batch_cut"]["bytes"] == rows["get_tensor_async x8 + flush"]["moved"]
+    got = rows[("get_tensor_async x8 + flush", 4096)]
+    assert got["counted"]["client"]["client.batch_cut"]["bytes"] == got["moved"]
 
 
 def copies_total(counts: dict[str, dict[str, int]]) -> int:

@@ -28,6 +28,16 @@ def too_large(f: Any, word: str) -> None:
     assert word in f.body["message"], f.body
 
 
+def _both_served(d: Any, c: RawConn) -> None:
+    """After a refusal: ``c`` is served, and so is another connection; both closed."""
+    ok(c.request(Command.STATS))
+    o = RawConn.to(d)
+    o.hello()
+    ok(o.request(Command.STATS))
+    c.close()
+    o.close()
+
+
 def test_hello_announces_the_caps(daemon_factory: DaemonFactory) -> None:
     d = daemon_factory(env={"TRANSFERD_SERVER_MAX_TENSORS": "100",
                             "TRANSFERD_SERVER_MAX_REPLY": "4096"})
@@ -182,12 +192,7 @@ def test_paged_commands_over_the_page_cap_are_refused_before_a_page_is_read(
     cmd, body = _paged_bodies(mr, desc, four, four)[2]
     f = c.request(cmd, body)
     assert f.is_error and f.body["code"] == "NOT_FOUND", f.body
-    ok(c.request(Command.STATS))
-    o = RawConn.to(d)
-    o.hello()
-    ok(o.request(Command.STATS))
-    c.close()
-    o.close()
+    _both_served(d, c)
 
 
 def test_the_default_page_cap_refuses_what_a_4_mib_body_holds(
@@ -230,9 +235,4 @@ def test_a_gather_over_the_source_cap_is_refused_before_a_source_is_read(
               "a GATHER of 5 sources is over this daemon's cap of 4 (engine.max_scatter_dsts)")
     f = c.request(Command.GATHER, {"mr": mr, "srcs": [["x"]] * 4})
     assert f.is_error and f.body["code"] == "BAD_REQUEST", f.body
-    ok(c.request(Command.STATS))
-    o = RawConn.to(d)
-    o.hello()
-    ok(o.request(Command.STATS))
-    c.close()
-    o.close()
+    _both_served(d, c)

@@ -22,6 +22,8 @@ from tests.integration.engine_cluster import (
     RAILS,
     SECRET,
     WAIT,
+    Node,
+    Region,
     engine_env,
     nodes,
     secret_file,
@@ -279,11 +281,7 @@ async def test_a_read_a_responder_never_answers_lets_its_memory_go_when_it_times
             with pytest.raises(Timeout):
                 await r.wait(WAIT)
             assert liar.reads_seen >= 1
-            await a.client.dereg_mr(dst.mr)
-            a.buffers.remove(dst.buf)
-            await a.client.free_buffer(dst.buf)
-            assert await asyncio.to_thread(wait_until, lambda: _lingering(a_d) == 0, 5), \
-                _lingering(a_d)
+            await _free_at_once(a, a_d, dst)
             # A serves on: a buffer of the same size, written and read back.
             again = await region(a, 8 * MiB, seed=42)
             assert digest(await a.read(again)) == digest(bytes(again.data))
@@ -313,11 +311,7 @@ async def test_a_write_to_a_peer_that_reads_nothing_lets_its_source_go_when_it_e
             with pytest.raises(Timeout):
                 await w.wait(WAIT)
             assert deaf.reads_seen >= 1
-            await a.client.dereg_mr(src.mr)
-            a.buffers.remove(src.buf)
-            await a.client.free_buffer(src.buf)
-            assert await asyncio.to_thread(wait_until, lambda: _lingering(a_d) == 0, 5), \
-                _lingering(a_d)
+            await _free_at_once(a, a_d, src)
             # A serves on: a write to B lands whole.
             again = await region(a, 8 * MiB, seed=62)
             dst = await region(b, 8 * MiB, seed=63)
@@ -339,6 +333,14 @@ def silent_pair() -> Iterator[list[DaemonProcess]]:
     yield ds
     for d in ds:
         d.stop()
+
+
+async def _free_at_once(node: Node, d: DaemonProcess, r: Region) -> None:
+    """Deregister and free ``r``'s buffer: nothing of it lingers within 5 s."""
+    await node.client.dereg_mr(r.mr)
+    node.buffers.remove(r.buf)
+    await node.client.free_buffer(r.buf)
+    assert await asyncio.to_thread(wait_until, lambda: _lingering(d) == 0, 5), _lingering(d)
 
 
 def _lingering(d: DaemonProcess) -> float:
