@@ -90,7 +90,28 @@ class Completion:
         return self._future.exception()
 
     def __await__(self) -> Any:
-        return self._future.__await__()
+        try:
+            return (yield from self._future.__await__())
+        except asyncio.CancelledError:
+            # The awaiting task was cancelled (asyncio.wait_for, a TaskGroup) and took the
+            # future with it: nobody can read this one's end any more, so the operation is
+            # cancelled where it runs too, before it takes more (an expectation's count,
+            # a write's unsent parts, an armed write's firing).  ``wait`` is the way to
+            # stop waiting and leave it running.
+            if self._future.cancelled():
+                self._abandoned()
+            raise
+
+    def _abandoned(self) -> None:
+        """CANCEL, sent and not waited for (its reply, or that it ended first, is dropped)."""
+        if self._origin is None:
+            return
+        client, seq = self._origin
+        try:
+            reply = client.conn.request(Command.CANCEL, {"seq": seq}, timeout=client.timeout)
+        except TransferdError:
+            return  # not connected any more: the close ended it on the daemon
+        reply.add_done_callback(_dropped)
 
     async def wait(self, timeout: float | None = None) -> Any:
         # Neither wait_for nor shield: their futures and done callbacks are two loop
@@ -135,9 +156,35 @@ class Completion:
 MessageHandler = Callable[[bytes], None]
 
 
+def _dropped(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled():
+        reply.exception()  # (retrieved: NOT_FOUND when it had ended first, or a lost link)
+
+
 def _ms(seconds: float) -> int:
     """A deadline in whole milliseconds (0 is refused by the daemon, not rounded up)."""
     return max(0, round(seconds * 1000))
+
+
+def abandoned_ended(c: Completion) -> None:
+    """An operation ended done after its awaiter was cancelled, before the CANCEL sent
+    then reached it: what it did stands (an expectation's count is consumed)."""
+    log.warning("%s ended done after the task awaiting it was cancelled (its CANCEL came "
+                "too late): what it did stands, an expectation's count was consumed", c.what)
+
+
+async def registered(reply: asyncio.Future[Frame], c: Completion, events: EngineEvents,
+                     seq: int) -> None:
+    """The reply to the request that registers ``c`` (an expectation, an armed write),
+    whose EVENT may come first.  Refused, no EVENT will end it; given up (the caller
+    cancelled) before the reply, it may stand on the daemon: cancelled there too."""
+    try:
+        await reply
+    except BaseException as e:
+        events.waiting.pop(seq, None)
+        if isinstance(e, asyncio.CancelledError):
+            c._abandoned()
+        raise
 
 
 class EngineEvents:
@@ -179,6 +226,8 @@ class EngineEvents:
         c = self.waiting.pop(frame.seq, None)
         if c is None:
             return False
+        if c._future.cancelled() and not frame.is_error:
+            abandoned_ended(c)
         if frame.is_error:
             c._resolve(error=error_from_body(frame.body, seq=frame.seq, fatal=False))
         else:
@@ -324,11 +373,7 @@ class EngineOps:
         self._events.waiting[seq] = c
         if callback is not None:
             c.add_done_callback(lambda done: None if done.exception() else callback())
-        try:
-            await r
-        except BaseException:  # refused (or the call gave up): no EVENT will end it
-            self._events.waiting.pop(seq, None)
-            raise
+        await registered(r, c, self._events, seq)
         if wait if wait is not None else callback is None:
             await c
         return c

@@ -33,7 +33,7 @@ import collections
 import contextlib
 import itertools
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
@@ -52,7 +52,7 @@ from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
 from .client import Client
-from .engine import Completion, MessageHandler, MrHandle, PeerGroup
+from .engine import Completion, MessageHandler, MrHandle, PeerGroup, abandoned_ended
 from .leases import Leases
 from .names import NameInfo, Published, Watch
 from .tracing import current_traceparent
@@ -127,8 +127,18 @@ class InprocCompletion(Completion):
         self._client._completions.pop(self._key, None)
         if err is not None:
             self._resolve(error=err)
-        elif not self._future.done():  # (cancelled by its awaiter: nothing to say)
+        elif not self._future.done():
             self._future.set_result(value)
+        elif self._future.cancelled():
+            abandoned_ended(self)
+
+    def _abandoned(self) -> None:
+        try:
+            ended = self._client.service.cancel(self._client.caller, self._key)
+        except TransferdError:
+            return  # it ended first (NotFound), or the client closed
+        if isinstance(ended, Coroutine):  # (halted already: only its end is on its way)
+            ended.close()
 
     def refused(self) -> None:
         """The node refused it (the call raises): never pending, so not in the table

@@ -199,7 +199,7 @@ class Watchers:
         PAGED_WRITES would fail.  Returns its Completion (the write's end; ``cancel()``
         drops it while armed); it fails with NotFound when the watcher ends first.
         ``timeout`` counts from the fire."""
-        from .engine import Completion, _ms, _tag
+        from .engine import Completion, _ms, _tag, registered
 
         client = self._client
         body: dict[str, Any] = {"watcher": getattr(watcher, "id", watcher), "value": value,
@@ -218,9 +218,5 @@ class Watchers:
         c._origin = (client, seq)
         # Before the reply: a word already at the value fires at once.
         self._events.waiting[seq] = c
-        try:
-            await fut
-        except BaseException:
-            self._events.waiting.pop(seq, None)
-            raise
+        await registered(fut, c, self._events, seq)
         return c

@@ -73,6 +73,29 @@ async def test_a_write_to_a_silent_peer_is_cancelled_and_its_slot_freed(
 
 
 @async_test(timeout=60)
+async def test_a_write_whose_awaiter_gave_up_is_cancelled_on_the_daemon(
+    engine_daemon: DaemonProcess, silent: socket.socket
+) -> None:
+    async with await Client.connect(engine_daemon.url) as c:
+        buf = await c.alloc_buffer(MiB)
+        mr, _ = await c.reg_mr(buf)
+        dst = _nowhere(silent, MiB)
+        w = await c.submit_single_write(4096, None, (mr, 0), (dst, 0))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(w, 0.2)  # cancels the Completion: so the daemon's write
+        # SYNCHRONIZE has nothing left to wait for: not the 30 s peer timeout.
+        await asyncio.wait_for(c.synchronize(), 5)
+        assert time.monotonic() - t0 < 5
+        # A wait that times out is the caller's alone: the write goes on.
+        w = await c.submit_single_write(4096, None, (mr, 0), (dst, 0))
+        with pytest.raises(TimeoutError):
+            await w.wait(0.2)
+        assert not w.done() and await w.cancel() is True
+        await c.free_buffer(buf)
+
+
+@async_test(timeout=60)
 async def test_a_write_past_its_own_deadline_is_timeout(
     engine_daemon: DaemonProcess, silent: socket.socket
 ) -> None:

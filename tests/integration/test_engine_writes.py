@@ -86,6 +86,35 @@ async def test_single_write_small(cluster: Cluster) -> None:
 
 
 @async_test(timeout=60)
+async def test_a_count_goes_to_the_expectation_still_awaited(tcp_cluster: Cluster) -> None:
+    # The expecting side first: under TRANSFERD_TEST_INPROC it is the in-process engine.
+    async with nodes(tcp_cluster.b, tcp_cluster.a) as (b, a):
+        src = await a.region(4096, seed=5)
+        dst = await b.region(4096)
+        imm = fresh_imm()
+        # Two expectations whose awaiters gave up: each is cancelled on the engine with
+        # its Completion (given up once registered, and inside expect_imm_count).
+        e = await b.client.expect_imm_count(imm, 1, wait=False, timeout=30)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(e, 0.2)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(b.client.expect_imm_count(imm, 1, timeout=30), 0.2)
+        # One whose wait timed out is still there: wait() stops waiting, nothing more.
+        kept = await b.client.expect_imm_count(imm, 1, wait=False, timeout=30)
+        with pytest.raises(TimeoutError):
+            await kept.wait(0.2)
+        for _ in range(2):
+            w = await a.client.submit_single_write(4096, imm, (src.mr, 0), (dst.desc, 0))
+            await w.wait(WAIT)
+        # The first count went to the expectation still awaited, the second is unclaimed.
+        await kept.wait(WAIT)
+        assert await b.client.imm_count(imm) == 1
+        await (await b.client.expect_imm_count(imm, 1, wait=False)).wait(WAIT)
+        assert await b.client.imm_count(imm) == 0
+        assert await b.read(dst) == bytes(src.data)
+
+
+@async_test(timeout=60)
 async def test_write_without_immediate(cluster: Cluster) -> None:
     async with nodes(cluster.a, cluster.b) as (a, b):
         src = await a.region(4096, seed=3)

@@ -14,7 +14,7 @@ import itertools
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.hostile import U32, bodies, values
@@ -242,6 +242,7 @@ def test_client_takes_any_server_frames(secret: bytes | None, method: str, data:
 
 @SETTINGS
 @given(st.sampled_from([None, SECRET]), hello_replies)
+@example(None, {"major": True, "minor": 1, "patch": 0})  # (True == 1: was READY)
 def test_client_takes_any_hello_reply(secret: bytes | None, body: dict[str, Any]) -> None:
     conn = ClientConnection(secret=secret, random=counter_random())
     conn.start()

@@ -1078,7 +1078,7 @@ class ClientConnection(_Machine):
             self._go(Input.HELLO_ACCEPTED)  # raises IllegalTransition
         self.server_hello = body
         major = body.get("major")
-        if major != PROTO_MAJOR:
+        if type(major) is not int or major != PROTO_MAJOR:  # (True == 1: never a bool)
             self._go(Input.REFUSED)
             raise VersionMismatch(f"server speaks major {repr(major)[:40]}, this client "
                                   f"{PROTO_MAJOR}")
