@@ -229,7 +229,9 @@ def test_transferd_reload_never_signals_a_process_that_is_not_a_daemon(tmp_path:
     shell, a `sleep`, or a daemon still starting (its handler not yet installed) used to
     kill it and then wait 30 s.  Now it checks first: the process must catch SIGHUP and be
     transferd's (its command line), else exit 1 naming why, and nothing is sent."""
-    sleeper = subprocess.Popen(["sleep", "60"])
+    # SIGHUP's default action, whatever this test inherited (under nohup it is ignored).
+    sleeper = subprocess.Popen(["sleep", "60"],
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     # Catches SIGHUP (sshd, nginx do) but is not transferd: it must not be told to reload.
     other = tmp_path / "other-service.py"
     other.write_text("import signal, time\nsignal.signal(signal.SIGHUP, lambda *a: "
