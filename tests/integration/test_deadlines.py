@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import Client, MrDesc, NetAddr
+from client import Client, MrDesc, MrHandle, NetAddr, RemoteBuffer
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, async_test, metric, scrape, wait_until
 from transferd.protocol.constants import Command, Flag
@@ -45,14 +45,19 @@ def _nowhere(silent: socket.socket, size: int) -> MrDesc:
     return MrDesc(1 << 20, [(NetAddr(0x5157, 0, (silent.getsockname(),)), 0x1234)], size)
 
 
+async def _to_nowhere(c: Client, silent: socket.socket) -> tuple[RemoteBuffer, MrHandle, MrDesc]:
+    """A registered MiB of ``c``'s, and a destination of its size on the silent peer."""
+    buf = await c.alloc_buffer(MiB)
+    mr, _ = await c.reg_mr(buf)
+    return buf, mr, _nowhere(silent, MiB)
+
+
 @async_test(timeout=60)
 async def test_a_write_to_a_silent_peer_is_cancelled_and_its_slot_freed(
     engine_daemon: DaemonProcess, silent: socket.socket
 ) -> None:
     async with await Client.connect(engine_daemon.url) as c:
-        buf = await c.alloc_buffer(MiB)
-        mr, _ = await c.reg_mr(buf)
-        dst = _nowhere(silent, MiB)
+        buf, mr, dst = await _to_nowhere(c, silent)
         ws = [await c.submit_single_write(4096, None, (mr, 0), (dst, 0)) for _ in range(3)]
         await asyncio.sleep(0.1)
         assert not any(w.done() for w in ws)
@@ -77,9 +82,7 @@ async def test_a_write_whose_awaiter_gave_up_is_cancelled_on_the_daemon(
     engine_daemon: DaemonProcess, silent: socket.socket
 ) -> None:
     async with await Client.connect(engine_daemon.url) as c:
-        buf = await c.alloc_buffer(MiB)
-        mr, _ = await c.reg_mr(buf)
-        dst = _nowhere(silent, MiB)
+        buf, mr, dst = await _to_nowhere(c, silent)
         w = await c.submit_single_write(4096, None, (mr, 0), (dst, 0))
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -100,9 +103,7 @@ async def test_a_write_past_its_own_deadline_is_timeout(
     engine_daemon: DaemonProcess, silent: socket.socket
 ) -> None:
     async with await Client.connect(engine_daemon.url) as c:
-        buf = await c.alloc_buffer(MiB)
-        mr, _ = await c.reg_mr(buf)
-        dst = _nowhere(silent, MiB)
+        buf, mr, dst = await _to_nowhere(c, silent)
         t0 = time.monotonic()
         w = await c.submit_single_write(4096, None, (mr, 0), (dst, 0), timeout=0.3)
         with pytest.raises(Timeout, match="outcome is unknown"):
@@ -291,9 +292,7 @@ async def test_every_kind_of_submit_has_a_deadline_and_can_be_cancelled(
     from client import Pages, ScatterDst
 
     async with await Client.connect(engine_daemon.url) as c:
-        buf = await c.alloc_buffer(MiB)
-        mr, _ = await c.reg_mr(buf)
-        dst = _nowhere(silent, MiB)
+        buf, mr, dst = await _to_nowhere(c, silent)
         addr = dst.rkeys[0][0]
         kinds = {
             "single": lambda t: c.submit_single_write(64, 1, (mr, 0), (dst, 0), timeout=t),
