@@ -112,6 +112,9 @@ class Connection(asyncio.BufferedProtocol):
         self.on_lost: Callable[[TransferdError], None] | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._paused = False
+        # close() half-closed the transport (write_eof): nothing more can be sent (the
+        # transport would raise RuntimeError, a request's token left pending).
+        self._eof = False
         # The transport's loop (connection_made): requests make their futures on it
         # without asking asyncio for the running loop (a getpid system call) each time.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -347,7 +350,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _write(self, o: Outgoing) -> None:
         carrier, t = self.carrier, self.transport
-        if carrier is None or t is None or t.is_closing():
+        if carrier is None or t is None or t.is_closing() or self._eof:
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         if o.fds:
             assert carrier.fds is not None  # send() refuses descriptors elsewhere
@@ -406,7 +409,7 @@ class Connection(asyncio.BufferedProtocol):
               ready: bool = False, payload_len: int | None = None) -> int:
         """Make the request (ClientConnection.request) and write it; its seq."""
         carrier, t = self.carrier, self.transport
-        if carrier is None or t is None or t.is_closing():
+        if carrier is None or t is None or t.is_closing() or self._eof:
             raise ConnectionLost(self.lost.message if self.lost else "connection is closed")
         views: Sequence[Any]
         if not payload:
@@ -475,6 +478,7 @@ class Connection(asyncio.BufferedProtocol):
                 # frame we sent first.  Closing outright could make our socket
                 # answer its replies with a reset that discards frames it has
                 # not read yet.
+                self._eof = True
                 t.write_eof()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._closed), linger)

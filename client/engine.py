@@ -60,6 +60,8 @@ class Completion:
         self._future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # CANCEL of the request this is the end of: (client, its seq).
         self._origin: tuple[Calls, int] | None = None
+        # Its registration was given up before its reply (see :func:`registered`).
+        self._given_up = False
 
     async def cancel(self) -> bool:
         """Ask the daemon to end this now (CANCEL); True if that is how it ended.
@@ -98,20 +100,27 @@ class Completion:
             # cancelled where it runs too, before it takes more (an expectation's count,
             # a write's unsent parts, an armed write's firing).  ``wait`` is the way to
             # stop waiting and leave it running.
-            if self._future.cancelled():
+            fut = self._future
+            if fut.cancelled():
                 self._abandoned()
+            elif fut.done() and fut.exception() is None:
+                # It ended done in the loop turn its awaiter was cancelled in (before the
+                # task ran again): what it did stands, and nobody will read it.
+                abandoned_ended(self)
             raise
 
-    def _abandoned(self) -> None:
-        """CANCEL, sent and not waited for (its reply, or that it ended first, is dropped)."""
+    def _abandoned(self) -> asyncio.Future[Frame] | None:
+        """CANCEL, sent and not waited for (its reply, or that it ended first, is dropped);
+        the reply's future, None when nothing was sent."""
         if self._origin is None:
-            return
+            return None
         client, seq = self._origin
         try:
             reply = client.conn.request(Command.CANCEL, {"seq": seq}, timeout=client.timeout)
         except TransferdError:
-            return  # not connected any more: the close ended it on the daemon
+            return None  # not connected any more: the close ended it on the daemon
         reply.add_done_callback(_dropped)
+        return reply
 
     async def wait(self, timeout: float | None = None) -> Any:
         # Neither wait_for nor shield: their futures and done callbacks are two loop
@@ -167,10 +176,20 @@ def _ms(seconds: float) -> int:
 
 
 def abandoned_ended(c: Completion) -> None:
-    """An operation ended done after its awaiter was cancelled, before the CANCEL sent
-    then reached it: what it did stands (an expectation's count is consumed)."""
-    log.warning("%s ended done after the task awaiting it was cancelled (its CANCEL came "
-                "too late): what it did stands, an expectation's count was consumed", c.what)
+    """An operation ended done as or after its awaiter was cancelled (before a CANCEL
+    could reach it): what it did stands (an expectation's count is consumed)."""
+    log.warning("%s ended done as the task awaiting it was cancelled: what it did stands "
+                "(an expectation's count was consumed), and nobody awaits it", c.what)
+
+
+def _never_registered(cancel: asyncio.Future[Frame], c: Completion, events: EngineEvents,
+                      seq: int) -> None:
+    """The CANCEL of a registration given up before its reply was NOT_FOUND while ``c``
+    still waits: an operation that had ended sent its EVENT before that reply, so this
+    one was refused, never registered, and no EVENT will come for it."""
+    if (not cancel.cancelled() and isinstance(cancel.exception(), NotFound)
+            and events.waiting.get(seq) is c):
+        del events.waiting[seq]
 
 
 async def registered(reply: asyncio.Future[Frame], c: Completion, events: EngineEvents,
@@ -180,10 +199,23 @@ async def registered(reply: asyncio.Future[Frame], c: Completion, events: Engine
     cancelled) before the reply, it may stand on the daemon: cancelled there too."""
     try:
         await reply
-    except BaseException as e:
+    except asyncio.CancelledError:
+        # It may stand on the daemon: cancelled there, its EVENT still routed to ``c``
+        # (the CANCEL's EVENT|ERROR taken quietly, not raised at a later flush point;
+        # one that fired first said with a warning, never a count lost without a word).
+        if c.done():
+            if not c._future.cancelled() and c._future.exception() is None:
+                abandoned_ended(c)  # (its EVENT came in the turn the cancel did)
+        else:
+            c._given_up = True
+            cancel = c._abandoned()
+            if cancel is None:
+                events.waiting.pop(seq, None)  # (the connection is gone: nothing comes)
+            else:
+                cancel.add_done_callback(lambda f: _never_registered(f, c, events, seq))
+        raise
+    except BaseException:
         events.waiting.pop(seq, None)
-        if isinstance(e, asyncio.CancelledError):
-            c._abandoned()
         raise
 
 
@@ -226,7 +258,7 @@ class EngineEvents:
         c = self.waiting.pop(frame.seq, None)
         if c is None:
             return False
-        if c._future.cancelled() and not frame.is_error:
+        if (c._future.cancelled() or c._given_up) and not frame.is_error:
             abandoned_ended(c)
         if frame.is_error:
             c._resolve(error=error_from_body(frame.body, seq=frame.seq, fatal=False))
@@ -372,7 +404,8 @@ class EngineOps:
         c._origin = (self._client, seq)
         self._events.waiting[seq] = c
         if callback is not None:
-            c.add_done_callback(lambda done: None if done.exception() else callback())
+            c.add_done_callback(  # (not when its awaiter's cancel took the future)
+                lambda done: None if done._future.cancelled() or done.exception() else callback())
         await registered(r, c, self._events, seq)
         if wait if wait is not None else callback is None:
             await c

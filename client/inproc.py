@@ -132,13 +132,14 @@ class InprocCompletion(Completion):
         elif self._future.cancelled():
             abandoned_ended(self)
 
-    def _abandoned(self) -> None:
+    def _abandoned(self) -> asyncio.Future[Any] | None:
         try:
             ended = self._client.service.cancel(self._client.caller, self._key)
         except TransferdError:
-            return  # it ended first (NotFound), or the client closed
+            return None  # it ended first (NotFound), or the client closed
         if isinstance(ended, Coroutine):  # (halted already: only its end is on its way)
             ended.close()
+        return None  # (ended on the node, at once: no reply to wait for)
 
     def refused(self) -> None:
         """The node refused it (the call raises): never pending, so not in the table
@@ -773,7 +774,8 @@ class InprocClient(Client):
         self._counted("EXPECT_IMM_COUNT")
         body = {"imm": imm, "count": count}
         if callback is not None:
-            c.add_done_callback(lambda done: None if done.exception() else callback())
+            c.add_done_callback(  # (not when its awaiter's cancel took the future)
+                lambda done: None if done._future.cancelled() or done.exception() else callback())
         try:
             self.service.expect_imm_count(self.caller, key, imm, count, timeout=timeout,
                                           on_end=lambda err: c.end(err, body))
