@@ -1,45 +1,36 @@
-"""Stop 35's two changes, attacked on live daemons over loopback sockets.
+"""The peer plane's receive path with a 16 KiB frame start, attacked on live daemons.
 
-The peer plane's receive path (transferd/protocol/peer_inbound.py): a frame's start
-is read with SMALL_PAYLOAD bytes of room, the payload bytes that came with a header
-copied to the pages, the rest received straight into them.  A raw peer sends mixes
-of refused, valid, paged, checksummed, empty and message frames, cut at every
-boundary; the region's bytes are compared end to end with a model, and the
-immediates counted with the writes that landed.
-
-The client library (client/engine.py, client/inproc.py): an awaiter cancelled
-(wait_for, a TaskGroup) cancels its operation; ``Completion.wait(timeout)`` does not.
+transferd/protocol/peer_inbound.py reads a frame's start with SMALL_PAYLOAD bytes of
+room past its header: the payload bytes that came with a header are copied to the
+pages once they are checked, the rest received straight into them.  A raw peer holding
+the cluster secret sends mixes of refused, valid, paged, checksummed, empty and message
+frames, cut at every boundary; the region's bytes are compared end to end with a
+model, and the immediates counted with the writes that landed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
-import logging
 import random
 import socket
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from client import Client, SyncClient
+from client import NetAddr
 from tests.helpers import DaemonProcess, async_test
 from tests.integration.engine_cluster import (
     SECRET,
-    WAIT,
     Cluster,
+    Node,
     Region,
     fresh_imm,
-    inproc_settings,
     nodes,
     poll,
 )
 from tests.integration.fake_peer import FakePeer, raw_write
 from transferd.protocol.crc import crc_of
-from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_inbound import SMALL_PAYLOAD
 from transferd.protocol.peer_wire import encode_send
@@ -177,6 +168,32 @@ class Stream:
                          f"(got {got[bad[0]]:#x}, want {self.model[bad[0]]:#x})")
 
 
+async def _target(b: Node) -> tuple[NetAddr, Region, int, int]:
+    """B's address, a fresh region of B's, its first rail's rkey, a fresh immediate."""
+    dst = await b.region(REGION)
+    return await b.client.main_address(), dst, dst.desc.rkeys[0][1], fresh_imm()
+
+
+def _reading(p: FakePeer, n: int) -> tuple[dict[int, Any], threading.Thread]:
+    """A thread reading ``n`` ACKs off ``p`` (op -> ACK body) while the caller sends."""
+    acks: dict[int, Any] = {}
+
+    def read() -> None:
+        for _ in range(n):
+            a = p.recv()
+            acks[a.body["op"]] = a.body
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return acks, reader
+
+
+def _joined(acks: dict[int, Any], reader: threading.Thread, n: int) -> dict[int, Any]:
+    reader.join(20)
+    assert not reader.is_alive(), f"{len(acks)} of {n} ACKs"
+    return acks
+
+
 def _talk(addr: Any, stream: Stream, cuts: list[int], pause: float) -> dict[int, Any]:
     """Handshake, the stream's bytes cut at ``cuts`` (each piece its own send, a pause
     between), every ACK read; op -> ACK body.  No cuts: sent whole while another
@@ -186,19 +203,9 @@ def _talk(addr: Any, stream: Stream, cuts: list[int], pause: float) -> dict[int,
         p.handshake()
         p.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not cuts:
-            acks: dict[int, Any] = {}
-
-            def read() -> None:
-                for _ in range(len(stream.want)):
-                    a = p.recv()
-                    acks[a.body["op"]] = a.body
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
+            acks, reader = _reading(p, len(stream.want))
             p.conn.send_raw(data)
-            reader.join(20)
-            assert not reader.is_alive(), f"{len(acks)} of {len(stream.want)} ACKs"
-            return acks
+            return _joined(acks, reader, len(stream.want))
         last = 0
         for c in [*sorted(set(cuts)), len(data)]:
             if c <= last or c > len(data):
@@ -307,21 +314,11 @@ def _unread_then_read(addr: Any, st: Stream) -> tuple[dict[int, Any], bool]:
             except TimeoutError:
                 stalled = True
                 break
-        acks: dict[int, Any] = {}
         sock.settimeout(10)
-
-        def read() -> None:
-            for _ in range(len(st.want)):
-                a = p.recv()
-                acks[a.body["op"]] = a.body
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        acks, reader = _reading(p, len(st.want))
         if pos < len(data):
             sock.sendall(data[pos:])
-        reader.join(20)
-        assert not reader.is_alive(), f"{len(acks)} of {len(st.want)} ACKs"
-        return acks, stalled
+        return _joined(acks, reader, len(st.want)), stalled
 
 
 @async_test(timeout=60)
@@ -400,10 +397,7 @@ async def test_a_small_write_cut_at_every_byte(tcp_cluster: Cluster) -> None:
     in two at every offset across the first two frames' headers and payloads."""
     cl = tcp_cluster
     async with nodes(cl.b) as (b,):
-        addr_b = await b.client.main_address()
-        dst = await b.region(REGION)
-        (_, rkey), _ = dst.desc.rkeys
-        imm = fresh_imm()
+        addr_b, dst, rkey, imm = await _target(b)
         rng = random.Random(99)
         rounds = 0
 
@@ -455,10 +449,7 @@ async def test_a_peer_gone_mid_payload_counts_nothing(tcp_cluster: Cluster) -> N
     then the peer vanishes: nothing counts; B serves the next peer's write there."""
     cl = tcp_cluster
     async with nodes(cl.b) as (b,):
-        addr_b = await b.client.main_address()
-        dst = await b.region(REGION)
-        (_, rkey), _ = dst.desc.rkeys
-        imm = fresh_imm()
+        addr_b, dst, rkey, imm = await _target(b)
         for n, sent in ((4096, 100), (SMALL_PAYLOAD + 4096, SMALL_PAYLOAD + 10),
                         (100_000, 50_000)):
             data = raw_write({"op": 1, "part": 0, "rkey": rkey, "addrs": [dst.desc.ptr + GUARD],
@@ -488,406 +479,6 @@ async def test_a_peer_gone_mid_payload_counts_nothing(tcp_cluster: Cluster) -> N
         assert await poll(lambda: b.client.imm_count(imm), 1) == 1
 
 
-# -- change 2: a cancelled awaiter cancels its operation ---------------------------------
-
-
-def _no_leaks(caught: list[warnings.WarningMessage], loop_errors: list[dict[str, Any]]) -> None:
-    gc.collect()
-    bad = [str(w.message) for w in caught
-           if "never retrieved" in str(w.message) or "was never awaited" in str(w.message)]
-    assert not bad, bad
-    assert not loop_errors, loop_errors
-
-
-@contextlib.contextmanager
-def _watched() -> Any:
-    loop = asyncio.get_running_loop()
-    errors: list[dict[str, Any]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _l, ctx: errors.append(ctx))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield caught, errors
-            gc.collect()
-        finally:
-            loop.set_exception_handler(old)
-    _no_leaks(caught, errors)
-
-
-@async_test(timeout=60)
-async def test_cancelled_expectations_take_no_count(tcp_cluster: Cluster) -> None:
-    """Expectations whose awaiters time out (wait_for) take nothing: the count goes to
-    the next one; ``wait(timeout)`` leaves it armed; two awaiters of one Completion,
-    one cancelled, cancel it for both (the other sees CancelledError or a result)."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        with _watched():
-            imm = fresh_imm()
-            # A burst of abandoned awaits: each cancels its expectation.
-            for i in range(1000):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(b.client.expect_imm_count(imm, 1),
-                                           0.0002 * (i % 8))
-            # Each one's CANCEL ended it: nothing of them is kept (bounded memory).
-            waiting = b.client._events.waiting
-            for _ in range(500):  # (bounded: 5 s)
-                if not waiting:
-                    break
-                await asyncio.sleep(0.01)
-            assert not waiting, len(waiting)
-            # wait(timeout) does not cancel.
-            c = await b.client.expect_imm_count(imm, 1, wait=False)
-            try:
-                await c.wait(0.05)
-                raise AssertionError("no count yet, but it ended")
-            except TimeoutError:
-                pass  # (the wait's, not the expectation's)
-            assert not c.done()
-            src = await a.region(4096, seed=3)
-            dst = await b.region(4096)
-            await (await a.client.submit_single_write(4096, imm, (src.mr, 0),
-                                                      (dst.desc, 0))).wait(WAIT)
-            await c.wait(WAIT)  # the one left armed took it
-            assert await b.client.imm_count(imm) == 0
-            assert await b.read(dst) == bytes(src.data)
-
-            # Two awaiters of one Completion, one cancelled.
-            c2 = await b.client.expect_imm_count(imm, 1, wait=False)
-            t1 = asyncio.ensure_future(_await(c2))
-            t2 = asyncio.ensure_future(_await(c2))
-            await asyncio.sleep(0.01)
-            t1.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t1
-            await asyncio.wait_for(asyncio.gather(t2, return_exceptions=True), 5)
-            await (await a.client.submit_single_write(4096, imm, (src.mr, 0),
-                                                      (dst.desc, 0))).wait(WAIT)
-            # Cancelled: the count was not taken by it.
-            assert await poll(lambda: b.client.imm_count(imm), 1) == 1
-            assert await b.client.main_address() == await b.client.main_address()
-
-
-async def _await(c: Any) -> Any:
-    return await c
-
-
-@async_test(timeout=60)
-async def test_cancel_while_the_connection_closes(tcp_cluster: Cluster) -> None:
-    """Awaiters cancelled while their client closes, or after it closed: no traceback,
-    no hang, no exception never retrieved."""
-    cl = tcp_cluster
-    with _watched():
-        for round_ in range(20):
-            c = await Client.connect(cl.b.url, timeout=WAIT)
-            imm = fresh_imm()
-            comps = [await c.expect_imm_count(imm, 1, wait=False) for _ in range(5)]
-            tasks = [asyncio.ensure_future(_await(x)) for x in comps]
-            tasks.append(asyncio.ensure_future(c.expect_imm_count(imm, 1)))
-            await asyncio.sleep(0)
-            closing = asyncio.ensure_future(c.close())
-            if round_ % 2:
-                await asyncio.sleep(0)
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait_for(closing, 5)
-            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
-            # Each saw its cancel (or the close's ConnectionLost), never a RuntimeError
-            # of a CANCEL written after the close's write_eof.
-            odd = [g for g in got
-                   if not isinstance(g, asyncio.CancelledError | TransferdError)]
-            assert not odd, (round_, odd)
-            # After the close: awaiting and cancelling again.
-            late = asyncio.ensure_future(_await(comps[0]))
-            await asyncio.sleep(0)
-            late.cancel()
-            (g,) = await asyncio.wait_for(asyncio.gather(late, return_exceptions=True), 5)
-            assert isinstance(g, asyncio.CancelledError | TransferdError), g
-    async with nodes(cl.b) as (b,):
-        assert await b.client.imm_count(fresh_imm()) == 0
-
-
-@async_test(timeout=60)
-async def test_an_expectation_met_as_its_awaiter_is_cancelled(tcp_cluster: Cluster) -> None:
-    """The write meets an expectation at about the moment its awaiter gives up: its
-    count is either given to it or left for the next expectation, never lost or
-    counted twice."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        src = await a.region(64, seed=8)
-        dst = await b.region(64)
-        with _watched(), _client_warnings() as said:
-            for i in range(40):
-                imm = fresh_imm()
-                w = asyncio.ensure_future(a.client.submit_single_write(
-                    64, imm, (src.mr, 0), (dst.desc, 0)))
-                got = False
-                try:
-                    await asyncio.wait_for(b.client.expect_imm_count(imm, 1),
-                                           0.0005 * (i % 10))
-                    got = True
-                except TimeoutError:
-                    pass
-                await (await w).wait(WAIT)
-                await asyncio.sleep(0.02)
-                left = await b.client.imm_count(imm)
-                if got:
-                    assert left == 0, i
-                elif left == 0:  # taken as it was cancelled: a warning says so
-                    assert any("cancelled" in m for m in said), (i, said)
-                else:
-                    # Not taken: left to be counted, and a next expectation takes it.
-                    assert left == 1, (i, left)
-                    await asyncio.wait_for(b.client.expect_imm_count(imm, 1), 5)
-                    assert await b.client.imm_count(imm) == 0
-
-
-@async_test(timeout=60)
-async def test_inproc_cancelled_expectations_take_no_count(tcp_cluster: Cluster) -> None:
-    """The inproc client: a cancelled awaiter cancels its expectation in the engine."""
-    cl = tcp_cluster
-    c = await Client.connect("inproc://", overrides=inproc_settings(cl.b), timeout=WAIT)
-    try:
-        with _watched():
-            imm = fresh_imm()
-            for _ in range(300):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(c.expect_imm_count(imm, 1), 0.0005)
-            comp = await c.expect_imm_count(imm, 1, wait=False)
-            with contextlib.suppress(Exception):
-                await comp.wait(0.02)
-            assert not comp.done()
-            t = asyncio.ensure_future(_await(comp))
-            await asyncio.sleep(0)
-            t.cancel()
-            await asyncio.gather(t, return_exceptions=True)
-            assert await c.imm_count(imm) == 0
-    finally:
-        await asyncio.wait_for(c.close(), 10)
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _client_warnings() -> Any:
-    h = _Records()
-    lg = logging.getLogger("transferd.client")
-    lg.addHandler(h)
-    try:
-        yield h.messages
-    finally:
-        lg.removeHandler(h)
-
-
-async def _count_one(a: Any, b: Any, imm: int) -> None:
-    """One write of ``imm`` from A to B, landed (B's count is 1 more)."""
-    src = await a.region(64, seed=4)
-    dst = await b.region(64)
-    await (await a.client.submit_single_write(64, imm, (src.mr, 0), (dst.desc, 0))).wait(WAIT)
-
-
-@async_test(timeout=60)
-async def test_met_as_its_awaiter_is_cancelled_is_never_lost_silently(
-        tcp_cluster: Cluster) -> None:
-    """The expectation's EVENT resolves it, and in the same loop turn (before the
-    awaiting task ran) that task is cancelled: its count was consumed and the task saw
-    only CancelledError.  It was lost without a word; now a warning says so."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        imm = fresh_imm()
-        c = await b.client.expect_imm_count(imm, 1, wait=False)
-        holder: list[asyncio.Task[Any]] = []
-        # (Called before the task's own wake-up: the cancel lands on a done future.)
-        c.add_done_callback(lambda _: holder[0].cancel())
-        holder.append(asyncio.ensure_future(_await(c)))
-        await asyncio.sleep(0)
-        with _client_warnings() as said:
-            await _count_one(a, b, imm)
-            res = await asyncio.gather(holder[0], return_exceptions=True)
-            assert isinstance(res[0], asyncio.CancelledError), res
-            await asyncio.sleep(0.05)
-            left = await b.client.imm_count(imm)
-        assert left == 1 or any("cancelled" in m for m in said), (left, said)
-
-
-@async_test(timeout=60)
-async def test_a_registration_cancelled_before_its_reply_loses_no_count_silently(
-        tcp_cluster: Cluster) -> None:
-    """The count is there when the expectation registers: it fires at once on the
-    daemon, and the task registering it is cancelled before the reply came.  The
-    count was consumed and nothing said so (its EVENT found no Completion); now it is
-    left, or a warning says it was taken."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        for _ in range(5):
-            imm = fresh_imm()
-            await _count_one(a, b, imm)
-            assert await poll(lambda i=imm: b.client.imm_count(i), 1) == 1
-            with _client_warnings() as said:
-                t = asyncio.ensure_future(b.client.expect_imm_count(imm, 1))
-                await asyncio.sleep(0)  # (its request is sent)
-                t.cancel()
-                (res,) = await asyncio.gather(t, return_exceptions=True)
-                await asyncio.sleep(0.1)
-                left = await b.client.imm_count(imm)
-                await b.client.main_address()  # (the connection is sound)
-            if not isinstance(res, BaseException):
-                assert left == 0  # (it was not cancelled in time: it has the count)
-                continue
-            assert left == 1 or any("cancelled" in m for m in said), (left, said, res)
-
-
-@async_test(timeout=60)
-async def test_a_refused_registration_cancelled_before_its_reply_is_forgotten(
-        tcp_cluster: Cluster) -> None:
-    """Refused (a deadline over engine.max_expect_timeout_s) and given up before the
-    refusal came: no EVENT will ever come for it, so its CANCEL's NOT_FOUND lets it go
-    (it stayed in the client's table until the connection closed, one per such call)."""
-    async with nodes(tcp_cluster.b) as (b,):
-        for _ in range(50):
-            t = asyncio.ensure_future(b.client.expect_imm_count(fresh_imm(), 1, timeout=1e9))
-            await asyncio.sleep(0)  # (its request is sent)
-            t.cancel()
-            (res,) = await asyncio.gather(t, return_exceptions=True)
-            assert isinstance(res, asyncio.CancelledError | BadRequest), res
-        await b.client.main_address()  # (after the CANCELs' replies: the same connection)
-        waiting = b.client._events.waiting
-        for _ in range(500):  # (bounded: 5 s)
-            if not waiting:
-                break
-            await asyncio.sleep(0.01)
-        assert not waiting, len(waiting)
-
-
-@async_test(timeout=60)
-async def test_an_expectation_with_a_callback_whose_awaiter_times_out(
-        tcp_cluster: Cluster) -> None:
-    """expect_imm_count with a callback, then wait_for on its Completion: the cancel
-    of its future ran the done callback, whose ``done.exception()`` raised
-    CancelledError in the loop ("Exception in callback"); now the callback is not run
-    and nothing is reported, and the count is left for the next expectation."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        fired: list[int] = []
-        imm = fresh_imm()
-        with _watched():
-            for i in range(3):
-                c = await b.client.expect_imm_count(imm, 1, lambda i=i: fired.append(i))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(c, 0.01)
-            await asyncio.sleep(0.05)
-        await _count_one(a, b, imm)
-        assert await poll(lambda: b.client.imm_count(imm), 1) == 1
-        assert fired == []
-
-
-@async_test(timeout=60)
-async def test_sync_client_timeouts_leave_the_expectation_armed(tcp_cluster: Cluster) -> None:
-    """SyncClient.wait(c, timeout) times out and leaves ``c`` armed (it takes the next
-    count); a thread blocked in an expectation while another closes the client gets
-    an error, not a hang, and the daemon serves on."""
-    cl = tcp_cluster
-    async with nodes(cl.a, cl.b) as (a, b):
-        imm, imm2 = fresh_imm(), fresh_imm()
-
-        s, c = await asyncio.to_thread(lambda: _armed_open(cl.b.url, imm))
-        try:
-            await _count_one(a, b, imm)
-            await asyncio.to_thread(s.wait, c, WAIT)
-            assert await b.client.imm_count(imm) == 0
-            blocked: list[Any] = []
-
-            def block() -> None:
-                try:
-                    s.expect_imm_count(imm2, 1)
-                    blocked.append("fired")
-                except BaseException as exc:  # (what it ended with)
-                    blocked.append(exc)
-
-            th = threading.Thread(target=block, daemon=True)
-            th.start()
-            await asyncio.sleep(0.2)
-            await asyncio.to_thread(s.close)
-            await asyncio.to_thread(th.join, 10)
-            assert not th.is_alive()
-            assert len(blocked) == 1 and isinstance(blocked[0], TransferdError), blocked
-        finally:
-            await asyncio.to_thread(s.close)
-        await _count_one(a, b, imm2)
-        assert await poll(lambda: b.client.imm_count(imm2), 1) == 1
-
-
-def _armed_open(url: str, imm: int) -> tuple[Any, Any]:
-    s = SyncClient.connect(url)
-    c = s.expect_imm_count(imm, 1, wait=False)
-    try:
-        s.wait(c, 0.05)
-        raise AssertionError("no count yet, but it ended")
-    except TimeoutError:
-        pass
-    assert not c.done()
-    return s, c
-
-
-@async_test(timeout=60)
-async def test_inproc_expectation_with_a_callback_whose_awaiter_times_out(
-        tcp_cluster: Cluster) -> None:
-    """The inproc client's expect_imm_count with a callback, its Completion awaited in
-    wait_for: the cancelled future's done callback must not raise in the loop."""
-    cl = tcp_cluster
-    c = await Client.connect("inproc://", overrides=inproc_settings(cl.b), timeout=WAIT)
-    try:
-        fired: list[int] = []
-        imm = fresh_imm()
-        with _watched():
-            for i in range(3):
-                comp = await c.expect_imm_count(imm, 1, lambda i=i: fired.append(i))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(comp, 0.01)
-            await asyncio.sleep(0.05)
-        assert fired == []
-    finally:
-        await asyncio.wait_for(c.close(), 10)
-
-
-@async_test(timeout=60)
-async def test_inproc_met_as_its_awaiter_is_cancelled_is_never_lost_silently(
-        tcp_cluster: Cluster) -> None:
-    """The inproc client: the engine ends an expectation done, and its awaiter is
-    cancelled in that same loop turn: a warning says the count was taken."""
-    cl = tcp_cluster
-    c = await Client.connect("inproc://", overrides=inproc_settings(cl.b), timeout=WAIT)
-    try:
-        async with nodes(cl.a) as (a,):
-            buf = await c.alloc_buffer(64)
-            _, desc = await c.reg_mr(buf)
-            src = await a.region(64, seed=9)
-            imm = fresh_imm()
-            comp = await c.expect_imm_count(imm, 1, wait=False)
-            holder: list[asyncio.Task[Any]] = []
-            comp.add_done_callback(lambda _: holder[0].cancel())
-            holder.append(asyncio.ensure_future(_await(comp)))
-            await asyncio.sleep(0)
-            with _client_warnings() as said:
-                await (await a.client.submit_single_write(64, imm, (src.mr, 0),
-                                                          (desc, 0))).wait(WAIT)
-                (res,) = await asyncio.gather(holder[0], return_exceptions=True)
-                assert isinstance(res, asyncio.CancelledError), res
-                await asyncio.sleep(0.05)
-                left = await c.imm_count(imm)
-            assert bytes(await c.get_tensor(buf.tensor())) == bytes(src.data)
-            assert left == 1 or any("cancelled" in m for m in said), (left, said)
-    finally:
-        await asyncio.wait_for(c.close(), 10)
-
-
 @async_test(timeout=60)
 async def test_a_duplicate_write_id_in_the_same_receive_is_dropped(
         tcp_cluster: Cluster) -> None:
@@ -896,10 +487,8 @@ async def test_a_duplicate_write_id_in_the_same_receive_is_dropped(
     the frame-start read, is not copied to the pages), the count taken once."""
     cl = tcp_cluster
     async with nodes(cl.b) as (b,):
-        addr_b = await b.client.main_address()
-        dst = await b.region(REGION)
-        rkey, ptr = dst.desc.rkeys[0][1], dst.desc.ptr
-        imm = fresh_imm()
+        addr_b, dst, rkey, imm = await _target(b)
+        ptr = dst.desc.ptr
         rng = random.Random(77)
         first, second, third = rng.randbytes(3000), rng.randbytes(3000), rng.randbytes(500)
         wid = rng.getrandbits(63) + 1
