@@ -175,6 +175,15 @@ def _ms(seconds: float) -> int:
     return max(0, round(seconds * 1000))
 
 
+def if_reached(callback: Callable[[], None]) -> Callable[[Completion], None]:
+    """An expectation's done callback: ``callback()`` only if its count was reached (not
+    for a failure, nor when its awaiter's cancel took the future)."""
+    def done(c: Completion) -> None:
+        if not c._future.cancelled() and c._future.exception() is None:
+            callback()
+    return done
+
+
 def abandoned_ended(c: Completion) -> None:
     """An operation ended done as or after its awaiter was cancelled (before a CANCEL
     could reach it): what it did stands (an expectation's count is consumed)."""
@@ -404,8 +413,7 @@ class EngineOps:
         c._origin = (self._client, seq)
         self._events.waiting[seq] = c
         if callback is not None:
-            c.add_done_callback(  # (not when its awaiter's cancel took the future)
-                lambda done: None if done._future.cancelled() or done.exception() else callback())
+            c.add_done_callback(if_reached(callback))
         await registered(r, c, self._events, seq)
         if wait if wait is not None else callback is None:
             await c

@@ -52,7 +52,7 @@ from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
 from .client import Client
-from .engine import Completion, MessageHandler, MrHandle, PeerGroup, abandoned_ended
+from .engine import Completion, MessageHandler, MrHandle, PeerGroup, abandoned_ended, if_reached
 from .leases import Leases
 from .names import NameInfo, Published, Watch
 from .tracing import current_traceparent
@@ -774,8 +774,7 @@ class InprocClient(Client):
         self._counted("EXPECT_IMM_COUNT")
         body = {"imm": imm, "count": count}
         if callback is not None:
-            c.add_done_callback(  # (not when its awaiter's cancel took the future)
-                lambda done: None if done._future.cancelled() or done.exception() else callback())
+            c.add_done_callback(if_reached(callback))
         try:
             self.service.expect_imm_count(self.caller, key, imm, count, timeout=timeout,
                                           on_end=lambda err: c.end(err, body))
