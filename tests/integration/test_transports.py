@@ -100,7 +100,7 @@ async def test_only_a_message_transport_announces_max_message(everywhere: Daemon
     async with await Client.connect(_url(everywhere, "seqpacket")) as c:
         assert c.conn.transport is not None
         assert c.conn.transport.get_extra_info("transferd_message")
-        assert c.conn.transport.max_message == 256 * 1024  # type: ignore[attr-defined]
+        assert c.conn.transport.continuation.max_message == 256 * 1024  # type: ignore[attr-defined]
 
 
 @async_test()

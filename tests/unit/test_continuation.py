@@ -41,6 +41,13 @@ class Sink:
         while (f := self.decoder.next_frame()) is not None:
             self.frames.append(f)
 
+    # The transport's side of scatter(): always reading, never closing.
+    def is_closing(self) -> bool:
+        return False
+
+    def is_reading(self) -> bool:
+        return True
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
@@ -73,7 +80,7 @@ def receive(sock: socket.socket, reader: MessageReader, count: int) -> None:
 
 
 def reader_for(sink: Sink, first: int = 1 << 20) -> MessageReader:
-    return MessageReader(lambda m: scatter(m, sink), max_message=MAX, first_limit=first)
+    return MessageReader(lambda m: scatter(m, sink, sink), max_message=MAX, first_limit=first)
 
 
 @pytest.mark.parametrize("size", [0, 1, MAX - 1, MAX, MAX + 1, 3 * MAX, 3 * MAX + 17])

@@ -201,7 +201,7 @@ async def test_two_frames_merged_into_one_message_is_bad_frame() -> None:
 @async_test()
 async def test_a_message_over_the_limit_is_too_large() -> None:
     raw, tb, pb = _raw_seqpacket()
-    tb.recv_limit = 4096 + 24
+    tb.continuation.first_limit = 4096 + 24
     with raw:
         raw.send(encode_frame(9, 0, 1, {"a": "z" * 5000}))
         await _refused(pb, TooLarge)
@@ -252,6 +252,40 @@ async def test_write_buffer_limits_pause_and_resume_the_writer() -> None:
         assert paused == [True, False] and ta.get_write_buffer_size() == 0
         ta.close()
         tb.close()
+
+
+class _Sipping(Collector):
+    """Takes a message 100 bytes at a time and pauses the transport after the first 100
+    of each: the rest of the message must wait for resume_reading, bytes intact."""
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)[:100]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        super().buffer_updated(nbytes)
+        self.transport.pause_reading()
+
+
+@async_test()
+async def test_a_pause_mid_message_keeps_the_rest_until_resume() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setblocking(False)
+    b.setblocking(False)
+    pb = _Sipping()
+    tb = SocketTransport(asyncio.get_running_loop(), b, pb, message=True, max_message=65536)
+    body = {"blob": pattern(1000, 5).hex()}
+    with a:
+        a.send(encode_frame(9, 0, 1, body) + b"")
+        a.send(encode_frame(9, 0, 2, {"n": 2}))
+        for _ in range(200):  # a 100-byte sip a resume, bounded
+            if len(pb.frames) == 2:
+                break
+            await asyncio.sleep(0.005)
+            assert not tb.is_reading()
+            tb.resume_reading()
+        assert [f.seq for f in pb.frames] == [1, 2] and pb.frames[0].body == body
+        assert not pb.errors
+    tb.close()
 
 
 # -- descriptors -------------------------------------------------------------------------

@@ -29,6 +29,8 @@ from typing import Any, ClassVar, Protocol
 
 from transferd.copies import COUNTING, count
 
+from .continuation import Continuation
+
 # Payloads of at most this many bytes are joined with their head into one write: one
 # syscall instead of two costs a small copy.
 SMALL_WRITE = 16 * 1024
@@ -57,8 +59,7 @@ class FrameTransport(Protocol):
     """A message transport: whole frames in (SocketTransport in message mode, the RDMA
     MessageTransport)."""
 
-    max_message: int
-    recv_limit: int
+    continuation: Continuation
 
     def write_frame(self, head: bytes, payload: Sequence[memoryview], payload_len: int
                     ) -> None: ...
@@ -187,8 +188,8 @@ class MessageCarrier(Carrier):
             self._frames.write_frame(head, (), 0)
 
     def set_message_limits(self, max_message: int, recv_limit: int) -> None:
-        self._frames.max_message = max_message
-        self._frames.recv_limit = recv_limit
+        self._frames.continuation.max_message = max_message
+        self._frames.continuation.first_limit = recv_limit
 
 
 class TlsCarrier(Carrier):

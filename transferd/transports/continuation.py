@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
@@ -120,20 +120,37 @@ class MessageReader(Continuation):
         self._deliver(msg)
 
 
-def scatter(data: memoryview, protocol: Any) -> None:
+class _Receiving(Protocol):
+    def is_closing(self) -> bool: ...
+    def is_reading(self) -> bool: ...
+
+
+def scatter(data: memoryview, protocol: Any, transport: _Receiving) -> memoryview | None:
     """Copy one whole message into a BufferedProtocol's buffers (the one copy a message
-    transport makes: the message is in a receive buffer, its bytes go where they belong)."""
+    transport makes: the message is in a receive buffer, its bytes go where they belong).
+
+    Returns the rest (a copy) when ``transport`` stops reading part way, e.g. while a
+    zero-copy reply is in flight: the receive buffer is reused once this returns, so the
+    transport keeps the rest and scatters it again on ``resume_reading``. Stops quietly
+    once the transport is closing."""
     pos, n = 0, len(data)
     while pos < n:
+        if transport.is_closing():
+            return None
+        if not transport.is_reading():
+            if COUNTING:
+                count("transport.stash", n - pos)
+            return memoryview(bytes(data[pos:]))
         dst = protocol.get_buffer(n - pos)
         k = min(len(dst), n - pos)
         if k == 0:
             raise BadFrame("receive buffer full")
         dst[:k] = data[pos : pos + k]
         if COUNTING:
-            count("verbs.scatter", k)
+            count("transport.scatter", k)
         pos += k
         protocol.buffer_updated(k)
+    return None
 
 
 __all__ = ["HELLO_MESSAGE", "MIN_MAX_MESSAGE", "Continuation", "MessageReader", "SplitFrame",

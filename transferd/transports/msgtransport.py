@@ -17,9 +17,9 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from transferd.protocol.errors import BadFrame, BadRequest, ProtocolError, TransferdError
+from transferd.protocol.errors import BadRequest, ProtocolError, TransferdError
 
-from .continuation import MIN_MAX_MESSAGE, MessageReader, cut
+from .continuation import MIN_MAX_MESSAGE, MessageReader, cut, scatter
 
 log = logging.getLogger("transferd.transports")
 
@@ -49,8 +49,9 @@ class MessageTransport(asyncio.Transport):
         self._loop = loop
         self._carrier = carrier
         self._protocol = protocol
-        self._reader = MessageReader(self._scatter, max_message=max_message,
-                                     first_limit=recv_limit or max_message)
+        # Where the frame arriving is, and its sizes (raised by the session after HELLO).
+        self.continuation = MessageReader(self._scatter, max_message=max_message,
+                                          first_limit=recv_limit or max_message)
         self._extra = {"transferd_message": True, "transferd_fds": False, **(extra or {})}
         self._high = 64 * 1024
         self._low = 16 * 1024
@@ -64,24 +65,6 @@ class MessageTransport(asyncio.Transport):
         carrier.on_close = self._on_close
         carrier.on_drain = self._maybe_resume_protocol
         self._protocol.connection_made(self)
-
-    # The continuation size both ways, and the largest head message taken now (set to
-    # max_message by the session once HELLO is done; HELLO's 4096 bytes before).
-    @property
-    def max_message(self) -> int:
-        return self._reader.max_message
-
-    @max_message.setter
-    def max_message(self, n: int) -> None:
-        self._reader.max_message = n
-
-    @property
-    def recv_limit(self) -> int:
-        return self._reader.first_limit
-
-    @recv_limit.setter
-    def recv_limit(self, n: int) -> None:
-        self._reader.first_limit = n
 
     # -- asyncio.Transport ---------------------------------------------------------------
 
@@ -158,10 +141,10 @@ class MessageTransport(asyncio.Transport):
         """One frame: ``head`` (header and body), then ``payload`` (views of its bytes)."""
         if self._closing or self._lost:
             return
-        if len(head) > self._reader.max_message:
+        if len(head) > self.continuation.max_message:
             raise BadRequest(f"a frame head of {len(head)} bytes is over max_message "
-                             f"{self._reader.max_message}")
-        for views in cut(head, payload, payload_len, self._reader.max_message):
+                             f"{self.continuation.max_message}")
+        for views in cut(head, payload, payload_len, self.continuation.max_message):
             self._carrier.send(views)
         self._maybe_pause_protocol()
 
@@ -181,7 +164,7 @@ class MessageTransport(asyncio.Transport):
         if self._closing:
             return
         try:
-            self._reader.feed(msg)
+            self.continuation.feed(msg)
         except ProtocolError as exc:
             report = getattr(self._protocol, "transport_error", None)
             if report is not None:
@@ -191,24 +174,8 @@ class MessageTransport(asyncio.Transport):
             self.close()
 
     def _scatter(self, data: memoryview) -> None:
-        """Copy one whole message into the protocol's buffers (stash what a pause left)."""
-        pos, n = 0, len(data)
-        proto = self._protocol
-        while pos < n:
-            if self._closing:
-                return
-            if not self._reading:
-                # The protocol paused mid-message: keep the rest until it resumes (the
-                # receive slot is reposted when this returns).
-                self._stash = memoryview(bytes(data[pos:]))
-                return
-            dst = memoryview(proto.get_buffer(n - pos))
-            k = min(len(dst), n - pos)
-            if k == 0:
-                raise BadFrame("receive buffer full")
-            dst[:k] = data[pos : pos + k]
-            pos += k
-            proto.buffer_updated(k)
+        # The receive slot is reposted when this returns: what a pause left is kept.
+        self._stash = scatter(data, self._protocol, self)
 
     def _on_close(self, err: TransferdError | None) -> None:
         if self._lost:

@@ -37,13 +37,13 @@ import socket
 import struct
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, ProtocolError
 
-from .continuation import MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks
+from .continuation import MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks, scatter
 
 log = logging.getLogger("transferd.transports")
 
@@ -99,9 +99,10 @@ class SocketTransport(asyncio.Transport):
         self._fd = sock.fileno()
         self._protocol = protocol
         self.message = message
-        # Where the frame arriving is (payload continuation, continuation.py).
-        self._cont = Continuation(max_message, recv_limit if recv_limit is not None
-                                  else max_message)
+        # Where the frame arriving is (payload continuation, continuation.py); its sizes
+        # are the session's to raise once HELLO is done.
+        self.continuation = Continuation(max_message, recv_limit if recv_limit is not None
+                                         else max_message)
         # The connecting process's (pid, uid, gid) on AF_UNIX (SO_PEERCRED).
         self.peercred = _peercred(sock)
         self._extra = {
@@ -149,13 +150,17 @@ class SocketTransport(asyncio.Transport):
             self._loop.remove_reader(self._fd)
 
     def resume_reading(self) -> None:
-        if not self._reading and not self._closing:
-            if self._stash is not None:
-                stash, self._stash = self._stash, None
-                self._scatter(stash)
-                if self._stash is not None or self._closing:
-                    return
-            self._start_reading()
+        if self._reading or self._closing:
+            return
+        if self._stash is not None:
+            # Reading again for the rest of a paused message first; the protocol may
+            # pause again inside it (the rest is kept again), or close.
+            self._reading = True
+            stash, self._stash = self._stash, None
+            self._scatter(stash)
+            if not self._reading or self._closing:
+                return
+        self._start_reading()
 
     def _start_reading(self) -> None:
         self._reading = True
@@ -271,26 +276,8 @@ class SocketTransport(asyncio.Transport):
             return
         self._protocol.buffer_updated(n)
 
-    # The continuation size both ways, and the largest header message taken now (the
-    # session sets it to max_message once HELLO is done).
-    @property
-    def max_message(self) -> int:
-        return self._cont.max_message
-
-    @max_message.setter
-    def max_message(self, n: int) -> None:
-        self._cont.max_message = n
-
-    @property
-    def recv_limit(self) -> int:
-        return self._cont.first_limit
-
-    @recv_limit.setter
-    def recv_limit(self, n: int) -> None:
-        self._cont.first_limit = n
-
     def _read_message(self) -> None:
-        want = self._cont.want
+        want = self.continuation.want
         # One byte more than allowed: a longer message shows as MSG_TRUNC or n > want.
         buf = _scratch_buffer(want + 1)
         n, anc, flags, _ = self._sock.recvmsg_into([buf[: want + 1]], _ANC_SPACE, _CLOEXEC)
@@ -300,7 +287,7 @@ class SocketTransport(asyncio.Transport):
             self._eof()
             return
         try:
-            self._cont.judge(buf, n, bool(flags & _MSG_TRUNC))
+            self.continuation.judge(buf, n, bool(flags & _MSG_TRUNC))
         except SplitFrame:
             # Let the decoder judge the header first (magic, limits, gate): its error
             # is the more precise one.
@@ -309,34 +296,8 @@ class SocketTransport(asyncio.Transport):
         self._scatter(buf[:n])
 
     def _scatter(self, data: memoryview) -> None:
-        """Copy one whole message into the protocol's buffers."""
-        pos = 0
-        n = len(data)
-        proto = self._protocol
-        while pos < n:
-            if self._closing:
-                return
-            if not self._reading and pos:
-                # The protocol paused mid-message (a zero-copy reply is in
-                # flight): keep the rest until it resumes.
-                self._stash = memoryview(bytes(data[pos:]))
-                if COUNTING:
-                    count("transport.stash", n - pos)
-                return
-            dst = cast(memoryview, proto.get_buffer(n - pos))
-            k = min(len(dst), n - pos)
-            if k == 0:
-                if not self._reading:
-                    self._stash = memoryview(bytes(data[pos:]))
-                    if COUNTING:
-                        count("transport.stash", n - pos)
-                    return
-                raise BadFrame("receive buffer full")
-            dst[:k] = data[pos : pos + k]
-            if COUNTING:
-                count("transport.scatter", k)
-            pos += k
-            proto.buffer_updated(k)
+        # One receive buffer serves every message: what a pause left is kept.
+        self._stash = scatter(data, self._protocol, self)
 
     def _eof(self) -> None:
         self.pause_reading()
@@ -380,7 +341,7 @@ class SocketTransport(asyncio.Transport):
         fds, self._send_fds = self._send_fds, []
         msgs: list[tuple[list[memoryview], list[int]]] = [([memoryview(head)], fds)]
         if payload_len:
-            for chunk in chunks(payload, self.max_message):
+            for chunk in chunks(payload, self.continuation.max_message):
                 if len(chunk) > _IOV:
                     chunk = [memoryview(b"".join(chunk))]
                     if COUNTING:
