@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -278,18 +279,30 @@ def test_domains_never_import_the_engine() -> None:
 
 
 def test_no_code_outside_a_domains_folder_asks_for_a_domain_by_name() -> None:
-    """Capabilities, not names: ``config.domain == "verbs"`` and the like live only in
-    transferd/domains/<name>/ (and the registry, which maps the names)."""
-    pat = ("domain == ", "domain != ", '== "verbs"', "== 'verbs'", '== "tcp"')
+    """Capabilities, not names: ``config.domain == "verbs"``, ``"verbs" in domain`` and
+    the like live only in transferd/domains/<name>/ (and the registry, which maps the
+    names)."""
+    from transferd.domains import registry
+
+    names = "|".join(sorted({n for spec in registry.choices() for n in spec.split(":")}))
+    pat = re.compile(
+        rf"""["']({names})["']\s*(==|!=|in\b|not in\b)\s*[\w.]*domain"""
+        rf"""|domain[\w.]*\s*(==|!=)\s*["']({names})["']"""
+        rf"""|domain[\w.]*\.(startswith|endswith)\(\s*["']({names})""")
     found = []
     for top in ("transferd", "rpc_server", "client"):
         for path in sorted((REPO / top).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
             if rel.startswith("transferd/domains/"):
                 continue
-            text = path.read_text()
-            found += [f"{rel}: {p}" for p in pat if p in text]
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pat.search(line):
+                    found.append(f"{rel}:{n}: {line.strip()}")
     assert not found, found
+    # (The pattern itself: the forms it must catch.)
+    for line in ('if "verbs" in config.engine.domain:', "cfg.domain == 'tcp'",
+                 'self.config.domain != "chaos"', 'domain.startswith("verbs")'):
+        assert pat.search(line), line
 
 
 def test_a_part_re_sent_on_another_rail_counts_once(

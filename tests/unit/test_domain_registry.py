@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from transferd.domains import registry
@@ -55,3 +57,20 @@ def test_a_domain_of_ones_own_and_a_wrapper_around_it() -> None:
         registry.unregister_domain("wrap")
     with pytest.raises(BadRequest):
         registry.parse("fake")
+
+
+def test_what_needs_an_rdma_port_is_a_capability(tmp_path: Path) -> None:
+    """`transferd doctor` asks the Domain's capability, not its name, whether the engine
+    needs an RDMA port and pinned memory: verbs does, wrapped or not; tcp does not."""
+    from transferd import config as cfg
+    from transferd.commands.probes import needs_rdma
+
+    assert registry.capabilities("verbs").rdma
+    assert registry.capabilities("chaos:verbs").rdma
+    assert not registry.capabilities("tcp").rdma and not registry.capabilities("chaos").rdma
+    on = {"engine.enabled": True}
+    verbs = tmp_path / "verbs.toml"
+    verbs.write_text('[engine]\nenabled = true\ndomain = "verbs"\nrdma_devices = ["mlx5_0"]\n')
+    assert needs_rdma(cfg.load(verbs, env={}))
+    assert not needs_rdma(cfg.load(env={}, overrides={**on, "engine.domain": "tcp"}))
+    assert not needs_rdma(cfg.load(verbs, env={}, overrides={"engine.enabled": False}))

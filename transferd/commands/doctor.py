@@ -57,7 +57,7 @@ def diagnose(cfg: cfgmod.Config, other_node: bool = False) -> list[tuple[str, st
             out.append(("ok", "running", f"{key}: {what}"))
     # RDMA pins registered memory: the lock limit must cover what can be registered.
     limit = probes.memlock_limit()
-    verbs = cfg.engine.enabled and "verbs" in cfg.engine.domain
+    verbs = probes.needs_rdma(cfg)
     shown = "unlimited" if limit is None else f"{limit >> 20} MiB"
     if limit is not None and limit < cfg.host_limit:
         level = "FAIL" if verbs else "warn"

@@ -231,11 +231,17 @@ def rdma(config: Config | None) -> Section:
     sec = Section("rdma", items=[d for d in report.to_dict()["devices"]],
                   note="; ".join([report.reason or "; ".join(report.problems),
                                   f"GPU memory: {report.gpu_memory}"]).lstrip("; "))
-    if config is not None and config.engine.enabled and "verbs" in config.engine.domain \
-            and not report.usable:
+    if config is not None and needs_rdma(config) and not report.usable:
         sec.needed.append(f"engine.domain = {config.engine.domain!r} needs an RDMA port: "
                           f"{report.reason or 'none is ACTIVE'}")
     return sec
+
+
+def needs_rdma(config: Config) -> bool:
+    """Whether the configured engine's Domain runs on RDMA ports (its capability)."""
+    from transferd.domains import registry
+
+    return config.engine.enabled and registry.capabilities(config.engine.domain).rdma
 
 
 def text(sections: list[Section]) -> str:

@@ -113,6 +113,9 @@ class Capabilities:
     device_memory: bool = True
     #: It serves one-sided READs (ReadPart posted, answered from registered regions).
     reads: bool = True
+    #: Its rails are RDMA ports: it needs one ACTIVE and registered memory pinned
+    #: (RLIMIT_MEMLOCK), which `transferd doctor` checks for it.
+    rdma: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ class _Create:
         # The NIC places writes, counts immediates and serves READs (reads.py);
         # no device memory yet.
         return Capabilities(sees_writes=False, counts_immediates=True, device_memory=False,
-                            reads=True)
+                            reads=True, rdma=True)
 
     def __call__(self, port: Port, rail: int, host: str, port_number: int,
                  options: DomainOptions) -> Domain:
