@@ -136,6 +136,9 @@ class Session(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Future[None]] = set()
         # Called once the write buffer has drained (WATCH streams send what waited).
         self.drained_hooks: set[Callable[[], None]] = set()
+        # Called at the next drain only (watchers whose last EVENT waited in the buffer):
+        # at most one per watcher of this connection (engine.max_watchers_per_connection).
+        self.at_next_drain: list[Callable[[], None]] = []
         # Completion EVENTs after the first of this turn of the loop (send_event): None
         # while no turn has sent one; written in one go at the turn's end, or before any
         # other frame (they neither overtake nor trail what is written after them).
@@ -255,6 +258,10 @@ class Session(asyncio.BufferedProtocol):
         self.ctx.service.drained(self.caller)
         if self.drained_hooks:
             for hook in list(self.drained_hooks):
+                hook()
+        if self.at_next_drain:
+            once, self.at_next_drain = self.at_next_drain, []
+            for hook in once:
                 hook()
 
     def transport_error(self, exc: ProtocolError) -> None:

@@ -23,7 +23,6 @@ docs/protocol.md has the reference.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 from transferd.engine.watchers import Watcher
@@ -40,24 +39,6 @@ from .handlers import Reply, handler
 
 if TYPE_CHECKING:
     from .session import Session
-
-# Per connection: watchers whose last EVENT still waits in its write buffer.
-_UNSENT: weakref.WeakKeyDictionary[Session, list[Watcher]] = weakref.WeakKeyDictionary()
-
-
-def _when_drained(session: Session, w: Watcher) -> None:
-    waiting = _UNSENT.get(session)
-    if waiting is None:
-        waiting = _UNSENT[session] = []
-
-        def drained() -> None:
-            session.drained_hooks.discard(drained)
-            for x in _UNSENT.pop(session, ()):
-                x.delivered()
-
-        session.drained_hooks.add(drained)
-    waiting.append(w)
-
 
 @handler(Command.ALLOC_UVM_WATCHER)
 def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
@@ -76,7 +57,7 @@ def alloc_uvm_watcher(session: Session, frame: Frame) -> Reply:
         if session.write_blocked:
             # Not out yet (a client that does not read): the next change waits, merged,
             # until this one is, so a connection holds one EVENT per watcher at most.
-            _when_drained(session, w)
+            session.at_next_drain.append(w.delivered)
         else:
             w.delivered()
 
