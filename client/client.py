@@ -635,13 +635,15 @@ class Client:
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, traceparent: str | None = None,
     ) -> Completion:
-        return await self.engine.submit_barrier(group, imm, dsts, timeout=timeout)
+        return await self.engine.submit_barrier(group, imm, dsts, timeout=timeout,
+                                                traceparent=traceparent)
 
-    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None
-                          ) -> Completion:
-        return await self.engine.submit_send(addr, msg, timeout=timeout)
+    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None,
+                          traceparent: str | None = None) -> Completion:
+        return await self.engine.submit_send(addr, msg, timeout=timeout,
+                                             traceparent=traceparent)
 
     def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
         self.engine.submit_recvs(length, count, callback)

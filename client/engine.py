@@ -369,21 +369,25 @@ class EngineOps:
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit(Command.BARRIER, {
-            "group": group.id if group else None, "imm": imm,
-            "dsts": [d.to_wire() for d in dsts]}, timeout=timeout)
+        """``traceparent``: as for :meth:`submit_single_write` (no bytes: no verify)."""
+        body: dict[str, Any] = {"group": group.id if group else None, "imm": imm,
+                                "dsts": [d.to_wire() for d in dsts]}
+        _tag(body, None, traceparent)
+        return await self._submit(Command.BARRIER, body, timeout=timeout)
 
-    async def submit_send(self, addr: NetAddr, msg: Any,
-                          *, timeout: float | None = None) -> Completion:
+    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None,
+                          traceparent: str | None = None) -> Completion:
+        """``traceparent``: on the sending daemon's records of it (docs/integrity.md)."""
         # The payload is written to the socket (or copied) before this returns
         # control, so the caller may reuse ``msg`` at once.
         data = bytes(memoryview(msg).cast("B"))
         if COUNTING:
             count("client.send_message", len(data))
-        return await self._submit(Command.SEND, {"addr": addr.to_bytes()}, [data],
-                                  timeout=timeout)
+        body: dict[str, Any] = {"addr": addr.to_bytes()}
+        _tag(body, None, traceparent)
+        return await self._submit(Command.SEND, body, [data], timeout=timeout)
 
     def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
         """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message."""

@@ -734,17 +734,21 @@ class InprocClient(Client):
 
     async def submit_barrier(
         self, group: PeerGroup | None, imm: int, dsts: Sequence[MrDesc],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit("BARRIER", "submit_barrier", group.id if group else None,
-                                  imm, list(dsts), timeout=timeout)
+        return await self._submit(
+            "BARRIER", "submit_barrier", group.id if group else None, imm, list(dsts),
+            timeout=timeout,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
-    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None
-                          ) -> Completion:
+    async def submit_send(self, addr: NetAddr, msg: Any, *, timeout: float | None = None,
+                          traceparent: str | None = None) -> Completion:
         data = bytes(_view(msg))  # the caller may reuse its buffer at once
         if COUNTING:
             count("client.send_message", len(data))
-        return await self._submit("SEND", "submit_send", addr, data, timeout=timeout)
+        return await self._submit(
+            "SEND", "submit_send", addr, data, timeout=timeout,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
         """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message,

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 # Submits whose traceparent defaults to the caller's current span (client/tracing.py).
 _TRACED = frozenset({"submit_single_write", "submit_paged_writes", "submit_scatter",
-                     "arm_paged_writes"})
+                     "submit_barrier", "submit_send", "arm_paged_writes"})
 
 
 class SyncClient:

@@ -251,7 +251,7 @@ def barrier(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
     dsts = [MrDesc.from_wire(d) for d in raw]
     return _admitted(frame, service.submit_barrier(
         session.caller, frame.seq, _group(b), imm, dsts, timeout=_timeout(frame),
-        on_end=_ended(session, frame)))
+        on_end=_ended(session, frame), traceparent=b.get("traceparent")))
 
 
 def _send_sink(session: Session, frame: Frame) -> None:
@@ -270,7 +270,7 @@ def send(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | No
     msg = bytes(frame.payload or b"")
     return _admitted(frame, service.submit_send(
         session.caller, frame.seq, addr, msg, timeout=_timeout(frame),
-        on_end=_ended(session, frame)))
+        on_end=_ended(session, frame), traceparent=frame.body.get("traceparent")))
 
 
 @handler(Command.SUBMIT_RECVS)

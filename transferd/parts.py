@@ -148,6 +148,8 @@ class ReadPart:
     alts: Sequence[tuple[NetAddr, int]] | None = None
     # Re-read on another rail (a READ has no effect at the peer: nothing to drop).
     again: bool = False
+    # The submit's W3C trace id (26 bytes), as a WritePart's.
+    trace: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +164,13 @@ class SendPart:
     op: int = 0
     index: int = 0
     parts: int = 1
+    # The submit's W3C trace id (26 bytes), for the sender's log records and span (a
+    # SEND frame has no extension block: the peer's records do not carry it).
+    trace: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.msg)
 
 
 def split_sizes(length: int, n: int, align: int = SPLIT_ALIGN) -> list[int]:

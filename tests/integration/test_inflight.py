@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from client import ScatterDst
 from tests.helpers import REPO, DaemonProcess, async_test, metric, scrape, wait_until
 from tests.integration import engine_cluster
 from tests.integration.engine_cluster import (
@@ -143,3 +144,63 @@ async def test_a_write_landing_from_a_peer_that_went_quiet(
             assert "landing for" in line and tid in line and "20,000 of 65,536" in line
         # The peer is gone: nothing of it is in flight any more.
         assert await asyncio.to_thread(wait_until, lambda: not listed(), WAIT)
+
+
+@async_test(timeout=90)
+async def test_every_submit_is_listed_with_its_owner_and_trace_waiting_ones_too(
+        own_daemons: list[DaemonProcess]) -> None:
+    """A scatter, a barrier and a send to a stopped peer are listed with their owner
+    (the connection) and trace id, as a single write is; a fourth submit, over
+    engine.max_inflight_per_client, waits for a slot: it is listed too (queued, its
+    owner and trace id) and warned about as stalled, and leaves the listing once it
+    started and ended."""
+    a_d, b_d = start_many([
+        {"env": engine_env(RAILS[n], secret_file=secret_file(), stall_warn_s=0.4,
+                           peer_timeout_s=20, max_inflight_per_client=3)}
+        for n in "ab"])
+    own_daemons += [a_d, b_d]
+    tids = [secrets.token_hex(16) for _ in range(4)]
+    tps = [f"00-{t}-{secrets.token_hex(8)}-01" for t in tids]
+    async with nodes(a_d, b_d) as (a, b):
+        src = await a.region(64 * 1024, seed=96)
+        dst = await b.region(64 * 1024)
+        got: list[bytes] = []
+        b.client.submit_recvs(1024, 1, got.append)
+        addr_b = await b.client.main_address()
+        warm = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0))
+        assert await settle([warm]) == [None]
+        imm = fresh_imm()
+        with stopped(b_d):
+            cs = [await a.client.submit_scatter(None, imm, src.mr, [
+                      ScatterDst(4096, 0, (dst.desc, 0)), ScatterDst(4096, 4096,
+                                                                     (dst.desc, 8192))],
+                      traceparent=tps[0]),
+                  await a.client.submit_barrier(None, imm, [dst.desc], traceparent=tps[1]),
+                  await a.client.submit_send(addr_b, b"hello", traceparent=tps[2]),
+                  await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0),
+                                                     traceparent=tps[3])]
+
+            def listed() -> dict[str, dict]:
+                return {e["trace_id"]: e for e in inflight(a_d) if e["trace_id"] in tids}
+
+            assert await asyncio.to_thread(wait_until, lambda: len(listed()) == 4, WAIT), \
+                (listed(), a_d.output())
+            got_now = listed()
+            owners = {e["owner"] for e in got_now.values()}
+            assert len(owners) == 1 and "" not in owners, got_now  # one connection's
+            scatter, barrier, send, queued = (got_now[t] for t in tids)
+            assert scatter["kind"] == "write" and scatter["total"] == 8192, scatter
+            assert scatter["stage"] == "sent" and scatter["parts"] == 2, scatter
+            assert barrier["kind"] == "write" and barrier["stage"] == "sent", barrier
+            assert send["kind"] == "send" and send["total"] == 5, send
+            assert queued["kind"] == "write" and queued["stage"] == "queued", queued
+            assert "SINGLE_WRITE, waiting for a slot" in queued["what"], queued
+            assert await asyncio.to_thread(
+                wait_until, lambda: "SINGLE_WRITE, waiting for a slot" in a_d.stderr
+                and "stalled:" in a_d.stderr, WAIT), a_d.output()
+            (line,) = [ln for ln in a_d.stderr.splitlines()
+                       if "stalled:" in ln and "waiting for a slot" in ln]
+            assert tids[3] in line and "queued for" in line, line
+        assert await settle(cs) == [None] * 4
+        assert await asyncio.to_thread(wait_until, lambda: got == [b"hello"], WAIT)
+        assert not listed()

@@ -183,3 +183,53 @@ async def test_a_traced_write_has_spans_on_both_daemons(own_daemons: list[Daemon
     finally:
         await a.close()
         await b.close()
+
+
+@async_test(timeout=90)
+async def test_a_traced_barrier_and_send_have_spans(own_daemons: list[DaemonProcess],
+                                                    tmp_path: Path) -> None:
+    """A barrier and a send take a traceparent as writes do: a span each on the daemon
+    that sends them (transferd.barrier, transferd.send, with their parts); a barrier's
+    zero-byte writes carry the trace id to the peer, whose landing spans name it."""
+    files = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
+    a_d, b_d = start_many([
+        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(files[n]),
+                 "OTEL_BSP_SCHEDULE_DELAY": "50",
+                 **engine_env(RAILS[n], secret_file=secret_file())}}
+        for n in "ab"])
+    own_daemons += [a_d, b_d]
+    tids = [secrets.token_hex(16) for _ in range(2)]
+    a = Node(a_d, await engine_cluster.connect_node(a_d))
+    b = Node(b_d, await engine_cluster.connect_node(b_d))
+    try:
+        dst = await b.region(4096)
+        got: list[bytes] = []
+        b.client.submit_recvs(64, 1, got.append)
+        imm = fresh_imm()
+        expect = await b.client.expect_imm_count(imm, 1, wait=False)
+        bar = await a.client.submit_barrier(None, imm, [dst.desc],
+                                            traceparent=f"00-{tids[0]}-{'1' * 16}-01")
+        snd = await a.client.submit_send(await b.client.main_address(), b"traced",
+                                         traceparent=f"00-{tids[1]}-{'2' * 16}-01")
+        assert await settle([bar, snd, expect]) == [None, None, None]
+        assert await asyncio.to_thread(wait_until, lambda: got == [b"traced"], WAIT)
+
+        def named(path: Path, name: str, tid: str) -> list[dict[str, Any]]:
+            return [s for s in spans_in(path)
+                    if s["name"] == name and s["context"]["trace_id"] == f"0x{tid}"]
+
+        for kind, tid in zip(("barrier", "send"), tids, strict=True):
+            assert await asyncio.to_thread(wait_until, lambda k=kind, t=tid: bool(
+                named(files["a"], f"transferd.{k}", t)), WAIT), (kind, a_d.output())
+            (top,) = named(files["a"], f"transferd.{kind}", tid)
+            assert top["attributes"]["transferd.kind"] == kind, top
+            assert top["attributes"]["transferd.peer"] == f"{dst.desc.node[0]:016x}", top
+            assert named(files["a"], "transferd.part", tid), (kind, [
+                (x["name"], x["context"]["trace_id"]) for x in spans_in(files["a"])])
+        assert await asyncio.to_thread(wait_until, lambda: bool(
+            named(files["b"], "transferd.land", tids[0])), WAIT), b_d.output()
+        assert named(files["a"], "transferd.send", tids[1])[0]["attributes"][
+            "transferd.bytes"] == len(b"traced")
+    finally:
+        await a.close()
+        await b.close()

@@ -183,6 +183,6 @@ class Resend:
         log.warning("part %d of op %d: checksum mismatch at node %016x rail %d (%s); "
                     "re-sent on rail %d", part.index, part.op, part.dst.node, was,
                     error.message, part.rail,
-                    extra=trace_fields(part.trace if type(part) is WritePart else None))
+                    extra=trace_fields(part.trace))
         g.domains[part.rail].post(part, self)  # type: ignore[arg-type]
         return True

@@ -277,7 +277,8 @@ class DomainGroup:
         now = self.loop.time()
         for part in parts:
             if isinstance(part, SendPart) or part.alts is None:
-                domains[part.rail].post(part, transfer)
+                t = transfer if spans is None else spans.part(transfer, part, transfer.span)
+                domains[part.rail].post(part, t)
                 continue
             # A rail that failed lately is skipped until its probe is due (failover.py).
             rail = self.health.pick(part.dst.key, part.rail, now)

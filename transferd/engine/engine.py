@@ -492,8 +492,9 @@ class TransferEngine:
         return gid
 
     def submit_scatter(self, gid: int | None, imm: int | None, src_region: int,
-                       dsts: Sequence[ScatterDst], *, verify: bool | None = None,
-                       traceparent: str | None = None) -> asyncio.Future[None]:
+                       dsts: Sequence[ScatterDst], owner: Hashable = None, *,
+                       verify: bool | None = None, traceparent: str | None = None
+                       ) -> asyncio.Future[None]:
         tag = self._tag(verify, traceparent)
         self.peer_groups.check(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
@@ -510,18 +511,26 @@ class TransferEngine:
             parts += plan_single(op, d.len, _imm(imm), view, d.dst[0], d.dst[1], self.rails,
                                  max_parts=_verify_parts(d.len, tag))
         return self._submit(first or next(self._ops), _wid(parts, None, tag),
-                            region.buffer.ref(), self.group_of(region), kind="scatter")
+                            region.buffer.ref(), self.group_of(region), owner, kind="scatter")
 
-    def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc]
-                             ) -> asyncio.Future[None]:
+    def submit_barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc],
+                       owner: Hashable = None, *, traceparent: str | None = None
+                       ) -> asyncio.Future[None]:
+        """``traceparent``: carried by its zero-byte writes (no bytes: nothing to verify)."""
+        traced = trace.parse(traceparent) if traceparent is not None else None
         self.peer_groups.check(gid, dsts)
         self._check_descs(dsts)
         op = next(self._ops)
-        return self._submit(op, list(plan_barrier(op, _imm(imm) or 0, dsts, self.rails)))
+        parts = plan_barrier(op, _imm(imm) or 0, dsts, self.rails)
+        return self._submit(op, _wid(parts, None, (False, traced)), None, None, owner,
+                            kind="barrier")
 
     # -- two-sided ---------------------------------------------------------------------
 
-    def submit_send(self, addr: NetAddr, msg: bytes) -> asyncio.Future[None]:
+    def submit_send(self, addr: NetAddr, msg: bytes, owner: Hashable = None, *,
+                    traceparent: str | None = None) -> asyncio.Future[None]:
+        """``traceparent``: on this daemon's records of it (its frame carries none)."""
+        traced = trace.parse(traceparent) if traceparent is not None else None
         if len(msg) > MAX_MESSAGE:
             raise BadRequest(f"message of {len(msg)} bytes is over the limit of {MAX_MESSAGE}")
         if len(addr.rails) != self.rails:
@@ -533,7 +542,8 @@ class TransferEngine:
         if COUNTING:
             count("engine.send_message", len(msg))
         # The message is ours now (bytes are immutable): the caller may reuse its buffer.
-        return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
+        return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op, trace=traced)],
+                            owner=owner, kind="send")
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
                      deliver: Deliver) -> None:
@@ -650,7 +660,7 @@ class TransferEngine:
             p0 = parts[0]
             entry = inflight.add_transfer(
                 op, _KINDS.get(type(p0), "send"), owner, parts,
-                p0.trace if type(p0) is WritePart else None, Stage.WAITING_PEER)
+                p0.trace, Stage.WAITING_PEER)
         elif entry is not None:  # a write from device memory, staged
             entry.plan = parts
             entry.move(Stage.WAITING_PEER, inflight.clock())
@@ -705,7 +715,7 @@ class TransferEngine:
                 loop.call_soon_threadsafe(finished, fut, err, nbytes, op, releases)
 
         transfer = Transfer(op, len(parts), nbytes, finish)
-        if parts and type(parts[0]) is WritePart:
+        if parts:
             transfer.trace = parts[0].trace
             transfer.span = span
         if entry is not None:

@@ -334,10 +334,11 @@ class Service:
 
     def submit(self, caller: Caller, key: int, label: str | int,
                start: Callable[[], asyncio.Future[None]], timeout: float | None,
-               on_end: End) -> Admitted:
+               on_end: End, traceparent: str | None = None) -> Admitted:
         """Hand a checked submit to the engine (``start`` calls it); wait for a slot only
         when full: first this caller's own share (engine.max_inflight_per_client), then
-        a slot of the engine shared by all.
+        a slot of the engine shared by all (``traceparent``: the submit's, for its
+        in-flight entry while it waits).
 
         Its deadline: ``timeout`` seconds if given (at most engine.peer_timeout_s, which
         bounds every transfer anyway); a write from device memory, whose staging wait
@@ -349,8 +350,20 @@ class Service:
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
         async def later() -> Op:
-            await caller.wait_room(engine.config.max_inflight_per_client)
-            await engine.wait_slot()
+            # Listed (transferd inflight) and stall-warned while it waits: queued. (Added
+            # here, where the finally below is sure to run once it is.)
+            from transferd.engine.inflight import Stage
+
+            waiting = _Waiting(caller, key)
+            engine.inflight.add(waiting, _kind(label), owner=caller, stage=Stage.QUEUED,
+                                trace=_trace_or_none(traceparent),
+                                what=f"{_name(label)}, waiting for a slot "
+                                     "(engine.max_inflight_per_client, engine slots)")
+            try:
+                await caller.wait_room(engine.config.max_inflight_per_client)
+                await engine.wait_slot()
+            finally:
+                engine.inflight.remove(waiting)
             caller.ops.check_free(key)  # (an armed write of the key may have fired since)
             return self._started(caller, key, label, start(), timeout, on_end, engine)
 
@@ -454,7 +467,7 @@ class Service:
                 timeout, on_end, engine)
         return self.submit(caller, key, Command.SINGLE_WRITE, lambda: engine.submit_single_write(
             length, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
-            timeout, on_end)
+            timeout, on_end, traceparent)
 
     def submit_paged_writes(self, caller: Caller, key: int, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages], *,
@@ -467,7 +480,7 @@ class Service:
         page_len = integer(page_len, "a paged write's page length")
         return self.submit(caller, key, Command.PAGED_WRITES, lambda: engine.submit_paged_writes(
             page_len, imm, src, dst, wid, caller, verify=verify, traceparent=traceparent),
-            timeout, on_end)
+            timeout, on_end, traceparent)
 
     def submit_scatter(self, caller: Caller, key: int, group: int | None, imm: int | None,
                        mr: int, dsts: Sequence[ScatterDst], *, timeout: float | None = None,
@@ -483,23 +496,25 @@ class Service:
                                                                  "offset"))) for d in dsts]
                 break
         return self.submit(caller, key, Command.SCATTER, lambda: engine.submit_scatter(
-            group, imm, mr, dsts, verify=verify, traceparent=traceparent), timeout, on_end)
+            group, imm, mr, dsts, caller, verify=verify, traceparent=traceparent),
+            timeout, on_end, traceparent)
 
     def submit_barrier(self, caller: Caller, key: int, group: int | None, imm: int,
                        dsts: Sequence[MrDesc], *, timeout: float | None = None,
-                       on_end: End) -> Admitted:
+                       on_end: End, traceparent: str | None = None) -> Admitted:
         engine = self._engine()
         few_enough(engine, dsts, "BARRIER")
         return self.submit(caller, key, Command.BARRIER, lambda: engine.submit_barrier(
-            group, imm, dsts), timeout, on_end)
+            group, imm, dsts, caller, traceparent=traceparent), timeout, on_end, traceparent)
 
     def submit_send(self, caller: Caller, key: int, addr: NetAddr, msg: bytes, *,
-                    timeout: float | None = None, on_end: End) -> Admitted:
+                    timeout: float | None = None, on_end: End,
+                    traceparent: str | None = None) -> Admitted:
         """``msg`` (at most 1 MiB, copied now: the caller may reuse its buffer) to a
         receive posted at ``addr``."""
         engine = self._engine()
-        return self.submit(caller, key, Command.SEND, lambda: engine.submit_send(addr, msg),
-                           timeout, on_end)
+        return self.submit(caller, key, Command.SEND, lambda: engine.submit_send(
+            addr, msg, caller, traceparent=traceparent), timeout, on_end, traceparent)
 
     def inflight(self) -> dict[str, Any] | None:
         """What is in flight now (engine/inflight.py), or None without an engine."""
@@ -728,6 +743,42 @@ class Service:
         from transferd.inventory import buffer_listing
 
         return buffer_listing(self.buffers, self.engine, viewer=viewer)
+
+
+class _Waiting:
+    """The in-flight key of a submit waiting for a slot (no engine op yet)."""
+
+    __slots__ = ("caller", "key")
+
+    def __init__(self, caller: Caller, key: int) -> None:
+        self.caller, self.key = caller, key
+
+
+_READS = frozenset({Command.SINGLE_READ, Command.PAGED_READS, Command.GATHER})
+
+
+def _kind(label: str | int) -> str:
+    """An in-flight entry's kind for a submit's command (as the engine names them)."""
+    if label in _READS:
+        return "read"
+    return "send" if label == Command.SEND else "write"
+
+
+def _name(label: str | int) -> str:
+    return label if isinstance(label, str) else Command(label).name
+
+
+def _trace_or_none(traceparent: str | None) -> bytes | None:
+    """A waiting submit's trace id for its listing; a bad one is the engine's to refuse
+    (with its message) when the submit starts."""
+    if traceparent is None:
+        return None
+    from transferd.protocol import trace
+
+    try:
+        return trace.parse(traceparent)
+    except BadRequest:
+        return None
 
 
 def _alive(owner: Hashable) -> bool:
