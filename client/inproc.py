@@ -55,6 +55,7 @@ from .client import Client
 from .engine import Completion, MessageHandler, MrHandle, PeerGroup, abandoned_ended, if_reached
 from .leases import Leases
 from .names import NameInfo, Published, Watch
+from .shared import SharedBuffer
 from .tracing import current_traceparent
 from .watchers import UvmWatcher
 
@@ -193,6 +194,25 @@ class LocalBuffer(RemoteBuffer):
         client: InprocClient = object.__getattribute__(self, "_client")
         t = self.tensor(offset, size)
         return client.service.buffers.get(self.id).view(t.offset, t.size)
+
+
+class InprocShared(SharedBuffer):
+    """A shared buffer of an inproc node: the same type as a daemon's client returns
+    (``view``, ``array``, ``local``, ``unmap``), over the node's own pages, which are
+    this process's memory already: nothing is mapped, so ``unmap`` has nothing to do."""
+
+    def __init__(self, buffer_id: int, size: int, device: str, client: InprocClient) -> None:
+        super().__init__(buffer_id, size, device)
+        object.__setattr__(self, "_client", client)
+
+    @property
+    def view(self) -> memoryview:
+        """The buffer's bytes, writable, in place (NotFound once it was freed)."""
+        client: InprocClient = object.__getattribute__(self, "_client")
+        return client.service.buffers.get(self.id).view(0, self.size)
+
+    def unmap(self) -> None:
+        """Nothing to let go of: the node's pages stay until the buffer is freed."""
 
 
 class InprocWatch(Watch):
@@ -482,11 +502,16 @@ class InprocClient(Client):
         buf = self.service.alloc_buffer(self.caller, device, size, owner=owner, lease=lease)
         return self._local(buf)
 
-    async def alloc_shared(self, size: int, device: str = "shm"  # type: ignore[override]
-                           ) -> LocalBuffer:
-        """Shared memory of the node: in process every buffer is already mapped here
-        (:meth:`LocalBuffer.view`)."""
-        return await self.alloc_buffer(size, device)
+    async def alloc_shared(self, size: int, device: str = "shm") -> SharedBuffer:
+        """Shared memory of the node, as a daemon's client has it (a :class:`SharedBuffer`:
+        ``view``, ``array``, ``local``): in process every buffer is this process's memory
+        already, so nothing is mapped (``device`` other than host memory: BadRequest, as
+        a daemon refuses a buffer that is not shared)."""
+        buf = await self.alloc_buffer(size, device)
+        if buf.device not in ("shm", "cpu"):
+            await self.free_buffer(buf)
+            raise BadRequest(f"{device!r} buffers are not shared memory on this node")
+        return InprocShared(buf.id, buf.size, buf.device, self)
 
     async def register_memory(self, obj: Any, *, device: str | None = None) -> LocalBuffer:
         """The caller's own memory as a buffer of the node, not copied: a numpy array, a

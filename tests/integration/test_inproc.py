@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import Client, Completion, MrDesc, Pages, ScatterDst
+from client import Client, Completion, MrDesc, Pages, ScatterDst, SharedBuffer
 from client.inproc import InprocClient
 from tests.helpers import REPO, async_test, digest, metric, pattern, scrape
 from tests.integration import engine_cluster
@@ -491,3 +491,17 @@ async def test_the_rest_of_the_api_in_process() -> None:
                 break
             await asyncio.sleep(0.01)
         assert seen == [(0, 5)] and w.value == 5
+        # Shared memory: the type a daemon's client returns, over the node's pages.
+        sh = await me.alloc_shared(4096)
+        assert isinstance(sh, SharedBuffer)
+        sh.view[0:4] = b"shm!"
+        assert bytes(await me.get_tensor(sh.tensor(0, 4))) == b"shm!"
+        await me.set_tensor(sh.tensor(4, 4), b"back")
+        assert bytes(sh.array[4:8]) == b"back" and bytes(sh.local(0, 8)) == b"shm!back"
+        with pytest.raises(OutOfBounds):
+            sh.local(4090, 10)
+        sh.unmap()  # (nothing mapped: the bytes stay the node's until freed)
+        assert bytes(sh.view[0:4]) == b"shm!"
+        await me.free_buffer(sh)
+        with pytest.raises(NotFound):
+            sh.view  # noqa: B018 - the property is the call under test
