@@ -324,6 +324,8 @@ class InprocClient(Client):
         self.node: Node | None = None
         self._service: Service | None = None
         self._caller: Caller | None = None
+        # Holds a share of the process's spans (tracing.acquire) while open.
+        self._spans = False
         # Bound at open() (daemon modules load only then): what a submit admitted at once
         # returns (else an awaitable of it), and an open caller's state.
         self._op_type: type[Any] = type(None)
@@ -365,6 +367,13 @@ class InprocClient(Client):
         from transferd.service import Caller, CallerState, Op
 
         cfg = self.load_config()
+        from transferd import tracing
+
+        try:  # log.otel, as the daemon reads it: spans of this process's traced transfers
+            tracing.acquire(cfg.log.otel, cfg.log.otel_file)
+        except (tracing.TracingUnavailable, OSError) as exc:
+            raise BadRequest(f"log.otel = {cfg.log.otel!r}: {exc}") from exc
+        self._spans = True
         node = Node(cfg, name=self.name)
         try:
             try:
@@ -399,6 +408,7 @@ class InprocClient(Client):
                 self.registry.register(self._forwarded)
         except BaseException:
             await node.close()
+            self._release_spans()
             raise
         self.node, self._service = node, service
         self._op_type, self._open_state = Op, CallerState.OPEN
@@ -432,10 +442,18 @@ class InprocClient(Client):
                 with contextlib.suppress(Exception):
                     self.registry.unregister(self._forwarded)
             await node.close()
+            self._release_spans()
             # What ended with the caller without a word (an expectation: over the wire
             # the connection's loss ends it), or that the node's close left: ended now.
             for c in list(self._completions.values()):
                 c.end(ConnectionLost(f"{c.what}: the inproc node closed before it ended"))
+
+    def _release_spans(self) -> None:
+        if self._spans:
+            from transferd import tracing
+
+            self._spans = False
+            tracing.release()
 
     @property
     def service(self) -> Service:

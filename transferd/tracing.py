@@ -241,6 +241,34 @@ def configure(mode: str, path: str = "") -> Spans | None:
     return SPANS
 
 
+# Engines embedded in this process (inproc clients) using the spans, and whether the
+# first of them turned them on (so the last one out turns them off again).
+_embedded = 0
+_embedded_configured = False
+
+
+def acquire(mode: str, path: str = "") -> None:
+    """Spans for an engine embedded in this process (``inproc://``): as :func:`configure`
+    for the first one, when nothing turned them on before; the others share them.  The
+    same errors as configure."""
+    global _embedded, _embedded_configured
+    if _embedded == 0 and SPANS is None:
+        _embedded_configured = configure(mode, path) is not None
+    _embedded += 1
+
+
+def release() -> None:
+    """An embedded engine closed: the last one out exports what is left and stops the
+    spans, if the first one turned them on."""
+    global _embedded, _embedded_configured
+    if _embedded == 0:
+        return
+    _embedded -= 1
+    if _embedded == 0 and _embedded_configured:
+        _embedded_configured = False
+        shutdown()
+
+
 def shutdown() -> None:
     """Export what is left and stop (the daemon's exit)."""
     global SPANS
@@ -252,5 +280,5 @@ def shutdown() -> None:
             log.warning("tracing: flushing spans at exit failed: %s", exc)
 
 
-__all__ = ["MODES", "SPANS", "PartSpan", "Spans", "TracingUnavailable", "configure",
+__all__ = ["MODES", "SPANS", "PartSpan", "Spans", "TracingUnavailable", "acquire", "configure",
            "shutdown", "wanted", "wire"]

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -505,3 +508,39 @@ async def test_the_rest_of_the_api_in_process() -> None:
         await me.free_buffer(sh)
         with pytest.raises(NotFound):
             sh.view  # noqa: B018 - the property is the call under test
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("opentelemetry")
+                         and importlib.util.find_spec("opentelemetry.sdk")),
+                    reason="the otel extra is not installed (pip install 'transferd[otel]')")
+@async_test(timeout=60)
+async def test_an_inproc_engine_exports_spans_as_log_otel_says(tmp_path: Path) -> None:
+    """log.otel is read by an inproc engine as by a daemon: a traced write between two
+    engines of this process has its spans (transfer, parts, landings) in log.otel_file;
+    once the last engine closes, the spans are flushed and off again."""
+    from transferd import tracing
+
+    out = tmp_path / "spans.jsonl"
+    otel = {"log.otel": "console", "log.otel_file": str(out)}
+    tid = secrets.token_hex(16)
+    clients = [await Client.connect("inproc://", overrides={**inproc_overrides("tcp", n),
+                                                            **otel}, timeout=WAIT)
+               for n in (0, 1)]
+    one, two = clients
+    try:
+        src_buf = await one.alloc_buffer(64 * 1024)
+        await one.set_tensor(src_buf.tensor(), pattern(64 * 1024, 9))
+        src, _ = await one.reg_mr(src_buf)
+        dst_buf = await two.alloc_buffer(64 * 1024)
+        _, desc = await two.reg_mr(dst_buf)
+        c = await one.submit_single_write(64 * 1024, None, (src, 0), (desc, 0),
+                                          traceparent=f"00-{tid}-{'3' * 16}-01")
+        assert await settle([c]) == [None]
+        assert bytes(await two.get_tensor(dst_buf.tensor())) == pattern(64 * 1024, 9)
+    finally:
+        for c_ in clients:
+            await asyncio.wait_for(c_.close(), WAIT)
+    assert tracing.SPANS is None  # the last engine out turned them off, flushed
+    spans = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    names = {s["name"] for s in spans if s["context"]["trace_id"] == f"0x{tid}"}
+    assert {"transferd.single", "transferd.part", "transferd.land"} <= names, spans
