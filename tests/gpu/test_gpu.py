@@ -172,3 +172,37 @@ async def test_watcher_bumped_by_a_kernel(gpu: DaemonProcess) -> None:
             await asyncio.sleep(0.01)
         assert got[-1] == (5, 9), (how, time.monotonic() - t0)
         w.close()
+
+
+@async_test(timeout=180)
+async def test_inproc_registers_a_cupy_array_both_ways_with_a_daemon() -> None:
+    """issue 21: an inproc engine registers the caller's CuPy array (no copy into a node
+    buffer, no CUDA IPC) and writes it to a daemon's device buffer; the daemon writes
+    back into another CuPy array of the caller; both compared by checksum."""
+    import cupy
+
+    size = 4 * MiB
+    data = os.urandom(size)
+    with gpu_daemon() as d:
+        async with await Client.connect(d.url) as them:
+            me = await Client.connect("inproc://", overrides={"gpu.devices": "cuda:0"},
+                                      timeout=60)
+            try:
+                src = cupy.asarray(np.frombuffer(data, dtype=np.uint8))
+                sbuf = await me.register_memory(src)
+                assert sbuf.device == "cuda:0", sbuf
+                smr, _ = await me.reg_mr(sbuf)
+                dst = await them.alloc_buffer(size, device="cuda:0")
+                dmr, ddesc = await them.reg_mr(dst)
+                w = await me.submit_single_write(size, 81, (smr, 0), (ddesc, 0))
+                await w.wait(60)
+                assert _sha(await them.get_tensor(dst.tensor())) == _sha(data)
+                back = cupy.zeros(size, dtype=cupy.uint8)
+                _, bdesc = await me.reg_mr(await me.register_memory(back))
+                expect = await me.expect_imm_count(82, 1, wait=False)
+                w = await them.submit_single_write(size, 82, (dmr, 0), (bdesc, 0))
+                await w.wait(60)
+                await expect.wait(60)
+                assert _sha(cupy.asnumpy(back).tobytes()) == _sha(data)
+            finally:
+                await me.close()
