@@ -233,3 +233,58 @@ async def test_a_traced_barrier_and_send_have_spans(own_daemons: list[DaemonProc
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.skipif(not HAVE_SDK, reason="the otel extra is not installed")
+@async_test(timeout=90)
+async def test_a_submit_without_traceparent_takes_the_current_span(
+        own_daemons: list[DaemonProcess], tmp_path: Path) -> None:
+    """No traceparent given: the client takes the current OpenTelemetry span's (the async
+    client from the task's context, a SyncClient from its calling thread's), and the
+    daemon's transfer span is that span's child."""
+    from opentelemetry import trace as ot
+
+    from client import SyncClient
+
+    out = tmp_path / "a.jsonl"
+    a_d, b_d = start_many([
+        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(out),
+                 "OTEL_BSP_SCHEDULE_DELAY": "50",
+                 **engine_env(RAILS["a"], secret_file=secret_file())}},
+        {"env": engine_env(RAILS["b"], secret_file=secret_file())}])
+    own_daemons += [a_d, b_d]
+    ids = [(secrets.token_hex(16), secrets.token_hex(8)) for _ in range(2)]
+
+    def current(tid: str, parent: str) -> Any:
+        return ot.use_span(ot.NonRecordingSpan(ot.SpanContext(
+            trace_id=int(tid, 16), span_id=int(parent, 16), is_remote=False,
+            trace_flags=ot.TraceFlags(ot.TraceFlags.SAMPLED))))
+
+    a = Node(a_d, await engine_cluster.connect_node(a_d))
+    b = Node(b_d, await engine_cluster.connect_node(b_d))
+    try:
+        src = await a.region(8192, seed=62)
+        dst = await b.region(8192)
+        with current(*ids[0]):
+            c = await a.client.submit_single_write(4096, None, (src.mr, 0), (dst.desc, 0))
+        assert await settle([c]) == [None]
+
+        def sync_write() -> None:
+            with SyncClient.connect(a_d.url) as s, current(*ids[1]):
+                smr, _ = s.reg_mr(s.alloc_buffer(4096))
+                w = s.submit_single_write(4096, None, (smr, 0), (dst.desc, 4096))
+                s.synchronize()  # (waits for this connection's submits)
+                assert w.done() and w.exception() is None
+
+        await asyncio.to_thread(sync_write)
+        for tid, parent in ids:
+            def top(t: str = tid) -> list[dict[str, Any]]:
+                return [s for s in spans_in(out) if s["name"] == "transferd.single"
+                        and s["context"]["trace_id"] == f"0x{t}"]
+
+            assert await asyncio.to_thread(wait_until, lambda: bool(top()), WAIT), \
+                (tid, a_d.output())
+            assert top()[0]["parent_id"] == f"0x{parent}", top()
+    finally:
+        await a.close()
+        await b.close()
