@@ -191,6 +191,7 @@ async def test_every_submit_is_listed_with_its_owner_and_trace_waiting_ones_too(
             scatter, barrier, send, queued = (got_now[t] for t in tids)
             assert scatter["kind"] == "write" and scatter["total"] == 8192, scatter
             assert scatter["stage"] == "sent" and scatter["parts"] == 2, scatter
+            assert scatter["rails"] and set(scatter["rails"]) <= {0, 1}, scatter
             assert barrier["kind"] == "write" and barrier["stage"] == "sent", barrier
             assert send["kind"] == "send" and send["total"] == 5, send
             assert queued["kind"] == "write" and queued["stage"] == "queued", queued

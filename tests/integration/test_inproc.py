@@ -48,6 +48,7 @@ from transferd.protocol.errors import (
     ConnectionLost,
     NotFound,
     OutOfBounds,
+    OutOfMemory,
     PeerUnreachable,
     TransferdError,
     UnknownCommand,
@@ -414,6 +415,26 @@ def test_sync_client_runs_the_engine_on_its_thread() -> None:
         one.wait(one.submit_single_write(MiB, imm, (smr, 0), (desc, 0)), WAIT)
         two.wait(two.expect_imm_count(imm, 1, wait=False), WAIT)
         assert digest(dst) == digest(src)
+
+
+def test_a_sync_inproc_engine_reads_its_config_file(tmp_path: Path) -> None:
+    """``config=`` (the keyword, and ``?config=`` in the URL) is the daemon's TOML file:
+    its rails are where the engine listens, its memory limit bounds the buffers."""
+    from client import SyncClient
+
+    path = tmp_path / "transferd.toml"
+    rails = INPROC_RAILS[0]
+    path.write_text(f'[engine]\nhost_rails = {list(rails)!r}\n'.replace("'", '"')
+                    + f'secret_file = "{secret_file()}"\n[memory]\nhost_limit_mib = 2\n')
+    for how in ("keyword", "query"):
+        url, kw = (("inproc://", {"config": str(path)}) if how == "keyword"
+                   else (f"inproc://?config={path}", {}))
+        with SyncClient.connect(url, **kw) as me:
+            hosts = [r.decode().rsplit(":", 1)[0] for r in me.main_address().rails]
+            assert hosts == list(rails), how
+            me.free_buffer(me.alloc_buffer(MiB))
+            with pytest.raises(OutOfMemory, match="over the largest buffer"):
+                me.alloc_buffer(3 * MiB)
 
 
 # -- the engine suites with an inproc engine in the first daemon's place ------------------
