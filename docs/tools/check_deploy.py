@@ -24,6 +24,7 @@ import dataclasses
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,8 +34,11 @@ sys.path.insert(0, str(REPO))
 from transferd.config import Config, load  # noqa: E402
 from transferd.domains.base import LinkStats  # noqa: E402
 from transferd.domains.group import GroupStats  # noqa: E402
+from transferd.engine.inflight import InFlight  # noqa: E402
 from transferd.engine.watchers import Watchers  # noqa: E402
+from transferd.fds import LinkBudget  # noqa: E402
 from transferd.metrics import Metrics  # noqa: E402
+from transferd.workers import Slots  # noqa: E402
 
 SERIES = re.compile(r"\btransferd_[a-z_]+\b")
 SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
@@ -47,9 +51,13 @@ def exported() -> tuple[set[str], set[str]]:
     m = Metrics()
     # The engine's series are read from a running engine: a stand-in with one rail,
     # which reports what a group and its Domains report (GroupStats, LinkStats).
-    group = SimpleNamespace(stats=lambda: GroupStats(links=(LinkStats(),)))
-    m.watch_engine(SimpleNamespace(group=group, groups=[group], worker=None,
-                                   receives=None, expectations_pending=lambda: 0))
+    group = SimpleNamespace(stats=lambda: GroupStats(links=(LinkStats(),)),
+                            link_budget=LinkBudget(64))
+    receives = SimpleNamespace(waiting=0, waiting_bytes=0, expired=0, free_receives=lambda: 0)
+    m.watch_engine(SimpleNamespace(  # type: ignore[arg-type]
+        group=group, groups=[group], worker=None, receives=receives,
+        expectations_pending=lambda: 0, inflight=InFlight(time.monotonic), slots=Slots(),
+        peer_slots=None))
     m.registry.register(Watchers())  # the RPC front end registers the daemon's watcher set
     for metric in m.registry.collect():
         families.add(metric.name)
