@@ -1,8 +1,9 @@
-"""A WRITE's extension block: the per-part checksum and trace id (issue 20).
+"""The peer frames' extension block: the per-part checksum and trace id (issue 20).
 
 The block follows a WRITE's page table (its length is the header's ``ext``, at
-most :data:`~.peer_wire.MAX_EXT`); it is a run of entries, each ``kind u8,
-len u8`` and ``len`` bytes:
+most :data:`~.peer_wire.MAX_EXT`), a READ's with RX_EXT (the trace id only), and
+an ok READ_DATA's header (its ``mlen``: the checksum of the payload that follows);
+it is a run of entries, each ``kind u8, len u8`` and ``len`` bytes:
 
 CRC32C (0x01)  4 bytes, u32 little-endian: CRC32C (Castagnoli) of the payload as
                sent, the pages' bytes in order.  The receiver computes it over
@@ -41,34 +42,35 @@ def encode_ext(crc: int | None, trace: bytes | None) -> bytes:
     return out
 
 
-def parse_ext(buf: bytes | bytearray | memoryview, pos: int, n: int
+def parse_ext(buf: bytes | bytearray | memoryview, pos: int, n: int, what: str = "WRITE"
               ) -> tuple[int | None, bytes | None]:
-    """(checksum, trace id) of the ``n``-byte block at ``pos``; BadRequest if it is wrong."""
+    """(checksum, trace id) of the ``n``-byte block at ``pos``; BadRequest if it is wrong
+    (``what``: the frame it is of, for the message)."""
     crc: int | None = None
     trace: bytes | None = None
     seen = 0
     end = pos + n
     while pos < end:
         if end - pos < 2:
-            raise BadRequest("peer WRITE: an extension entry cut short")
+            raise BadRequest(f"peer {what}: an extension entry cut short")
         kind, size = buf[pos], buf[pos + 1]
         pos += 2
         if pos + size > end:
-            raise BadRequest(f"peer WRITE: extension entry 0x{kind:02x} of {size} bytes "
+            raise BadRequest(f"peer {what}: extension entry 0x{kind:02x} of {size} bytes "
                              "runs past its block")
         if kind in _SIZES:
             if size != _SIZES[kind]:
-                raise BadRequest(f"peer WRITE: extension entry 0x{kind:02x} of {size} "
+                raise BadRequest(f"peer {what}: extension entry 0x{kind:02x} of {size} "
                                  f"bytes (it has {_SIZES[kind]})")
             if seen & (1 << kind):
-                raise BadRequest(f"peer WRITE: extension entry 0x{kind:02x} twice")
+                raise BadRequest(f"peer {what}: extension entry 0x{kind:02x} twice")
             seen |= 1 << kind
             if kind == CRC32C:
                 crc = int.from_bytes(buf[pos:pos + 4], "little")
             else:
                 trace = bytes(buf[pos:pos + size])
         elif kind < SKIPPABLE:
-            raise BadRequest(f"peer WRITE: extension entry 0x{kind:02x} is unknown here "
+            raise BadRequest(f"peer {what}: extension entry 0x{kind:02x} is unknown here "
                              "and may not be skipped")
         pos += size
     return crc, trace

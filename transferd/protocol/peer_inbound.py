@@ -23,6 +23,7 @@ from transferd.copies import COUNTING, count
 from . import crc
 from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
+from .peer_ext import encode_ext
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_landing import Admission, Landing, Placement
 from .peer_link import (
@@ -52,16 +53,19 @@ from .peer_wire import (
     MAX_PAGES,
     READ,
     READ_HEAD,
+    RX_EXT,
     SEND,
     SEND_HEAD,
     WRITE,
     WRITE_HEAD,
+    ReadHeader,
     check_read_head,
     check_write_head,
     encode_ack,
     encode_read_data,
     parse_read,
     parse_write,
+    read_ext_len,
     write_table_len,
 )
 
@@ -352,6 +356,11 @@ class InboundLink(LinkEnd):
                     head = READ_HEAD.unpack_from(buf, start)
                     check_read_head(head[1], head[2])
                     size = 32 + 16 * head[2]
+                    if head[1] & RX_EXT:  # (a traced READ: 40 bytes, then its block)
+                        if avail < 40:
+                            self._want = 40 - avail
+                            return
+                        size += 8 + read_ext_len(buf, start)
                     if avail < size:
                         # The rest of its table and, in the same receive, the start of
                         # the next frame (what the frame-start read would take next):
@@ -431,11 +440,15 @@ class InboundLink(LinkEnd):
         a READ_DATA whose payload is the region's own pages (views), or its refusal."""
         op, part = head[4], head[3]
         out = self.out
+        r: ReadHeader | None = None
         try:
             r = parse_read(buf, start, head)
+            if r.crc:
+                crc.require()  # (none here: refused, saying what to install)
             src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort)
         except TransferdError as exc:
-            self.events.append(Refused((op, part), exc, what="read"))
+            self.events.append(Refused((op, part), exc, r.trace if r is not None else None,
+                                       what="read"))
             out.push(encode_read_data(op, part, 0, exc))
         else:
             if not self._served_any:
@@ -446,9 +459,9 @@ class InboundLink(LinkEnd):
                 # (answers stay in order) until they are there (:meth:`staged`).
                 self._staging.append(src)
                 self._hold()
-                self.events.append(StageRead(src, (op, part), r.nbytes))
+                self.events.append(StageRead(src, (op, part), r.nbytes, r.crc, r.trace))
                 return
-            self._answer(op, part, r.nbytes, src)
+            self._answer(op, part, r.nbytes, src, r.crc, r.trace)
         self._watch_answers()
 
     def staged(self, ev: StageRead, error: TransferdError | None) -> None:
@@ -466,15 +479,29 @@ class InboundLink(LinkEnd):
             self.events.append(Refused(ev.ref, error, what="read"))
             self.out.push(encode_read_data(op, part, 0, error))
         else:
-            self._answer(op, part, ev.nbytes, src)
+            self._answer(op, part, ev.nbytes, src, ev.crc, ev.trace)
         self._watch_answers()
         self._release()
 
-    def _answer(self, op: int, part: int, nbytes: int, src: Placement) -> None:
+    def _answer(self, op: int, part: int, nbytes: int, src: Placement, checked: bool = False,
+                trace: bytes | None = None) -> None:
+        """The READ_DATA: its payload the region's views (or the staging chunks its bytes
+        went to); ``checked``: with the CRC32C of those bytes, taken here from them before
+        they go (a corrupting path, Landing.corrupt_read, changes only what is sent)."""
         out = self.out
-        out.push(encode_read_data(op, part, nbytes))
-        out.extend(src.views, nbytes)
+        views: Sequence[memoryview] = src.views
+        ext = b""
+        if checked:
+            ext = encode_ext(crc.crc_of(views), None)
+        corrupt = self.landing.corrupt_read
+        if corrupt is not None and nbytes:
+            views = corrupt(views) or views
+        out.push(encode_read_data(op, part, nbytes, None, ext))
+        out.extend(views, nbytes)
         self._serving.append((self._sent_total + out.queued, src))
+        if trace is not None:
+            # The responder's record of a traced read (its log, with the trace id).
+            self.events.append(Placed((op, part), nbytes, trace, self._now, what="read"))
 
     def _watch_answers(self) -> None:
         out = self.out

@@ -131,13 +131,7 @@ class Admission:
             got = crc_of(self.views)
         if got == w.crc:
             return None
-        lg = self._landing
-        key = (self.peer[0], self.rail)
-        failures = lg.integrity_failures
-        if key in failures or len(failures) < MAX_INTEGRITY_KEYS:
-            failures[key] = failures.get(key, 0) + 1
-        else:
-            failures[(0, self.rail)] = failures.get((0, self.rail), 0) + 1
+        self._landing.integrity_failed(self.peer[0], self.rail)
         return IntegrityError(
             f"checksum mismatch: part {w.part} of op {w.op} ({w.nbytes} bytes) from node "
             f"{self.peer[0]:016x} rail {self.rail}: CRC32C 0x{got:08x} placed, 0x{w.crc:08x} "
@@ -196,8 +190,13 @@ class Landing:
         self.memory = memory
         # engine.verify: a WRITE with a payload and no checksum is refused.
         self.require_crc = require_crc
-        # Checksum mismatches by (peer node, rail); bounded (the rest under node 0).
+        # Checksum mismatches by (peer node, rail); bounded (the rest under node 0): of
+        # the writes landed here and of the answers to this daemon's reads.
         self.integrity_failures: dict[tuple[int, int], int] = {}
+        # The chaos Domain's engine.chaos_corrupt: what a READ's answer is sent from
+        # (a corrupted copy of its views, or None: the views themselves); else None.
+        self.corrupt_read: Callable[[Sequence[memoryview]], Sequence[memoryview] | None] \
+            | None = None
         self.remember = rails > 1
         # (Not ``or``: an empty table is falsy, and the caller's is the one to use.)
         self.write_ids = WriteIds() if write_ids is None else write_ids
@@ -216,6 +215,16 @@ class Landing:
     def duplicates(self) -> int:
         """Re-sent parts that had landed (acknowledged, not applied again)."""
         return self.landed.duplicates
+
+    def integrity_failed(self, node: int, rail: int) -> None:
+        """One checksum mismatch of bytes from ``node`` on ``rail`` (a write landed here,
+        or the answer to a read of ours)."""
+        key = (node, rail)
+        failures = self.integrity_failures
+        if key in failures or len(failures) < MAX_INTEGRITY_KEYS:
+            failures[key] = failures.get(key, 0) + 1
+        else:
+            failures[(0, rail)] = failures.get((0, rail), 0) + 1
 
     def refused(self, error: TransferdError) -> None:
         code = error.code.value

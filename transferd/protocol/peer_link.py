@@ -260,14 +260,17 @@ class Incoming:
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A traced WRITE landed and counted (for the log: the receiver's record of a
-    traced transfer); only parts that carry a trace id make one."""
+    """A traced WRITE landed and counted, or a traced READ was answered (for the log:
+    the receiver's, or responder's, record of a traced transfer); only parts that carry
+    a trace id make one."""
 
     ref: tuple[int, int]
     nbytes: int
     trace: bytes
     # The link's clock when its header came (where a landing's span starts).
     opened: float | None = None
+    # "write" (landed), or "read": a traced READ answered (its bytes handed to the link).
+    what: str = "write"
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +282,9 @@ class StageRead:
     source: Any
     ref: tuple[int, int]
     nbytes: int
+    # The READ asked for its answer's checksum (RX_CRC); its trace id.
+    crc: bool = False
+    trace: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,17 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
-from .errors import BadFrame, BadRequest, PeerUnreachable, TransferdError
+from . import crc as crc32c
+from .errors import (
+    BadFrame,
+    BadRequest,
+    IntegrityError,
+    PeerAnswered,
+    PeerUnreachable,
+    TransferdError,
+)
 from .keyring import Keyring
+from .peer_ext import encode_ext, parse_ext
 from .peer_handshake import PeerHandshake, PeerIdentity, Role
 from .peer_link import (
     HIGH_WATER,
@@ -46,6 +55,7 @@ from .peer_wire import (
     ACK,
     ACK_HEAD,
     MAX_ERROR_TEXT,
+    MAX_EXT,
     READ_DATA,
     READ_DATA_HEAD,
     ack_error,
@@ -57,6 +67,9 @@ from .peer_wire import (
 # The most views one receive of a READ's payload is offered, and its bytes.
 _IOV = 512
 _RECV = 1 << 20
+# Checksum mismatches in a row (answers to verified reads) after which the link is cut:
+# the peer's copies are not to be trusted with more (as peer_inbound's for writes).
+MISMATCH_CUTOFF = 4
 
 
 def _ended(token: Any) -> bool:
@@ -202,10 +215,12 @@ class _Incoming:
     goes, and which segments one receive is offered, costs a bisection, not a walk
     over every page a receive filled (4,096 pages a paged read)."""
 
-    __slots__ = ("done", "ends", "left", "pos", "seg", "segs", "token")
+    __slots__ = ("crc", "done", "ends", "fn", "left", "pos", "ref", "seg", "segs", "token",
+                 "want")
 
     def __init__(self, token: Any, segs: Sequence[memoryview], left: int,
-                 ends: list[int]) -> None:
+                 ends: list[int], want: int | None = None, fn: crc32c.CrcFn | None = None,
+                 ref: tuple[int, int] = (0, 0)) -> None:
         self.token = token
         self.segs = segs
         self.ends = ends
@@ -213,6 +228,12 @@ class _Incoming:
         self.pos = 0
         self.done = 0
         self.left = left
+        # A verified read's: the responder's CRC32C of the payload, ours so far (taken
+        # over each receive's bytes as they are placed, while in cache), the function.
+        self.want = want
+        self.crc = 0
+        self.fn = fn
+        self.ref = ref
 
     @property
     def dropping(self) -> bool:
@@ -225,6 +246,8 @@ class _Incoming:
         self.done += len(data)
         if self.dropping:
             return
+        if self.fn is not None:
+            self.crc = self.fn(data, self.crc)
         self.seg, self.pos = scatter_into(self.segs, self.seg, self.pos, data)
 
     def views(self) -> list[memoryview]:
@@ -238,6 +261,8 @@ class _Incoming:
         return [first, *segs[i + 1:min(j + 1, i + _IOV)]]
 
     def advance(self, n: int) -> None:
+        if self.fn is not None and not self.dropping:
+            self.crc = crc32c.crc_span(self.fn, self.segs, self.seg, self.pos, n, self.crc)
         self.left -= n
         done = self.done = self.done + n
         ends = self.ends
@@ -278,6 +303,10 @@ class OutboundLink(LinkEnd):
         self._reads: dict[tuple[int, int], tuple[Sequence[memoryview], list[int]]] = {}
         self._in: _Incoming | None = None
         self._dropped = False  # the last receive went to the buffer (a dropped payload)
+        # Reads asked with RX_CRC and not yet answered: their answer must carry one.
+        self._crc_asked: set[tuple[int, int]] = set()
+        # Answers to verified reads whose checksum failed, in a row (MISMATCH_CUTOFF).
+        self.mismatches = 0
         self.completions: list[tuple[Any, TransferdError | None]] = []
 
     @property
@@ -359,18 +388,29 @@ class OutboundLink(LinkEnd):
             self._waiting.append((self.send, (token, op, part, message)))
 
     def read(self, token: Any, op: int, part: int, rkey: int, addrs: list[int],
-             lens: list[int], into: Sequence[memoryview]) -> None:
+             lens: list[int], into: Sequence[memoryview], verify: bool = False,
+             trace: bytes | None = None) -> None:
         """Send a READ of the peer's pages; its answer lands in ``into`` (views of our
-        own memory, ``lens`` bytes in all), and ``token`` completes when it is whole."""
+        own memory, ``lens`` bytes in all), and ``token`` completes when it is whole.
+        ``verify``: the answer must carry its CRC32C, and ours of the bytes placed must
+        match it; ``trace``: the W3C trace id, for the responder's log records."""
         if self.state is LinkState.READY:
             key = (op, part)
             self._pending[key] = token
             self._reads[key] = (into, list(accumulate(map(len, into))))
-            self._sending.frame(token, key, encode_read(op, part, rkey, addrs, lens), (), 0)
+            if verify or trace is not None:
+                if verify:
+                    self._crc_asked.add(key)
+                frame = encode_read(op, part, rkey, addrs, lens, verify,
+                                    encode_ext(None, trace) if trace is not None else b"")
+            else:
+                frame = encode_read(op, part, rkey, addrs, lens)
+            self._sending.frame(token, key, frame, (), 0)
         elif self.state is LinkState.CLOSED:
             self.completions.append((token, self._closed_error()))
         else:
-            self._waiting.append((self.read, (token, op, part, rkey, addrs, lens, into)))
+            self._waiting.append((self.read, (token, op, part, rkey, addrs, lens, into, verify,
+                                              trace)))
 
     def forget(self, op: int, part: int) -> Any:
         """Stop waiting for the ACK of ``(op, part)`` (its transfer ended); its token."""
@@ -402,6 +442,7 @@ class OutboundLink(LinkEnd):
         for key in [*skipped, *out.drop_ended()]:
             pending.pop(key, None)
             reads.pop(key, None)  # (never asked: no answer comes)
+            self._crc_asked.discard(key)
         ended = [k for k, t in pending.items() if _ended(t)]
         for key in ended:
             del pending[key]
@@ -452,6 +493,7 @@ class OutboundLink(LinkEnd):
             self.completions.append((token, err))
         self._pending.clear()
         self._reads.clear()
+        self._crc_asked.clear()
         self._in = None
 
     # -- the peer's ACKs -------------------------------------------------------------------
@@ -489,7 +531,26 @@ class OutboundLink(LinkEnd):
         if not inc.left:
             self._in = None
             if not inc.dropping:  # (an ended transfer is owed nothing)
-                self.completions.append((inc.token, None))
+                self._whole(inc)
+
+    def _whole(self, inc: _Incoming) -> None:
+        """Every byte of a read's answer is in place: its completion, a verified one's
+        only if our checksum of the bytes placed is the responder's (else INTEGRITY:
+        the part is re-read once, domains/failover.py)."""
+        if inc.want is None or inc.crc == inc.want:
+            if inc.want is not None:
+                self.mismatches = 0
+            self.completions.append((inc.token, None))
+            return
+        op, part = inc.ref
+        self.completions.append((inc.token, IntegrityError(
+            f"checksum mismatch: the answer to READ part {part} of op {op} ({inc.done} "
+            f"bytes) on the {self.label}: CRC32C 0x{inc.crc:08x} placed, 0x{inc.want:08x} "
+            "sent")))
+        self.mismatches += 1
+        if self.mismatches >= MISMATCH_CUTOFF:
+            self.close(PeerUnreachable(f"{self.label}: {self.mismatches} checksum "
+                                       "mismatches in a row: cut off"))
 
     def _read_data(self, start: int, end: int) -> int:
         """The READ_DATA at ``start``: its answer, or its payload begun; where the next
@@ -512,10 +573,22 @@ class OutboundLink(LinkEnd):
                 self.completions.append((token, ack_error(status, buf[start + 24:
                                                                     start + 24 + mlen])))
             return start + 24 + mlen
+        got: int | None = None
         if mlen:
-            # (frame_size counts it, a stream would read it as payload: refused as an ok
-            # ACK with text is.)
-            raise BadFrame(f"an ok READ_DATA announcing a {mlen}-byte message")
+            # An extension block (peer_ext: the payload's CRC32C), only ever sent to a
+            # READ that asked for it (RX_CRC): its whole length is in the buffer first.
+            if mlen > MAX_EXT:
+                raise BadFrame(f"an ok READ_DATA with a {mlen}-byte extension block (at "
+                               f"most {MAX_EXT})")
+            if end - start < 24 + mlen:
+                return -1
+            if key not in self._crc_asked:
+                raise BadFrame(f"READ_DATA for op {op} part {part} with an extension block "
+                               "its READ did not ask for")
+            try:
+                got, _ = parse_ext(buf, start + 24, mlen, "READ_DATA")
+            except BadRequest as exc:  # (framed: but an answer we cannot trust)
+                raise BadFrame(exc.message) from None
         asked = self._reads.pop(key, None)
         if asked is None:
             # Nothing of it is read: the link is cut before any byte lands anywhere.
@@ -527,8 +600,22 @@ class OutboundLink(LinkEnd):
             raise BadFrame(f"READ_DATA of {plen} bytes for op {op} part {part}, which "
                            f"asked for {want}")
         token = self._pending.pop(key, None)
-        start += 24
-        inc = _Incoming(token, into, plen, ends)
+        start += 24 + mlen
+        fn: crc32c.CrcFn | None = None
+        crc_asked = self._crc_asked
+        if crc_asked and key in crc_asked:
+            crc_asked.discard(key)
+            if token is not None and got is None:
+                # Asked and not given: refused, and its bytes dropped unplaced (a verify
+                # asked for is never skipped).
+                self.completions.append((token, PeerAnswered(
+                    f"{self.label}: the answer to READ part {part} of op {op} came without "
+                    "the checksum it asked for (verify); refused")))
+                token = None
+            elif token is not None:
+                fn = crc32c.require()  # (this end asked: it has one)
+        inc = _Incoming(token, into, plen, ends, got, fn, key) if fn is not None else \
+            _Incoming(token, into, plen, ends)
         k = min(end - start, plen)
         if k:
             view = self._view
@@ -537,7 +624,7 @@ class OutboundLink(LinkEnd):
         if inc.left:
             self._in = inc
         elif not inc.dropping:
-            self.completions.append((token, None))
+            self._whole(inc)
         return start + k
 
     def _frames(self) -> None:
@@ -559,8 +646,10 @@ class OutboundLink(LinkEnd):
                     if nxt < 0:
                         break
                     start = nxt
-                    if self._in is not None:
-                        break  # the rest of its payload goes straight into place
+                    if self._in is not None or self.state is LinkState.CLOSED:
+                        # The rest of its payload goes straight into place (or the link
+                        # was cut off for its checksums: nothing more is read).
+                        break
                     continue
                 if cmd != ACK:
                     raise BadFrame(f"peer frame 0x{cmd:02x} on a link that takes ACKs only "

@@ -16,11 +16,16 @@ ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, 
                [mlen bytes: the error's code, NUL, its message (UTF-8)]
 SEND   (0x43)  24 bytes: cmd u8, 0 u8, 0 u16, part u32, op u64, payload u64
                payload: the message
-READ   (0x46)  32 bytes: cmd u8, 0 u8, npages u16, part u32, op u64, rkey u64, total u64
+READ   (0x46)  32 bytes: cmd u8, flags u8, npages u16, part u32, op u64, rkey u64,
+               total u64
+               [ext u32, 0 u32]                               if flags & RX_EXT
                pages: npages x (addr u64, len u64), at the responder, adding up to total
+               [ext bytes]                                    (peer_ext: trace id)
 READ_DATA (0x47) 24 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32,
                op u64, payload u64
                [mlen bytes: the error's code, NUL, its message]  (status 1: payload 0)
+               [mlen bytes: an extension block (peer_ext: the payload's CRC32C)]
+                                                              (status 0, mlen > 0)
                payload: exactly the READ's ``total`` bytes, its pages in order
 SETUP  (0x4E)  8 bytes: cmd u8, status u8 (0 ok, 1 error), 0 u16, length u32
                [length bytes, at most 4096: the Domain's own set-up (verbs: its queue
@@ -37,6 +42,16 @@ answers on the same connection with one READ_DATA whose payload it sends straigh
 the region (views, never copied); the reader receives it straight into its own region,
 and cuts the link, before a byte lands, on a READ_DATA for a read it never asked or of
 another length than asked.
+
+Flags of a READ (issue 20; a READ without them is the 32 bytes it always was):
+RX_CRC (0x01) asks the responder for the CRC32C of the bytes it answers with, taken
+from its region and sent as the READ_DATA's extension block (a CRC32C entry); the
+reader takes its own over the bytes as they are placed and refuses a mismatch
+(INTEGRITY: the part is re-read once) or an answer without one.  RX_EXT (0x02): the
+fixed part is 40 bytes, its last 8 the length of an extension block after the page
+table (peer_ext: the reader's trace id, for the responder's log records).  A daemon
+from before issue 20 refuses any flag (the link is cut): a reader only sets them
+when its caller asked for verify or a trace.
 
 ``ext`` is the length of an extension block after a WRITE's page table
 (:mod:`.peer_ext`: a per-part CRC32C and a trace id, issue 20); a block this daemon
@@ -98,6 +113,10 @@ WID = 0x04
 AGAIN = 0x08
 UNIFORM = 0x10
 KNOWN_FLAGS = IMM | SPAN | WID | AGAIN | UNIFORM
+# READ flags: answer with the payload's CRC32C; an extension block follows the table.
+RX_CRC = 0x01
+RX_EXT = 0x02
+KNOWN_READ_FLAGS = RX_CRC | RX_EXT
 
 WRITE_HEAD = struct.Struct("<BBHIQQIIQQ")
 ACK_HEAD = struct.Struct("<BBHIQ")
@@ -108,8 +127,11 @@ SPAN_FMT = struct.Struct("<QQ")
 WRITE_ONE = struct.Struct("<BBHIQQIIQQQQ")
 WRITE_ONE_SPAN = struct.Struct("<BBHIQQIIQQQQQQ")
 READ_HEAD = struct.Struct("<BBHIQQQ")
+# A READ with RX_EXT: the fixed part and its extension block's length (and 4 zero bytes:
+# the page table stays 8-byte aligned).
+READ_EXT_HEAD = struct.Struct("<BBHIQQQII")
 READ_DATA_HEAD = struct.Struct("<BBHIQQ")
-assert READ_HEAD.size == 32 and READ_DATA_HEAD.size == 24
+assert READ_HEAD.size == 32 and READ_DATA_HEAD.size == 24 and READ_EXT_HEAD.size == 40
 assert WRITE_HEAD.size == 48 and ACK_HEAD.size == 16 and SEND_HEAD.size == 24
 
 _ack_ok = ACK_HEAD.pack
@@ -252,6 +274,9 @@ class ReadHeader:
     rkey: int
     addrs: list[int]
     lens: list[int]
+    # RX_CRC: the answer carries the CRC32C of its payload; the reader's trace id.
+    crc: bool = False
+    trace: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -259,28 +284,56 @@ class ReadHeader:
 
 
 def encode_read(op: int, part: int, rkey: int, addrs: Sequence[int],
-                lens: Sequence[int]) -> bytes:
-    """A READ: its fixed 32 bytes and its page table (no payload)."""
+                lens: Sequence[int], crc: bool = False, ext: bytes = b"") -> bytes:
+    """A READ: its fixed 32 bytes and its page table (no payload); ``crc`` asks for the
+    answer's checksum, ``ext`` an extension block (peer_ext: the trace id).  Neither:
+    the frame of issue 19, byte for byte."""
     n = len(addrs)
     table = [x for pair in zip(addrs, lens, strict=True) for x in pair]
-    return (READ_HEAD.pack(READ, 0, n, part, op, rkey, sum(lens))
+    flags = RX_CRC if crc else 0
+    if ext:
+        return (READ_EXT_HEAD.pack(READ, flags | RX_EXT, n, part, op, rkey, sum(lens),
+                                   len(ext), 0)
+                + struct.pack(f"<{2 * n}Q", *table) + ext)
+    return (READ_HEAD.pack(READ, flags, n, part, op, rkey, sum(lens))
             + struct.pack(f"<{2 * n}Q", *table))
 
 
 def check_read_head(flags: int, npages: int) -> None:
     """BadFrame for a READ header whose size cannot be trusted."""
-    if flags:
-        raise BadFrame(f"peer READ: unknown flag bits 0x{flags:02x}")
+    if flags & ~KNOWN_READ_FLAGS:
+        raise BadFrame(f"peer READ: unknown flag bits 0x{flags & ~KNOWN_READ_FLAGS:02x}")
     if npages > MAX_PAGES:
         raise BadFrame(f"peer READ of {npages} pages: at most {MAX_PAGES} go in a frame")
+
+
+def read_ext_len(buf: bytes | bytearray | memoryview, off: int) -> int:
+    """The extension block's length of the RX_EXT READ at ``off`` (its 40 bytes there);
+    BadFrame past MAX_EXT (the framing cannot be trusted)."""
+    ext = int.from_bytes(buf[off + 32:off + 36], "little")
+    if ext > MAX_EXT:
+        raise BadFrame(f"peer READ with a {ext}-byte extension block (at most {MAX_EXT})")
+    return ext
+
+
+def read_size(buf: bytes | bytearray | memoryview, off: int, flags: int, npages: int
+              ) -> int | None:
+    """The whole READ's length at ``off`` (fixed part, table, extension block), or None
+    while its fixed part (40 bytes with RX_EXT) is not all in ``buf``."""
+    if not flags & RX_EXT:
+        return 32 + 16 * npages
+    if len(buf) - off < 40:
+        return None
+    return 40 + 16 * npages + read_ext_len(buf, off)
 
 
 def parse_read(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, ...]
                ) -> ReadHeader:
     """The READ whose fixed part ``head`` was unpacked at ``off`` and whose table
     (16 bytes a page) follows it in ``buf``; BadRequest for framed but wrong contents."""
-    _cmd, _flags, n, part, op, rkey, total = head
-    table = struct.unpack_from(f"<{2 * n}Q", buf, off + 32)
+    _cmd, flags, n, part, op, rkey, total = head
+    pos = off + (40 if flags & RX_EXT else 32)
+    table = struct.unpack_from(f"<{2 * n}Q", buf, pos)
     addrs, lens = list(table[0::2]), list(table[1::2])
     if sum(lens) != total:
         raise BadRequest(f"peer READ: pages hold {sum(lens)} bytes but it asks for {total}")
@@ -289,13 +342,22 @@ def parse_read(buf: bytes | bytearray | memoryview, off: int, head: tuple[int, .
     if addrs and max(addrs) + max(lens) > _U64 + 1 and max(
             a + ln for a, ln in zip(addrs, lens, strict=True)) > _U64 + 1:
         raise BadRequest("peer READ: a page runs past the end of the address space")
-    return ReadHeader(op, part, rkey, addrs, lens)
+    r = ReadHeader(op, part, rkey, addrs, lens, bool(flags & RX_CRC))
+    if flags & RX_EXT:
+        got, r.trace = parse_ext(buf, pos + 16 * n, read_ext_len(buf, off), "READ")
+        if got is not None:
+            # (A checksum goes with bytes: a READ carries none, the answer does.)
+            raise BadRequest("peer READ: a CRC32C entry in a READ's extension block")
+    return r
 
 
 def encode_read_data(op: int, part: int, nbytes: int,
-                     error: TransferdError | None = None) -> bytes:
-    """A READ_DATA's header (``nbytes`` of payload follow it), or a refusal."""
+                     error: TransferdError | None = None, ext: bytes = b"") -> bytes:
+    """A READ_DATA's header (``nbytes`` of payload follow it) and, with ``ext``, its
+    extension block (peer_ext: the payload's CRC32C); or a refusal."""
     if error is None:
+        if ext:
+            return READ_DATA_HEAD.pack(READ_DATA, 0, len(ext), part, op, nbytes) + ext
         return READ_DATA_HEAD.pack(READ_DATA, 0, 0, part, op, nbytes)
     text = (error.code.value + "\0" + error.message).encode("utf-8", "replace")
     text = text[:MAX_ERROR_TEXT]
@@ -325,7 +387,7 @@ def frame_size(data: bytes | bytearray | memoryview) -> int | None:
             return None
         head = READ_HEAD.unpack_from(data)
         check_read_head(head[1], head[2])
-        return 32 + 16 * head[2]
+        return read_size(data, 0, head[1], head[2])
     if cmd == READ_DATA:
         if len(data) < 24:
             return None
@@ -398,7 +460,10 @@ __all__ = [
     "READ",
     "READ_DATA",
     "READ_DATA_HEAD",
+    "READ_EXT_HEAD",
     "READ_HEAD",
+    "RX_CRC",
+    "RX_EXT",
     "SEND",
     "SEND_HEAD",
     "SETUP",
@@ -423,5 +488,7 @@ __all__ = [
     "parse_message",
     "parse_read",
     "parse_write",
+    "read_ext_len",
+    "read_size",
     "write_table_len",
 ]
