@@ -605,22 +605,29 @@ class Client:
 
     async def submit_single_read(
         self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        """``length`` bytes of the peer region ``src`` into your region ``dst``."""
-        return await self.read_ops.submit_single_read(length, dst, src, timeout=timeout)
+        """``length`` bytes of the peer region ``src`` into your region ``dst``
+        (``verify``, ``traceparent``: docs/integrity.md, as for a write)."""
+        return await self.read_ops.submit_single_read(length, dst, src, timeout=timeout,
+                                                      verify=verify, traceparent=traceparent)
 
     async def submit_paged_reads(
         self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        return await self.read_ops.submit_paged_reads(page_len, dst, src, timeout=timeout)
+        return await self.read_ops.submit_paged_reads(page_len, dst, src, timeout=timeout,
+                                                      verify=verify, traceparent=traceparent)
 
     async def submit_gather(
         self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        return await self.read_ops.submit_gather(dst, srcs, timeout=timeout)
+        return await self.read_ops.submit_gather(dst, srcs, timeout=timeout, verify=verify,
+                                                 traceparent=traceparent)
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         return await self.engine.add_peer_group(addrs)

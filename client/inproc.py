@@ -742,24 +742,32 @@ class InprocClient(Client):
 
     async def submit_single_read(
         self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit("SINGLE_READ", "submit_single_read", length,
-                                  (dst[0].id, dst[1]), src, timeout=timeout)
+        return await self._submit(
+            "SINGLE_READ", "submit_single_read", length, (dst[0].id, dst[1]), src,
+            timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def submit_paged_reads(
         self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit("PAGED_READS", "submit_paged_reads", page_len,
-                                  (dst[0].id, dst[1]), src, timeout=timeout)
+        return await self._submit(
+            "PAGED_READS", "submit_paged_reads", page_len, (dst[0].id, dst[1]), src,
+            timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def submit_gather(
         self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
-        return await self._submit("GATHER", "submit_gather", dst.id, list(srcs),
-                                  timeout=timeout)
+        return await self._submit(
+            "GATHER", "submit_gather", dst.id, list(srcs), timeout=timeout, verify=verify,
+            traceparent=traceparent if traceparent is not None else current_traceparent())
 
     async def add_peer_group(self, addrs: Sequence[NetAddr]) -> PeerGroup:
         self._counted("ADD_PEER_GROUP")

@@ -8,6 +8,9 @@ with the typed error: ``NotFound`` for an rkey that is unknown, revoked, or name
 region its owner registered without ``access="r"`` (one answer for all three),
 ``OutOfBounds``, ``PeerUnreachable``, ``Timeout``, ``Cancelled``.  ``timeout=`` and
 ``completion.cancel()`` as for a write; a read can simply be repeated (no read id).
+``verify=`` and ``traceparent=`` as for a write (docs/integrity.md): the responder's
+CRC32C of what it sent checked against the reader daemon's of what landed; the trace
+id (by default the current OpenTelemetry span's) on the read in both daemons.
 ``submit_gather(mr, [(len, dst_off, desc, src_off), ...])`` reads several ranges, of
 one peer or several, into one region, with one completion.  The daemon lists ``read``
 in HELLO's ``features`` when it serves these (docs/protocol.md, 0x36-0x38).
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from transferd.protocol.constants import Command
 from transferd.protocol.values import MrDesc, Pages
 
+from .tracing import tag as _tag
+
 if TYPE_CHECKING:
     from .engine import Completion, EngineOps, MrHandle
 
@@ -33,25 +38,31 @@ class ReadOps:
 
     async def submit_single_read(
         self, length: int, dst: tuple[MrHandle, int], src: tuple[MrDesc, int],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
         body: dict[str, Any] = {"len": length, "dst": [dst[0].id, dst[1]],
                                 "src": [src[0].to_wire(), src[1]]}
+        _tag(body, verify, traceparent)
         return await self._engine._submit(Command.SINGLE_READ, body, timeout=timeout)
 
     async def submit_paged_reads(
         self, page_len: int, dst: tuple[MrHandle, Pages], src: tuple[MrDesc, Pages],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
         body: dict[str, Any] = {"page_len": page_len,
                                 "dst": [dst[0].id, dst[1].to_wire()],
                                 "src": [src[0].to_wire(), src[1].to_wire()]}
+        _tag(body, verify, traceparent)
         return await self._engine._submit(Command.PAGED_READS, body, timeout=timeout)
 
     async def submit_gather(
         self, dst: MrHandle, srcs: Sequence[tuple[int, int, MrDesc, int]],
-        *, timeout: float | None = None,
+        *, timeout: float | None = None, verify: bool | None = None,
+        traceparent: str | None = None,
     ) -> Completion:
         body: dict[str, Any] = {"mr": dst.id, "srcs": [[n, d, desc.to_wire(), s]
                                                        for n, d, desc, s in srcs]}
+        _tag(body, verify, traceparent)
         return await self._engine._submit(Command.GATHER, body, timeout=timeout)

@@ -7,7 +7,8 @@ EVENT frame with the request's cmd and seq once every byte is in the local regio
 (``{"ok": true}``) or the read failed (ERROR, ``{"code", "message"}``); deadline
 (``timeout_ms``) and CANCEL as for a write.  The local side (``dst``) is a region of
 this daemon (its ``mr``); the remote side (``src``) an MrDesc of a region its owner
-registered with ``access`` "r" or "rw".  docs/protocol.md has every body field.
+registered with ``access`` "r" or "rw".  ``verify`` and ``traceparent`` as a write's
+(docs/integrity.md).  docs/protocol.md has every body field.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transferd.protocol.messages import field, uint_field
 from transferd.protocol.values import MrDesc, Pages
 from transferd.service.service import few_enough, few_pages
 
-from .engine_handlers import _admitted, _ended, _pair, _service, _timeout, _uint
+from .engine_handlers import _admitted, _ended, _pair, _service, _tags, _timeout, _uint
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def single_read(session: Session, frame: Frame) -> Reply | Awaitable[Reply | Non
     src = (MrDesc.from_wire(desc), _uint(src_off, "src offset"))
     return _admitted(frame, service.submit_single_read(
         session.caller, frame.seq, length, dst, src, timeout=_timeout(frame),
-        on_end=_ended(session, frame)))
+        on_end=_ended(session, frame), **_tags(b)))
 
 
 @handler(Command.PAGED_READS)
@@ -56,7 +57,7 @@ def paged_reads(session: Session, frame: Frame) -> Reply | Awaitable[Reply | Non
     src = (MrDesc.from_wire(desc), Pages.from_wire(src_pages))
     return _admitted(frame, service.submit_paged_reads(
         session.caller, frame.seq, page_len, dst, src, timeout=_timeout(frame),
-        on_end=_ended(session, frame)))
+        on_end=_ended(session, frame), **_tags(b)))
 
 
 @handler(Command.GATHER)
@@ -77,4 +78,4 @@ def gather(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | 
                      MrDesc.from_wire(s[2]), _uint(s[3], f"srcs[{i}].src")))
     return _admitted(frame, service.submit_gather(
         session.caller, frame.seq, mr, srcs, timeout=_timeout(frame),
-        on_end=_ended(session, frame)))
+        on_end=_ended(session, frame), **_tags(b)))

@@ -148,7 +148,9 @@ class ReadPart:
     alts: Sequence[tuple[NetAddr, int]] | None = None
     # Re-read on another rail (a READ has no effect at the peer: nothing to drop).
     again: bool = False
-    # The submit's W3C trace id (26 bytes), as a WritePart's.
+    # verify: the answer carries the responder's CRC32C of its bytes, checked against
+    # ours of the bytes placed (peer_wire RX_CRC); ``trace`` the W3C trace id (26 bytes).
+    verify: bool = False
     trace: bytes | None = None
 
     @property

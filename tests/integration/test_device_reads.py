@@ -103,3 +103,37 @@ async def test_reads_into_device_memory_land_on_the_device(
     finally:
         await a.close()
         await b.close()
+
+
+@async_test(timeout=90)
+async def test_verified_traced_reads_of_and_into_device_memory(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """verify=True (issue 20) through staging on both ends: into device memory the
+    reader's checksum is taken over its staging chunks as they fill, of device memory
+    the responder's over its staging copy; traced too, and byte-exact."""
+    a = await Client.connect(pair[0].url)
+    b = await Client.connect(pair[1].url)
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    try:
+        data = os.urandom(CHUNK * CHUNKS)
+        dsrc = await b.alloc_buffer(len(data), device="standin:0")
+        await b.set_tensor(dsrc.tensor(), data)
+        _, ddesc = await b.reg_mr(dsrc, access="r")
+        dev = await a.alloc_buffer(len(data), device="standin:0")
+        dmr, _ = await a.reg_mr(dev)
+        r = await a.submit_single_read(len(data) - 4096, (dmr, 4096), (ddesc, 0),
+                                       verify=True, traceparent=tp)
+        await r.wait(WAIT)
+        got = bytes(await a.get_tensor(dev.tensor(4096, len(data) - 4096)))
+        assert digest(got) == digest(data[:-4096])
+        page = 16 * KiB
+        sidx, didx = [3, 1, 9], [0, 5, 2]
+        r = await a.submit_paged_reads(page, (dmr, Pages(didx, page)),
+                                       (ddesc, Pages(sidx, page)), verify=True)
+        await r.wait(WAIT)
+        for s, d in zip(sidx, didx, strict=True):
+            assert bytes(await a.get_tensor(dev.tensor(d * page, page))) == \
+                data[s * page:(s + 1) * page]
+    finally:
+        await a.close()
+        await b.close()

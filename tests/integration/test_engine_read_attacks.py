@@ -32,13 +32,16 @@ from tests.integration.engine_cluster import (
 from tests.integration.test_engine_reads import region
 from tests.peerlink import HostMemory, drain, feed
 from transferd.domains.rails import rail_bytes
+from transferd.protocol.crc import crc_of
 from transferd.protocol.errors import PeerUnreachable, Timeout
+from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_landing import Landing
 from transferd.protocol.peer_wire import (
     READ,
     READ_HEAD,
+    RX_EXT,
     encode_ack,
     encode_read,
     encode_read_data,
@@ -64,6 +67,9 @@ class LyingResponder:
         addrs = tuple(rail_bytes(*s.getsockname()) for s in self.listeners)
         self.me = PeerIdentity(secrets.randbits(62) + 1, 0, addrs)
         self.reads_seen = 0
+        # Each READ's flags and extension block (RX_CRC, RX_EXT: issue 20).
+        self.flags_seen: list[int] = []
+        self.ext_seen: list[bytes] = []
         self.cut = 0  # connections the daemon closed after a lie
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True)
@@ -107,9 +113,13 @@ class LyingResponder:
             return
         # From here on, raw fixed headers: take the READ, answer with the lie.
         head = self._exact(sock, 32)
-        cmd, _, npages, part, op, _, total = READ_HEAD.unpack(head)
+        cmd, flags, npages, part, op, _, total = READ_HEAD.unpack(head)
         assert cmd == READ
+        ext = int.from_bytes(self._exact(sock, 8)[:4], "little") if flags & RX_EXT else 0
         self._exact(sock, 16 * npages)
+        self.flags_seen.append(flags)
+        if ext:
+            self.ext_seen.append(self._exact(sock, ext))
         self.reads_seen += 1
         if self.lie == "silent":
             # Takes the READ, answers nothing, keeps the link open (a hung peer).
@@ -127,6 +137,14 @@ class LyingResponder:
             # answered on a live link, not a link of the reader's that failed.
             sock.sendall(encode_read_data(op, part, 0, PeerUnreachable(
                 "no route from here, says the peer")))
+        elif self.lie == "wrong_crc":
+            # Bytes with a checksum that is not theirs (issue 20: a verified read).
+            body = b"\xAA" * total
+            sock.sendall(encode_read_data(op, part, total, None,
+                                          encode_ext(crc_of([body]) ^ 1, None)) + body)
+        elif self.lie == "no_crc":
+            # Bytes without the checksum the READ asked for.
+            sock.sendall(encode_read_data(op, part, total) + b"\xAA" * total)
         elif self.lie == "more":
             sock.sendall(encode_read_data(op, part, total + 4096) + b"\xAA" * (total + 4096))
         else:

@@ -15,6 +15,10 @@ the source; a verified piece's checksum is taken from the source first, so the
 receiver sees the mismatch (and the initiator re-sends), while an unverified one
 lands corrupted.
 
+The answers a chaos daemon sends to its peers' READs are corrupted the same way (a
+copy with one byte flipped, the checksum a verified read asked for taken from the
+region first: the reader sees the mismatch and re-reads).
+
 A READ is cut the same way (a frame of pages into one READ per page, a range into
 aligned pieces), each piece after its own delay, its answer landing straight in its
 own slice of the reader's region: the read completes when every piece's bytes did,
@@ -24,6 +28,7 @@ in whatever order they came.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -156,7 +161,8 @@ def read_pieces(part: ReadPart, max_parts: int) -> list[ReadPart]:
     if 1 < n <= MAX_PIECES:
         intos = _cut(part.into, part.lens)
         return [ReadPart(part.rail, part.dst, part.rkey, [a], [ln], into,
-                         (part.index << 8) | k, part.op, part.parts, part.alts, part.again)
+                         (part.index << 8) | k, part.op, part.parts, part.alts, part.again,
+                         part.verify, part.trace)
                 for k, (a, ln, into) in enumerate(zip(part.addrs, part.lens, intos,
                                                       strict=True))]
     if n == 1 and part.lens[0] >= 2 * SPLIT_ALIGN:
@@ -166,7 +172,7 @@ def read_pieces(part: ReadPart, max_parts: int) -> list[ReadPart]:
             starts = [0, *accumulate(sizes)][:-1]
             return [ReadPart(part.rail, part.dst, part.rkey, [part.addrs[0] + s], [size],
                              into, (part.index << 8) | k, part.op, part.parts, part.alts,
-                             part.again)
+                             part.again, part.verify, part.trace)
                     for k, (s, size, into) in enumerate(
                         zip(starts, sizes, _cut(part.into, sizes), strict=True))]
     return [part]
@@ -223,6 +229,21 @@ class ChaosDomain(Domain):
         # engine.chaos_corrupt: the probability that a piece with bytes goes corrupted.
         self.corrupt = float(options.of("chaos").get("corrupt", 0.0))
         self.corrupted = 0
+        if self.corrupt:
+            # The answers this daemon sends to peers' READs go the same corrupting way
+            # (their checksum, if asked, taken from the region first: peer_inbound).
+            port.landing.corrupt_read = self._corrupt_read
+
+    def _corrupt_read(self, views: Sequence[memoryview]) -> list[memoryview] | None:
+        """A READ's answer: drawn for it, a copy of its bytes with one flipped (never the
+        region's own), else None (sent from the region)."""
+        rng = self._rng
+        if rng.random() >= self.corrupt:
+            return None
+        copy = bytearray(b"".join(views))
+        copy[rng.randrange(len(copy))] ^= 0xFF
+        self.corrupted += 1
+        return [memoryview(copy)]
 
     @property
     def address(self) -> bytes:

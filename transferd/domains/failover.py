@@ -24,7 +24,9 @@ again.
 A verified part whose checksum did not match where it landed (INTEGRITY: the
 receiver counted nothing of it) is re-sent once, on another rail if there is
 one, without marking its rail down; a second mismatch fails the transfer with
-that IntegrityError (docs/integrity.md).
+that IntegrityError (docs/integrity.md).  A verified READ whose answer did not
+match its checksum where this daemon placed it is re-read the same way (and the
+mismatch counted here, by peer and rail).
 
 Two-sided SENDs are not re-sent (a message could be delivered twice).  A READ's part
 is re-read on another rail the same way (a READ changes nothing at the peer; the
@@ -169,6 +171,9 @@ class Resend:
         """The receiver refused the part's bytes (checksum): once more, on another rail
         if there is one; False (the transfer fails with ``error``) the second time."""
         g, part = self.group, self.part
+        if type(part) is ReadPart:
+            # The reader found it (the writes' receivers count theirs where they land).
+            g.landing.integrity_failed(part.dst.node, part.rail)
         if self.rechecked or self.transfer.finished:
             return False
         self.rechecked = True
@@ -180,9 +185,11 @@ class Resend:
             move(part, (was + 1) % rails if rail is None else rail)
         part.again = True
         g.integrity_resends += 1
-        log.warning("part %d of op %d: checksum mismatch at node %016x rail %d (%s); "
-                    "re-sent on rail %d", part.index, part.op, part.dst.node, was,
-                    error.message, part.rail,
+        log.warning("part %d of op %d: checksum mismatch %s node %016x rail %d (%s); "
+                    "%s on rail %d", part.index, part.op,
+                    "of the answer from" if type(part) is ReadPart else "at", part.dst.node,
+                    was, error.message,
+                    "re-read" if type(part) is ReadPart else "re-sent", part.rail,
                     extra=trace_fields(part.trace))
         g.domains[part.rail].post(part, self)  # type: ignore[arg-type]
         return True

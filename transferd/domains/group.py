@@ -268,8 +268,8 @@ class DomainGroup:
             for part in parts:
                 t: Any = transfer if spans is None else spans.part(transfer, part,
                                                                     transfer.span)
-                if type(part) is WritePart and part.verify:
-                    # A checksum mismatch re-sends it once (failover.Resend).
+                if not isinstance(part, SendPart) and part.verify:
+                    # A checksum mismatch re-sends (re-reads) it once (failover.Resend).
                     post(part, Resend(self, t, part))  # type: ignore[arg-type]
                 else:
                     post(part, t)

@@ -369,18 +369,33 @@ class TransferEngine:
     # -- one-sided reads (reads.py) ----------------------------------------------------
 
     def submit_single_read(self, length: int, dst: tuple[int, int],
-                           src: tuple[MrDesc, int]) -> asyncio.Future[None]:
-        """``length`` bytes of the peer region ``src`` into our region ``dst``."""
-        return self.reads.single(length, dst, src)
+                           src: tuple[MrDesc, int], owner: Hashable = None, *,
+                           verify: bool | None = None, traceparent: str | None = None
+                           ) -> asyncio.Future[None]:
+        """``length`` bytes of the peer region ``src`` into our region ``dst``.  ``owner``:
+        the submitting connection (inflight); ``verify``: the responder's CRC32C of what
+        it sent checked against ours of what landed (None: engine.verify);
+        ``traceparent``: W3C."""
+        return self.reads.single(length, dst, src, owner, self._read_tag(verify, traceparent))
 
     def submit_paged_reads(self, page_len: int, dst: tuple[int, Pages],
-                           src: tuple[MrDesc, Pages]) -> asyncio.Future[None]:
-        return self.reads.paged(page_len, dst, src)
+                           src: tuple[MrDesc, Pages], owner: Hashable = None, *,
+                           verify: bool | None = None, traceparent: str | None = None
+                           ) -> asyncio.Future[None]:
+        return self.reads.paged(page_len, dst, src, owner,
+                                self._read_tag(verify, traceparent))
 
-    def submit_gather(self, dst_region: int, srcs: Sequence[tuple[int, int, MrDesc, int]]
-                      ) -> asyncio.Future[None]:
+    def submit_gather(self, dst_region: int, srcs: Sequence[tuple[int, int, MrDesc, int]],
+                      owner: Hashable = None, *, verify: bool | None = None,
+                      traceparent: str | None = None) -> asyncio.Future[None]:
         """Several peer ranges ``(len, dst_off, desc, src_off)`` into our region, as one."""
-        return self.reads.gather(dst_region, srcs)
+        return self.reads.gather(dst_region, srcs, owner, self._read_tag(verify, traceparent))
+
+    def _read_tag(self, verify: bool | None, traceparent: str | None) -> Tag:
+        # (Nothing asked and no engine.verify: the untagged read, no call.)
+        if verify is None and traceparent is None and not self.config.verify:
+            return _UNTAGGED
+        return self._tag(verify, traceparent, "read")
 
     def _check_wid(self, wid: int | None) -> None:
         """A write id this engine can honour (before anything else is looked up)."""
@@ -393,15 +408,19 @@ class TransferEngine:
             raise BadRequest(f"write ids need a Domain whose receiver sees each write "
                              f"(tcp, chaos), not {self.config.domain}")
 
-    def _tag(self, verify: bool | None, traceparent: str | None) -> Tag:
+    def _tag(self, verify: bool | None, traceparent: str | None, what: str = "write") -> Tag:
         """What a submit's parts carry besides their bytes: (verify, trace id bytes)."""
         if verify is None:
             verify = self.config.verify
         if verify:
             if not self.capabilities.sees_writes:
-                raise BadRequest(f"verify needs a Domain whose receiver sees each write's "
-                                 f"bytes (tcp, chaos), not {self.config.domain}: without "
-                                 "one no checksum could be checked")
+                # (A NIC places a READ's answer as it does a WRITE: no code of ours sees
+                # its bytes on either side.)
+                side = "receiver sees each write's" if what == "write" else \
+                    "reader and responder see each read's"
+                raise BadRequest(f"verify needs a Domain whose {side} bytes (tcp, chaos), "
+                                 f"not {self.config.domain}: without one no checksum "
+                                 "could be checked")
             crc.require()  # BadRequest saying what to install, where it is missing
         return (bool(verify), trace.parse(traceparent) if traceparent is not None else None)
 

@@ -17,13 +17,16 @@ A read completes when every byte of every part is in the local region; nothing i
 counted anywhere (a READ carries no immediate).  Its deadline and CANCEL are a
 write's; a read that ended early (timed out, cancelled) writes nothing more into the
 local region: what of it still arrives is dropped by the link (peer_outbound).
+A read may be verified (``verify``: the responder's CRC32C of the bytes it sent, ours of
+the bytes placed, a mismatch re-read once) and traced (``traceparent``: on its inflight
+entry, in its READ frames, in its span ``transferd.read``), as a write: docs/integrity.md.
 Pure planning here, and the engine's submit (no I/O).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from transferd.memory.staging import Claim
@@ -35,8 +38,18 @@ from .device_source import plan_staging
 from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails, check_space, paged_frames
 
 if TYPE_CHECKING:
-    from .engine import TransferEngine
+    from .engine import Tag, TransferEngine
     from .regions import Region
+
+
+def tagged(parts: list[ReadPart], tag: Tag) -> list[ReadPart]:
+    """The planned parts, each carrying the submit's verify and trace id (a chaos
+    Domain's pieces, a re-read on another rail, carry them on)."""
+    verify, trace_id = tag
+    if verify or trace_id is not None:
+        for p in parts:
+            p.verify, p.trace = verify, trace_id
+    return parts
 
 
 def _check_src(desc: MrDesc, off: int, length: int) -> None:
@@ -147,8 +160,8 @@ class Reads:
         return self.engine.regions.get(region_id)
 
     def _into_device(self, op: int, region: Region, pages: list[tuple[int, int]],
-                     plan: Callable[[list[memoryview]], list[ReadPart]]
-                     ) -> asyncio.Future[None]:
+                     plan: Callable[[list[memoryview]], list[ReadPart]],
+                     owner: Hashable = None) -> asyncio.Future[None]:
         """A read into device memory: received into pinned staging of the region's group
         (waiting for chunks: back-pressure), then copied host to device; it completes
         only once those copies' event completed.  ``pages``: (absolute address, length)
@@ -168,7 +181,8 @@ class Reads:
                     chunks = await claim.take(need)
                 views = [chunks[c].view[off:off + n]
                          for (c, off), (_, n) in zip(places, pages, strict=True)]
-                reading = e._submit(op, plan(views), None, e.group_of(region))
+                reading = e._submit(op, plan(views), None, e.group_of(region), owner,
+                                    kind="read")
                 me = asyncio.current_task()
                 entry = e._transfers.get(reading)
                 if me is not None and entry is not None:
@@ -189,8 +203,10 @@ class Reads:
 
         return asyncio.ensure_future(run())
 
-    def single(self, length: int, dst: tuple[int, int], src: tuple[MrDesc, int]
-               ) -> asyncio.Future[None]:
+    def single(self, length: int, dst: tuple[int, int], src: tuple[MrDesc, int],
+               owner: Hashable = None, tag: Tag = (False, None)) -> asyncio.Future[None]:
+        """``owner``: the submitting connection (what inflight names); ``tag``: the
+        submit's (verify, trace id), TransferEngine._read_tag."""
         e = self.engine
         e._check_descs([src[0]])
         region = self._local(dst[0])
@@ -199,15 +215,16 @@ class Reads:
             start = region.ptr + dst[1]
             pages = [(start + k, min(step, length - k)) for k in range(0, length, step)]
             op = e.next_op()
-            return self._into_device(op, region, pages or [(start, 0)], lambda v: (
-                plan_single_read(op, length, v, src[0], src[1], e.rails)))
+            return self._into_device(op, region, pages or [(start, 0)], lambda v: tagged(
+                plan_single_read(op, length, v, src[0], src[1], e.rails), tag), owner)
         into = region.view(region.ptr + dst[1], length)
         op = e.next_op()
         parts = plan_single_read(op, length, into, src[0], src[1], e.rails)
-        return e._submit(op, list(parts), region.buffer.ref(), e.group_of(region))
+        return e._submit(op, tagged(parts, tag), region.buffer.ref(), e.group_of(region),
+                         owner, kind="read")
 
-    def paged(self, page_len: int, dst: tuple[int, Pages], src: tuple[MrDesc, Pages]
-              ) -> asyncio.Future[None]:
+    def paged(self, page_len: int, dst: tuple[int, Pages], src: tuple[MrDesc, Pages],
+              owner: Hashable = None, tag: Tag = (False, None)) -> asyncio.Future[None]:
         e = self.engine
         e._check_descs([src[0]])
         region = self._local(dst[0])
@@ -222,16 +239,17 @@ class Reads:
         op = e.next_op()
         if region.staging is not None:
             pages = [(base + i * dp.stride, page_len) for i in dp.indices]
-            return self._into_device(op, region, pages, lambda v: (
-                plan_paged_reads(op, page_len, v, src[0], sp, e.rails)))
+            return self._into_device(op, region, pages, lambda v: tagged(
+                plan_paged_reads(op, page_len, v, src[0], sp, e.rails), tag), owner)
         into = page_views(region, dp, page_len)
         parts = plan_paged_reads(op, page_len, into, src[0], sp, e.rails)
         if not parts:  # zero pages: nothing moves
             return e._submit(op, [], None, e.group_of(region))
-        return e._submit(op, list(parts), region.buffer.ref(), e.group_of(region))
+        return e._submit(op, tagged(parts, tag), region.buffer.ref(), e.group_of(region),
+                         owner, kind="read")
 
-    def gather(self, region_id: int, srcs: Sequence[tuple[int, int, MrDesc, int]]
-               ) -> asyncio.Future[None]:
+    def gather(self, region_id: int, srcs: Sequence[tuple[int, int, MrDesc, int]],
+               owner: Hashable = None, tag: Tag = (False, None)) -> asyncio.Future[None]:
         """Each ``(len, dst_off, desc, src_off)`` into our region: one transfer (one
         completion), each range a single read of its own (an op each, as a scatter)."""
         e = self.engine
@@ -247,8 +265,8 @@ class Reads:
             first = first or op
             into = region.view(region.ptr + dst_off, length)
             parts += plan_single_read(op, length, into, desc, src_off, e.rails)
-        return e._submit(first or e.next_op(), list(parts), region.buffer.ref(),
-                         e.group_of(region))
+        return e._submit(first or e.next_op(), tagged(parts, tag), region.buffer.ref(),
+                         e.group_of(region), owner, kind="read")
 
 
 __all__ = ["Reads", "plan_paged_reads", "plan_single_read"]

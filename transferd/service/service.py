@@ -420,29 +420,37 @@ class Service:
 
     def submit_single_read(self, caller: Caller, key: int, length: int,
                            dst: tuple[int, int], src: tuple[MrDesc, int], *,
-                           timeout: float | None = None, on_end: End) -> Admitted:
+                           timeout: float | None = None, on_end: End,
+                           verify: bool | None = None, traceparent: str | None = None
+                           ) -> Admitted:
         """``length`` bytes of the peer region ``src = (desc, offset)`` into our region
-        ``dst = (mr, offset)``; done once every byte is in place."""
+        ``dst = (mr, offset)``; done once every byte is in place.  ``caller`` is its
+        owner (inflight); ``verify``, ``traceparent``: as a write's (docs/integrity.md)."""
         engine = self._engine()
         return self.submit(caller, key, Command.SINGLE_READ, lambda: engine.submit_single_read(
-            length, dst, src), timeout, on_end)
+            length, dst, src, caller, verify=verify, traceparent=traceparent), timeout, on_end)
 
     def submit_paged_reads(self, caller: Caller, key: int, page_len: int,
                            dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
-                           timeout: float | None = None, on_end: End) -> Admitted:
+                           timeout: float | None = None, on_end: End,
+                           verify: bool | None = None, traceparent: str | None = None
+                           ) -> Admitted:
         engine = self._engine()
         few_pages(engine, dst[1], "PAGED_READS")
         few_pages(engine, src[1], "PAGED_READS")
         return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
-            page_len, dst, src), timeout, on_end)
+            page_len, dst, src, caller, verify=verify, traceparent=traceparent), timeout,
+            on_end)
 
     def submit_gather(self, caller: Caller, key: int, mr: int,
                       srcs: Sequence[tuple[int, int, MrDesc, int]], *,
-                      timeout: float | None = None, on_end: End) -> Admitted:
+                      timeout: float | None = None, on_end: End,
+                      verify: bool | None = None, traceparent: str | None = None
+                      ) -> Admitted:
         engine = self._engine()
         few_enough(engine, srcs, "GATHER", "sources")
         return self.submit(caller, key, Command.GATHER, lambda: engine.submit_gather(
-            mr, srcs), timeout, on_end)
+            mr, srcs, caller, verify=verify, traceparent=traceparent), timeout, on_end)
 
     def submit_single_write(self, caller: Caller, key: int, length: int, imm: int | None,
                             src: tuple[int, int], dst: tuple[MrDesc, int], *,

@@ -433,7 +433,7 @@ class PeerLink:
                        part.ext if part.verify or part.trace is not None else b"")
         elif type(part) is ReadPart:
             core.read(transfer, part.op, part.index, part.rkey, part.addrs, part.lens,
-                      part.into)
+                      part.into, part.verify, part.trace)
         else:
             assert isinstance(part, SendPart)
             core.send(transfer, part.op, part.index, part.msg)
@@ -566,6 +566,13 @@ class InboundPeer:
                 event.admission.land(landed)
             except TransferdError as exc:
                 self._landed(land, exc)
+        elif type(event) is Placed and event.what == "read":
+            if log.isEnabledFor(logging.DEBUG):  # (a traced READ's, with its trace id)
+                peer = self.core.peer
+                log.debug("rail %d: READ part %d of op %d from node %s answered (%d bytes)",
+                          d.rail, event.ref[1], event.ref[0],
+                          f"{peer.node:016x}" if peer else "?", event.nbytes,
+                          extra=trace_fields(event.trace))
         elif type(event) is Placed:
             spans = tracing.SPANS
             if spans is not None:  # a traced part landed: its span (transferd.tracing)
