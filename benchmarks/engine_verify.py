@@ -1,4 +1,5 @@
-"""(v) What checksums cost: a 1 GiB and a 4 KiB write with ``verify=True`` and without.
+"""(v) What checksums cost: a 1 GiB and a 4 KiB write, and read, with ``verify=True``
+and without.
 
 One pair of daemons (placed as every engine figure, :mod:`benchmarks.engine_common`),
 one client; in alternating rounds:
@@ -9,8 +10,13 @@ one client; in alternating rounds:
 - ``4 KiB``: ``n`` sequential 4 KiB writes, the latency of each (submit to
   completion), ``verify=False`` and ``verify=True``; the p50 of each round.
 
+- the same two for one-sided reads B -> A, into the region A writes from (B's is
+  registered ``"rw"``): ``verify=True`` has B take the CRC32C of the bytes it answers
+  with from its region and A take its own as they are placed.
+
 Targets (issue 20): 1 GiB with verify at least 0.85x the rate without; 4 KiB p50 with
-verify at most 1.1x the one without.  After the rounds B's bytes are checked against A's.
+verify at most 1.1x the one without; the same for reads.  After the rounds B's bytes
+are checked against A's (a write and a read of the same range keep them equal).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from .harness import (
 )
 
 NAME = "engine_verify"
-TITLE = "(v) checksums: 1 GiB and 4 KiB writes with verify and without"
+TITLE = "(v) checksums: 1 GiB and 4 KiB writes and reads with verify and without"
 SECTION = SECTION
 
 SMALL = 4096
@@ -49,32 +55,52 @@ TIMEOUT = 120.0
 
 
 class _Arm(TransferdArm):
-    async def fill(self) -> None:
-        await fill_remote(self.ca, self.src, self.size)
-        await super().fill()
+    async def _setup(self) -> None:
+        from client import Client
 
-    async def _bulk(self, size: int, verify: bool) -> float:
+        self.ca = await Client.connect(self.a_url)
+        self.cb = await Client.connect(self.b_url)
+        self.src = await self.ca.alloc_buffer(self.size)
+        self.dst = await self.cb.alloc_buffer(self.size)
+        await fill_remote(self.ca, self.src, self.size)
+        await self.cb.buffer_clear(self.dst, 0)
+        self.mr, _ = await self.ca.reg_mr(self.src)
+        # Readable too: the read arms pull B's bytes back into A's region.
+        _, self.desc = await self.cb.reg_mr(self.dst, access="rw")
+
+    async def _bulk(self, size: int, verify: bool, read: bool) -> float:
         t0 = time.perf_counter()
-        c = await self.ca.submit_single_write(size, None, (self.mr, 0), (self.desc, 0),
-                                              verify=verify)
+        if read:
+            c = await self.ca.submit_single_read(size, (self.mr, 0), (self.desc, 0),
+                                                 verify=verify)
+        else:
+            c = await self.ca.submit_single_write(size, None, (self.mr, 0), (self.desc, 0),
+                                                  verify=verify)
         await asyncio.wait_for(c, TIMEOUT)
         return time.perf_counter() - t0
 
-    async def _small(self, n: int, verify: bool) -> list[float]:
-        submit = self.ca.submit_single_write
+    async def _small(self, n: int, verify: bool, read: bool) -> list[float]:
         src, dst = (self.mr, 0), (self.desc, 0)
         out = []
+        if read:
+            get = self.ca.submit_single_read
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await (await get(SMALL, src, dst, verify=verify))
+                out.append(time.perf_counter() - t0)
+            return out
+        submit = self.ca.submit_single_write
         for _ in range(n):
             t0 = time.perf_counter()
             await (await submit(SMALL, None, src, dst, verify=verify))
             out.append(time.perf_counter() - t0)
         return out
 
-    def bulk(self, size: int, verify: bool) -> float:
-        return float(self.loop.run_until_complete(self._bulk(size, verify)))
+    def bulk(self, size: int, verify: bool, read: bool = False) -> float:
+        return float(self.loop.run_until_complete(self._bulk(size, verify, read)))
 
-    def small(self, n: int, verify: bool) -> list[float]:
-        return list(self.loop.run_until_complete(self._small(n, verify)))
+    def small(self, n: int, verify: bool, read: bool = False) -> list[float]:
+        return list(self.loop.run_until_complete(self._small(n, verify, read)))
 
     def check(self, size: int) -> bool:
         async def check() -> bool:
@@ -98,24 +124,26 @@ def run(opts: Options) -> BenchResult:
     n = opts.pick(2000, 400)
     a, b = start_pair(s)
     arm = None
-    bulk: dict[bool, list[float]] = {False: [], True: []}
-    small: dict[bool, list[float]] = {False: [], True: []}
+    # By (read, verify): the writes' and the reads' rounds.
+    bulk: dict[tuple[bool, bool], list[float]] = {(r, v): [] for r in (False, True)
+                                                  for v in (False, True)}
+    small: dict[tuple[bool, bool], list[float]] = {k: [] for k in bulk}
     try:
         with client_on(s.initiator):
             arm = _Arm(a.url, b.url, size)
             arm.setup()
-            for v in (False, True):  # untimed: links up, pages touched
-                arm.bulk(size, v)
-                arm.small(200, v)
-            arms = [("bulk", False), ("bulk", True), ("small", False), ("small", True)]
-            for r, (kind, v) in interleave(arms, rounds):
+            for rd, v in bulk:  # untimed: links up, pages touched
+                arm.bulk(size, v, rd)
+                arm.small(200, v, rd)
+            arms = [(kind, k) for kind in ("bulk", "small") for k in bulk]
+            for r, (kind, (rd, v)) in interleave(arms, rounds):
                 with quiet_gc():
                     if kind == "bulk":
-                        bulk[v].append(arm.bulk(size, v))
-                        opts.log(f"round {r} 1 GiB verify={v}: {size / bulk[v][-1] / GiB:.2f}"
-                                 " GiB/s")
+                        bulk[rd, v].append(arm.bulk(size, v, rd))
+                        opts.log(f"round {r} {'read' if rd else 'write'} verify={v}: "
+                                 f"{size / bulk[rd, v][-1] / GiB:.2f} GiB/s")
                     else:
-                        small[v].append(percentile(arm.small(n, v), 50))
+                        small[rd, v].append(percentile(arm.small(n, v, rd), 50))
             ok = arm.check(size)
     finally:
         if arm is not None:
@@ -124,23 +152,34 @@ def run(opts: Options) -> BenchResult:
         a.stop()
     if not ok:
         raise AssertionError("B's bytes differ from A's after the rounds")
-    bulk_ratio = median([off / on for off, on in zip(bulk[False], bulk[True], strict=True)])
-    small_ratio = median([on / off for off, on in zip(small[False], small[True], strict=True)])
     what = f"{size / GiB:g} GiB" if size >= GiB else f"{size // MiB} MiB"
     t = Table(f"{rounds} alternating rounds per arm, one rail on loopback (median over rounds; "
               "ratios per round, then the median)",
-              ["write", "verify=False", "verify=True", "ratio", "target"])
-    t.add(f"{what}: GiB/s", f"{size / median(bulk[False]) / GiB:.2f}",
-          f"{size / median(bulk[True]) / GiB:.2f}", fmt_ratio(bulk_ratio), ">= 0.85x")
-    t.add(f"4 KiB: p50 us ({n} sequential)", f"{median(small[False]) * 1e6:.1f}",
-          f"{median(small[True]) * 1e6:.1f}", fmt_ratio(small_ratio), "<= 1.1x")
+              ["op", "verify=False", "verify=True", "ratio", "target"])
+    ratios: dict[str, float] = {}
+    for rd in (False, True):
+        op = "read" if rd else "write"
+        off, on = bulk[rd, False], bulk[rd, True]
+        ratios[f"{op}_bulk"] = bulk_ratio = median(
+            [a / b for a, b in zip(off, on, strict=True)])
+        off, on = small[rd, False], small[rd, True]
+        ratios[f"{op}_small"] = small_ratio = median(
+            [b / a for a, b in zip(off, on, strict=True)])
+        t.add(f"{what} {op}: GiB/s", f"{size / median(bulk[rd, False]) / GiB:.2f}",
+              f"{size / median(bulk[rd, True]) / GiB:.2f}", fmt_ratio(bulk_ratio), ">= 0.85x")
+        t.add(f"4 KiB {op}: p50 us ({n} sequential)", f"{median(small[rd, False]) * 1e6:.1f}",
+              f"{median(small[rd, True]) * 1e6:.1f}", fmt_ratio(small_ratio), "<= 1.1x")
+        res.checks.append(Check(f"(v) {what} {op} rate, verify / without", bulk_ratio, ">=",
+                                0.85, "x"))
+        res.checks.append(Check(f"(v) 4 KiB {op} p50, verify / without", small_ratio, "<=",
+                                1.1, "x"))
     res.tables.append(t)
-    res.checks.append(Check(f"(v) {what} write rate, verify / without", bulk_ratio, ">=", 0.85,
-                            "x"))
-    res.checks.append(Check("(v) 4 KiB write p50, verify / without", small_ratio, "<=", 1.1,
-                            "x"))
     res.notes.append(f"placement: {s.describe()}")
-    res.data = {"bulk": {str(k): v for k, v in bulk.items()},
-                "small_p50": {str(k): v for k, v in small.items()},
-                "bulk_ratio": bulk_ratio, "small_ratio": small_ratio, "size": size, "n": n}
+    # (Keys "False"/"True" are the writes', as before reads were measured here.)
+    res.data = {"bulk": {("read " if rd else "") + str(v): x for (rd, v), x in bulk.items()},
+                "small_p50": {("read " if rd else "") + str(v): x
+                              for (rd, v), x in small.items()},
+                "bulk_ratio": ratios["write_bulk"], "small_ratio": ratios["write_small"],
+                "read_bulk_ratio": ratios["read_bulk"],
+                "read_small_ratio": ratios["read_small"], "size": size, "n": n}
     return res

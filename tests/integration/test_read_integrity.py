@@ -22,6 +22,7 @@ from tests.integration.engine_cluster import (
     RAILS,
     WAIT,
     Cluster,
+    MiB,
     client_url,
     engine_env,
     nodes,
@@ -43,6 +44,7 @@ from transferd.protocol.peer_wire import RX_CRC, RX_EXT
 
 own_daemons = engine_cluster.own_daemons
 clusters = engine_cluster.clusters
+cluster = engine_cluster.cluster
 
 
 @async_test(timeout=120)
@@ -270,3 +272,29 @@ async def test_an_inproc_engine_reads_verified_and_traced(
             await dst.close()
             await src.close()
             await b.close()
+
+
+@async_test(timeout=90)
+async def test_verified_reads_land_exactly(cluster: Cluster) -> None:
+    """verify=True on a single read of 20 MiB (parts of 8 MiB over both rails), a paged
+    and a gather one, on a clean path: byte-exact, and no checksum fails."""
+    async with nodes(cluster.a, cluster.b) as (a, b):
+        size = 20 * MiB + 4096
+        src = await region(b, size, seed=99, access="r")
+        dst = await region(a, size + 64 * 1024)
+        before = failures(cluster.a)
+        r = await a.client.submit_single_read(size, (dst.mr, 0), (src.desc, 0), verify=True)
+        pages = [3, 0, 7, 5]
+        p = await a.client.submit_paged_reads(
+            4096, (dst.mr, Pages(list(range(len(pages))), 4096, size)),
+            (src.desc, Pages(pages, 4096, 0)), verify=True)
+        g = await a.client.submit_gather(dst.mr, [(100, size + 40_000, src.desc, 77)],
+                                         verify=True)
+        assert await settle([r, p, g]) == [None, None, None]
+        got = await a.read(dst)
+        assert digest(got[:size]) == digest(bytes(src.data))
+        for k, s in enumerate(pages):
+            off = size + k * 4096
+            assert got[off:off + 4096] == bytes(src.data[s * 4096:(s + 1) * 4096])
+        assert got[size + 40_000:size + 40_100] == bytes(src.data[77:177])
+        assert failures(cluster.a) == before

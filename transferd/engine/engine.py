@@ -60,6 +60,7 @@ from .limits import MAX_MESSAGE
 from .peer_groups import PeerGroups
 from .peer_slots import PeerSlots
 from .plan import (
+    VERIFY_PART,
     SendPart,
     WritePart,
     plan_barrier,
@@ -801,11 +802,6 @@ class TransferEngine:
 # A submit's (verify, trace id) for its parts (TransferEngine._tag).
 Tag = tuple[bool, bytes | None]
 _UNTAGGED: Tag = (False, None)
-# A verified single write is sent in parts of at most this many bytes: each part's
-# checksum is taken just before it goes and checked as it lands, while the parts
-# before and after it are on the wire (one checksum of a whole gigabyte would be a
-# pause of its own at each end: docs/integrity.md, "What it costs").
-VERIFY_PART = 8 << 20
 
 
 def _verify_parts(length: int, tag: Tag) -> int | None:

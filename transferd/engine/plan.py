@@ -27,6 +27,11 @@ from transferd.protocol.values import MrDesc, Pages
 SPLIT_MIN = 1 << 20
 # Pages per WRITE frame: bounds the iovec list and the frame body.
 PAGES_PER_FRAME = 256
+# A verified single write (or read) goes in parts of at most this many bytes: each
+# part's checksum is taken just before it goes and checked as it lands, while the parts
+# before and after it are on the wire (one checksum of a whole gigabyte would be a
+# pause of its own at each end: docs/integrity.md, "What it costs").
+VERIFY_PART = 8 << 20
 
 
 @dataclass

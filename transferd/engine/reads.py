@@ -30,16 +30,38 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from transferd.memory.staging import Claim
-from transferd.parts import ReadPart, split_sizes
+from transferd.parts import SPLIT_ALIGN, ReadPart, split_sizes
 from transferd.protocol.errors import BadRequest, OutOfBounds
+from transferd.protocol.peer_coverage import MAX_PIECES
 from transferd.protocol.values import MrDesc, Pages
 
 from .device_source import plan_staging
-from .plan import PAGES_PER_FRAME, SPLIT_MIN, check_rails, check_space, paged_frames
+from .plan import (
+    PAGES_PER_FRAME,
+    SPLIT_MIN,
+    VERIFY_PART,
+    check_rails,
+    check_space,
+    paged_frames,
+)
+
+# A verified read's parts (verify_parts) are at most as many as a verified write's.
+MAX_VERIFY_PARTS = MAX_PIECES
 
 if TYPE_CHECKING:
     from .engine import Tag, TransferEngine
     from .regions import Region
+
+
+def verify_parts(length: int, tag: Tag) -> int | None:
+    """How many parts a verified single read of ``length`` goes in (None: as planned):
+    of VERIFY_PART bytes, as a verified write's, so that the responder takes each
+    part's checksum just before it sends it and the reader each as it lands, while the
+    parts before and after are on the wire (one checksum of a whole gigabyte before its
+    first byte went would be a pause of its own: docs/integrity.md)."""
+    if not tag[0] or length <= VERIFY_PART:
+        return None
+    return min(-(-length // VERIFY_PART), MAX_VERIFY_PARTS)
 
 
 def tagged(parts: list[ReadPart], tag: Tag) -> list[ReadPart]:
@@ -93,9 +115,11 @@ def page_views(region: Region, pages: Pages, page_len: int) -> list[memoryview]:
 
 def plan_single_read(op: int, length: int, into: memoryview | Sequence[memoryview],
                      desc: MrDesc, src_off: int, rails: int, *,
-                     split_min: int = SPLIT_MIN) -> list[ReadPart]:
+                     split_min: int = SPLIT_MIN, max_parts: int | None = None
+                     ) -> list[ReadPart]:
     """``length`` bytes at ``src_off`` of the peer's region into ``into`` (one view of
-    the local region, or the pieces of staging they go through)."""
+    the local region, or the pieces of staging they go through); ``max_parts``: in that
+    many parts (a verified read's, :func:`verify_parts`) rather than one per rail."""
     check_rails(len(desc.rkeys), rails, f"region at 0x{desc.ptr:x}")
     views = [into] if isinstance(into, memoryview) else list(into)
     have = sum(len(v) for v in views)
@@ -103,7 +127,10 @@ def plan_single_read(op: int, length: int, into: memoryview | Sequence[memoryvie
         raise OutOfBounds(f"destination holds {have} bytes for a read of {length}")
     _check_src(desc, src_off, length)
     rkeys = desc.rkeys
-    sizes = split_sizes(length, rails) if length >= split_min else [length]
+    n = rails if length >= split_min else 1
+    if max_parts is not None:
+        n = max(n, min(max_parts, max(1, length // SPLIT_ALIGN)))
+    sizes = split_sizes(length, n) if n > 1 else [length]
     parts: list[ReadPart] = []
     pos = 0
     for i, size in enumerate(sizes):
@@ -216,10 +243,12 @@ class Reads:
             pages = [(start + k, min(step, length - k)) for k in range(0, length, step)]
             op = e.next_op()
             return self._into_device(op, region, pages or [(start, 0)], lambda v: tagged(
-                plan_single_read(op, length, v, src[0], src[1], e.rails), tag), owner)
+                plan_single_read(op, length, v, src[0], src[1], e.rails,
+                                 max_parts=verify_parts(length, tag)), tag), owner)
         into = region.view(region.ptr + dst[1], length)
         op = e.next_op()
-        parts = plan_single_read(op, length, into, src[0], src[1], e.rails)
+        parts = plan_single_read(op, length, into, src[0], src[1], e.rails,
+                                 max_parts=verify_parts(length, tag) if tag[0] else None)
         return e._submit(op, tagged(parts, tag), region.buffer.ref(), e.group_of(region),
                          owner, kind="read")
 
@@ -264,7 +293,8 @@ class Reads:
             op = e.next_op()
             first = first or op
             into = region.view(region.ptr + dst_off, length)
-            parts += plan_single_read(op, length, into, desc, src_off, e.rails)
+            parts += plan_single_read(op, length, into, desc, src_off, e.rails,
+                                      max_parts=verify_parts(length, tag))
         return e._submit(first or e.next_op(), tagged(parts, tag), region.buffer.ref(),
                          e.group_of(region), owner, kind="read")
 
