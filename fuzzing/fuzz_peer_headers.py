@@ -2,7 +2,7 @@
 
 The first byte picks the end: 0 feeds the rest to an inbound link (a peer's WRITEs,
 SENDs and READs, landing in or read from a region of 64 KiB), 1 to an outbound one (the
-peer's ACKs and READ_DATA, for a SEND and a READ it made), each
+peer's ACKs and READ_DATA, for a SEND, a READ and a verified traced READ it made), each
 through an authenticated handshake done in memory.  Whatever the bytes, the link ends
 in ACKs or closed with BAD_FRAME (inbound) or PEER_UNREACHABLE (outbound), no exception
 escapes, nothing is left admitted, and no count moves but by pages that landed."""
@@ -23,6 +23,7 @@ SECRET = b"fuzzing secret"
 ME = PeerIdentity(0xA, 0, (b"127.0.0.1:1",))
 THEM = PeerIdentity(0xB, 0, (b"127.0.0.2:2",))
 BASE, SIZE, RKEY = 0x100000, 1 << 16, 0x5EC12E7
+TRACE = bytes(range(26))
 
 
 class _Placement:
@@ -120,14 +121,17 @@ def test_one_input(raw: bytes) -> None:
         assert mem.counted <= len(rest)
     else:
         into = bytearray(100)
+        checked = bytearray(100)
         out.send("token", 1, 0, b"x")
         out.read("read", 2, 0, RKEY, [BASE], [100], [memoryview(into)])
+        # A verified, traced read (issue 20): its answer's extension block, its checksum.
+        out.read("vread", 3, 0, RKEY, [BASE], [100], [memoryview(checked)], True, TRACE)
         _feed(out, rest)
         if out.closed:
             assert out.error is not None and out.error.code.value == "PEER_UNREACHABLE"
-        assert all(t in ("token", "read") for t, _ in out.completions)
+        assert all(t in ("token", "read", "vread") for t, _ in out.completions)
         # Bytes land in the read's memory only as its answer, never past it.
-        assert len(into) == 100
+        assert len(into) == 100 and len(checked) == 100
 
 
 def main() -> None:
