@@ -223,3 +223,18 @@ def test_a_refused_traced_read_names_its_trace_id() -> None:
     (refused,) = [e for e in p.inb.events if isinstance(e, Refused)]
     assert refused.what == "read" and refused.trace == TRACE
 
+
+
+def test_a_refused_verified_read_leaves_nothing_behind() -> None:
+    """Its READ_DATA refusal is the read's error, and the link forgets it asked for a
+    checksum (a long-lived link's bookkeeping stays bounded)."""
+    p, _, _ = pair()
+    r = p.region  # type: ignore[attr-defined]
+    dst = bytearray(4096)
+    for op in range(1, 6):
+        tok = Token()
+        p.out.read(tok, op, 0, r.rkeys[0] ^ 2, [r.ptr], [4096], [memoryview(dst)], True)
+        shuttle(p)
+        complete(p)
+        assert tok.error is not None and not isinstance(tok.error, IntegrityError)
+    assert not p.out._crc_asked and not p.out._reads and not p.out.closed

@@ -568,6 +568,7 @@ class OutboundLink(LinkEnd):
             if key not in self._reads:
                 raise BadFrame(f"READ_DATA for op {op} part {part}: no such read asked")
             del self._reads[key]
+            self._crc_asked.discard(key)  # (refused: no checksum comes for it)
             token = self._pending.pop(key, None)
             if token is not None:
                 self.completions.append((token, ack_error(status, buf[start + 24:
