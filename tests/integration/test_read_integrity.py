@@ -298,3 +298,27 @@ async def test_verified_reads_land_exactly(cluster: Cluster) -> None:
             assert got[off:off + 4096] == bytes(src.data[s * 4096:(s + 1) * 4096])
         assert got[size + 40_000:size + 40_100] == bytes(src.data[77:177])
         assert failures(cluster.a) == before
+
+
+@async_test(timeout=60)
+async def test_engine_verify_makes_every_read_verified(own_daemons: list[DaemonProcess]
+                                                       ) -> None:
+    """engine.verify on the reader: a read that says nothing asks for the checksum (a
+    responder that sends none is refused); verify=False opts that read out."""
+    (d,) = start_many([{"env": engine_env(RAILS["a"], verify=True,
+                                          secret_file=secret_file())}])
+    own_daemons.append(d)
+    liar = LyingResponder("no_crc")
+    try:
+        async with nodes(d) as (a,):
+            dst = await region(a, 64 * 1024, seed=38)
+            r = await a.client.submit_single_read(4096, (dst.mr, 0), (liar.desc(64 * 1024), 0))
+            with pytest.raises(PeerUnreachable, match="without the checksum"):
+                await r.wait(WAIT)
+            r = await a.client.submit_single_read(4096, (dst.mr, 0), (liar.desc(64 * 1024), 0),
+                                                  verify=False)
+            await r.wait(WAIT)
+            assert (await a.read(dst))[:4096] == b"\xAA" * 4096  # what it answered, taken
+            assert liar.flags_seen == [RX_CRC, 0]
+    finally:
+        liar.close()
