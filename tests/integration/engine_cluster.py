@@ -26,10 +26,13 @@ import atexit
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +41,7 @@ from typing import Any
 import pytest
 
 from client import Client, MrDesc, MrHandle, NetAddr, RemoteBuffer
-from tests.helpers import DaemonProcess, metric, pattern, scrape, wait_until
+from tests.helpers import REPO, DaemonProcess, metric, pattern, scrape, wait_until
 from transferd.domains.rails import parse_rail
 
 DOMAINS = ("tcp", "chaos")
@@ -438,3 +441,11 @@ def links_settle(listeners: Sequence[tuple[str, int]], want: Callable[[Links], b
 
     wait_until(check, timeout)
     return seen
+
+
+def inflight(d: DaemonProcess) -> list[dict[str, Any]]:
+    """`transferd inflight URL --json`, the CLI as an operator runs it."""
+    r = subprocess.run([sys.executable, "-m", "transferd.cli", "inflight", d.url, "--json"],
+                       capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return list(json.loads(r.stdout)["entries"])

@@ -6,6 +6,7 @@ sent from there.  Checked by checksum."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from client import Client, Pages
-from tests.helpers import DaemonProcess, async_test, digest
-from tests.integration.engine_cluster import engine_env, secret_file
+from tests.helpers import DaemonProcess, async_test, digest, wait_until
+from tests.integration.engine_cluster import engine_env, inflight, secret_file, stopped
 from transferd.protocol.errors import BadRequest
 
 KiB = 1024
@@ -134,6 +135,46 @@ async def test_verified_traced_reads_of_and_into_device_memory(
         for s, d in zip(sidx, didx, strict=True):
             assert bytes(await a.get_tensor(dev.tensor(d * page, page))) == \
                 data[s * page:(s + 1) * page]
+    finally:
+        await a.close()
+        await b.close()
+
+
+@async_test(timeout=90)
+async def test_a_read_into_device_memory_is_listed_while_it_waits_for_staging(
+        pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """A read into device memory is in flight from its submit: while a first read holds
+    every staging chunk (its peer stopped), a second is listed `queued`, waiting for
+    staging, with its owner and trace id; both end byte-exact once the peer is back."""
+    a = await Client.connect(pair[0].url)
+    b = await Client.connect(pair[1].url)
+    tid = "5bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        data = os.urandom(CHUNK * CHUNKS)
+        host = await b.alloc_buffer(len(data))
+        await b.set_tensor(host.tensor(), data)
+        _, hdesc = await b.reg_mr(host, access="r")
+        dev = await a.alloc_buffer(2 * len(data), device="standin:0")
+        dmr, _ = await a.reg_mr(dev)
+        with stopped(pair[1]):
+            first = await a.submit_single_read(len(data), (dmr, 0), (hdesc, 0))
+            second = await a.submit_single_read(len(data), (dmr, len(data)), (hdesc, 0),
+                                                traceparent=f"00-{tid}-{'4' * 16}-01")
+
+            def queued() -> list[dict]:
+                return [e for e in inflight(pair[0])
+                        if e["trace_id"] == tid and e["stage"] == "queued"]
+
+            assert await asyncio.to_thread(wait_until, lambda: bool(queued()), WAIT)
+            (e,) = queued()
+            assert e["kind"] == "read" and e["what"] == "waiting for staging chunks", e
+            assert e["owner"] and (e["done"], e["total"]) == (0, len(data)), e
+            assert not first.done()
+        await first.wait(WAIT)
+        await second.wait(WAIT)
+        got = bytes(await a.get_tensor(dev.tensor()))
+        assert digest(got[:len(data)]) == digest(data) == digest(got[len(data):])
+        assert not [e for e in inflight(pair[0]) if e["kind"] == "read"]
     finally:
         await a.close()
         await b.close()

@@ -5,7 +5,6 @@ warned about once as stalled, and its trace id is in both daemons' logs."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from tests.integration.engine_cluster import (
     WAIT,
     engine_env,
     fresh_imm,
+    inflight,
     nodes,
     secret_file,
     settle,
@@ -33,14 +33,6 @@ from transferd.protocol.errors import BadRequest
 from transferd.protocol.peer_ext import encode_ext
 
 own_daemons = engine_cluster.own_daemons
-
-
-def inflight(d: DaemonProcess) -> list[dict]:
-    """`transferd inflight URL --json`, the CLI as an operator runs it."""
-    r = subprocess.run([sys.executable, "-m", "transferd.cli", "inflight", d.url, "--json"],
-                       capture_output=True, text=True, timeout=30, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    return list(json.loads(r.stdout)["entries"])
 
 
 def text_inflight(d: DaemonProcess) -> str:

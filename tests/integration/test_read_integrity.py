@@ -25,6 +25,7 @@ from tests.integration.engine_cluster import (
     MiB,
     client_url,
     engine_env,
+    inflight,
     nodes,
     secret_file,
     settle,
@@ -33,7 +34,6 @@ from tests.integration.engine_cluster import (
 )
 from tests.integration.test_engine_read_attacks import LyingResponder
 from tests.integration.test_engine_reads import region
-from tests.integration.test_inflight import inflight
 from tests.integration.test_inproc import Side, inproc
 from tests.integration.test_integrity import failures
 from tests.integration.test_tracing import needs_sdk, spans_in

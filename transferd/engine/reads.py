@@ -36,6 +36,7 @@ from transferd.protocol.peer_coverage import MAX_PIECES
 from transferd.protocol.values import MrDesc, Pages
 
 from .device_source import plan_staging
+from .inflight import Stage
 from .plan import (
     PAGES_PER_FRAME,
     SPLIT_MIN,
@@ -188,11 +189,14 @@ class Reads:
 
     def _into_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[ReadPart]],
-                     owner: Hashable = None) -> asyncio.Future[None]:
+                     owner: Hashable = None, trace: bytes | None = None
+                     ) -> asyncio.Future[None]:
         """A read into device memory: received into pinned staging of the region's group
         (waiting for chunks: back-pressure), then copied host to device; it completes
         only once those copies' event completed.  ``pages``: (absolute address, length)
-        in the region, each at most a chunk; the chunks go back once the copies ended."""
+        in the region, each at most a chunk; the chunks go back once the copies ended.
+        In flight from the submit to the end: QUEUED while it waits for staging, the
+        transfer's stages while it reads, LANDING while the copies run."""
         e = self.engine
         assert e.loop is not None
         io, devs, places, need = plan_staging(region, pages)
@@ -200,12 +204,20 @@ class Reads:
         if e._staging_lock is None:
             e._staging_lock = asyncio.Lock()
         lock = e._staging_lock
+        inflight = e.inflight
+        nbytes = sum(n for _, n in pages)
+
+        def listed(stage: Stage, what: str) -> None:
+            inflight.add(op, "read", op=op, owner=owner, trace=trace, stage=stage,
+                         progress=lambda: (0, nbytes) if stage is Stage.QUEUED else (
+                             nbytes, nbytes), what=what)
 
         async def run() -> None:
             claim = Claim(io)
             try:
                 async with lock:  # one operation takes its chunks at a time
                     chunks = await claim.take(need)
+                inflight.remove(op)  # (the transfer's own entry from here)
                 views = [chunks[c].view[off:off + n]
                          for (c, off), (_, n) in zip(places, pages, strict=True)]
                 reading = e._submit(op, plan(views), None, e.group_of(region), owner,
@@ -221,6 +233,7 @@ class Reads:
                         e._transfers.pop(me, None)
                 # Every byte is in staging (a read that ended early wrote none after):
                 # now onto the device, and done only once it is there.
+                listed(Stage.LANDING, "copying into device memory")
                 for dev, (c, off), (_, n) in zip(devs, places, pages, strict=True):
                     io.stream.copy_h2d(dev, chunks[c].ptr + off, n)
                 await io.waiter.wait(claim.fence())
@@ -228,7 +241,10 @@ class Reads:
                 held.release()
                 claim.release()
 
-        return asyncio.ensure_future(run())
+        listed(Stage.QUEUED, "waiting for staging chunks")
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda _: inflight.remove(op))
+        return task
 
     def single(self, length: int, dst: tuple[int, int], src: tuple[MrDesc, int],
                owner: Hashable = None, tag: Tag = (False, None)) -> asyncio.Future[None]:
@@ -244,7 +260,7 @@ class Reads:
             op = e.next_op()
             return self._into_device(op, region, pages or [(start, 0)], lambda v: tagged(
                 plan_single_read(op, length, v, src[0], src[1], e.rails,
-                                 max_parts=verify_parts(length, tag)), tag), owner)
+                                 max_parts=verify_parts(length, tag)), tag), owner, tag[1])
         into = region.view(region.ptr + dst[1], length)
         op = e.next_op()
         parts = plan_single_read(op, length, into, src[0], src[1], e.rails,
@@ -269,7 +285,7 @@ class Reads:
         if region.staging is not None:
             pages = [(base + i * dp.stride, page_len) for i in dp.indices]
             return self._into_device(op, region, pages, lambda v: tagged(
-                plan_paged_reads(op, page_len, v, src[0], sp, e.rails), tag), owner)
+                plan_paged_reads(op, page_len, v, src[0], sp, e.rails), tag), owner, tag[1])
         into = page_views(region, dp, page_len)
         parts = plan_paged_reads(op, page_len, into, src[0], sp, e.rails)
         if not parts:  # zero pages: nothing moves
