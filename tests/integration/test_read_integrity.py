@@ -36,7 +36,7 @@ from tests.integration.test_engine_read_attacks import LyingResponder
 from tests.integration.test_engine_reads import region
 from tests.integration.test_inproc import Side, inproc
 from tests.integration.test_integrity import failures
-from tests.integration.test_tracing import needs_sdk, spans_in
+from tests.integration.test_tracing import needs_sdk, spanning, spans_in
 from transferd.protocol import trace
 from transferd.protocol.errors import BadRequest, PeerUnreachable
 from transferd.protocol.peer_ext import encode_ext
@@ -208,11 +208,7 @@ async def test_a_traced_read_has_its_span(own_daemons: list[DaemonProcess],
     ``transferd.read`` in the request's trace, a ``transferd.part`` under it per part;
     an untraced read makes none."""
     file = tmp_path / "a.jsonl"
-    a_d, b_d = start_many([
-        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(file),
-                 "OTEL_BSP_SCHEDULE_DELAY": "50",
-                 **engine_env(RAILS["a"], secret_file=secret_file())}},
-        {"env": engine_env(RAILS["b"], secret_file=secret_file())}])
+    a_d, b_d = spanning({"a": file, "b": None})
     own_daemons += [a_d, b_d]
     tid, parent = secrets.token_hex(16), secrets.token_hex(8)
     size = 4 << 20

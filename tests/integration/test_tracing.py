@@ -46,6 +46,17 @@ def spans_in(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def spanning(files: dict[str, Path | None]) -> list[DaemonProcess]:
+    """Daemons on RAILS[name] (started, ready) for each name of ``files``, exporting their
+    spans as JSON lines to that file (None: spans off), within 50 ms of each span's end
+    (the batch's delay), not at the default 5 s."""
+    return start_many([
+        {"env": {**({"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(f),
+                     "OTEL_BSP_SCHEDULE_DELAY": "50"} if f is not None else {}),
+                 **engine_env(RAILS[n], secret_file=secret_file())}}
+        for n, f in files.items()])
+
+
 def test_nothing_of_opentelemetry_is_imported_when_spans_are_off() -> None:
     """The engine, the Domains, the client and tracing.configure with nothing asking for
     spans load no opentelemetry module (whether the package is installed or not)."""
@@ -95,12 +106,7 @@ def test_spans_asked_for_without_the_sdk_refuse_to_start() -> None:
 async def test_a_traced_write_has_spans_on_both_daemons(own_daemons: list[DaemonProcess],
                                                         tmp_path: Path) -> None:
     files = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
-    # Exported within 50 ms (the batch's delay), not at the default 5 s.
-    a_d, b_d = start_many([
-        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(files[n]),
-                 "OTEL_BSP_SCHEDULE_DELAY": "50",
-                 **engine_env(RAILS[n], secret_file=secret_file())}}
-        for n in "ab"])
+    a_d, b_d = spanning(dict(files))
     own_daemons += [a_d, b_d]
     tid, parent = secrets.token_hex(16), secrets.token_hex(8)
     tp = f"00-{tid}-{parent}-01"
@@ -192,11 +198,7 @@ async def test_a_traced_barrier_and_send_have_spans(own_daemons: list[DaemonProc
     that sends them (transferd.barrier, transferd.send, with their parts); a barrier's
     zero-byte writes carry the trace id to the peer, whose landing spans name it."""
     files = {n: tmp_path / f"{n}.jsonl" for n in "ab"}
-    a_d, b_d = start_many([
-        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(files[n]),
-                 "OTEL_BSP_SCHEDULE_DELAY": "50",
-                 **engine_env(RAILS[n], secret_file=secret_file())}}
-        for n in "ab"])
+    a_d, b_d = spanning(dict(files))
     own_daemons += [a_d, b_d]
     tids = [secrets.token_hex(16) for _ in range(2)]
     a = Node(a_d, await engine_cluster.connect_node(a_d))
@@ -247,11 +249,7 @@ async def test_a_submit_without_traceparent_takes_the_current_span(
     from client import SyncClient
 
     out = tmp_path / "a.jsonl"
-    a_d, b_d = start_many([
-        {"env": {"TRANSFERD_LOG_OTEL": "console", "TRANSFERD_LOG_OTEL_FILE": str(out),
-                 "OTEL_BSP_SCHEDULE_DELAY": "50",
-                 **engine_env(RAILS["a"], secret_file=secret_file())}},
-        {"env": engine_env(RAILS["b"], secret_file=secret_file())}])
+    a_d, b_d = spanning({"a": out, "b": None})
     own_daemons += [a_d, b_d]
     ids = [(secrets.token_hex(16), secrets.token_hex(8)) for _ in range(2)]
 
