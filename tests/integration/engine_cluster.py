@@ -344,6 +344,21 @@ async def settle(completions: Sequence[Any], timeout: float = WAIT) -> list[Base
     return out
 
 
+async def verified(completions: Sequence[Any], timeout: float = WAIT * 2) -> list[int]:
+    """Settle verified transfers over a path that corrupts some pieces: each failed one
+    failed with the checksum's error (its re-send was corrupted too), at least half
+    succeeded; the indices of those that did."""
+    from transferd.protocol.errors import PeerUnreachable
+
+    errors = await settle(completions, timeout)
+    for e in errors:
+        assert e is None or (isinstance(e, PeerUnreachable)
+                             and "checksum mismatch" in str(e)), e
+    ok = [i for i, e in enumerate(errors) if e is None]
+    assert len(ok) >= len(errors) // 2, errors
+    return ok
+
+
 async def poll(fn: Callable[[], Any], want: Any, timeout: float = WAIT,
                interval: float = 0.01) -> Any:
     """Call async ``fn`` until it returns ``want`` (bounded); its last value."""
