@@ -277,6 +277,14 @@ class EngineConfig:
         "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",
         min=1, max=65536,
     )
+    max_regions: int = key(
+        65536,
+        "Most registered regions (REG_MR) the daemon holds, all buffers and clients "
+        "together; one more is refused with OUT_OF_MEMORY. A region is not charged to a "
+        "memory limit (about 2.3 KiB of the daemon's own each) and one buffer can be "
+        "registered again and again: 100,000 REG_MRs of one 4 KiB buffer took 228 MiB.",
+        min=1, max=1 << 22,
+    )
     max_scatter_dsts: int = key(
         4096,
         "Most destinations one SCATTER or BARRIER, or sources one GATHER, may name; more "

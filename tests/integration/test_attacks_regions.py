@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from tests.conftest import DaemonFactory
-from tests.helpers import RawConn
+from tests.helpers import DaemonProcess, RawConn
 from transferd.protocol.constants import Command, Flag
 
 
@@ -50,3 +50,54 @@ def test_closing_a_connection_with_many_registered_buffers_does_not_hold_the_loo
     listing = other.request(Command.STATS, {"buffers": True}).body
     assert listing["buffers"] == [], listing["buffers"][:3]
     other.close()
+
+
+def _rss_mib(d: DaemonProcess) -> float:
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_one_buffer_registered_again_and_again_is_bounded_by_engine_max_regions(
+        daemon_factory: DaemonFactory) -> None:
+    """REG_MR of one 4 KiB buffer, pipelined one-way: every one was taken, each a region
+    of about 2.3 KiB of the daemon's memory that no limit charges (100,000: +228 MiB;
+    without end, the OOM killer). Now at most engine.max_regions are held: the next is
+    OUT_OF_MEMORY naming the key (an EVENT|ERROR for a one-way one), the connection
+    goes on, and a DEREG_MR makes room again."""
+    cap = 1000
+    d = daemon_factory(env={"TRANSFERD_ENGINE_MAX_REGIONS": str(cap)})
+    c = RawConn.to(d, timeout=120)
+    c.hello()
+    (buf,) = _buffers(c, 1)
+    before = _rss_mib(d)
+    tries = 20_000
+    for _ in range(tries):
+        c.send(Command.REG_MR, {"buffer": buf}, flags=Flag.NO_REPLY)
+    sync = c.send(Command.SYNCHRONIZE, {})
+    refused = 0
+    while True:
+        f = c.recv()
+        if f.seq == sync and not f.is_event:
+            break
+        assert f.is_event and f.is_error, f
+        assert f.body["code"] == "OUT_OF_MEMORY", f.body
+        assert "engine.max_regions" in f.body["message"], f.body
+        refused += 1
+    assert refused == tries - cap
+    grew = _rss_mib(d) - before
+    assert grew < 16, f"the daemon grew {grew:.1f} MiB"
+    # Answered (not one-way): the same refusal; after a DEREG_MR, a region again.
+    f = c.request(Command.REG_MR, {"buffer": buf})
+    assert f.is_error and f.body["code"] == "OUT_OF_MEMORY", f
+    listing = c.request(Command.STATS, {"buffers": True}).body["buffers"]
+    regions = listing[0]["regions"]
+    assert len(regions) == cap
+    assert not c.request(Command.DEREG_MR, {"mr": regions[0]["id"]}).is_error
+    f = c.request(Command.REG_MR, {"buffer": buf})
+    assert not f.is_error, f
+    assert f.body["mr"] not in {r["id"] for r in regions}
+    c.close()

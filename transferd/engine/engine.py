@@ -97,7 +97,7 @@ class TransferEngine:
             # host can reach, unless told otherwise.
             self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
-        self.regions = RegionTable()
+        self.regions = RegionTable(config.max_regions)
         self.counter = ImmCounter(notify=self._notify, now=self._notify_now)
         # What every group lands writes and delivers messages through.
         self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)

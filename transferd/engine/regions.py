@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transferd.memory import Buffer, Ref
-from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds
+from transferd.protocol.errors import BadRequest, NotFound, OutOfBounds, OutOfMemory
 
 
 @dataclass(eq=False)
@@ -219,8 +219,15 @@ def check_access(access: str) -> str:
     return access
 
 
+# Regions held at once unless told otherwise (engine.max_regions).
+MAX_REGIONS = 65536
+
+
 class RegionTable:
-    def __init__(self) -> None:
+    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+        # A region costs the daemon memory no limit charges, and REG_MR of one buffer
+        # can be repeated: without a cap one client grew it without bound.
+        self.max_regions = max_regions
         self._by_id: dict[int, Region] = {}
         self._by_rkey: dict[int, Region] = {}
         # Each buffer's regions (by id, in the order made): a freed buffer's are found
@@ -233,6 +240,10 @@ class RegionTable:
     def register(self, buffer: Buffer, rails: int, access: str = "w") -> Region:
         check_access(access)
         with self._lock:
+            if len(self._by_id) >= self.max_regions:
+                raise OutOfMemory(f"{len(self._by_id)} regions registered: the most this "
+                                  "daemon holds at once (engine.max_regions); deregister "
+                                  "one (DEREG_MR) first")
             rkeys: list[int] = []
             while len(rkeys) < rails:
                 k = secrets.randbits(64)
