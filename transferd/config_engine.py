@@ -358,6 +358,13 @@ class EngineConfig:
         "are cancelled, or the connection closes.",
         min=1,
     )
+    max_expectations_total: int = key(
+        131072,
+        "Most EXPECT_IMM_COUNTs waiting on this daemon, all connections together; one more "
+        "is refused with TOO_LARGE. Each costs the daemon about 4 KiB (65,536 on immediates "
+        "of their own: 270 MiB), and one client may open many connections.",
+        min=1, max=1 << 24,
+    )
     expect_timeout_s: float = key(
         300.0,
         "The deadline of an EXPECT_IMM_COUNT that names none (timeout_ms): not reached by "

@@ -118,7 +118,8 @@ class TransferEngine:
             max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
             max_waiting=config.recv_waiting_max,
             wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
-        self.expectations = Expectations(self.counter, config.max_expectations)
+        self.expectations = Expectations(self.counter, config.max_expectations,
+                                         config.max_expectations_total)
         # What is in flight (transfers, expectations, reads) and stall warnings.
         self.inflight = InFlight(time.monotonic, config.stall_warn_s)
         self.inflight.sources.append(incoming(lambda: self.groups))

@@ -17,24 +17,43 @@ Handle = Callable[[], None]
 
 
 class Expectations:
-    def __init__(self, counter: ImmCounter, limit: int) -> None:
+    def __init__(self, counter: ImmCounter, limit: int, total_limit: int = 1 << 17) -> None:
         self.counter = counter
         self.limit = limit
+        # All connections together: each expectation costs the daemon some 4 KiB, and a
+        # client may open connection after connection (4 at ``limit``: +1 GiB).
+        self.total_limit = total_limit
         self._of: dict[Hashable, set[Handle]] = {}
+        self._total = 0  # len of every set in _of, kept (a sum per EXPECT is O(owners))
 
     def expect(self, owner: Hashable, imm: int, count: int, callback: Handle) -> Handle:
         """``callback`` once ``imm`` reaches ``count``; the handle, for :meth:`cancel`."""
-        mine = self._of.setdefault(owner, set())
-        if len(mine) >= self.limit:
+        mine = self._of.get(owner)
+        if mine is not None and len(mine) >= self.limit:
             raise OverLimit(f"{len(mine)} expectations already wait on this connection "
                             f"(engine.max_expectations = {self.limit})")
+        if self._total >= self.total_limit:
+            raise OverLimit(f"{self._total} expectations already wait on this daemon, all "
+                            "connections together (engine.max_expectations_total = "
+                            f"{self.total_limit})")
+        if mine is None:
+            mine = self._of[owner] = set()
 
         def fired() -> None:
-            mine.discard(fired)
+            if fired in mine:
+                mine.discard(fired)
+                self._total -= 1
             callback()
 
         mine.add(fired)
-        self.counter.expect(imm, count, fired)
+        self._total += 1
+        try:
+            self.counter.expect(imm, count, fired)
+        except BaseException:
+            if fired in mine:
+                mine.discard(fired)
+                self._total -= 1
+            raise
         return fired
 
     def waiting(self, owner: Hashable, handle: Handle) -> bool:
@@ -47,7 +66,7 @@ class Expectations:
 
     def pending(self) -> int:
         """Expectations clients wait on now (for the metrics)."""
-        return sum(len(v) for v in list(self._of.values()))
+        return self._total
 
     def cancel(self, owner: Hashable, handle: Handle) -> bool:
         """Drop a waiting expectation (nothing consumed); False if it had fired."""
@@ -57,9 +76,14 @@ class Expectations:
         if not self.counter.cancel(handle):
             return False  # reached meanwhile: its callback is on its way
         mine.discard(handle)
+        self._total -= 1
         return True
 
     def closed(self, owner: Hashable) -> None:
         """``owner``'s connection is gone: its expectations go, nothing consumed."""
-        for cb in self._of.pop(owner, []):
+        mine = self._of.pop(owner, set())
+        self._total -= len(mine)
+        handles = list(mine)
+        mine.clear()  # one firing meanwhile (its cancel lost the race) counts nothing again
+        for cb in handles:
             self.counter.cancel(cb)
