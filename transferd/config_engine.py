@@ -211,6 +211,14 @@ class EngineConfig:
         "then it takes a 4 KiB body and no payload.",
         min=1e-3, unit="s",
     )
+    max_armed_pages_total: int = key(
+        1 << 20,
+        "Most pages the armed writes of all connections together hold; an arm that would "
+        "pass it is refused with TOO_LARGE. An arm keeps its page lists until it fires "
+        "(about 21 MiB for one connection at engine.max_armed_pages_per_connection), and "
+        "one client may open a connection per watcher.",
+        min=1, max=1 << 26,
+    )
     max_inflight_per_client: int = key(
         1024,
         "Most engine operations (writes, scatters, barriers, sends) one client connection "
