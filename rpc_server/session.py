@@ -287,6 +287,8 @@ class Session(asyncio.BufferedProtocol):
                     break
                 d = conn.decoder
                 if d._start == d._end and d.phase is _HEADER and conn.inbound is _IN_OPEN:
+                    if d._small:
+                        d._quiet()  # (as next_frame would: a quiet connection's buffer small)
                     break  # next_event's "nothing buffered", without the call (per frame)
             else:
                 self._handshake(ev)
