@@ -74,6 +74,9 @@ from .secret import load_secret, loopback
 from .transfer import Transfer
 from .write_scope import WriteIdScope
 
+# What a SEND's message costs the host limit besides its bytes (its part, frame, entry).
+SEND_OVERHEAD = 256
+
 # What `transferd inflight` calls a transfer, by its parts' type.
 _KINDS: dict[type, str] = {WritePart: "write", ReadPart: "read", SendPart: "send"}
 
@@ -530,11 +533,23 @@ class TransferEngine:
                              f"this daemon {self.rails}")
         for group in self.groups:
             group.check_address(addr)
+        # The message is held here until the peer acknowledges it (or the SEND ends):
+        # charged to the host memory limit meanwhile, as the receiving side charges one
+        # waiting for a receive. Uncharged, a client's SENDs to a stopped peer took the
+        # daemon +808 MiB a connection (1,024 of 1 MiB), as many connections as it liked.
+        release = self.buffers.charge("cpu", len(msg) + SEND_OVERHEAD,
+                                      "a SEND's message, held until its peer acknowledges it")
         op = next(self._ops)
         if COUNTING:
             count("engine.send_message", len(msg))
-        # The message is ours now (bytes are immutable): the caller may reuse its buffer.
-        return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
+        try:
+            # The message is ours now (bytes are immutable): the caller may reuse its buffer.
+            fut = self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op)])
+        except BaseException:
+            release()
+            raise
+        fut.add_done_callback(lambda _: release())
+        return fut
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
                      deliver: Deliver) -> None:
