@@ -315,6 +315,14 @@ class EngineConfig:
         "is refused with TOO_LARGE. A connection's groups go when it closes.",
         min=1, max=65536,
     )
+    max_group_peers_total: int = key(
+        262144,
+        "Most addresses the peer groups of all connections together name (each group "
+        "counts its addresses); an ADD_PEER_GROUP that would pass it is refused with "
+        "TOO_LARGE. engine.max_peer_groups and engine.max_group_peers bound one "
+        "connection (65,536 addresses, a few MiB), and a client may open many.",
+        min=1, max=1 << 24,
+    )
     max_recv_pools: int = key(
         64,
         "Most SUBMIT_RECVS one client connection may have posted (each is a pool of count "

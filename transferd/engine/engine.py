@@ -114,7 +114,8 @@ class TransferEngine:
                                       config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
-        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers)
+        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers,
+                                      config.max_group_peers_total)
         # Posted receives and the messages waiting for them (on the daemon's loop).
         self.receives = Receives(
             lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
