@@ -309,6 +309,15 @@ class EngineConfig:
         "what a 4 MiB body holds, took 0.65 s).",
         min=1, max=1 << 22,
     )
+    max_pages_in_flight: int = key(
+        1 << 20,
+        "Most pages the paged writes and reads in flight on this daemon name, all "
+        "connections together, from submit to end; one that would pass it is refused "
+        "with TOO_LARGE. Each page costs the daemon about 256 bytes of its plan until the "
+        "transfer ends (100 PAGED_WRITES of 65,536 pages to a stopped peer: +1.6 GiB), "
+        "whatever the size of the memory it moves.",
+        min=1, max=1 << 26,
+    )
     max_peer_groups: int = key(
         64,
         "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "

@@ -43,7 +43,7 @@ from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
 from transferd.parts import ReadPart
 from transferd.protocol import crc, trace
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadRequest, OverLimit, TransferdError
 from transferd.protocol.integers import unsigned
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import MAX_PIECES
@@ -114,6 +114,8 @@ class TransferEngine:
                                       config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
+        # Pages of the paged writes and reads in flight (engine.max_pages_in_flight).
+        self._pages_in_flight = 0
         self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers,
                                       config.max_group_peers_total)
         # Posted receives and the messages waiting for them (on the daemon's loop).
@@ -342,11 +344,49 @@ class TransferEngine:
         return self._submit(op, planned, region.buffer.ref(),
                             groups[region.id % len(groups)], owner, kind="single")
 
+    def _hold_pages(self, n: int, what: str) -> Callable[[], None]:
+        """Count ``n`` pages of a paged transfer in flight (engine.max_pages_in_flight):
+        its plan holds a view and an address per page until it ends (about 256 bytes
+        each, however small the pages: 100 PAGED_WRITES of 65,536 one-byte pages to a
+        stopped peer took the daemon +1.6 GiB). The release, for its end."""
+        cap = self.config.max_pages_in_flight
+        if self._pages_in_flight + n > cap:
+            raise OverLimit(f"a {what} of {n} pages would make {self._pages_in_flight + n} "
+                            f"pages in flight on this daemon, over engine.max_pages_in_flight "
+                            f"({cap}): wait for some to end, or split it")
+        self._pages_in_flight += n
+        left = [n]
+
+        def release() -> None:
+            k, left[0] = left[0], 0
+            self._pages_in_flight -= k
+
+        return release
+
+    def _held(self, release: Callable[[], None],
+              submit: Callable[[], asyncio.Future[None]]) -> asyncio.Future[None]:
+        """``submit()``'s transfer, ``release`` called once it ended (or did not start)."""
+        try:
+            fut = submit()
+        except BaseException:
+            release()
+            raise
+        fut.add_done_callback(lambda _: release())
+        return fut
+
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
                             wid: int | None = None, owner: Hashable = None, *,
                             verify: bool | None = None, traceparent: str | None = None
                             ) -> asyncio.Future[None]:
+        release = self._hold_pages(len(src[1].indices), "PAGED_WRITES")
+        return self._held(release, lambda: self._paged_writes(
+            page_len, imm, src, dst, wid, owner, verify=verify, traceparent=traceparent))
+
+    def _paged_writes(self, page_len: int, imm: int | None,
+                      src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
+                      wid: int | None, owner: Hashable, *,
+                      verify: bool | None, traceparent: str | None) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
         self._check_wid(wid)
         tag = self._tag(verify, traceparent)
@@ -380,7 +420,8 @@ class TransferEngine:
 
     def submit_paged_reads(self, page_len: int, dst: tuple[int, Pages],
                            src: tuple[MrDesc, Pages]) -> asyncio.Future[None]:
-        return self.reads.paged(page_len, dst, src)
+        release = self._hold_pages(len(dst[1].indices), "PAGED_READS")
+        return self._held(release, lambda: self.reads.paged(page_len, dst, src))
 
     def submit_gather(self, dst_region: int, srcs: Sequence[tuple[int, int, MrDesc, int]]
                       ) -> asyncio.Future[None]:
