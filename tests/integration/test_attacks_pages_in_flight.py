@@ -1,10 +1,12 @@
-"""Paged writes of many tiny pages to a peer that has stopped: the plans they hold.
+"""Paged writes of many tiny pages (scatters of many destinations) to a peer that has
+stopped: the plans they hold.
 
 A PAGED_WRITES (or PAGED_READS) plans a view and an address per page when it is
 submitted and holds them until it ends: about 256 bytes a page, whatever the size of
 the memory it moves, charged to nothing. 100 PAGED_WRITES of 65,536 one-byte pages from
 a 64 KiB buffer to a SIGSTOPped peer took the sender +1,638 MiB; one connection may have
-1,024 in flight (engine.max_inflight_per_client), and a client may open many.
+1,024 in flight (engine.max_inflight_per_client), and a client may open many. 100
+SCATTERs of 4,096 one-byte destinations: +395 MiB.
 """
 
 from __future__ import annotations
@@ -74,13 +76,25 @@ def test_pages_in_flight_are_capped_over_every_transfer(daemon_factory: DaemonFa
         read = {"page_len": 1, "dst": [mr, [idx, 1, 0]], "src": [desc, [idx, 1, 0]]}
         f = ra.request(Command.PAGED_READS, read)
         assert f.is_error and "engine.max_pages_in_flight" in f.body["message"], f
+        # So do a SCATTER's destinations: 4 of 4,096 fit under the cap beside the two
+        # writes (147,456), the fifth does not.
+        dsts = [[1, i, desc, i] for i in range(4096)]
+        for i in range(5):
+            ra.send(Command.SCATTER, {"group": None, "imm": None, "mr": mr, "dsts": dsts},
+                    flags=Flag.NO_REPLY, seq=200 + i)
+        sync = ra.send(Command.IMM_COUNT, {"imm": 1}, seq=98)
+        f = ra.recv()
+        assert f.is_error and f.seq == 204 and "engine.max_pages_in_flight" in \
+            f.body["message"] and "SCATTER of 4096 destinations" in f.body["message"], f
+        assert ra.recv().seq == sync
         grew = _rss_mib(a) - before
         assert grew < 160, f"the sender grew {grew:.0f} MiB (40 writes: about 650 before)"
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
-    # The two in flight land and end: their pages are counted out, a write fits again.
+    # The two writes and four scatters in flight land and end: their pages and
+    # destinations are counted out, a write fits again.
     done = 0
-    while done < 2:
+    while done < 6:
         f = ra.recv()
         assert f.is_event and f.body == {"ok": True}, f
         done += 1
