@@ -9,6 +9,7 @@ import time
 from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn
 from transferd.protocol.constants import Command, Flag
+from transferd.protocol.frames import encode_frame
 
 
 def _buffers(c: RawConn, n: int, size: int = 4096) -> list[int]:
@@ -101,3 +102,44 @@ def test_one_buffer_registered_again_and_again_is_bounded_by_engine_max_regions(
     assert not f.is_error, f
     assert f.body["mr"] not in {r["id"] for r in regions}
     c.close()
+
+
+def test_a_buffer_listing_is_bounded_in_regions_too(daemon_factory: DaemonFactory) -> None:
+    """STATS {"buffers": true} listed every region of the daemon (walked even for
+    buffers past the listing's 10,000): one buffer registered 65,000 times made each
+    listing 0.3 s of the loop and 2.7 MB, and ten pipelined held another client's
+    round trip 2.2 s. Now at most 10,000 regions are listed (the listing says it was
+    cut), only those of the buffers listed."""
+    d = daemon_factory()
+    c = RawConn.to(d, timeout=120)
+    c.hello()
+    (buf,) = _buffers(c, 1)
+    for _ in range(65):
+        c.send_raw(b"".join(encode_frame(Command.REG_MR, Flag.NO_REPLY, 10 + i,
+                                         {"buffer": buf}) for i in range(1000)))
+    assert not c.request(Command.SYNCHRONIZE, {}).is_error
+    body = c.request(Command.STATS, {"buffers": True}).body
+    assert body["truncated"] is True
+    assert len(body["buffers"][0]["regions"]) == 10_000
+    other = RawConn.to(d, timeout=60)
+    other.hello()
+    for _ in range(10):
+        c.send(Command.STATS, {"buffers": True})
+    worst = 0.0
+    got = 0
+    end = time.monotonic() + 60
+    c.sock.settimeout(0.01)
+    while got < 10 and time.monotonic() < end:
+        t0 = time.monotonic()
+        assert not other.request(Command.GET_DEVICES, {}).is_error
+        worst = max(worst, time.monotonic() - t0)
+        try:
+            while got < 10:
+                c.recv()
+                got += 1
+        except (TimeoutError, OSError):
+            pass
+    assert got == 10
+    assert worst < 1.0, f"another client waited {worst:.2f} s behind the listings"
+    c.close()
+    other.close()
