@@ -112,3 +112,23 @@ def test_peers_and_names_show_a_forged_records_escapes_as_text(etcd: EtcdServer)
     assert "evil\\x1b[2J\\x1b]0;owned\\x07\\x9b1A\\u202e" in peers, peers
     assert "\\x1b[1A\\x1b[2K" in peers and "tcp://10.0.0.1:1\\x1b[0m" in peers, peers
     assert "kv/one" in names and "other\\x1b[8m" in names, names
+
+
+def test_a_forged_record_under_this_daemons_node_name_cannot_write_log_lines(
+        etcd: EtcdServer) -> None:
+    """A record at this daemon's own node key under another lease is logged once as a
+    duplicate daemon; its ``node`` field (any text, from whoever can write to etcd) was
+    put in the log line as it came: a newline in it forged a line of the journal of the
+    writer's choosing. Now it is quoted (repr)."""
+    with DaemonProcess(env=disc_env(etcd, NODE_NAME="victim")) as d:
+        def registered() -> bool:
+            return "/transferd/nodes/victim" in etcd.stored()
+
+        _until(registered, 15, "the daemon's node record in etcd")
+        forged = {"v": 1, "name": "victim", "node": "ab\nERROR transferd: FORGED line",
+                  "version": [1, 2, 0]}
+        etcd.put("/transferd/nodes/victim", json.dumps(forged).encode())
+        _until(lambda: "writes as node 'victim'" in d.stderr, 15, "the duplicate logged")
+    lines = d.stderr.splitlines()
+    assert not any(line.startswith("ERROR transferd: FORGED") for line in lines), d.stderr
+    assert any("'ab\\nERROR transferd: FORGED line'" in line for line in lines), d.stderr
