@@ -26,6 +26,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
@@ -635,17 +636,21 @@ class TransferEngine:
         flight (inflight.py) until it fires, is cancelled or its connection goes.
         """
         value, inflight = _imm(imm) or 0, self.inflight
-        cell: list[Callable[[], None]] = []
+        # The handle by a weak reference: it holds ``fired`` (its callback), so a strong
+        # one would make a cycle per expectation that only the collector frees (65,536
+        # of a closing connection: a 2 s pass of it, every client waiting).
+        cell: list[weakref.ref[Callable[[], None]]] = []
 
         def fired() -> None:
-            if cell:
-                inflight.remove(cell[0])
+            h = cell[0]() if cell else None
+            if h is not None:
+                inflight.remove(h)
             callback()
 
         handle = self.expectations.expect(owner, value, count, fired)
         if not self.expectations.waiting(owner, handle):  # it fired at once
             return handle
-        cell.append(handle)
+        cell.append(weakref.ref(handle))
         counter = self.counter
         inflight.add(handle, "expectation", owner=owner, stage=Stage.EXPECTING,
                      progress=lambda: (min(counter.value(value), count), count),
