@@ -23,3 +23,21 @@ def test_a_lease_ttl_one_ms_over_the_longest_says_so(daemon_factory: DaemonFacto
     f = c.request(Command.LEASE, {"lease": "none", "ttl_ms": 0})
     assert f.is_error and "0.0 s" in f.body["message"], f.body
     assert not c.request(Command.GET_DEVICES, {}).is_error
+
+
+def test_a_body_nested_past_msgpacks_stack_is_named(daemon_factory: DaemonFactory) -> None:
+    """100,000 nested arrays in a STATS body: BAD_FRAME (and the connection closed) said
+    "body is not valid msgpack: " and nothing more (msgpack's StackError has no text)."""
+    import struct
+
+    d = daemon_factory()
+    c = RawConn.to(d, timeout=10)
+    c.hello()
+    body = b"\x81\xa1a" + b"\x91" * 100_000 + b"\xc0"
+    c.send_raw(struct.pack("<2sBBIIIQ", b"TD", Command.STATS, 0, 7, len(body), 0, 0) + body)
+    f = c.recv()
+    assert f.is_error and f.body["code"] == "BAD_FRAME", f
+    assert f.body["message"] == "body is not valid msgpack: nested too deep", f.body
+    other = RawConn.to(d, timeout=10)
+    other.hello()
+    assert not other.request(Command.GET_DEVICES, {}).is_error

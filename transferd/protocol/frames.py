@@ -193,7 +193,10 @@ def unpack_body(raw: bytes | bytearray | memoryview, seq: int) -> dict[str, Any]
     try:
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise BadFrame(f"body is not valid msgpack: {exc}", seq=seq) from None
+        # Some say nothing (StackError: nested deeper than msgpack's stack): name them.
+        why = str(exc) or ("nested too deep" if isinstance(exc, msgpack.StackError)
+                           else type(exc).__name__)
+        raise BadFrame(f"body is not valid msgpack: {why}", seq=seq) from None
     if not isinstance(body, dict):
         raise BadFrame("body must be a msgpack map with string keys", seq=seq)
     for k in body:
