@@ -66,6 +66,9 @@ log = logging.getLogger("transferd.session")
 # others (a handler's own work is bounded separately: large clears and copies
 # go in slices).
 PUMP_FRAMES = 64
+# And the time they may take in one turn: 64 bounds the count, not the cost (64
+# pipelined STATS listing what is in flight held the loop 6 s, every client waiting).
+PUMP_SECONDS = 0.005
 
 # Hot-path lookups: calling an IntEnum or combining IntFlags runs Python code.
 _COMMANDS: dict[int, Command] = {int(c): c for c in Command}
@@ -278,6 +281,7 @@ class Session(asyncio.BufferedProtocol):
         self._again = None
         conn = self.conn
         budget = PUMP_FRAMES
+        until = time.perf_counter() + PUMP_SECONDS
         ev: Any
         while True:
             ev = conn.next_event() if conn.state is _READY else conn.next_event(
@@ -287,13 +291,15 @@ class Session(asyncio.BufferedProtocol):
             if type(ev) is _FRAME:
                 self._run(ev)
                 budget -= 1
-                if budget == 0:
+                if budget == 0 or time.perf_counter() > until:
                     # Bounded work per turn: other connections' frames run before this
                     # one's next (reads pause meanwhile, frames stay in order).
                     self._again = self._loop.call_soon(self._pump)
                     break
                 d = conn.decoder
                 if d._start == d._end and d.phase is _HEADER and conn.inbound is _IN_OPEN:
+                    if d._small:
+                        d._quiet()  # (as next_frame would: a quiet connection's buffer small)
                     break  # next_event's "nothing buffered", without the call (per frame)
             else:
                 self._handshake(ev)

@@ -211,6 +211,14 @@ class EngineConfig:
         "then it takes a 4 KiB body and no payload.",
         min=1e-3, unit="s",
     )
+    max_armed_pages_total: int = key(
+        1 << 20,
+        "Most pages the armed writes of all connections together hold; an arm that would "
+        "pass it is refused with TOO_LARGE. An arm keeps its page lists until it fires "
+        "(about 21 MiB for one connection at engine.max_armed_pages_per_connection), and "
+        "one client may open a connection per watcher.",
+        min=1, max=1 << 26,
+    )
     max_inflight_per_client: int = key(
         1024,
         "Most engine operations (writes, scatters, barriers, sends) one client connection "
@@ -277,6 +285,14 @@ class EngineConfig:
         "Most addresses one ADD_PEER_GROUP may name; more is refused with TOO_LARGE.",
         min=1, max=65536,
     )
+    max_regions: int = key(
+        65536,
+        "Most registered regions (REG_MR) the daemon holds, all buffers and clients "
+        "together; one more is refused with OUT_OF_MEMORY. A region is not charged to a "
+        "memory limit (about 2.3 KiB of the daemon's own each) and one buffer can be "
+        "registered again and again: 100,000 REG_MRs of one 4 KiB buffer took 228 MiB.",
+        min=1, max=1 << 22,
+    )
     max_scatter_dsts: int = key(
         4096,
         "Most destinations one SCATTER or BARRIER, or sources one GATHER, may name; more "
@@ -293,11 +309,29 @@ class EngineConfig:
         "what a 4 MiB body holds, took 0.65 s).",
         min=1, max=1 << 22,
     )
+    max_pages_in_flight: int = key(
+        1 << 20,
+        "Most pages the paged writes and reads in flight on this daemon name, with the "
+        "destinations of its SCATTERs and BARRIERs and the sources of its GATHERs, all "
+        "connections together, from submit to end; one that would pass it is refused "
+        "with TOO_LARGE. Each costs the daemon its plan until the transfer ends, whatever "
+        "the size of the memory it moves (100 PAGED_WRITES of 65,536 pages to a stopped "
+        "peer: +1.6 GiB; 100 SCATTERs of 4,096 destinations: +395 MiB).",
+        min=1, max=1 << 26,
+    )
     max_peer_groups: int = key(
         64,
         "Most peer groups one client connection may have made (ADD_PEER_GROUP); one more "
         "is refused with TOO_LARGE. A connection's groups go when it closes.",
         min=1, max=65536,
+    )
+    max_group_peers_total: int = key(
+        262144,
+        "Most addresses the peer groups of all connections together name (each group "
+        "counts its addresses); an ADD_PEER_GROUP that would pass it is refused with "
+        "TOO_LARGE. engine.max_peer_groups and engine.max_group_peers bound one "
+        "connection (65,536 addresses, a few MiB), and a client may open many.",
+        min=1, max=1 << 24,
     )
     max_recv_pools: int = key(
         64,
@@ -349,6 +383,13 @@ class EngineConfig:
         "is refused with TOO_LARGE. They go when they fire, time out (expect_timeout_s), "
         "are cancelled, or the connection closes.",
         min=1,
+    )
+    max_expectations_total: int = key(
+        131072,
+        "Most EXPECT_IMM_COUNTs waiting on this daemon, all connections together; one more "
+        "is refused with TOO_LARGE. Each costs the daemon about 4 KiB (65,536 on immediates "
+        "of their own: 270 MiB), and one client may open many connections.",
+        min=1, max=1 << 24,
     )
     expect_timeout_s: float = key(
         300.0,

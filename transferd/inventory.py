@@ -1,7 +1,8 @@
 """What a daemon holds, for operators: buffers and their regions (STATS with ``buffers``).
 
 ``transferd buffers URL`` asks for it; the alert runbook uses it to find who holds
-memory.  The listing is bounded (:data:`MAX_LISTED` buffers) and says when it was cut.
+memory.  The listing is bounded (:data:`MAX_LISTED` buffers, and as many regions) and
+says when it was cut.
 """
 
 from __future__ import annotations
@@ -32,9 +33,19 @@ def buffer_listing(buffers: Any, engine: Any = None, limit: int = MAX_LISTED,
     by_buffer: dict[int, list[dict[str, Any]]] = {}
     regions = getattr(engine, "regions", None)
     if regions is not None:
-        for r in regions.snapshot():
-            by_buffer.setdefault(r.buffer.id, []).append(
-                {"id": r.id, "size": r.size, "rkeys": list(r.rkeys), "admitted": r.admitted})
+        # The listed buffers' regions only, and at most ``limit`` of them in all: one
+        # buffer registered 65,000 times made every listing walk and send them all (0.3 s
+        # of the loop and 2.7 MB a STATS; ten pipelined held another client 2.2 s).
+        left = limit
+        for b in listed:
+            mine = regions.regions_of(b)
+            if not mine:
+                continue
+            if len(mine) > left:
+                mine, truncated = mine[:left], True
+            left -= len(mine)
+            by_buffer[b.id] = [{"id": r.id, "size": r.size, "rkeys": list(r.rkeys),
+                                "admitted": r.admitted} for r in mine]
     return {
         "buffers": [
             {"id": b.id, "device": b.device, "size": b.size,

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import gzip
+import re
 import socket
 import threading
 from typing import Any, cast
@@ -33,6 +34,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 MAX_REQUEST = 8192
+# What may not appear inside a line of a request head (tab may: it separates words).
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class _Conn(asyncio.Protocol):
@@ -66,6 +69,13 @@ class _Conn(asyncio.Protocol):
 
     def _serve(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
+        # Lines are split at CRLF only: a bare CR or LF (or another control byte) left
+        # inside a line would reach the answer's headers, where prometheus_client echoes
+        # an Accept header's OpenMetrics version into Content-Type (a header line of the
+        # requester's choosing: response splitting). HTTP forbids them; refuse whole.
+        if any(_CONTROL.search(line) for line in lines):
+            self._answer(400, b"bad request: a control byte in the request head\n")
+            return
         parts = lines[0].split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             self._answer(400, b"bad request\n")
@@ -74,7 +84,11 @@ class _Conn(asyncio.Protocol):
         if method not in ("GET", "HEAD"):
             self._answer(405, b"only GET\n")
             return
-        url = urlsplit(target)
+        try:
+            url = urlsplit(target)
+        except ValueError:  # an unclosed IPv6 bracket: the requester's, not a bug here
+            self._answer(400, b"bad request: the request target is not a URL\n")
+            return
         if url.path not in ("/metrics", "/"):
             self._answer(404, b"see /metrics\n")
             return
@@ -84,6 +98,10 @@ class _Conn(asyncio.Protocol):
             headers[name.strip().lower()] = value.strip()
         try:
             encoder, ctype = choose_encoder(headers.get("accept", ""))
+        except (TypeError, ValueError):  # e.g. ``version=abc``: its parser compares it
+            self._answer(400, b"bad request: the Accept header cannot be parsed\n")
+            return
+        try:
             registry: Any = self.server.registry
             names = parse_qs(url.query).get("name[]")
             if names:

@@ -81,3 +81,25 @@ def test_valid_frames_come_out_whole_at_any_read_boundaries(
     for f, (cmd, seq, body, payload) in zip(frames, specs, strict=True):
         assert (f.cmd, f.seq, f.body) == (cmd, seq, body)
         assert bytes(f.payload or b"") == payload
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 255), st.integers(0, 0xFFFFFFFF), bodies,
+                          st.binary(max_size=300)), min_size=1, max_size=8),
+       st.lists(st.integers(0, 4096), max_size=12), st.sampled_from([32, 64, 100]))
+def test_an_elastic_buffer_grows_and_shrinks_at_any_read_boundaries(
+    specs: list[tuple[int, int, dict[str, Any], bytes]], cuts: list[int], small: int
+) -> None:
+    """A server connection's decoder once authenticated (FrameDecoder.elastic): it grows
+    when a receive fills it and goes back to ``small`` when quiet, mid-stream as often as
+    the reads fall; every frame still comes out whole, and the buffer is small after."""
+    wire = b"".join(encode_frame(cmd, 0, seq, body, len(p)) + p for cmd, seq, body, p in specs)
+    dec = FrameDecoder(buffer_size=small)
+    dec.elastic(small)
+    frames = feed_in_cuts(dec, wire, cuts)
+    assert len(frames) == len(specs)
+    for f, (cmd, seq, body, payload) in zip(frames, specs, strict=True):
+        assert (f.cmd, f.seq, f.body) == (cmd, seq, body)
+        assert bytes(f.payload or b"") == payload
+    assert dec.next_frame() is None
+    assert len(dec._buf) == small or dec._end - dec._mark >= dec._offered

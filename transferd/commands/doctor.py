@@ -146,8 +146,10 @@ def doctor(config_path: str | None, other_node: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([{"level": lv, "check": c, "detail": d} for lv, c, d in checks]))
     else:
+        from .remote import say
+
         for level, check, detail in checks:
-            click.echo(f"{level:<5} {check}: {detail}")
+            say(f"{level:<5} {check}: {detail}")  # a detail may quote what answered
     failed = sum(1 for lv, _, _ in checks if lv == "FAIL")
     if not as_json:
         click.echo(f"{failed} problem(s)" if failed else "all good")

@@ -15,7 +15,7 @@ import click
 
 from transferd.exits import Exit
 
-from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, unreadable
+from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, say, unreadable
 
 
 def _done(e: dict[str, Any]) -> str:
@@ -65,4 +65,4 @@ def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None
         stalls = (f"; {listing.get('stalls', 0)} stalled so far (engine.stall_warn_s "
                   f"{warn:g} s)" if warn else "; stall warnings off (engine.stall_warn_s = 0)")
         lines.append(f"{len(rows)} in flight{more}{stalls}")
-    click.echo("\n".join(lines))
+    say("\n".join(lines))

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from .remote import TIMEOUT, TOKEN, URL, _with_client
+from .remote import TIMEOUT, TOKEN, URL, _with_client, say
 
 
 def _where(st: dict[str, Any]) -> str:
@@ -47,14 +47,14 @@ def peers(url: str, token: str | None, timeout: float, as_json: bool) -> None:
              "urls": list(p.urls), "server": p.server, "capabilities": p.capabilities,
              "addr": p.addr.to_bytes().hex() if p.addr else None} for p in nodes]}))
         return
-    click.echo(_where(status))
-    click.echo(f"  {'node':<28}{'version':<9}{'engine':<18}{'rails':<24}urls")
+    say(_where(status))
+    say(f"  {'node':<28}{'version':<9}{'engine':<18}{'rails':<24}urls")
     for p in nodes:
         mark = "*" if p.local else " "
-        click.echo(f"{mark} {p.name:<28}{'.'.join(map(str, p.version)):<9}"
-                   f"{(f'{p.node:016x}' if p.node else '-'):<18}"
-                   f"{(','.join(p.rails) or '-'):<24}{' '.join(p.urls) or '-'}")
-    click.echo(f"{len(nodes)} node(s)")
+        say(f"{mark} {p.name:<28}{'.'.join(map(str, p.version)):<9}"
+            f"{(f'{p.node:016x}' if p.node else '-'):<18}"
+            f"{(','.join(p.rails) or '-'):<24}{' '.join(p.urls) or '-'}")
+    say(f"{len(nodes)} node(s)")
 
 
 @click.command(short_help="List the names published in the cluster.")
@@ -78,9 +78,9 @@ def names(url: str, prefix: str, token: str | None, timeout: float, limit: int |
         click.echo(json.dumps({"discovery": status, "names": [
             {"name": n.name, "kind": n.kind, "size": n.size, "node": n.node} for n in rows]}))
         return
-    click.echo(_where(status))
+    say(_where(status))
     width = max([len(n.name) for n in rows] + [4]) + 2
-    click.echo(f"{'name':<{width}}{'kind':<10}{'size':>6}  node")
+    say(f"{'name':<{width}}{'kind':<10}{'size':>6}  node")
     for n in rows:
-        click.echo(f"{n.name:<{width}}{n.kind:<10}{n.size:>6}  {n.node}")
-    click.echo(f"{len(rows)} name(s)" + (f" under {prefix!r}" if prefix else ""))
+        say(f"{n.name:<{width}}{n.kind:<10}{n.size:>6}  {n.node}")
+    say(f"{len(rows)} name(s)" + (f" under {prefix!r}" if prefix else ""))

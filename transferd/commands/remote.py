@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,6 +23,37 @@ import click
 from transferd.exits import Exit
 
 T = TypeVar("T")
+
+# The characters a listing never passes to a terminal as they are (the categories a
+# published name may not hold, transferd/discovery/names.py): C0 and C1 controls (ESC,
+# CSI: a terminal runs them as commands), format characters (bidi overrides reorder the
+# rest of a line), line and paragraph separators, surrogates.
+_HOSTILE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def shown(text: str) -> str:
+    """``text`` for a terminal: each hostile character (above) but a newline written as
+    Python writes it in a repr (``\\x1b``, ``\\u202e``). What a listing prints comes
+    from a daemon's answer, and through it from clients and from whoever can write to
+    etcd (a node's name is any bytes of its key): printed as it came, ESC [2J cleared
+    the operator's screen, ESC [1A ESC [2K hid the line above."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if not line.isprintable():  # the fast path: printable holds none of them
+            lines[i] = "".join(_escaped(ch) for ch in line)
+    return "\n".join(lines)
+
+
+def _escaped(ch: str) -> str:
+    if unicodedata.category(ch) not in _HOSTILE:
+        return ch
+    o = ord(ch)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def say(text: str, err: bool = False) -> None:
+    """``click.echo`` of :func:`shown` text: how a command prints what a daemon said."""
+    click.echo(shown(text), err=err)
 
 def check_url(_ctx: Any, _param: Any, url: str | None) -> str | None:
     """A daemon's URL, checked as the client will read it: a malformed one is a usage
@@ -84,7 +116,7 @@ def _with_client(url: str, token: str | None, timeout: float,
         with unreadable(url):  # what ``work`` makes of the answers
             return asyncio.run(go())
     except (OSError, TimeoutError, TransferdError) as exc:
-        click.echo(f"transferd: {url}: {explain(url, exc, token, timeout)}", err=True)
+        say(f"transferd: {url}: {explain(url, exc, token, timeout)}", err=True)
         sys.exit(Exit.FAILURE)
 
 
@@ -100,9 +132,9 @@ def unreadable(url: str) -> Iterator[None]:
     try:
         yield
     except UNREADABLE as exc:
-        click.echo(f"transferd: {url}: an answer this command cannot read "
-                   f"({type(exc).__name__}: {str(exc)[:200]}): is it a transferd daemon "
-                   "of this version?", err=True)
+        say(f"transferd: {url}: an answer this command cannot read "
+            f"({type(exc).__name__}: {str(exc)[:200]}): is it a transferd daemon "
+            "of this version?", err=True)
         sys.exit(Exit.FAILURE)
 
 
@@ -206,9 +238,9 @@ def ping(url: str, token: str | None, timeout: float, count: int, as_json: bool)
         click.echo(json.dumps(out))
         return
     us = 1e6
-    click.echo(f"{url}: {out['server']} protocol {out['version']}, "
-               f"features {', '.join(out['features']) or '(none)'}, "
-               f"max_body {_size(out['max_body'])}")
+    say(f"{url}: {out['server']} protocol {out['version']}, "
+        f"features {', '.join(out['features']) or '(none)'}, "
+        f"max_body {_size(out['max_body'])}")
     click.echo(f"{count} round trips: min {out['min_s'] * us:.0f} us, p50 {out['p50_s'] * us:.0f} "
                f"us, avg {out['avg_s'] * us:.0f} us, max {out['max_s'] * us:.0f} us")
 
@@ -332,7 +364,7 @@ def stats(url: str, token: str | None, timeout: float, once: bool, as_json: bool
             if as_json:
                 click.echo(json.dumps({k: v for k, v in now.items() if k != "t"}))
             else:
-                text = _table(now, before, url)
+                text = shown(_table(now, before, url))
                 # In place on a terminal: home, clear, draw.
                 click.echo(("\x1b[H\x1b[2J" if tty else "") + text + ("" if tty else "\n"))
             before = now
@@ -391,4 +423,4 @@ def buffers(url: str, token: str | None, timeout: float, as_json: bool) -> None:
         summary = ", ".join(f"{_size(n)} on {d}" for d, n in total.items()) or "nothing"
         more = " (listing cut at 10,000)" if body["truncated"] else ""
         lines.append(f"{len(rows)} buffer(s){more}: {summary}")
-    click.echo("\n".join(lines))
+    say("\n".join(lines))

@@ -550,7 +550,7 @@ class EtcdBackend(Backend):
         self.counts["conflicts"] += 1
         if not self._duplicate_logged:
             self._duplicate_logged = True
-            log.error("discovery: another daemon (%s) writes as node %r: discovery.node_name "
+            log.error("discovery: another daemon (%r) writes as node %r: discovery.node_name "
                       "must be unique in the cluster", what, name)
 
     def _deleted(self, key: bytes) -> None:

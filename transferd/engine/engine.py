@@ -26,6 +26,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ from transferd.memory.staging import Claim
 from transferd.metrics import Metrics
 from transferd.parts import ReadPart
 from transferd.protocol import crc, trace
-from transferd.protocol.errors import BadRequest, TransferdError
+from transferd.protocol.errors import BadRequest, OverLimit, TransferdError
 from transferd.protocol.integers import unsigned
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_coverage import MAX_PIECES
@@ -75,6 +76,9 @@ from .secret import load_secret, loopback
 from .transfer import Transfer
 from .write_scope import WriteIdScope
 
+# What a SEND's message costs the host limit besides its bytes (its part, frame, entry).
+SEND_OVERHEAD = 256
+
 # What `transferd inflight` calls a transfer, by its parts' type.
 _KINDS: dict[type, str] = {WritePart: "write", ReadPart: "read", SendPart: "send"}
 
@@ -98,7 +102,7 @@ class TransferEngine:
             # host can reach, unless told otherwise.
             self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
-        self.regions = RegionTable()
+        self.regions = RegionTable(config.max_regions)
         self.counter = ImmCounter(notify=self._notify, now=self._notify_now)
         # What every group lands writes and delivers messages through.
         self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
@@ -112,14 +116,18 @@ class TransferEngine:
                                       config.write_id_ttl_s)
         # Taken by a write from device memory while it gathers its staging chunks.
         self._staging_lock: asyncio.Lock | None = None
-        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers)
+        # Pages of the paged writes and reads in flight (engine.max_pages_in_flight).
+        self._pages_in_flight = 0
+        self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers,
+                                      config.max_group_peers_total)
         # Posted receives and the messages waiting for them (on the daemon's loop).
         self.receives = Receives(
             lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
             max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
             max_waiting=config.recv_waiting_max,
             wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
-        self.expectations = Expectations(self.counter, config.max_expectations)
+        self.expectations = Expectations(self.counter, config.max_expectations,
+                                         config.max_expectations_total)
         # What is in flight (transfers, expectations, reads) and stall warnings.
         self.inflight = InFlight(time.monotonic, config.stall_warn_s)
         self.inflight.sources.append(incoming(lambda: self.groups))
@@ -338,11 +346,51 @@ class TransferEngine:
         return self._submit(op, planned, region.buffer.ref(),
                             groups[region.id % len(groups)], owner, kind="single")
 
+    def _hold_pages(self, n: int, what: str, named: str = "pages") -> Callable[[], None]:
+        """Count ``n`` pages of a paged transfer (or destinations of a scatter or barrier,
+        sources of a gather) in flight (engine.max_pages_in_flight): its plan holds a view
+        and an address per page until it ends (about 256 bytes each, however small the
+        pages: 100 PAGED_WRITES of 65,536 one-byte pages to a stopped peer took the
+        daemon +1.6 GiB; 100 SCATTERs of 4,096 destinations +395 MiB). The release."""
+        cap = self.config.max_pages_in_flight
+        if self._pages_in_flight + n > cap:
+            raise OverLimit(f"a {what} of {n} {named} would make {self._pages_in_flight + n} "
+                            f"pages and destinations in flight on this daemon, over "
+                            f"engine.max_pages_in_flight ({cap}): wait for some to end, or "
+                            "split it")
+        self._pages_in_flight += n
+        left = [n]
+
+        def release() -> None:
+            k, left[0] = left[0], 0
+            self._pages_in_flight -= k
+
+        return release
+
+    def _held(self, release: Callable[[], None],
+              submit: Callable[[], asyncio.Future[None]]) -> asyncio.Future[None]:
+        """``submit()``'s transfer, ``release`` called once it ended (or did not start)."""
+        try:
+            fut = submit()
+        except BaseException:
+            release()
+            raise
+        fut.add_done_callback(lambda _: release())
+        return fut
+
     def submit_paged_writes(self, page_len: int, imm: int | None,
                             src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
                             wid: int | None = None, owner: Hashable = None, *,
                             verify: bool | None = None, traceparent: str | None = None
                             ) -> asyncio.Future[None]:
+        release = self._hold_pages(len(src[1].indices), "PAGED_WRITES")
+        return self._held(release, lambda: self._paged_writes(
+            page_len, imm, src, dst, wid, owner, verify=verify, traceparent=traceparent))
+
+    def _paged_writes(self, page_len: int, imm: int | None,
+                      src: tuple[int, Pages], dst: tuple[MrDesc, Pages],
+                      wid: int | None, owner: Hashable, *,
+                      verify: bool | None, traceparent: str | None) -> asyncio.Future[None]:
         self._check_descs([dst[0]])
         self._check_wid(wid)
         tag = self._tag(verify, traceparent)
@@ -383,14 +431,17 @@ class TransferEngine:
                            src: tuple[MrDesc, Pages], owner: Hashable = None, *,
                            verify: bool | None = None, traceparent: str | None = None
                            ) -> asyncio.Future[None]:
-        return self.reads.paged(page_len, dst, src, owner,
-                                self._read_tag(verify, traceparent))
+        release = self._hold_pages(len(dst[1].indices), "PAGED_READS")
+        return self._held(release, lambda: self.reads.paged(
+            page_len, dst, src, owner, self._read_tag(verify, traceparent)))
 
     def submit_gather(self, dst_region: int, srcs: Sequence[tuple[int, int, MrDesc, int]],
                       owner: Hashable = None, *, verify: bool | None = None,
                       traceparent: str | None = None) -> asyncio.Future[None]:
         """Several peer ranges ``(len, dst_off, desc, src_off)`` into our region, as one."""
-        return self.reads.gather(dst_region, srcs, owner, self._read_tag(verify, traceparent))
+        release = self._hold_pages(len(srcs), "GATHER", "sources")
+        return self._held(release, lambda: self.reads.gather(
+            dst_region, srcs, owner, self._read_tag(verify, traceparent)))
 
     def _read_tag(self, verify: bool | None, traceparent: str | None) -> Tag:
         # (Nothing asked and no engine.verify: the untagged read, no call.)
@@ -515,6 +566,13 @@ class TransferEngine:
                        dsts: Sequence[ScatterDst], owner: Hashable = None, *,
                        verify: bool | None = None, traceparent: str | None = None
                        ) -> asyncio.Future[None]:
+        release = self._hold_pages(len(dsts), "SCATTER", "destinations")
+        return self._held(release, lambda: self._scatter(gid, imm, src_region, dsts, owner,
+                                                         verify, traceparent))
+
+    def _scatter(self, gid: int | None, imm: int | None, src_region: int,
+                 dsts: Sequence[ScatterDst], owner: Hashable, verify: bool | None,
+                 traceparent: str | None) -> asyncio.Future[None]:
         tag = self._tag(verify, traceparent)
         self.peer_groups.check(gid, [d.dst[0] for d in dsts])
         self._check_descs([d.dst[0] for d in dsts])
@@ -538,6 +596,11 @@ class TransferEngine:
                        ) -> asyncio.Future[None]:
         """``traceparent``: carried by its zero-byte writes (no bytes: nothing to verify)."""
         traced = trace.parse(traceparent) if traceparent is not None else None
+        release = self._hold_pages(len(dsts), "BARRIER", "destinations")
+        return self._held(release, lambda: self._barrier(gid, imm, dsts, owner, traced))
+
+    def _barrier(self, gid: int | None, imm: int, dsts: Sequence[MrDesc], owner: Hashable,
+                 traced: bytes | None) -> asyncio.Future[None]:
         self.peer_groups.check(gid, dsts)
         self._check_descs(dsts)
         op = next(self._ops)
@@ -558,12 +621,24 @@ class TransferEngine:
                              f"this daemon {self.rails}")
         for group in self.groups:
             group.check_address(addr)
+        # The message is held here until the peer acknowledges it (or the SEND ends):
+        # charged to the host memory limit meanwhile, as the receiving side charges one
+        # waiting for a receive. Uncharged, a client's SENDs to a stopped peer took the
+        # daemon +808 MiB a connection (1,024 of 1 MiB), as many connections as it liked.
+        release = self.buffers.charge("cpu", len(msg) + SEND_OVERHEAD,
+                                      "a SEND's message, held until its peer acknowledges it")
         op = next(self._ops)
         if COUNTING:
             count("engine.send_message", len(msg))
-        # The message is ours now (bytes are immutable): the caller may reuse its buffer.
-        return self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op, trace=traced)],
-                            owner=owner, kind="send")
+        try:
+            # The message is ours now (bytes are immutable): the caller may reuse its buffer.
+            fut = self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op, trace=traced)],
+                               owner=owner, kind="send")
+        except BaseException:
+            release()
+            raise
+        fut.add_done_callback(lambda _: release())
+        return fut
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
                      deliver: Deliver) -> None:
@@ -592,17 +667,21 @@ class TransferEngine:
         flight (inflight.py) until it fires, is cancelled or its connection goes.
         """
         value, inflight = _imm(imm) or 0, self.inflight
-        cell: list[Callable[[], None]] = []
+        # The handle by a weak reference: it holds ``fired`` (its callback), so a strong
+        # one would make a cycle per expectation that only the collector frees (65,536
+        # of a closing connection: a 2 s pass of it, every client waiting).
+        cell: list[weakref.ref[Callable[[], None]]] = []
 
         def fired() -> None:
-            if cell:
-                inflight.remove(cell[0])
+            h = cell[0]() if cell else None
+            if h is not None:
+                inflight.remove(h)
             callback()
 
         handle = self.expectations.expect(owner, value, count, fired)
         if not self.expectations.waiting(owner, handle):  # it fired at once
             return handle
-        cell.append(handle)
+        cell.append(weakref.ref(handle))
         counter = self.counter
         inflight.add(handle, "expectation", owner=owner, stage=Stage.EXPECTING,
                      progress=lambda: (min(counter.value(value), count), count),

@@ -16,9 +16,13 @@ from transferd.protocol.values import MrDesc, NetAddr
 
 
 class PeerGroups:
-    def __init__(self, max_groups: int, max_peers: int) -> None:
+    def __init__(self, max_groups: int, max_peers: int, max_total: int = 1 << 18) -> None:
         self.max_groups = max_groups  # per connection
         self.max_peers = max_peers  # per group
+        # Addresses of every connection's groups together: the per-connection bounds times
+        # as many connections as a client opens was no bound.
+        self.max_total = max_total
+        self._total = 0
         self._groups: dict[int, tuple[NetAddr, ...]] = {}
         self._of: dict[Hashable, set[int]] = {}  # by the connection that made them
         self._ids = itertools.count(1)
@@ -32,6 +36,10 @@ class PeerGroups:
         if len(mine) >= self.max_groups:
             raise OverLimit(f"{len(mine)} peer groups already made on this connection "
                             f"(engine.max_peer_groups = {self.max_groups})")
+        if self._total + peers > self.max_total:
+            raise OverLimit(f"a peer group of {peers} addresses would make this daemon's "
+                            f"groups name {self._total + peers}, all connections together, "
+                            f"over engine.max_group_peers_total = {self.max_total}")
 
     def add(self, addrs: Sequence[NetAddr], owner: Hashable) -> int:
         """A new group of ``addrs`` (already checked) for ``owner``: its id."""
@@ -39,6 +47,7 @@ class PeerGroups:
         mine = self._of.setdefault(owner, set())
         gid = next(self._ids)
         self._groups[gid] = tuple(addrs)
+        self._total += len(addrs)
         mine.add(gid)
         return gid
 
@@ -57,4 +66,6 @@ class PeerGroups:
     def closed(self, owner: Hashable) -> None:
         """``owner``'s connection is gone: its groups go."""
         for gid in self._of.pop(owner, ()):
-            self._groups.pop(gid, None)
+            gone = self._groups.pop(gid, None)
+            if gone is not None:
+                self._total -= len(gone)

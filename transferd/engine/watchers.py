@@ -53,6 +53,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import tempfile
 import threading
 import time
@@ -121,13 +122,14 @@ def claim(d: Path) -> None:
         if d in _CLAIMS:
             return
         me = os.getpid()
-        fd = os.open(_lock_path(d, me), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            mine_stale = True
-        except OSError:  # a live process of this PID in another PID namespace holds it
-            mine_stale = False
+        fd = _own_lock(d, me)
+        mine_stale = False
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                mine_stale = True
+            except OSError:  # a live process of this PID in another PID namespace holds it
+                pass
         _CLAIMS[d] = fd
         try:
             names = os.listdir(d)
@@ -152,6 +154,36 @@ def claim(d: Path) -> None:
             log.debug("watcher pages of processes gone removed from %s", d)
 
 
+def _mine(fd: int) -> bool:
+    """Whether ``fd`` is a regular file of this process's user: a lock can be trusted to
+    say anything about pages of this user only then. /dev/shm is every user's (sticky):
+    another user can plant a file under any PID's lock name and flock it or not at will."""
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _own_lock(d: Path, me: int) -> int:
+    """This process's lock file in ``d``, open; -1 when its name is taken by something
+    that is not this user's regular file (a symlink, another user's file: a squatter,
+    who could otherwise deny every word page, or free this process's lock at will and
+    have the next daemon remove its live pages). The pages are then made without a lock:
+    other daemons leave them alone (:func:`_dead`), so only a SIGKILL's clean-up is lost."""
+    path = _lock_path(d, me)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    else:
+        if _mine(fd):
+            return fd
+        os.close(fd)
+        why = "another user's file"
+    log.warning("watcher pages: %s is not this daemon's (%s): its word pages are made "
+                "without that lock (if this daemon is killed, remove its pages from %s by "
+                "hand); who else can write to %s?", path, why, d, d)
+    return -1
+
+
 def _dead(d: Path, pid: int) -> bool:
     """Whether the process that made pages as ``pid`` is gone (see :func:`claim`)."""
     try:
@@ -167,6 +199,8 @@ def _dead(d: Path, pid: int) -> bool:
     except OSError:
         return False
     try:
+        if not _mine(fd):
+            return False  # a squatter's file says nothing of this user's pages: keep them
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False  # held: its process is alive
@@ -224,6 +258,8 @@ class WordPage:
             page.close()
         with _CLAIMS_LOCK:
             for d, fd in _CLAIMS.items():
+                if fd < 0:
+                    continue  # the name was a squatter's (_own_lock): not ours to remove
                 with contextlib.suppress(OSError):
                     os.unlink(_lock_path(d, os.getpid()))
                 os.close(fd)

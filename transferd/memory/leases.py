@@ -86,7 +86,9 @@ class LeaseTable:
 
     def check_ttl(self, ttl: float) -> float:
         if not 0 < ttl <= self.max_ttl_s:
-            raise BadRequest(f"lease ttl of {ttl:g} s is outside (0, {self.max_ttl_s:g}] "
+            # The value as asked (repr): ``:g`` keeps six digits, so 3600.001 s read
+            # "3600 s is outside (0, 3600]".
+            raise BadRequest(f"lease ttl of {ttl!r} s is outside (0, {self.max_ttl_s:g}] s "
                              "(memory.max_lease_ttl_s)")
         return ttl
 

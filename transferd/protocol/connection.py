@@ -888,7 +888,9 @@ class ServerConnection(_Machine):
         d.gate = None
         d.max_body = self.settings.max_body
         d.max_payload = self.settings.max_payload
-        d.grow_buffer()
+        # Not READ_CHUNK for good: large while bytes pour in, small again when quiet, so
+        # that idle connections cost the daemon 8 KiB each, not 256 KiB or a body's size.
+        d.elastic(HANDSHAKE_BUFFER)
 
     # -- the data phase: answers and events ---------------------------------------------
 

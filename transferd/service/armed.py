@@ -126,11 +126,15 @@ class ArmedWrites:
     """Every armed write of one node, by watcher and by caller (all on the node's loop)."""
 
     def __init__(self, service: Service, *, per_connection: int, per_watcher: int,
-                 pages_per_connection: int) -> None:
+                 pages_per_connection: int, pages_total: int = 1 << 20) -> None:
         self._service = service
         self.per_connection = per_connection
         self.per_watcher = per_watcher
         self.pages_per_connection = pages_per_connection
+        # All connections together: the per-connection bound times as many connections
+        # as have a watcher (4096) was no bound (about 21 MiB each at the cap).
+        self.pages_total = pages_total
+        self._pages_total = 0
         self._by_watcher: dict[int, list[Armed]] = {}
         self._count: Counter[Hashable] = Counter()
         self._pages: Counter[Hashable] = Counter()
@@ -162,12 +166,17 @@ class ArmedWrites:
             raise OverLimit(f"{a.pages} more armed pages would make this connection's "
                             f"{self._pages[caller] + a.pages}, over "
                             f"{self.pages_per_connection} (engine.max_armed_pages_per_connection)")
+        if self._pages_total + a.pages > self.pages_total:
+            raise OverLimit(f"{a.pages} more armed pages would make this daemon's "
+                            f"{self._pages_total + a.pages}, all connections together, over "
+                            f"{self.pages_total} (engine.max_armed_pages_total)")
         a.op = Op(key, f"ARM_PAGED_WRITES on watcher {watcher_id} at {value}",
                   lambda err: self._drop(a, err), with_caller=True)
         caller.ops.add(a.op, None)
         self._by_watcher.setdefault(watcher_id, []).append(a)
         self._count[caller] += 1
         self._pages[caller] += a.pages
+        self._pages_total += a.pages
         if not self._still_there(watcher_id):
             # Its watcher ended since the caller looked it up (the watcher thread's sweep
             # of a freed buffer's word), before this arm was here for the sweep to find
@@ -235,6 +244,7 @@ class ArmedWrites:
         self._pages[a.caller] -= a.pages
         if self._pages[a.caller] <= 0:
             del self._pages[a.caller]
+        self._pages_total -= a.pages
         return True
 
     def _drop(self, a: Armed, err: TransferdError | None) -> bool:

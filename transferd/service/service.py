@@ -127,7 +127,8 @@ class Service:
         self.armed = armed = ArmedWrites(
             self, per_connection=e.max_armed_writes_per_connection,
             per_watcher=e.max_armed_writes_per_watcher,
-            pages_per_connection=e.max_armed_pages_per_connection)
+            pages_per_connection=e.max_armed_pages_per_connection,
+            pages_total=e.max_armed_pages_total)
         loop = asyncio.get_running_loop()
 
         def watchers_ended(gone: list[Watcher]) -> None:  # any thread

@@ -1,0 +1,134 @@
+"""Hostile strings on their way to an operator's terminal.
+
+A node record and a name record are data from whoever can write to etcd (docs/
+discovery.md, "Trust"): a node's name is its key's last part, any bytes. ``transferd
+peers`` and ``transferd names`` print what the daemon mirrored; a terminal takes an
+escape sequence in it as a command (clear the screen, move the cursor over a line to
+hide a node, set the window title; some terminals did worse).  Against a real etcd and
+a live daemon, as an operator would run the commands.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import EtcdServer
+from tests.helpers import REPO, DaemonProcess
+from tests.integration.test_cli import clean_env
+from tests.integration.test_discovery_etcd import disc_env
+from transferd.exits import Exit
+
+# What no line of a listing may hold: C0 controls but newline, DEL, C1 controls (ESC's
+# 8-bit form among them), and the bidi overrides that reorder what follows.
+HOSTILE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+EVIL_NODE = "evil\x1b[2J\x1b]0;owned\x07\x9b1A\u202e"
+EVIL_RAIL = "10.0.0.1:1\x1b[1A\x1b[2K"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    with EtcdServer(tmp_path) as server:
+        yield server
+
+
+def cli_tty(*args: str, limit_s: float = 60.0) -> tuple[int, str]:
+    """``transferd ARGS`` with its stdout a terminal, as an operator runs it (click strips
+    some escape sequences when stdout is a pipe, none on a terminal): (status, output)."""
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "transferd.cli", *args], stdout=slave,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=REPO,
+                                env=clean_env())
+        os.close(slave)
+        slave = -1
+        out = bytearray()
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        rc = proc.wait(10)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    # The terminal turns each newline into CRLF (onlcr): undo only that.
+    return rc, out.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+def _until(check: object, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_peers_and_names_show_a_forged_records_escapes_as_text(etcd: EtcdServer) -> None:
+    """Before: ``transferd peers`` printed the forged node's name, rails and server, and
+    ``transferd names`` the name record's node, byte for byte: ESC [2J cleared the
+    operator's screen, ESC [1A ESC [2K wiped the line above (a node hidden), U+202E
+    reversed the rest of the line. Now every control or bidi character a listing takes
+    from a daemon's answer is shown escaped (``\\x1b``), and the listing is complete."""
+    node = {"v": 1, "name": "ignored", "node": "00000000000000ab",
+            "version": [1, 2, 0], "rails": [EVIL_RAIL], "server": "srv\x1b[31m",
+            "urls": ["tcp://10.0.0.1:1\x1b[0m"]}
+    etcd.put(f"/transferd/nodes/{EVIL_NODE}", json.dumps(node).encode())
+    etcd.put("/transferd/names/kv/one", json.dumps(
+        {"v": 1, "kind": "bytes", "value": base64.b64encode(b"x").decode(),
+         "node": "other\x1b[8m"}).encode())
+    with DaemonProcess(env=disc_env(etcd)) as d:
+        def listed() -> bool:
+            rc, out = cli_tty("peers", d.url)
+            return rc == Exit.OK and "evil" in out
+
+        _until(listed, 15, "the forged node in transferd peers")
+        (prc, peers), (nrc, names) = cli_tty("peers", d.url), cli_tty("names", d.url)
+    assert prc == Exit.OK and nrc == Exit.OK, peers + names
+    for out in (peers, names):
+        assert not HOSTILE.search(out), repr(out)
+    assert "evil\\x1b[2J\\x1b]0;owned\\x07\\x9b1A\\u202e" in peers, peers
+    assert "\\x1b[1A\\x1b[2K" in peers and "tcp://10.0.0.1:1\\x1b[0m" in peers, peers
+    assert "kv/one" in names and "other\\x1b[8m" in names, names
+
+
+def test_a_forged_record_under_this_daemons_node_name_cannot_write_log_lines(
+        etcd: EtcdServer) -> None:
+    """A record at this daemon's own node key under another lease is logged once as a
+    duplicate daemon; its ``node`` field (any text, from whoever can write to etcd) was
+    put in the log line as it came: a newline in it forged a line of the journal of the
+    writer's choosing. Now it is quoted (repr)."""
+    with DaemonProcess(env=disc_env(etcd, NODE_NAME="victim")) as d:
+        def registered() -> bool:
+            return "/transferd/nodes/victim" in etcd.stored()
+
+        _until(registered, 15, "the daemon's node record in etcd")
+        forged = {"v": 1, "name": "victim", "node": "ab\nERROR transferd: FORGED line",
+                  "version": [1, 2, 0]}
+        etcd.put("/transferd/nodes/victim", json.dumps(forged).encode())
+        _until(lambda: "writes as node 'victim'" in d.stderr, 15, "the duplicate logged")
+    lines = d.stderr.splitlines()
+    assert not any(line.startswith("ERROR transferd: FORGED") for line in lines), d.stderr
+    assert any("'ab\\nERROR transferd: FORGED line'" in line for line in lines), d.stderr
