@@ -245,7 +245,11 @@ def _check_unix(path: str, key: str = "server.unix_socket",
     except FileNotFoundError:
         return []
     if not stat.S_ISSOCK(st.st_mode):
-        return []  # a left-over file: the listener replaces it
+        # Not a socket a daemon left (a file, a link, a directory: a path set wrong):
+        # never removed to make room.
+        return [Problem(key, f"{path} exists and is not a socket: it is not removed to "
+                             "listen there; remove it, or choose another path",
+                        Kind.MACHINE)]
     # A socket file: stale (removed at start) unless something still accepts on it.
     with socket.socket(socket.AF_UNIX, kind) as s:
         s.settimeout(1.0)

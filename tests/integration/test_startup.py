@@ -105,6 +105,17 @@ def test_a_unix_socket_in_use_is_not_taken_over(tmp_path: Path) -> None:
         round_trip(f"unix://{path}")
 
 
+def test_a_file_at_the_unix_socket_path_is_refused_and_kept(tmp_path: Path) -> None:
+    """``--unix`` naming a file that is not a socket (a path set wrong): the daemon
+    refuses to start, saying so, and the file is as it was (it was deleted)."""
+    f = tmp_path / "transferd.toml"
+    f.write_text("[server]\n")
+    r = run_cli([*SERVE, "-p", "0", "--metrics-port", "-1", "--unix", str(f)])
+    assert r.returncode == Exit.CONFIG, r.stderr
+    assert "server.unix_socket" in r.stderr and "is not a socket" in r.stderr, r.stderr
+    assert f.read_text() == "[server]\n"
+
+
 def test_serve_takes_rpc_servers_flags(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sock")
     (tmp_path / "tok").write_text("tok\n")

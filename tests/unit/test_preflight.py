@@ -83,3 +83,19 @@ def test_without_the_tcp_listener_its_port_clashes_with_nothing() -> None:
     p = free_port()
     assert check(**{"server.tcp_listener": False, "server.port": p,
                     "server.listen": [f"tcp://127.0.0.1:{p}"]}) == []
+
+
+def test_a_file_at_a_socket_path_is_refused_not_removed(tmp_path: Path) -> None:
+    """A regular file (or a link, or a directory) where the socket goes is a path set
+    wrong: refused before anything starts, and left as it is."""
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    link = tmp_path / "link.sock"
+    link.symlink_to(f)
+    for path in (f, link, tmp_path):
+        for key, url in (("server.unix_socket", None), ("server.listen[0]", "seqpacket")):
+            over = ({"server.unix_socket": str(path)} if url is None
+                    else {"server.listen": [f"{url}://{path}"]})
+            (pr,) = check(**over)
+            assert pr.key == key and "is not a socket" in pr.message, pr
+    assert f.read_text() == "keep me" and link.is_symlink()

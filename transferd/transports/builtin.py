@@ -272,11 +272,12 @@ class UnixKind(TransportKind):
     async def listen(
         self, ep: Endpoint, factory: ProtocolFactory, opts: TransportOptions
     ) -> Listener:
-        # A file left at the path (a daemon that died) is replaced; a directory
-        # is an error.
+        # A socket left at the path (a daemon that died) is replaced; anything else is
+        # refused, never removed (a path set wrong would delete whatever is there).
         with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.stat(ep.path).st_mode):
-                raise BadRequest(f"{ep.path}: is a directory")
+            if not stat.S_ISSOCK(os.lstat(ep.path).st_mode):
+                raise BadRequest(f"{ep.path} exists and is not a socket: it is not removed "
+                                 "to listen there; remove it, or choose another path")
             os.unlink(ep.path)
         sock = socket.socket(socket.AF_UNIX, self.sock_type)
         try:
