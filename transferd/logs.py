@@ -184,7 +184,9 @@ def log_client_error(peer: str, exc: Any, cmd: int, seq: int | None) -> None:
     except ValueError:
         name = f"0x{cmd:02x}"
     code = exc.code.value
-    session_log.info("client %s: %s on %s seq %s: %s", peer, code, name, seq, exc.message,
+    # (No seq where the frame's header never got that far: not "seq None".)
+    where = name if seq is None else f"{name} seq {seq}"
+    session_log.info("client %s: %s on %s: %s", peer, code, where, exc.message,
                      extra={"client": peer, "code": code, "command": name, "seq": seq})
 
 
