@@ -10,8 +10,10 @@ a live daemon, as an operator would run the commands.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import logging
 import os
 import pty
 import re
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_server import EtcdServer
-from tests.helpers import REPO, DaemonProcess
+from tests.helpers import REPO, DaemonProcess, async_test
 from tests.integration.test_cli import clean_env
 from tests.integration.test_discovery_etcd import disc_env
 from transferd.exits import Exit
@@ -143,3 +145,39 @@ def test_a_forged_record_under_this_daemons_node_name_cannot_write_log_lines(
     lines = d.stderr.splitlines()
     assert not any(line.startswith("ERROR transferd: FORGED") for line in lines), d.stderr
     assert any("'ab\\nERROR transferd: FORGED line'" in line for line in lines), d.stderr
+
+
+@async_test(timeout=60)
+async def test_a_record_forged_between_our_put_and_our_snapshot_is_a_duplicate(
+        etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The race the test above retries around: another daemon writes this node's key
+    after this daemon's put and before its snapshot (its watch starts after the
+    snapshot, so no event tells). The snapshot judges its own key's lease as the watch
+    does: the duplicate is logged (it was skipped as our own record). The engine is
+    inproc, so the write lands exactly in that window (after the real put)."""
+    from client import Client
+    from transferd.discovery.etcd import EtcdBackend
+
+    forged = {"v": 1, "name": "victim", "node": "other", "version": [1, 2, 0]}
+    real_put = EtcdBackend._put_record
+
+    async def put_then_forged(self: EtcdBackend) -> None:
+        await real_put(self)
+        await asyncio.to_thread(etcd.put, "/transferd/nodes/victim",
+                                json.dumps(forged).encode())
+
+    monkeypatch.setattr(EtcdBackend, "_put_record", put_then_forged)
+    caplog.set_level(logging.ERROR, logger="transferd.discovery")
+    c = await Client.connect("inproc://", overrides={
+        "discovery.url": etcd.url, "discovery.node_name": "victim",
+        "engine.enabled": False}, timeout=20)
+    try:
+        for _ in range(100):
+            if any("writes as node 'victim'" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        (rec,) = [r for r in caplog.records if "writes as node 'victim'" in r.getMessage()]
+        assert "'other'" in rec.getMessage(), rec.getMessage()
+    finally:
+        await c.close()

@@ -161,7 +161,14 @@ async def _sigkill(ds: list[DaemonProcess]) -> None:
     try:
         await until(lambda: _has(b, 2), 10, "two peers")
         await a.publish("dies/with/a", b"x", owner="daemon")
-        assert await b.lookup("dies/with/a") == b"x"
+
+        async def seen_by_b() -> bool:  # (b's mirror follows etcd's watch: it may lag)
+            try:
+                return await b.lookup("dies/with/a") == b"x"
+            except NotFound:
+                return False
+
+        await until(seen_by_b, 10, "a's name seen by b")
         a_name = next(p.name for p in await a.peers() if p.local)
         os.kill(ds[0].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
         ds[0].proc.wait(10)  # type: ignore[union-attr]

@@ -413,7 +413,12 @@ class EtcdBackend(Backend):
                     continue
                 kind, name, body = got
                 if kind == "node":
-                    if name != self._my and self._node_record(key, name, body):
+                    if name == self._my:
+                        # Our own key under another lease: another daemon wrote there
+                        # after our put (as the watch would tell, had it begun).
+                        if str(kv.get("lease", "0")) != str(self.lease):
+                            self._duplicate(name, body.get("node"))
+                    elif self._node_record(key, name, body):
                         nodes.append((name, body))
                     continue
                 rec = self._name_record(key, body)
