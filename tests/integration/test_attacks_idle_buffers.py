@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn
+from tests.helpers import DaemonProcess, RawConn, rss
 from transferd.protocol.constants import Command
 from transferd.protocol.frames import encode_frame
 
@@ -28,12 +28,7 @@ MiB = 1 << 20
 
 
 def _rss_mib(d: DaemonProcess) -> float:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss(d) / (1 << 20)
 
 
 @pytest.fixture(autouse=True)

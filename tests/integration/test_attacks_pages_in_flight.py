@@ -16,7 +16,7 @@ import signal
 import threading
 
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, wait_until
+from tests.helpers import DaemonProcess, RawConn, rss, wait_until
 from tests.integration.engine_cluster import engine_env, secret_file
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.frames import encode_frame
@@ -26,12 +26,7 @@ CAP = 150_000  # two such writes, not three
 
 
 def _rss_mib(d: DaemonProcess) -> float:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss(d) / (1 << 20)
 
 
 def test_pages_in_flight_are_capped_over_every_transfer(daemon_factory: DaemonFactory) -> None:

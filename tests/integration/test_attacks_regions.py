@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn
+from tests.helpers import DaemonProcess, RawConn, rss
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.frames import encode_frame
 
@@ -54,12 +54,7 @@ def test_closing_a_connection_with_many_registered_buffers_does_not_hold_the_loo
 
 
 def _rss_mib(d: DaemonProcess) -> float:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss(d) / (1 << 20)
 
 
 def test_one_buffer_registered_again_and_again_is_bounded_by_engine_max_regions(

@@ -18,7 +18,7 @@ import threading
 import time
 
 from tests.conftest import DaemonFactory
-from tests.helpers import DaemonProcess, RawConn, wait_until
+from tests.helpers import DaemonProcess, RawConn, rss, wait_until
 from tests.integration.engine_cluster import engine_env, secret_file
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.frames import encode_frame
@@ -28,12 +28,7 @@ LIMIT_MIB = 96
 
 
 def _rss_mib(d: DaemonProcess) -> float:
-    assert d.proc is not None
-    with open(f"/proc/{d.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss(d) / (1 << 20)
 
 
 def test_sends_held_for_a_stopped_peer_are_charged_to_the_memory_limit(
