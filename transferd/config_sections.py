@@ -111,7 +111,8 @@ class ServerConfig:
     unix_socket: str = key(
         "",
         'Also listen on this Unix stream socket path ("" = none). A stale socket file at '
-        'the path is removed at start, and the file at stop. Clients connect with '
+        'the path is removed at start, and the file at stop; anything else there (a file, '
+        'a link, a directory) is refused, never removed. Clients connect with '
         '"unix:///path". Two daemons must not share a path: give each its own.',
         flag="--unix",
     )

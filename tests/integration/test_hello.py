@@ -3,6 +3,7 @@ transports (TCP, Unix socket), and the clients as context managers."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -216,8 +217,12 @@ async def test_unix_socket(daemon_factory: DaemonFactory, tmp_path: Path) -> Non
 async def test_unix_socket_replaces_a_stale_file(
     daemon_factory: DaemonFactory, tmp_path: Path
 ) -> None:
+    # What a daemon that died leaves: a socket file nothing accepts on. (A file that is
+    # not a socket is refused, never removed: test_startup.py.)
     path = _socket_dir(tmp_path) / "stale.sock"
-    path.write_text("left over")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))
+    assert path.is_socket()
     d = daemon_factory(["--unix", str(path)])
     async with await Client.connect(d.unix_url or "") as c:
         assert c.version[0] == 1
