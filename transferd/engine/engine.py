@@ -630,15 +630,10 @@ class TransferEngine:
         op = next(self._ops)
         if COUNTING:
             count("engine.send_message", len(msg))
-        try:
-            # The message is ours now (bytes are immutable): the caller may reuse its buffer.
-            fut = self._submit(op, [SendPart(0, addr.rail(0), bytes(msg), op, trace=traced)],
-                               owner=owner, kind="send")
-        except BaseException:
-            release()
-            raise
-        fut.add_done_callback(lambda _: release())
-        return fut
+        # The message is ours now (bytes are immutable): the caller may reuse its buffer.
+        return self._held(release, lambda: self._submit(
+            op, [SendPart(0, addr.rail(0), bytes(msg), op, trace=traced)], owner=owner,
+            kind="send"))
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
                      deliver: Deliver) -> None:
