@@ -355,7 +355,7 @@ class Service:
             # here, where the finally below is sure to run once it is.)
             from transferd.engine.inflight import Stage
 
-            waiting = _Waiting(caller, key)
+            waiting = object()  # its key in the table: no engine op is made yet
             engine.inflight.add(waiting, _kind(label), owner=caller, stage=Stage.QUEUED,
                                 trace=_trace_or_none(traceparent),
                                 what=f"{_name(label)}, waiting for a slot "
@@ -429,7 +429,8 @@ class Service:
         owner (inflight); ``verify``, ``traceparent``: as a write's (docs/integrity.md)."""
         engine = self._engine()
         return self.submit(caller, key, Command.SINGLE_READ, lambda: engine.submit_single_read(
-            length, dst, src, caller, verify=verify, traceparent=traceparent), timeout, on_end)
+            length, dst, src, caller, verify=verify, traceparent=traceparent), timeout, on_end,
+            traceparent)
 
     def submit_paged_reads(self, caller: Caller, key: int, page_len: int,
                            dst: tuple[int, Pages], src: tuple[MrDesc, Pages], *,
@@ -441,7 +442,7 @@ class Service:
         few_pages(engine, src[1], "PAGED_READS")
         return self.submit(caller, key, Command.PAGED_READS, lambda: engine.submit_paged_reads(
             page_len, dst, src, caller, verify=verify, traceparent=traceparent), timeout,
-            on_end)
+            on_end, traceparent)
 
     def submit_gather(self, caller: Caller, key: int, mr: int,
                       srcs: Sequence[tuple[int, int, MrDesc, int]], *,
@@ -451,7 +452,8 @@ class Service:
         engine = self._engine()
         few_enough(engine, srcs, "GATHER", "sources")
         return self.submit(caller, key, Command.GATHER, lambda: engine.submit_gather(
-            mr, srcs, caller, verify=verify, traceparent=traceparent), timeout, on_end)
+            mr, srcs, caller, verify=verify, traceparent=traceparent), timeout, on_end,
+            traceparent)
 
     def submit_single_write(self, caller: Caller, key: int, length: int, imm: int | None,
                             src: tuple[int, int], dst: tuple[MrDesc, int], *,
@@ -752,15 +754,6 @@ class Service:
         from transferd.inventory import buffer_listing
 
         return buffer_listing(self.buffers, self.engine, viewer=viewer)
-
-
-class _Waiting:
-    """The in-flight key of a submit waiting for a slot (no engine op yet)."""
-
-    __slots__ = ("caller", "key")
-
-    def __init__(self, caller: Caller, key: int) -> None:
-        self.caller, self.key = caller, key
 
 
 _READS = frozenset({Command.SINGLE_READ, Command.PAGED_READS, Command.GATHER})
