@@ -38,7 +38,8 @@ class DiscoveryConfig:
         "the RPC server (HOSTNAME/NODE-ID without a TCP listener). Unique in the cluster: "
         "while a live daemon holds the name, another one configured with it stays "
         "unregistered (serving its own clients, saying why) until the name is free; a "
-        "restart after a clean stop takes it back at once, after a crash within ttl_s.",
+        "restart after a clean stop takes it back at once, after a crash within ttl_s. "
+        "Without control, format or separator characters, as a published name.",
     )
     ttl_s: int = key(
         10,
@@ -173,4 +174,12 @@ def discovery_problems(d: DiscoveryConfig) -> list[str]:
         out.append(f"discovery.prefix: {d.prefix!r} must start with / (at most 128 bytes)")
     if len(d.node_name.encode()) > 128 or "/" in d.node_name:
         out.append("discovery.node_name: at most 128 bytes, no '/'")
+    else:
+        from transferd.discovery.names import check_text
+        from transferd.protocol.errors import BadRequest
+
+        try:
+            check_text(d.node_name, "discovery.node_name")
+        except BadRequest as e:
+            out.append(f"discovery.node_name: {e}")
     return out

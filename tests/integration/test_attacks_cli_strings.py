@@ -88,32 +88,55 @@ def _until(check: object, timeout: float, what: str) -> None:
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def test_peers_and_names_show_a_forged_records_escapes_as_text(etcd: EtcdServer) -> None:
-    """Before: ``transferd peers`` printed the forged node's name, rails and server, and
-    ``transferd names`` the name record's node, byte for byte: ESC [2J cleared the
-    operator's screen, ESC [1A ESC [2K wiped the line above (a node hidden), U+202E
-    reversed the rest of the line. Now every control or bidi character a listing takes
-    from a daemon's answer is shown escaped (``\\x1b``), and the listing is complete."""
+def test_a_forged_record_with_escapes_is_not_served_and_nothing_hostile_is_printed(
+        etcd: EtcdServer) -> None:
+    """Stop 36: ``transferd peers`` printed the forged node's name, rails and server, and
+    ``transferd names`` the name record's node, byte for byte (ESC [2J cleared the
+    operator's screen, ESC [1A ESC [2K wiped the line above, U+202E reversed the rest of
+    the line); the CLI then escaped them, but PEERS and NAMES still served them raw to
+    every client program. Now a node record whose strings hold a control, format or
+    separator character (as a name may not), or a name record whose node does, is
+    malformed: not mirrored, counted as ignored, while an honest record beside it is
+    served; and nothing hostile reaches the terminal."""
     node = {"v": 1, "name": "ignored", "node": "00000000000000ab",
-            "version": [1, 2, 0], "rails": [EVIL_RAIL], "server": "srv\x1b[31m",
-            "urls": ["tcp://10.0.0.1:1\x1b[0m"]}
+            "version": [1, 2, 0], "rails": ["10.0.0.1:1"], "server": "srv",
+            "urls": ["tcp://10.0.0.1:1"]}
     etcd.put(f"/transferd/nodes/{EVIL_NODE}", json.dumps(node).encode())
+    for field, evil in (("rails", [EVIL_RAIL]), ("server", "srv\x1b[31m"),
+                        ("urls", ["tcp://10.0.0.1:1\x1b[0m"])):
+        etcd.put(f"/transferd/nodes/bad-{field}", json.dumps({**node, field: evil}).encode())
+    etcd.put("/transferd/nodes/honest", json.dumps({**node, "node": "00000000000000ac"}).encode())
+    value = base64.b64encode(b"x").decode()
     etcd.put("/transferd/names/kv/one", json.dumps(
-        {"v": 1, "kind": "bytes", "value": base64.b64encode(b"x").decode(),
-         "node": "other\x1b[8m"}).encode())
+        {"v": 1, "kind": "bytes", "value": value, "node": "other\x1b[8m"}).encode())
+    etcd.put("/transferd/names/kv/two", json.dumps(
+        {"v": 1, "kind": "bytes", "value": value, "node": "honest"}).encode())
     with DaemonProcess(env=disc_env(etcd)) as d:
         def listed() -> bool:
-            rc, out = cli_tty("peers", d.url)
-            return rc == Exit.OK and "evil" in out
+            rc, out = cli_tty("names", d.url)
+            return rc == Exit.OK and "kv/two" in out
 
-        _until(listed, 15, "the forged node in transferd peers")
+        _until(listed, 15, "the honest name in transferd names")
         (prc, peers), (nrc, names) = cli_tty("peers", d.url), cli_tty("names", d.url)
-    assert prc == Exit.OK and nrc == Exit.OK, peers + names
+        jrc, out = cli_tty("peers", d.url, "--json")
+        status = json.loads(out)["discovery"]
+    assert prc == Exit.OK and nrc == Exit.OK and jrc == Exit.OK, peers + names
     for out in (peers, names):
         assert not HOSTILE.search(out), repr(out)
-    assert "evil\\x1b[2J\\x1b]0;owned\\x07\\x9b1A\\u202e" in peers, peers
-    assert "\\x1b[1A\\x1b[2K" in peers and "tcp://10.0.0.1:1\\x1b[0m" in peers, peers
-    assert "kv/one" in names and "other\\x1b[8m" in names, names
+        assert "\\x1b" not in out, out  # not even escaped: never served
+    assert "honest" in peers and "evil" not in peers and "bad-" not in peers, peers
+    assert "kv/two" in names and "kv/one" not in names, names
+    assert status["ignored"] >= 5, status
+
+
+def test_the_cli_escapes_what_a_daemon_answers() -> None:
+    """Defence in depth for a daemon of another version, or any other field a client
+    wrote: every listing goes through ``shown``."""
+    from transferd.commands.remote import shown
+
+    assert shown(EVIL_NODE) == "evil\\x1b[2J\\x1b]0;owned\\x07\\x9b1A\\u202e"
+    assert shown("a\nb\u2028c\U000e0001") == "a\nb\\u2028c\\U000e0001"
+    assert shown("plain café") == "plain café"
 
 
 def test_a_forged_record_under_this_daemons_node_name_cannot_write_log_lines(

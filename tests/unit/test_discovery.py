@@ -208,8 +208,19 @@ def test_a_forged_node_record_is_trimmed_or_refused() -> None:
     peer = Peer.from_body(wire)
     assert peer.addr == addr and peer.version == (1, 2, 0)
     for bad in ({"addr": "not base64!"}, {"addr": base64.b64encode(b"\x01junk").decode()},
-                {"node": "zz"}, {"version": ["a"]}):
-        assert record_to_wire({**good, **bad}) is None
+                {"node": "zz"}, {"version": ["a"]}, {"name": "b\x1b[2J"}, {"name": ""},
+                {"rails": ["127.0.0.1:80\x1b[1A"]}, {"server": "s\u202e"},
+                {"urls": ["tcp://h:1\u2028"]}, {"urls": ["tcp://" + "h" * 600]},
+                {"capabilities": {"k": "\x07"}}, {"capabilities": {"\x9b": 1}},
+                {"rails": [80]}):
+        assert record_to_wire({**good, **bad}) is None, bad
+    # A list is cut to its bound before its strings are judged: a 17th rail is not read.
+    assert record_to_wire({**good, "rails": ["r"] * 16 + ["\x1b"]}) is not None
+
+
+def test_a_node_name_with_a_control_character_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"discovery\.node_name.*control"):
+        load(env={"TRANSFERD_DISCOVERY_NODE_NAME": "node\x1b[31m"})
 
 
 def test_endpoints_and_the_config_checks() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from transferd.protocol.errors import BadRequest, NotFound, OverLimit
 
 from .backend import Backend, Embedded
-from .names import Limits, check_name, check_prefix
+from .names import Limits, check_name, check_prefix, check_text
 from .records import Change, Kind, Op, decode_value
 
 log = logging.getLogger("transferd.discovery")
@@ -268,6 +268,7 @@ class Directory:
         """Another daemon's name (from the backend); False when refused by a bound."""
         try:
             check_name(name)
+            check_text(node, "node")  # shown by NAMES and in logs, as the name is
             k = Kind(kind)
             decode_value(k, data)
         except (ValueError, BadRequest):

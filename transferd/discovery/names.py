@@ -20,14 +20,18 @@ from transferd.protocol.errors import BadRequest
 MAX_NAME = 256
 
 
-def _check(text: Any, what: str, empty: bool) -> str:
+def check_text(text: Any, what: str, most: int = MAX_NAME, empty: bool = True) -> str:
+    """``text`` if it is a string of at most ``most`` bytes that holds none of the refused
+    characters; BadRequest otherwise.  Names follow it, and so does every string of a node
+    record another daemon wrote (its rails, URLs, server), so that what PEERS serves is
+    as safe to print as a name."""
     if not isinstance(text, str):
         raise BadRequest(f"field {what!r} must be a string")
     if not text and not empty:
         raise BadRequest(f"field {what!r} must not be empty")
     n = len(text.encode())
-    if n > MAX_NAME:
-        raise BadRequest(f"{what} of {n} bytes is over {MAX_NAME}")
+    if n > most:
+        raise BadRequest(f"{what} of {n} bytes is over {most}")
     if not text.isprintable():  # fast path: printable is none of the refused but Zs
         for ch in text:
             cat = unicodedata.category(ch)
@@ -43,11 +47,11 @@ _REFUSED = {"Cc": "control", "Cf": "format (invisible)", "Zl": "line separator",
 
 
 def check_name(name: Any) -> str:
-    return _check(name, "name", empty=False)
+    return check_text(name, "name", empty=False)
 
 
 def check_prefix(prefix: Any) -> str:
-    return _check(prefix, "prefix", empty=True)
+    return check_text(prefix, "prefix")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from transferd.protocol.values import NetAddr
 
 from .backend import Backend, Embedded, State
 from .directory import Directory
-from .names import Limits
+from .names import MAX_NAME, Limits, check_name, check_text
 
 if TYPE_CHECKING:
     from transferd.metrics import Metrics
@@ -133,7 +133,12 @@ class Discovery:
 
 
 def record_to_wire(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """A node record as PEERS carries it (msgpack: addr bin, node int); None if malformed."""
+    """A node record as PEERS carries it (msgpack: addr bin, node int); None if malformed.
+
+    A record is data from whoever can write to etcd: its lists are cut to their bounds,
+    but a string that is too long or holds a control, format or separator character (as
+    a name may not) makes the whole record malformed, since a cut or cleaned URL or
+    rail would be another address than the one written."""
     try:
         addr = base64.b64decode(rec.get("addr") or "")
         if addr:
@@ -141,11 +146,12 @@ def record_to_wire(rec: dict[str, Any]) -> dict[str, Any] | None:
         version = [int(v) for v in rec.get("version") or (0, 0, 0)][:3]
         node = rec.get("node") or "0"
         return {
-            "name": str(rec.get("name", ""))[:256], "node": int(str(node), 16) if node else 0,
-            "addr": addr or None, "version": version, "server": str(rec.get("server", ""))[:128],
-            "rails": [str(r)[:256] for r in rec.get("rails") or ()][:16],
+            "name": check_name(rec.get("name", "")), "node": int(str(node), 16) if node else 0,
+            "addr": addr or None, "version": version,
+            "server": check_text(rec.get("server", ""), "server", 128),
+            "rails": [check_text(r, "rail") for r in (rec.get("rails") or ())[:16]],
             "capabilities": _plain(rec.get("capabilities") or {}),
-            "urls": [str(u)[:512] for u in rec.get("urls") or ()][:16],
+            "urls": [check_text(u, "url", 512) for u in (rec.get("urls") or ())[:16]],
             "local": bool(rec.get("local", False)),
         }
     except Exception:
@@ -153,18 +159,20 @@ def record_to_wire(rec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _plain(v: Any, depth: int = 0) -> Any:
-    """A JSON value kept small and msgpack-able (records come from other daemons)."""
+    """A JSON value kept small and msgpack-able (records come from other daemons); a
+    string with a refused character raises (the record is malformed)."""
     if depth > 4:
         return None
     if isinstance(v, dict):
-        return {str(k)[:64]: _plain(x, depth + 1) for k, x in list(v.items())[:32]}
+        return {check_text(str(k)[:64], "capability"): _plain(x, depth + 1)
+                for k, x in list(v.items())[:32]}
     if isinstance(v, list):
         return [_plain(x, depth + 1) for x in v[:64]]
     if isinstance(v, str):
-        return v[:256]
+        return check_text(v[:MAX_NAME], "capability")
     if isinstance(v, bool | int | float) or v is None:
         return v
-    return str(v)[:256]
+    return check_text(str(v)[:MAX_NAME], "capability")
 
 
 class _Collector:
