@@ -12,7 +12,14 @@ shows in its scrapes' absence, not here):
 - a request is at most 8 KiB of headers; one request per connection (the answer
   says ``Connection: close``);
 - every connection is aborted ``timeout_s`` after it was accepted, whether it is
-  still sending its request or not reading its answer.
+  still sending its request or not reading its answer;
+- pages are made one at a time, and after a page that took ``c`` seconds of this
+  thread's CPU the next is not begun before ``c * (1 / DUTY - 1)`` has passed: the
+  collectors read the engine under the GIL, so a flood of scrapes from anyone who
+  reaches the port would otherwise take the daemon's loop half its CPU (measured:
+  8 scrapers, 5,000 pages in 5 s, the daemon at 96 %, another client's round trip
+  0.16 -> 0.27 ms p50, 17 ms at worst). A request waits for its turn within its
+  connection's ``timeout_s``; a scrape every few seconds never waits.
 
 A connection holds at most its request (8 KiB) and one answer (the page, tens of
 KiB): the endpoint's memory is bounded by ``max_connections`` times that.
@@ -23,10 +30,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import gzip
 import re
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -34,8 +44,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 MAX_REQUEST = 8192
+# The most of this thread's time that making pages may take, over any stretch of scrapes.
+DUTY = 0.1
 # What may not appear inside a line of a request head (tab may: it separates words).
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class _Stage(enum.Enum):
+    READING = "reading"  # its request head is not whole yet
+    QUEUED = "queued"  # a page is asked for and waits for its turn (MetricsServer.render)
+    ANSWERED = "answered"
 
 
 class _Conn(asyncio.Protocol):
@@ -43,7 +61,7 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.answered = False
+        self.stage = _Stage.READING
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -54,7 +72,7 @@ class _Conn(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(self.server.timeout_s, t.abort)
 
     def data_received(self, data: bytes) -> None:
-        if self.answered or self.transport is None:
+        if self.stage is not _Stage.READING or self.transport is None:
             return
         self.buf += data
         end = self.buf.find(b"\r\n\r\n")
@@ -101,27 +119,35 @@ class _Conn(asyncio.Protocol):
         except (TypeError, ValueError):  # e.g. ``version=abc``: its parser compares it
             self._answer(400, b"bad request: the Accept header cannot be parsed\n")
             return
-        try:
-            registry: Any = self.server.registry
-            names = parse_qs(url.query).get("name[]")
-            if names:
-                registry = registry.restricted_registry(names)
-            body = encoder(registry)
-        except Exception as exc:  # a collector's bug must not kill the endpoint
-            self._answer(500, f"error: {type(exc).__name__}: {exc}\n".encode())
-            return
-        extra = []
-        if "gzip" in headers.get("accept-encoding", ""):
-            body = gzip.compress(body)
-            extra.append("Content-Encoding: gzip")
-        self._answer(200, body, ctype, extra, head_only=method == "HEAD")
+        names = parse_qs(url.query).get("name[]")
+        gzipped = "gzip" in headers.get("accept-encoding", "")
+
+        def page() -> None:
+            try:
+                registry: Any = self.server.registry
+                if names:
+                    registry = registry.restricted_registry(names)
+                body = encoder(registry)
+            except Exception as exc:  # a collector's bug must not kill the endpoint
+                self._answer(500, f"error: {type(exc).__name__}: {exc}\n".encode())
+                return
+            extra = []
+            if gzipped:
+                body = gzip.compress(body)
+                extra.append("Content-Encoding: gzip")
+            self._answer(200, body, ctype, extra, head_only=method == "HEAD")
+
+        self.stage = _Stage.QUEUED
+        self.buf = bytearray()
+        self.server.answering(self)
+        self.server.render(self, page)
 
     def _answer(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
                 extra: list[str] | None = None, head_only: bool = False) -> None:
         t = self.transport
         if t is None:
             return
-        self.answered = True
+        self.stage = _Stage.ANSWERED
         self.buf = bytearray()
         self.server.answering(self)
         reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -148,6 +174,11 @@ class MetricsServer:
         # Connections still sending their request, oldest first; and all of them.
         self._waiting: collections.OrderedDict[_Conn, None] = collections.OrderedDict()
         self._open: set[_Conn] = set()
+        # Pages asked for, in order (at most one per open connection), and when the next
+        # may be begun (time.monotonic()); the timer that begins it.
+        self._pages: collections.deque[tuple[_Conn, Callable[[], None]]] = collections.deque()
+        self._next = 0.0
+        self._turn: asyncio.TimerHandle | None = None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # Bound here, in the caller's thread: a port taken is the caller's error.
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -192,6 +223,28 @@ class MetricsServer:
 
     def answering(self, conn: _Conn) -> None:
         self._waiting.pop(conn, None)
+
+    def render(self, conn: _Conn, page: Callable[[], None]) -> None:
+        """Make ``conn``'s page in its turn (the module docstring: DUTY)."""
+        self._pages.append((conn, page))
+        if self._turn is None:
+            self._turn = self._loop.call_at(self._at(self._next), self._page)
+
+    def _at(self, monotonic: float) -> float:
+        return self._loop.time() + max(0.0, monotonic - time.monotonic())
+
+    def _page(self) -> None:
+        self._turn = None
+        while self._pages:
+            conn, page = self._pages.popleft()
+            if conn in self._open:  # else gone (timed out, hung up) while it waited
+                began = time.thread_time()
+                page()
+                cost = time.thread_time() - began
+                self._next = time.monotonic() + cost * (1 / DUTY - 1)
+                break
+        if self._pages:
+            self._turn = self._loop.call_at(self._at(self._next), self._page)
 
     def gone(self, conn: _Conn) -> None:
         self._waiting.pop(conn, None)
