@@ -116,9 +116,8 @@ def _cpu_s(pid: int) -> float:
     """The process's CPU time, all threads (schedstat: nanoseconds on a CPU)."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
     return total / 1e9
 
 
