@@ -28,9 +28,9 @@ from tests.integration.engine_cluster import (
 )
 from tests.integration.fake_peer import FakePeer
 from tests.integration.test_engine_reads import region
-from tests.integration.test_receives import read_messages, stalled_reader
 from transferd.protocol import trace
-from transferd.protocol.constants import Command
+from transferd.protocol.constants import Command, Flag
+from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_handshake import SEND_EXT
 from transferd.protocol.peer_wire import encode_read
@@ -53,9 +53,9 @@ async def test_a_traced_send_waiting_for_a_receive_is_listed_and_logged_at_the_r
         for n in "ab"])
     own_daemons += [a_d, b_d]
     tid, tp = traceparent()
-    # B's client posts one receive and reads nothing: the first messages fill its
-    # socket, the next is held in its transport, the rest wait for the receive.
-    reader = stalled_reader(b_d, MiB, 1)
+    # B's client posts one receive (asking for trace ids) and reads nothing: the first
+    # messages fill its socket, the next is held in its transport, the rest wait.
+    reader = stalled_reader(b_d, MiB, 1, trace=True)
     try:
         async with nodes(a_d) as (a,):
             addr = main_address(b_d)
@@ -85,8 +85,12 @@ async def test_a_traced_send_waiting_for_a_receive_is_listed_and_logged_at_the_r
             assert "waiting for a receive for" in line and "14 bytes" in line, line
             # The reader reads at last: everything arrives, the traced SEND completes,
             # and B logs its delivery with the trace id; nothing is listed any more.
-            got = await asyncio.to_thread(read_messages, reader, 13, WAIT * 2)
-            assert got[-1] == b"traced message", [len(g) for g in got]
+            got = await asyncio.to_thread(read_events, reader, 13)
+            assert [bytes(f.payload or b"") for f in got][-1] == b"traced message"
+            # The message EVENT carries the traceparent (asked for with "trace"); the
+            # untraced ones are the body of before.
+            assert got[-1].body == {"from": [e_node(a_d), 0], "len": 14, "traceparent": tp}
+            assert all(set(f.body) == {"from", "len"} for f in got[:-1])
             assert await settle([c]) == [None]
             await settle(fill)
             assert await asyncio.to_thread(
@@ -94,6 +98,31 @@ async def test_a_traced_send_waiting_for_a_receive_is_listed_and_logged_at_the_r
             assert not listed()
     finally:
         reader.close()
+
+
+def stalled_reader(d: DaemonProcess, length: int, count: int, trace: bool) -> RawConn:
+    """A client of ``d`` that posts receives and then reads nothing (a small receive
+    buffer, so the kernel holds little for it)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.settimeout(WAIT)
+    sock.connect(d.host_port)
+    conn = RawConn.__new__(RawConn)
+    conn.sock, conn.decoder, conn.frames, conn.seq = sock, FrameDecoder(), [], 0
+    conn.hello()
+    r = conn.request(Command.SUBMIT_RECVS, {"len": length, "count": count, "trace": trace})
+    assert not r.is_error, r.body
+    return conn
+
+
+def read_events(conn: RawConn, want: int) -> list[Frame]:
+    got = [conn.recv() for _ in range(want)]
+    assert all(f.cmd == Command.SUBMIT_RECVS and f.flags & Flag.EVENT for f in got)
+    return got
+
+
+def e_node(d: DaemonProcess) -> int:
+    return main_address(d).node
 
 
 def main_address(d: DaemonProcess) -> NetAddr:
@@ -149,3 +178,34 @@ async def test_a_read_being_answered_to_a_peer_that_takes_nothing_is_listed(
         # The peer is gone: nothing of it is in flight any more.
         assert await asyncio.to_thread(wait_until, lambda: not listed(), WAIT)
         assert not [e for e in inflight(b_d) if e["kind"] == "incoming read"]
+
+
+@async_test(timeout=60)
+async def test_a_client_that_asks_gets_the_senders_traceparent_and_any_length_is_taken(
+        own_daemons: list[DaemonProcess]) -> None:
+    """Client.submit_recvs(traced=True): each message with its sender's traceparent (None
+    for an untraced SEND); a length past the largest message (2^64-1) is clamped, not
+    refused: the receive takes the largest message there is."""
+    a_d, b_d = start_many([{"env": engine_env(RAILS[n], secret_file=secret_file())}
+                           for n in "ab"])
+    own_daemons += [a_d, b_d]
+    _, tp = traceparent()
+    async with nodes(a_d, b_d) as (a, b):
+        got: list[tuple[bytes, str | None]] = []
+        b.client.submit_recvs((1 << 64) - 1, 2, lambda m, t: got.append((m, t)), traced=True)
+        addr = await b.client.main_address()
+        await b.client.synchronize()
+        big = bytes(range(256)) * (MiB // 256)
+        cs = [await a.client.submit_send(addr, big, traceparent=tp),
+              await a.client.submit_send(addr, b"plain")]
+        assert await settle(cs) == [None, None]
+        assert await asyncio.to_thread(wait_until, lambda: len(got) == 2, WAIT)
+        assert got == [(big, tp), (b"plain", None)]
+    # ("trace" is a bool, as the other optional fields are.)
+    ctl = RawConn.to(b_d)
+    try:
+        ctl.hello()
+        r = ctl.request(Command.SUBMIT_RECVS, {"len": 64, "count": 1, "trace": "yes"})
+        assert r.is_error and "'trace'" in r.body["message"], r.body
+    finally:
+        ctl.close()

@@ -638,9 +638,10 @@ class TransferEngine:
             kind="send"))
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
-                     deliver: Deliver) -> None:
-        """Post receives for ``owner`` (a connection); see :mod:`.receives`."""
-        self.receives.post(owner, length, count, deliver)
+                     deliver: Deliver, traced: bool = False) -> None:
+        """Post receives for ``owner`` (a connection); see :mod:`.receives`.  ``traced``:
+        ``deliver`` is also given each message's trace id (its sender's, or None)."""
+        self.receives.post(owner, length, count, deliver, traced)
 
     def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Callable[..., None],
                  source: Hashable = None, trace: bytes | None = None, op: int = 0) -> None:

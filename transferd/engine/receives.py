@@ -57,8 +57,10 @@ log = logging.getLogger("transferd.engine")
 
 # deliver(peer, msg) -> True once the connection's transport took the message
 # (nothing left in its write buffer); False: it is buffered there, and
-# Receives.drained(owner) follows once it is out (or closed(owner)).
-Deliver = Callable[[tuple[int, int], bytes], bool]
+# Receives.drained(owner) follows once it is out (or closed(owner)).  A post made
+# ``traced`` is called deliver(peer, msg, trace): the sender's trace id (26 bytes), or
+# None when its SEND carried none.
+Deliver = Callable[..., bool]
 # charge(nbytes) -> release: the host memory limit's share of a waiting message
 # (OutOfMemory when it does not fit); release() is idempotent.
 Charge = Callable[[int], Callable[[], None]]
@@ -75,6 +77,8 @@ class RecvPool:
     # The SUBMIT_RECVS that posted it: a message goes to its pool's caller (each post
     # of a connection has its own callback, its own EVENT seq).
     deliver: Deliver
+    # The post asked for each message's trace id (deliver gets it as a third argument).
+    traced: bool = False
 
 
 @dataclass(eq=False)
@@ -183,7 +187,8 @@ class Receives:
 
     # -- what clients do -------------------------------------------------------------
 
-    def post(self, key: Hashable, length: int, count: int, deliver: Deliver) -> None:
+    def post(self, key: Hashable, length: int, count: int, deliver: Deliver,
+             traced: bool = False) -> None:
         if length <= 0 or count <= 0:
             raise BadRequest("submit_recvs needs a positive length and count")
         if self.max_length is not None and length > self.max_length:
@@ -199,7 +204,7 @@ class Receives:
                             f"(engine.max_recv_pools_total = {self.max_pools_total})")
         if owner is None:
             owner = self._owners[key] = Owner(key)
-        pool = RecvPool(owner, length, count, count, deliver)
+        pool = RecvPool(owner, length, count, count, deliver, traced)
         owner.pools.append(pool)
         self.pools += 1
         self._posted.add(pool)
@@ -325,7 +330,8 @@ class Receives:
             m.timer = None
         m.owner, m.pool = owner, pool
         try:
-            taken = pool.deliver(m.peer, m.data)
+            taken = (pool.deliver(m.peer, m.data, m.trace) if pool.traced
+                     else pool.deliver(m.peer, m.data))
         except Exception as exc:  # the connection's write failed: this one is lost
             log.exception("delivering a message failed")
             self._done(m, Cancelled(f"the receiving connection failed: {exc!r}"))
