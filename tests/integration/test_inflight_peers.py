@@ -3,13 +3,16 @@ SEND waiting for a busy receive is listed by the receiving daemon's `transferd
 inflight` with the sender's trace id (carried in the SEND frame), logged there with it
 and warned about as stalled; a READ this daemon is answering to a peer that takes
 nothing is listed as answering (bytes sent of total, the reader's trace id, the peer
-as owner) and warned about too."""
+as owner) and warned about too; a receiving client that asks (SUBMIT_RECVS "trace")
+gets each message's traceparent, and a receive longer than any message is clamped."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
 import socket
+
+import pytest
 
 from client import NetAddr
 from tests.helpers import DaemonProcess, RawConn, async_test, wait_until
@@ -30,6 +33,7 @@ from tests.integration.fake_peer import FakePeer
 from tests.integration.test_engine_reads import region
 from transferd.protocol import trace
 from transferd.protocol.constants import Command, Flag
+from transferd.protocol.errors import NotFound
 from transferd.protocol.frames import Frame, FrameDecoder
 from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_handshake import SEND_EXT
@@ -189,11 +193,19 @@ async def test_a_client_that_asks_gets_the_senders_traceparent_and_any_length_is
     a_d, b_d = start_many([{"env": engine_env(RAILS[n], secret_file=secret_file())}
                            for n in "ab"])
     own_daemons += [a_d, b_d]
-    _, tp = traceparent()
+    tid, tp = traceparent()
     async with nodes(a_d, b_d) as (a, b):
+        addr = await b.client.main_address()
+        # No receive posted yet: refused at once, and B's WARNING carries the trace id.
+        with pytest.raises(NotFound):
+            early = await a.client.submit_send(addr, b"too early", traceparent=tp)
+            await early.wait(WAIT)
+        assert await asyncio.to_thread(
+            wait_until, lambda: "peer message refused" in b_d.stderr, WAIT), b_d.output()
+        (line,) = [ln for ln in b_d.stderr.splitlines() if "peer message refused" in ln]
+        assert "NOT_FOUND" in line and tid in line, line
         got: list[tuple[bytes, str | None]] = []
         b.client.submit_recvs((1 << 64) - 1, 2, lambda m, t: got.append((m, t)), traced=True)
-        addr = await b.client.main_address()
         await b.client.synchronize()
         big = bytes(range(256)) * (MiB // 256)
         cs = [await a.client.submit_send(addr, big, traceparent=tp),
