@@ -33,7 +33,15 @@ from .buffers import RemoteBuffer
 from .connection import Connection
 from .copies import Copies
 from .cuda_ipc import CudaIpc
-from .engine import Completion, EngineEvents, EngineOps, MessageHandler, MrHandle, PeerGroup
+from .engine import (
+    Completion,
+    EngineEvents,
+    EngineOps,
+    MessageHandler,
+    MrHandle,
+    PeerGroup,
+    TracedMessageHandler,
+)
 from .leases import Lease, Leases, owner_fields
 from .names import NameInfo, Names, Published, Watch
 from .queue import (
@@ -652,8 +660,10 @@ class Client:
         return await self.engine.submit_send(addr, msg, timeout=timeout,
                                              traceparent=traceparent)
 
-    def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
-        self.engine.submit_recvs(length, count, callback)
+    def submit_recvs(self, length: int, count: int,
+                     callback: MessageHandler | TracedMessageHandler, *,
+                     traced: bool = False) -> None:
+        self.engine.submit_recvs(length, count, callback, traced=traced)
 
     async def expect_imm_count(
         self, imm: int, count: int, callback: Callable[[], None] | None = None,

@@ -163,6 +163,8 @@ class Completion:
 
 
 MessageHandler = Callable[[bytes], None]
+# submit_recvs(..., traced=True): (message, the sender's traceparent or None).
+TracedMessageHandler = Callable[[bytes, "str | None"], None]
 
 
 def _dropped(reply: asyncio.Future[Any]) -> None:
@@ -237,6 +239,8 @@ class EngineEvents:
         # closes (bounded by the daemon's engine.max_recv_pools); forgotten if the post
         # was refused (an EVENT|ERROR of its seq).
         self.receivers: dict[int, MessageHandler] = {}
+        # The posts made with traced=True: their callbacks take the traceparent too.
+        self.traced: set[int] = set()
         # ALLOC_UVM_WATCHER seq -> the watcher's EVENT handler (client.watchers).
         self.watchers: dict[int, Callable[[Frame], None]] = {}
 
@@ -253,13 +257,18 @@ class EngineEvents:
         if frame.cmd == Command.SUBMIT_RECVS:
             if frame.is_error:
                 self.receivers.pop(frame.seq, None)
+                self.traced.discard(frame.seq)
                 return False  # the post's failure: raised at the next flush point
-            cb = self.receivers.get(frame.seq)
+            cb: Any = self.receivers.get(frame.seq)
             if cb is not None:
                 if COUNTING:
                     count("client.recv_message", frame.payload_len)
                 try:
-                    cb(bytes(frame.payload or b""))
+                    if frame.seq in self.traced:
+                        tp = frame.body.get("traceparent")
+                        cb(bytes(frame.payload or b""), tp if isinstance(tp, str) else None)
+                    else:
+                        cb(bytes(frame.payload or b""))
                 except Exception:  # the user's callback: it must not break the connection
                     log.exception("receive callback failed")
                 return True
@@ -389,11 +398,21 @@ class EngineOps:
         _tag(body, None, traceparent)
         return await self._submit(Command.SEND, body, [data], timeout=timeout)
 
-    def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
-        """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message."""
-        seq = self._client.conn.send(Command.SUBMIT_RECVS, {"len": length, "count": count},
-                                     flags=Flag.NO_REPLY)
-        self._events.receivers[seq] = callback
+    def submit_recvs(self, length: int, count: int,
+                     callback: MessageHandler | TracedMessageHandler, *,
+                     traced: bool = False) -> None:
+        """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message
+        (a ``length`` over the daemon's largest message, 1 MiB, takes every message that
+        can come).  ``traced``: ``callback(msg, traceparent)``, the sender's W3C
+        traceparent when its SEND carried one, else None (always None from a daemon
+        before issue 20)."""
+        body: dict[str, Any] = {"len": length, "count": count}
+        if traced:
+            body["trace"] = True
+        seq = self._client.conn.send(Command.SUBMIT_RECVS, body, flags=Flag.NO_REPLY)
+        self._events.receivers[seq] = callback  # type: ignore[assignment]
+        if traced:
+            self._events.traced.add(seq)
 
     async def expect_imm_count(
         self, imm: int, count: int, callback: Callable[[], None] | None = None,

@@ -52,7 +52,15 @@ from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
 from .client import Client
-from .engine import Completion, MessageHandler, MrHandle, PeerGroup, abandoned_ended, if_reached
+from .engine import (
+    Completion,
+    MessageHandler,
+    MrHandle,
+    PeerGroup,
+    TracedMessageHandler,
+    abandoned_ended,
+    if_reached,
+)
 from .leases import Leases
 from .names import NameInfo, Published, Watch
 from .shared import SharedBuffer
@@ -801,21 +809,25 @@ class InprocClient(Client):
             "SEND", "submit_send", addr, data, timeout=timeout,
             traceparent=traceparent if traceparent is not None else current_traceparent())
 
-    def submit_recvs(self, length: int, count: int, callback: MessageHandler) -> None:
+    def submit_recvs(self, length: int, count: int,
+                     callback: MessageHandler | TracedMessageHandler, *,
+                     traced: bool = False) -> None:
         """Post ``count`` receives of up to ``length`` bytes; ``callback(msg)`` per message,
-        on the loop (the sender's ACK goes once it returned)."""
+        on the loop (the sender's ACK goes once it returned); ``traced``: ``callback(msg,
+        traceparent)``, as :meth:`client.Client.submit_recvs`."""
         self._counted("SUBMIT_RECVS")
+        cb: Any = callback
 
-        def arrived(_sender: tuple[int, int], msg: bytes) -> bool:
+        def arrived(_sender: tuple[int, int], msg: bytes, *tp: str | None) -> bool:
             try:
-                callback(bytes(msg))
+                cb(bytes(msg), *tp)
             except Exception:  # the user's callback: it must not break the engine
                 import logging
 
                 logging.getLogger("transferd.client").exception("receive callback failed")
             return True
 
-        self.service.submit_recvs(self.caller, length, count, arrived)
+        self.service.submit_recvs(self.caller, length, count, arrived, traced=traced)
 
     async def expect_imm_count(
         self, imm: int, count: int, callback: Callable[[], None] | None = None,

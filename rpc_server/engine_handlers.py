@@ -278,17 +278,22 @@ def submit_recvs(session: Session, frame: Frame) -> Reply | None:
     service = _service(session)
     length = uint_field(frame.body, "len")
     count = uint_field(frame.body, "count")
+    traced = frame.body.get("trace", False)
+    if type(traced) is not bool:
+        raise BadRequest("field 'trace' must be true or false")
     seq = frame.seq
 
-    def arrived(peer: tuple[int, int], msg: bytes) -> bool:
+    def arrived(peer: tuple[int, int], msg: bytes, traceparent: str | None = None) -> bool:
         # True: the transport took it all (the sender's ACK goes now); else the
         # engine waits for this connection's write buffer to drain.
-        sent = session.send_frame(Command.SUBMIT_RECVS, Flag.EVENT, seq,
-                                  {"from": [peer[0], peer[1]], "len": len(msg)},
+        body: dict[str, Any] = {"from": [peer[0], peer[1]], "len": len(msg)}
+        if traceparent is not None:  # (asked for with "trace", and the SEND carried one)
+            body["traceparent"] = traceparent
+        sent = session.send_frame(Command.SUBMIT_RECVS, Flag.EVENT, seq, body,
                                   [memoryview(msg)])
         return bool(sent) and not session.write_blocked
 
-    service.submit_recvs(session.caller, length, count, arrived)
+    service.submit_recvs(session.caller, length, count, arrived, traced=traced)
     return None if frame.no_reply else Reply({})
 
 

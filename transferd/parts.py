@@ -72,8 +72,10 @@ class EnginePort(Protocol):
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
                abort: Callable[[], None] | None) -> Placement: ...
 
-    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
-        """A message from ``peer`` for a posted receive (any thread may ack)."""
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable, *,
+                trace: bytes | None = None, op: int = 0) -> None:
+        """A message from ``peer`` for a posted receive (any thread may ack); ``trace``
+        its sender's trace id (when its SEND carried one), ``op`` the sender's transfer."""
 
     def sender_gone(self, source: Hashable) -> None:
         """Inbound link ``source`` closed: its messages waiting for a receive go."""
@@ -166,8 +168,8 @@ class SendPart:
     op: int = 0
     index: int = 0
     parts: int = 1
-    # The submit's W3C trace id (26 bytes), for the sender's log records and span (a
-    # SEND frame has no extension block: the peer's records do not carry it).
+    # The submit's W3C trace id (26 bytes), for the sender's log records and span, and
+    # carried in the SEND frame (TX_EXT) to a receiver that reads it (send-ext).
     trace: bytes | None = None
 
     @property

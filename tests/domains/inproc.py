@@ -83,7 +83,7 @@ class InProcDomain(Domain):
             def ack(err: TransferdError | None) -> None:
                 p.loop.call_soon_threadsafe(transfer.part_done, err)
 
-            p.deliver(sender, bytes(part.msg), ack, self)
+            p.deliver(sender, bytes(part.msg), ack, self, trace=part.trace, op=part.op)
             return
         w = WriteHeader(part.op, part.index, part.rkey, list(part.addrs), list(part.lens),
                         part.imm, (part.span[0], part.span[1]) if part.span else None,

@@ -88,6 +88,8 @@ class Node:
         self.regions = RegionTable()
         self.counter = ImmCounter()
         self.messages: list[tuple[tuple[int, int], bytes]] = []
+        # Each message's trace id as the receiving Domain gave it (None: none carried).
+        self.traces: list[bytes | None] = []
         self.buffers: list[Buffer] = []
         self.node = random.Random(seed).randrange(1, 1 << 63)
         self.loop = loop
@@ -111,8 +113,10 @@ class Node:
         self._ops = itertools.count(1)
         self.closed = False
 
-    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any, source: Any) -> None:
+    def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Any, source: Any,
+                 trace: bytes | None = None, op: int = 0) -> None:
         self.messages.append((peer, msg))
+        self.traces.append(trace)
         ack(None)
 
     def region(self, size: int, seed: int | None = None, access: str = "w"
@@ -373,6 +377,23 @@ async def test_messages_carry_the_authenticated_sender(a: Node, b: Node) -> None
     dst = b.group.rail_address(0)
     assert await a.run([SendPart(0, dst, b"hello", op)]) is None
     assert b.messages == [((a.node, 0), b"hello")]
+
+
+@conformance
+async def test_a_traced_message_carries_its_trace_id_where_the_domain_can(
+        a: Node, b: Node) -> None:
+    """A SendPart with a trace id arrives whole; the Domain hands the receiver the
+    sender's trace id with it (tcp: SEND TX_EXT), but verbs, whose messages are whole
+    RC SENDs with no extension block, hands None, never something else."""
+    tp = bytes.fromhex("00" + "4bf92f3577b34da6a3ce929d0e0e4736" + "00f067aa0ba902b7" + "01")
+    dst = b.group.rail_address(0)
+    assert await a.run([SendPart(0, dst, b"traced", a.op(), trace=tp)]) is None
+    assert await a.run([SendPart(0, dst, b"plain", a.op())]) is None
+    assert b.messages == [((a.node, 0), b"traced"), ((a.node, 0), b"plain")]
+    assert b.traces[1] is None and b.traces[0] in (tp, None)
+    d = b.group.domains[0]
+    if getattr(d, "inner", d).name != "verbs":
+        assert b.traces[0] == tp
 
 
 @conformance

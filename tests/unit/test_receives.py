@@ -169,3 +169,71 @@ async def test_finding_a_receive_does_not_scan_the_pools() -> None:
     per = (time.perf_counter() - t0) / 20_000
     assert all(e is None for e in acks.results.values()) and len(acks.results) == 20_000
     assert per < 200e-6, per  # a scan of 4,096 pools per message would be ~1 ms
+
+
+@async_test()
+async def test_a_receive_longer_than_any_message_is_clamped_and_takes_the_largest() -> None:
+    """SUBMIT_RECVS' len is a 64-bit value; a receive is never longer than the largest
+    message that can arrive (max_length, a SEND's 1 MiB at the daemon): clamped, so
+    it takes every message there is, as asked, and two such posts are equal."""
+    table = BufferTable(64 * MiB)
+    r = Receives(lambda n: table.charge("cpu", n, "a waiting message"), max_pools=64,
+                 max_pools_total=4096, max_waiting=16, wait_s=5.0, max_length=MiB)
+    one, two = Conn(r), Conn(r)
+    r.post(one, (1 << 64) - 1, 1, one.deliver)
+    r.post(two, 4 * MiB, 1, two.deliver)
+    assert r._posted.lengths == [MiB]  # both pools: MiB long
+    acks = Acks()
+    r.arrive(PEER, b"m" * MiB, acks(0))
+    r.arrive(PEER, b"n" * MiB, acks(1))
+    assert acks.results == {0: None, 1: None} and len(one.got + two.got) == 2
+    r.post(one, MiB - 1, 1, one.deliver)  # (a shorter one stays as asked)
+    assert r._posted.lengths == [MiB - 1, MiB]
+    with pytest.raises(BadRequest):
+        r.post(one, 0, 1, one.deliver)
+
+
+@async_test()
+async def test_a_traced_post_is_handed_each_messages_trace_id() -> None:
+    r, _ = make()
+    got: list[tuple[bytes, bytes | None]] = []
+    plain: list[bytes] = []
+
+    def traced(peer: tuple[int, int], msg: bytes, trace: bytes | None) -> bool:
+        got.append((msg, trace))
+        return True
+
+    a, b = Conn(r), Conn(r)
+    r.post(a, 16, 4, traced, traced=True)
+    r.post(b, 1024, 4, lambda peer, msg: plain.append(msg) or True)
+    acks = Acks()
+    tp = bytes(range(26))
+    r.arrive(PEER, b"x", acks(0), None, tp, 5)
+    r.arrive(PEER, b"y", acks(1))
+    r.arrive(PEER, b"z" * 100, acks(2), None, tp, 6)  # (to the untraced post)
+    assert got == [(b"x", tp), (b"y", None)] and plain == [b"z" * 100]
+    assert all(v is None for v in acks.results.values())
+
+
+@async_test()
+async def test_what_waits_for_a_receive_is_listed_with_its_trace_id() -> None:
+    r, _ = make()
+    stuck = Conn(r, blocked=True)
+    r.post(stuck, 64, 1, stuck.deliver)
+    acks = Acks()
+    tp = bytes(range(26))
+    r.arrive(PEER, b"first", acks(0), None, None, 1)  # in the transport: delivering
+    r.arrive(PEER, b"second", acks(1), None, tp, 2)  # waits for the receive
+    listed = dict(r.listing())
+    by_op = {f["op"]: f for f in listed.values()}
+    assert by_op[1]["stage"].value == "delivering" and by_op[1]["progress"] == (5, 5)
+    assert by_op[2]["stage"].value == "waiting for a receive"
+    assert by_op[2]["progress"] == (0, 6) and by_op[2]["trace"] == tp
+    assert by_op[2]["kind"] == "incoming send" and by_op[2]["peer"] == PEER[0]
+    assert by_op[2]["owner"] is stuck and by_op[2]["rails"] == (0,)
+    assert by_op[2]["started"] <= time.monotonic()
+    r.drained(stuck)  # (its transport still keeps what it is handed next)
+    listed = dict(r.listing())  # the second is in the transport now
+    assert [(f["op"], f["stage"].value) for f in listed.values()] == [(2, "delivering")]
+    stuck.drain()
+    assert not list(r.listing()) and acks.results == {0: None, 1: None}

@@ -31,9 +31,11 @@ def _done(e: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="The listing as JSON.")
 def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None:
     """List what the daemon at URL has in flight, oldest first: each pending transfer,
-    expectation and read with its age, stage (queued, waiting for a peer slot, sent,
-    partly acknowledged, landing, expecting) and time in it, peer, rails, bytes done of
-    total, trace id and owner (STATS with "inflight", docs/protocol.md)."""
+    expectation and read, and what peers have under way there (a write landing, a READ
+    being answered, a message waiting for a receive), with its age, stage (queued,
+    waiting for a peer slot, sent, partly acknowledged, landing, expecting, answering,
+    waiting for a receive, delivering) and time in it, peer, rails, bytes done of total,
+    trace id and owner (STATS with "inflight", docs/protocol.md)."""
     from transferd.protocol.constants import Command
 
     async def work(c: Any) -> dict[str, Any]:

@@ -167,8 +167,10 @@ class Port(Protocol):
         """Open a write (then commit or fail it), or count a NIC-counted immediate."""
         ...
 
-    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable) -> None:
-        """A two-sided message for a posted receive, from inbound link ``source``."""
+    def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable, *,
+                trace: bytes | None = None, op: int = 0) -> None:
+        """A two-sided message for a posted receive, from inbound link ``source``;
+        ``trace`` the sender's trace id if its SEND carried one, ``op`` its transfer."""
 
     def sender_gone(self, source: Hashable) -> None:
         """Inbound link ``source`` closed: its messages still waiting are dropped."""

@@ -146,7 +146,8 @@ class DomainGroup:
 
     # -- what the Domains ask (the Port) ---------------------------------------------
 
-    def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable) -> None:
+    def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable, *,
+                trace: bytes | None = None, op: int = 0) -> None:
         loop = self.loop
 
         def counted(err: TransferdError | None) -> None:  # any thread
@@ -154,7 +155,7 @@ class DomainGroup:
                 loop.call_soon_threadsafe(self._delivered)
             ack(err)
 
-        self.engine.deliver(peer, msg, counted, source)
+        self.engine.deliver(peer, msg, counted, source, trace=trace, op=op)
 
     def _delivered(self) -> None:
         self.messages_in += 1

@@ -125,12 +125,14 @@ class TransferEngine:
             lambda n: buffers.charge("cpu", n, "a peer message waiting for a receive"),
             max_pools=config.max_recv_pools, max_pools_total=config.max_recv_pools_total,
             max_waiting=config.recv_waiting_max,
-            wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2))
+            wait_s=min(config.recv_wait_s, config.peer_timeout_s / 2),
+            max_length=MAX_MESSAGE)
         self.expectations = Expectations(self.counter, config.max_expectations,
                                          config.max_expectations_total)
         # What is in flight (transfers, expectations, reads) and stall warnings.
         self.inflight = InFlight(time.monotonic, config.stall_warn_s)
         self.inflight.sources.append(incoming(lambda: self.groups))
+        self.inflight.sources.append(self.receives.listing)
         # Each submit's Transfer and the worker it runs on (CANCEL fails it there).
         self._transfers: dict[asyncio.Future[None], tuple[Transfer, Worker]] = {}
         # What a started transfer's end calls at once (when_finished): at most one per
@@ -636,14 +638,16 @@ class TransferEngine:
             kind="send"))
 
     def submit_recvs(self, owner: Hashable, length: int, count: int,
-                     deliver: Deliver) -> None:
-        """Post receives for ``owner`` (a connection); see :mod:`.receives`."""
-        self.receives.post(owner, length, count, deliver)
+                     deliver: Deliver, traced: bool = False) -> None:
+        """Post receives for ``owner`` (a connection); see :mod:`.receives`.  ``traced``:
+        ``deliver`` is also given each message's trace id (its sender's, or None)."""
+        self.receives.post(owner, length, count, deliver, traced)
 
     def _deliver(self, peer: tuple[int, int], msg: bytes, ack: Callable[..., None],
-                 source: Hashable = None) -> None:
+                 source: Hashable = None, trace: bytes | None = None, op: int = 0) -> None:
         # From a Domain's worker: the receive side lives on the daemon's loop.
-        self._notify(functools.partial(self.receives.arrive, peer, msg, ack, source))
+        self._notify(functools.partial(self.receives.arrive, peer, msg, ack, source, trace,
+                                       op))
 
     def _sender_gone(self, source: Hashable) -> None:
         self._notify(functools.partial(self.receives.sender_gone, source))

@@ -8,6 +8,11 @@ says who (the owner: the connection), to whom (the peer node, the rails), how mu
 (bytes done of total), its trace id, its age, and its :class:`Stage` with how long it
 has been in it.
 
+A peer's work here is listed too, from sources read when listed (:attr:`InFlight.
+sources`): a WRITE being received (LANDING), a READ being answered (ANSWERING: bytes
+sent of its answer, owner the peer), a message waiting for a receive (WAITING_RECV)
+or handed to a connection whose transport has not drained (DELIVERING).
+
 A transfer's stage moves QUEUED (a write from device memory while its staging copy is
 made) -> WAITING_PEER (engine.max_inflight_per_peer reached for its peer) -> SENT
 (handed to the rails, nothing acknowledged) -> PARTLY_ACKED (some parts acknowledged)
@@ -50,6 +55,12 @@ class Stage(enum.Enum):
     PARTLY_ACKED = "partly acknowledged"
     LANDING = "landing"
     EXPECTING = "expecting"
+    # A peer's message here, waiting for one of a connection's receives; handed to the
+    # connection, its transport not drained yet (receives.py).
+    WAITING_RECV = "waiting for a receive"
+    DELIVERING = "delivering"
+    # A peer's READ answered here, its bytes not all sent yet.
+    ANSWERING = "answering"
 
 
 @dataclass(slots=True, eq=False)
@@ -57,7 +68,9 @@ class Entry:
     """One thing in flight (see the module docstring).  A transfer's peer, rails and
     bytes are read off its ``plan`` (its parts) when listed, not when it starts."""
 
-    kind: str  # "write", "send", "expectation", "read"
+    # "write", "send", "expectation", "read"; a peer's here: "incoming write",
+    # "incoming send", "incoming read"
+    kind: str
     op: int
     owner: Any
     trace: bytes | None
@@ -141,6 +154,8 @@ def owner_name(owner: Any) -> str:
     """How a listing names an owner (a connection: its peer address)."""
     if owner is None:
         return ""
+    if isinstance(owner, str):  # (a peer's, as its link names it)
+        return owner
     return str(getattr(owner, "peer", None) or type(owner).__name__)
 
 
@@ -216,8 +231,11 @@ class InFlight:
                 e = self._sourced.get(key)
                 if e is None:
                     e = Entry(f["kind"], f.get("op", 0), f.get("owner"), f.get("trace"),
-                              f["since"], f["stage"], f["since"], what=f.get("what", ""),
-                              peer_node=f.get("peer"), rail_list=f.get("rails", ()))
+                              f.get("started", f["since"]), f["stage"], f["since"],
+                              what=f.get("what", ""), peer_node=f.get("peer"),
+                              rail_list=f.get("rails", ()))
+                elif e.stage is not f["stage"]:
+                    e.stage, e.since = f["stage"], f["since"]  # (a message handed on)
                 done = f["progress"]
                 e.progress = lambda done=done: done
                 now[key] = e
@@ -258,18 +276,21 @@ class InFlight:
 
 def incoming(groups: Callable[[], Sequence[Any]]
              ) -> Callable[[], list[tuple[Hashable, dict[str, Any]]]]:
-    """A source of entries: the peer writes being received now by every domain group
-    (``DomainGroup.incoming()``: :class:`~transferd.protocol.peer_link.Incoming`)."""
+    """A source of entries: the peer writes being received now by every domain group,
+    and the peer READs being answered (``DomainGroup.incoming()``:
+    :class:`~transferd.protocol.peer_link.Incoming`; a read's owner is the peer)."""
 
     def now() -> list[tuple[Hashable, dict[str, Any]]]:
         out: list[tuple[Hashable, dict[str, Any]]] = []
         for group in list(groups()):
             for w in group.incoming():
-                out.append(((group.index, w.peer, w.rail, w.ref), {
-                    "kind": "incoming write", "op": w.ref[0], "trace": w.trace,
-                    "since": w.since, "stage": Stage.LANDING, "peer": w.peer[0],
+                read = w.kind == "read"
+                out.append(((group.index, w.peer, w.rail, w.ref, w.kind), {
+                    "kind": "incoming read" if read else "incoming write", "op": w.ref[0],
+                    "trace": w.trace, "since": w.since,
+                    "stage": Stage.ANSWERING if read else Stage.LANDING, "peer": w.peer[0],
                     "rails": (w.rail,), "progress": (w.received, w.nbytes),
-                    "what": f"part {w.ref[1]}"}))
+                    "what": f"part {w.ref[1]}", "owner": w.owner or None}))
         return out
 
     return now

@@ -25,7 +25,8 @@ from .immcounter import ImmCounter
 from .regions import Admitted, Region, RegionTable
 
 Done = Callable[[TransferdError | None], None]
-Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable], None]
+# deliver(peer, msg, ack, source, trace, op): the engine's receive side.
+Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable, "bytes | None", int], None]
 
 
 class HostPlacement:
@@ -276,8 +277,9 @@ class EnginePort:
     def count(self, imm: int, n: int) -> int:
         return self.counter.add(imm, n)
 
-    def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable) -> None:
-        self._deliver(peer, msg, ack, source)
+    def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable, *,
+                trace: bytes | None = None, op: int = 0) -> None:
+        self._deliver(peer, msg, ack, source, trace, op)
 
     def sender_gone(self, source: Hashable) -> None:
         self._sender_gone(source)

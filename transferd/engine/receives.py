@@ -27,6 +27,14 @@ Everything here runs on the daemon's loop (the Domains' workers hop here with
   ``engine.recv_waiting_max`` wait at once, and one that waited
   ``engine.recv_wait_s`` is dropped with its sender told (CANCELLED).  When the
   link it came in on dies, it is dropped (its sender's link is gone too).
+- **In flight, findable.**  A message waiting for a receive, or delivered and still
+  in its connection's transport, is listed by :meth:`Receives.listing` (``transferd
+  inflight``: its peer, bytes, age, the sender's trace id when its SEND carried one,
+  the connection it waits on) and so covered by the stall warnings.
+- **No receive longer than a message can be.**  A SUBMIT_RECVS ``len`` over the
+  largest message this daemon accepts (``max_length``: a SEND's 1 MiB) is clamped to
+  it: such a receive takes every message that can arrive, as asked; nothing longer
+  ever comes.
 """
 
 from __future__ import annotations
@@ -35,18 +43,24 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from transferd.domains.base import Ack
 from transferd.protocol.errors import BadRequest, Cancelled, NotFound, OutOfMemory, OverLimit
+
+from .inflight import Stage
 
 log = logging.getLogger("transferd.engine")
 
 # deliver(peer, msg) -> True once the connection's transport took the message
 # (nothing left in its write buffer); False: it is buffered there, and
-# Receives.drained(owner) follows once it is out (or closed(owner)).
-Deliver = Callable[[tuple[int, int], bytes], bool]
+# Receives.drained(owner) follows once it is out (or closed(owner)).  A post made
+# ``traced`` is called deliver(peer, msg, trace): the sender's trace id (26 bytes), or
+# None when its SEND carried none.
+Deliver = Callable[..., bool]
 # charge(nbytes) -> release: the host memory limit's share of a waiting message
 # (OutOfMemory when it does not fit); release() is idempotent.
 Charge = Callable[[int], Callable[[], None]]
@@ -63,6 +77,8 @@ class RecvPool:
     # The SUBMIT_RECVS that posted it: a message goes to its pool's caller (each post
     # of a connection has its own callback, its own EVENT seq).
     deliver: Deliver
+    # The post asked for each message's trace id (deliver gets it as a third argument).
+    traced: bool = False
 
 
 @dataclass(eq=False)
@@ -77,6 +93,12 @@ class Message:
     pool: RecvPool | None = None
     # Counted in Receives.waiting (waiting for a receive, or in a transport).
     counted: bool = False
+    # The sender's trace id (its SEND's TX_EXT) and transfer number; when it came, and
+    # when it was handed to its connection (time.monotonic: what is in flight).
+    trace: bytes | None = None
+    op: int = 0
+    since: float = 0.0
+    handed: float = 0.0
 
 
 @dataclass(eq=False)
@@ -140,8 +162,11 @@ class _Index:
 
 class Receives:
     def __init__(self, charge: Charge, *, max_pools: int, max_pools_total: int,
-                 max_waiting: int, wait_s: float) -> None:
+                 max_waiting: int, wait_s: float, max_length: int | None = None) -> None:
         self.charge = charge
+        # The largest message that can arrive (a SEND's limit): longer receives are cut
+        # to it (None: no bound, as for a unit's own tests).
+        self.max_length = max_length
         self.max_pools = max_pools
         self.max_pools_total = max_pools_total
         self.max_waiting = max_waiting
@@ -162,9 +187,12 @@ class Receives:
 
     # -- what clients do -------------------------------------------------------------
 
-    def post(self, key: Hashable, length: int, count: int, deliver: Deliver) -> None:
+    def post(self, key: Hashable, length: int, count: int, deliver: Deliver,
+             traced: bool = False) -> None:
         if length <= 0 or count <= 0:
             raise BadRequest("submit_recvs needs a positive length and count")
+        if self.max_length is not None and length > self.max_length:
+            length = self.max_length  # (no message longer than that can come)
         owner = self._owners.get(key)
         mine = len(owner.pools) if owner is not None else 0
         if mine >= self.max_pools:
@@ -176,7 +204,7 @@ class Receives:
                             f"(engine.max_recv_pools_total = {self.max_pools_total})")
         if owner is None:
             owner = self._owners[key] = Owner(key)
-        pool = RecvPool(owner, length, count, count, deliver)
+        pool = RecvPool(owner, length, count, count, deliver, traced)
         owner.pools.append(pool)
         self.pools += 1
         self._posted.add(pool)
@@ -220,12 +248,15 @@ class Receives:
     # -- what peers do -----------------------------------------------------------------
 
     def arrive(self, peer: tuple[int, int], data: bytes, ack: Ack,
-               source: Hashable = None) -> None:
-        """A message from ``peer`` (on link ``source``); ``ack`` tells its sender."""
+               source: Hashable = None, trace: bytes | None = None, op: int = 0) -> None:
+        """A message from ``peer`` (on link ``source``); ``ack`` tells its sender;
+        ``trace`` the sender's trace id, ``op`` its transfer (what is in flight)."""
         n = len(data)
+        now = time.monotonic()
         pool = self._free.fitting(n)
         if pool is not None:
-            self._hand(pool, Message(peer, data, ack, source, _nothing))
+            self._hand(pool, Message(peer, data, ack, source, _nothing, trace=trace, op=op,
+                                     since=now))
             return
         pool = self._posted.fitting(n)
         if pool is None:
@@ -247,7 +278,8 @@ class Receives:
             ack(OutOfMemory(f"a message of {n} bytes cannot wait for a receive: "
                             f"{exc.message}"))
             return
-        m = Message(peer, data, ack, source, release, owner=pool.owner)
+        m = Message(peer, data, ack, source, release, owner=pool.owner, trace=trace, op=op,
+                    since=now)
         self._count(m)
         pool.owner.waiting[m] = None
         m.timer = asyncio.get_running_loop().call_later(self.wait_s, self._expire, m)
@@ -257,6 +289,16 @@ class Receives:
         for m in list(self._by_source.get(source, ())):
             if m.pool is None:  # (one already in a transport stays until it drained)
                 self._done(m, Cancelled("the sender's link closed"))
+
+    def listing(self) -> Iterator[tuple[Hashable, dict[str, Any]]]:
+        """What is in flight here (an :class:`~.inflight.InFlight` source): each message
+        waiting for a receive, and each handed to a connection whose transport has not
+        drained ("delivering"), with its peer, bytes, age and trace id."""
+        for owner in list(self._owners.values()):
+            for m in list(owner.waiting):
+                yield ("recv", m), _entry(m, owner, Stage.WAITING_RECV, m.since)
+            for m in list(owner.held):
+                yield ("recv", m), _entry(m, owner, Stage.DELIVERING, m.handed)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -288,7 +330,8 @@ class Receives:
             m.timer = None
         m.owner, m.pool = owner, pool
         try:
-            taken = pool.deliver(m.peer, m.data)
+            taken = (pool.deliver(m.peer, m.data, m.trace) if pool.traced
+                     else pool.deliver(m.peer, m.data))
         except Exception as exc:  # the connection's write failed: this one is lost
             log.exception("delivering a message failed")
             self._done(m, Cancelled(f"the receiving connection failed: {exc!r}"))
@@ -296,6 +339,7 @@ class Receives:
         if taken:
             self._done(m, None)
             return
+        m.handed = time.monotonic()
         if not m.counted:  # in the transport now: counted and charged until it drained
             # (Already written: over the limit it is not taken back, only not charged.)
             with contextlib.suppress(OutOfMemory):
@@ -353,6 +397,14 @@ def _free_fit(owner: Owner, n: int) -> RecvPool | None:
         if p.free and p.length >= n and (best is None or p.length < best.length):
             best = p
     return best
+
+
+def _entry(m: Message, owner: Owner, stage: Stage, since: float) -> dict[str, Any]:
+    # (Two-sided messages go on rail 0, on both daemons: Engine.submit_send.)
+    return {"kind": "incoming send", "op": m.op, "trace": m.trace, "started": m.since,
+            "since": since, "stage": stage, "peer": m.peer[0], "rails": (0,),
+            "progress": (len(m.data) if stage is Stage.DELIVERING else 0, len(m.data)),
+            "owner": owner.key}
 
 
 def _nothing() -> None:

@@ -42,6 +42,14 @@ group goes to that daemon, which never sent the nonce.
 
 An initiator also checks that the responder is who it dialled: the node and
 group it expected, answering on the address it connected to.
+
+What a responder reads beyond the data phase of version 2 it names in its HELLO
+reply's ``features`` (a list of names; absent: none, as from a daemon before issue
+20), and its initiator uses no more than those (:attr:`PeerHandshake.peer_features`):
+``send-ext`` (:data:`SEND_EXT`), a SEND may carry an extension block (peer_wire
+TX_EXT: the trace id).  A name unknown here is ignored.  The list is not part of the
+proven transcript: whoever could strip it in flight only makes the initiator send
+less (a SEND without its trace id), never something the responder cannot read.
 """
 
 from __future__ import annotations
@@ -84,6 +92,11 @@ MAX_ADDR_LEN = 256
 DEFAULT_TIMEOUT = 5.0
 RESPONDER_LABEL = b"transferd-peer-responder-v1"
 INITIATOR_LABEL = b"transferd-peer-initiator-v1"
+
+# The features a responder may name in its HELLO reply (see the module docstring).
+SEND_EXT = "send-ext"
+MAX_FEATURES = 32
+MAX_FEATURE_LEN = 64
 
 _REPLY = int(Flag.REPLY)
 _ERROR = int(Flag.ERROR)
@@ -226,6 +239,7 @@ class PeerHandshake:
         random: Callable[[int], bytes] = secrets.token_bytes,
         admit: Callable[[PeerIdentity], None] | None = None,
         everyone: tuple[tuple[bytes, ...], ...] | None = None,
+        features: Sequence[str] = (),
     ) -> None:
         if role is Role.INITIATOR and expect is None:
             raise ValueError("an initiator knows whom it dials: expect=(node, group, addr)")
@@ -259,6 +273,10 @@ class PeerHandshake:
         # Initiator: who the daemon dialled said it is, when that was not who was
         # expected (the dial's back-off is then the expected identity's, not the address's).
         self.answered: tuple[int, int] | None = None
+        # Responder: what its HELLO reply says it reads (SEND_EXT); initiator: what the
+        # responder's said (empty: a daemon before issue 20; nothing beyond version 2).
+        self.features = tuple(features)
+        self.peer_features: frozenset[str] = frozenset()
 
     # -- the I/O side's calls -----------------------------------------------------
 
@@ -412,6 +430,8 @@ class PeerHandshake:
         self._challenge = self._random(NONCE_LEN)
         self._transcript = _transcript(peer, self.me, rail)
         reply = self._hello_body()
+        if self.features:
+            reply["features"] = list(self.features)
         if self.secret is not None:
             reply["challenge"] = self._challenge
             reply["proof"] = _mac(self.secret, RESPONDER_LABEL, nonce, self._challenge,
@@ -457,6 +477,7 @@ class PeerHandshake:
                 f"rail {self.rail}")
         self.peer = peer
         self._transcript = _transcript(self.me, peer, rail)
+        self.peer_features = _features(body)
         if self.secret is not None:
             if "proof" not in body:
                 raise self._deny("no_secret", f"the daemon at {_show(addr)} has no cluster "
@@ -536,6 +557,19 @@ def _check_node(peer: PeerIdentity, groups: Any) -> None:
             f"the peer claims node {peer.node:016x}, which is not its addresses' "
             f"({node_of(groups):016x}): without a cluster secret a daemon's node id is "
             "the hash of its rails' addresses, so no process can take another's")
+
+
+def _features(body: dict[str, Any]) -> frozenset[str]:
+    """A HELLO reply's ``features`` (none when absent); BadFrame when it is not a short
+    list of short names."""
+    got = body.get("features")
+    if got is None:
+        return frozenset()
+    if (type(got) is not list or len(got) > MAX_FEATURES
+            or not all(type(f) is str and len(f) <= MAX_FEATURE_LEN for f in got)):
+        raise BadFrame(f"peer handshake: 'features' must be at most {MAX_FEATURES} names "
+                       f"(str, at most {MAX_FEATURE_LEN} characters)")
+    return frozenset(got)
 
 
 def parse_probe(body: dict[str, Any]) -> tuple[bytes, bytes]:

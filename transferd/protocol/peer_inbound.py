@@ -24,7 +24,7 @@ from . import crc
 from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_ext import encode_ext
-from .peer_handshake import PeerHandshake, PeerIdentity, Role
+from .peer_handshake import SEND_EXT, PeerHandshake, PeerIdentity, Role
 from .peer_landing import Admission, Landing, Placement
 from .peer_link import (
     ACK_HIGH,
@@ -60,10 +60,12 @@ from .peer_wire import (
     WRITE_HEAD,
     ReadHeader,
     check_read_head,
+    check_send_head,
     check_write_head,
     encode_ack,
     encode_read_data,
     parse_read,
+    parse_send_ext,
     parse_write,
     read_ext_len,
     write_table_len,
@@ -113,8 +115,11 @@ class InboundLink(LinkEnd):
                  abort: Callable[[], None] | None = None, stream_frames: bool = True,
                  random: Callable[[int], bytes] | None = None) -> None:
         kw: dict[str, Any] = {} if random is None else {"random": random}
+        # A SEND's extension block is read here on a link that carries frames (a verbs
+        # rail's messages go by the NIC, parsed whole: none there): its HELLO reply says so.
         super().__init__(PeerHandshake(Role.RESPONDER, me, rail, secret, now, timeout=timeout,
-                                       admit=admit, **kw))
+                                       admit=admit,
+                                       features=(SEND_EXT,) if stream_frames else (), **kw))
         self.rail = rail
         self.stream_frames = stream_frames
         self.landing = landing
@@ -127,6 +132,7 @@ class InboundLink(LinkEnd):
         self._adm: Admission | None = None
         self._refusal: TransferdError | None = None
         self._msg: bytearray | None = None
+        self._trace: bytes | None = None  # the SEND in hand's (TX_EXT)
         self._nbytes = 0
         self._left = 0
         self._segs: Sequence[memoryview] = ()
@@ -156,8 +162,10 @@ class InboundLink(LinkEnd):
         self._holds = 0
         self._ack_held = False
         # READs answered and not yet sent whole: (where in the output their payload
-        # ends, counted in bytes ever pushed, and the memory held until then).
-        self._serving: deque[tuple[int, Placement]] = deque()
+        # ends, counted in bytes ever pushed, and the memory held until then; then for
+        # what is in flight: the READ's (op, part), its bytes, trace id, when it came).
+        self._serving: deque[tuple[int, Placement, tuple[int, int], int, bytes | None,
+                                   float]] = deque()
         self._sent_total = 0
         self._served_any = False
         self._read_held = False
@@ -346,9 +354,17 @@ class InboundLink(LinkEnd):
                     if avail < 24:
                         self._want = 24 - avail
                         return
-                    _, _, _, part, op, plen = SEND_HEAD.unpack_from(buf, start)
-                    self._start = start + 24
-                    self._open_send(op, part, plen)
+                    _, flags, ext, part, op, plen = SEND_HEAD.unpack_from(buf, start)
+                    if flags or ext:  # (a traced SEND: its extension block after 24)
+                        check_send_head(flags, ext)
+                        if avail < 24 + ext:
+                            self._want = 24 + ext - avail
+                            return
+                        self._start = start + 24 + ext
+                        self._open_send(op, part, plen, buf, start + 24, ext)
+                    else:
+                        self._start = start + 24
+                        self._open_send(op, part, plen)
                 elif cmd == READ:
                     if avail < 32:
                         self._want = 32 - avail
@@ -383,6 +399,16 @@ class InboundLink(LinkEnd):
         return Incoming(self._ref, self._key, self.rail, self._nbytes - self._left,
                        self._nbytes, adm.header.trace, self._opened)
 
+    def answering(self) -> list[Incoming]:
+        """The READs answered here whose bytes are not all sent yet (what is in flight:
+        ``received`` is the bytes of each answer gone so far)."""
+        if not self._serving:
+            return []
+        total = self._sent_total
+        return [Incoming(ref, self._key, self.rail, min(nbytes, max(0, total - end + nbytes)),
+                         nbytes, trace, since, "read")
+                for end, _, ref, nbytes, trace, since in list(self._serving)]
+
     def _open_write(self, buf: bytearray, start: int, head: tuple[int, ...]) -> None:
         op, part, plen = head[4], head[3], head[9]
         self._opened = self._now
@@ -416,14 +442,25 @@ class InboundLink(LinkEnd):
         if not plen:
             self._finish()
 
-    def _open_send(self, op: int, part: int, plen: int) -> None:
+    def _open_send(self, op: int, part: int, plen: int, buf: bytearray | None = None,
+                   pos: int = 0, ext: int = 0) -> None:
         self._kind, self._ref, self._nbytes, self._left = SEND, (op, part), plen, plen
         self._seg = self._pos = 0
         self._adm = None
+        refusal: TransferdError | None = None
+        self._trace = None
+        if ext:
+            assert buf is not None
+            try:
+                self._trace = parse_send_ext(buf, pos, ext)
+            except TransferdError as exc:  # framed: the message is refused, the link goes on
+                refusal = exc
         if plen > self.max_message:
             # Collected in memory: a size only the sender vouches for is checked first.
-            self._refusal = BadRequest(f"message of {plen} bytes is over the limit of "
-                                       f"{self.max_message}")
+            refusal = BadRequest(f"message of {plen} bytes is over the limit of "
+                                 f"{self.max_message}")
+        if refusal is not None:
+            self._refusal = refusal
             self._msg, self._segs, self._drop = None, (), True
             self._kind = -SEND
         else:
@@ -498,7 +535,8 @@ class InboundLink(LinkEnd):
             views = corrupt(views) or views
         out.push(encode_read_data(op, part, nbytes, None, ext))
         out.extend(views, nbytes)
-        self._serving.append((self._sent_total + out.queued, src))
+        self._serving.append((self._sent_total + out.queued, src, (op, part), nbytes, trace,
+                              self._now))
         if trace is not None:
             # The responder's record of a traced read (its log, with the trace id).
             self.events.append(Placed((op, part), nbytes, trace, self._now, what="read"))
@@ -539,9 +577,10 @@ class InboundLink(LinkEnd):
                     self.events.append(Placed(ref, nbytes, adm.header.trace, self._opened))
         elif kind == SEND:
             msg, self._msg = self._msg, None
-            self.events.append(Deliver(self._key, bytes(msg or b""), ref))
+            self.events.append(Deliver(self._key, bytes(msg or b""), ref, self._trace))
         else:  # a refused SEND
             assert self._refusal is not None
+            self.events.append(Refused(ref, self._refusal, self._trace, what="message"))
             self._ack(ref, self._refusal)
         self._segs = ()
 

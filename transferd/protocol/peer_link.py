@@ -210,6 +210,8 @@ class Deliver:
     peer: Peer
     message: bytes
     ref: tuple[int, int]
+    # The sender's W3C trace id (26 bytes), when its SEND carried one (TX_EXT).
+    trace: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +249,9 @@ class Refused:
 @dataclass(frozen=True, slots=True)
 class Incoming:
     """A WRITE being received now (for what is in flight): its (op, part), who sent it,
-    bytes in of its payload, its trace id, since when (the clock the link was fed)."""
+    bytes in of its payload, its trace id, since when (the clock the link was fed).
+    With ``kind`` "read": a peer's READ being answered here, ``received`` the bytes of
+    its answer sent so far (into the kernel), ``since`` when the READ was taken."""
 
     ref: tuple[int, int]
     peer: Peer
@@ -256,6 +260,9 @@ class Incoming:
     nbytes: int
     trace: bytes | None
     since: float
+    kind: str = "write"
+    # Who asked (the I/O side's name for the link's other end: its host:port).
+    owner: str = ""
 
 
 @dataclass(frozen=True, slots=True)

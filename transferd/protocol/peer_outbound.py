@@ -40,7 +40,7 @@ from .errors import (
 )
 from .keyring import Keyring
 from .peer_ext import encode_ext, parse_ext
-from .peer_handshake import PeerHandshake, PeerIdentity, Role
+from .peer_handshake import SEND_EXT, PeerHandshake, PeerIdentity, Role
 from .peer_link import (
     HIGH_WATER,
     LOW_WATER,
@@ -373,19 +373,25 @@ class OutboundLink(LinkEnd):
             self._waiting.append((self.write, (token, op, part, rkey, addrs, lens, src, imm,
                                                span, wid, again, ext)))
 
-    def send(self, token: Any, op: int, part: int, message: bytes | memoryview) -> None:
-        """Send a SEND (a two-sided message); completed when the peer's client has it."""
+    def send(self, token: Any, op: int, part: int, message: bytes | memoryview,
+             trace: bytes | None = None) -> None:
+        """Send a SEND (a two-sided message); completed when the peer's client has it.
+        ``trace``: the W3C trace id, carried in the frame (TX_EXT) when the responder
+        said it reads a SEND's extension block (``send-ext``), else kept here only."""
         if self.state is LinkState.READY:
             key = (op, part)
             self._pending[key] = token
-            self._sending.frame(token, key, encode_send(op, part, len(message)),
-                                (memoryview(message),), len(message))
+            if trace is not None and SEND_EXT in self.hs.peer_features:
+                head = encode_send(op, part, len(message), encode_ext(None, trace))
+            else:
+                head = encode_send(op, part, len(message))
+            self._sending.frame(token, key, head, (memoryview(message),), len(message))
             if self.out.queued > self.high_water:
                 self._move(LinkInput.HOLD)
         elif self.state is LinkState.CLOSED:
             self.completions.append((token, self._closed_error()))
         else:
-            self._waiting.append((self.send, (token, op, part, message)))
+            self._waiting.append((self.send, (token, op, part, message, trace)))
 
     def read(self, token: Any, op: int, part: int, rkey: int, addrs: list[int],
              lens: list[int], into: Sequence[memoryview], verify: bool = False,

@@ -14,8 +14,10 @@ WRITE  (0x41)  48 bytes: cmd u8, flags u8, npages u16, part u32, op u64, rkey u6
                payload: ``payload`` bytes, the pages' bytes concatenated
 ACK    (0x42)  16 bytes: cmd u8, status u8 (0 ok, 1 error), mlen u16, part u32, op u64
                [mlen bytes: the error's code, NUL, its message (UTF-8)]
-SEND   (0x43)  24 bytes: cmd u8, 0 u8, 0 u16, part u32, op u64, payload u64
-               payload: the message
+SEND   (0x43)  24 bytes: cmd u8, flags u8, ext u16, part u32, op u64, payload u64
+               [ext bytes]                                    if flags & TX_EXT
+                                                              (peer_ext: trace id)
+               payload: the message (``payload`` bytes)
 READ   (0x46)  32 bytes: cmd u8, flags u8, npages u16, part u32, op u64, rkey u64,
                total u64
                [ext u32, 0 u32]                               if flags & RX_EXT
@@ -52,6 +54,16 @@ fixed part is 40 bytes, its last 8 the length of an extension block after the pa
 table (peer_ext: the reader's trace id, for the responder's log records).  A daemon
 from before issue 20 refuses any flag (the link is cut): a reader only sets them
 when its caller asked for verify or a trace.
+
+Flags of a SEND (issue 20; a SEND without them is the 24 bytes it always was, flags
+and ``ext`` 0): TX_EXT (0x01): ``ext`` bytes of extension block (peer_ext: the
+sender's trace id, for the receiver's log records and its listing of the message
+while it waits for a receive) follow the header, before the message.  A daemon from
+before issue 20 read neither field (it would take the block for the message's first
+bytes): a sender sets TX_EXT only on a link whose responder said, in its HELLO reply,
+that it reads it (the ``send-ext`` feature, :mod:`.peer_handshake`).  An unknown flag,
+``ext`` without TX_EXT or over MAX_EXT cannot be framed (BadFrame); a block that is
+framed but wrong (a CRC32C entry: a SEND carries none) refuses the message.
 
 ``ext`` is the length of an extension block after a WRITE's page table
 (:mod:`.peer_ext`: a per-part CRC32C and a trace id, issue 20); a block this daemon
@@ -117,6 +129,9 @@ KNOWN_FLAGS = IMM | SPAN | WID | AGAIN | UNIFORM
 RX_CRC = 0x01
 RX_EXT = 0x02
 KNOWN_READ_FLAGS = RX_CRC | RX_EXT
+# SEND flags: an extension block (the trace id) follows the header.
+TX_EXT = 0x01
+KNOWN_SEND_FLAGS = TX_EXT
 
 WRITE_HEAD = struct.Struct("<BBHIQQIIQQ")
 ACK_HEAD = struct.Struct("<BBHIQ")
@@ -379,7 +394,11 @@ def frame_size(data: bytes | bytearray | memoryview) -> int | None:
     if cmd == ACK:
         return None if len(data) < 16 else 16 + ACK_HEAD.unpack_from(data)[2]
     if cmd == SEND:
-        return None if len(data) < 24 else 24 + SEND_HEAD.unpack_from(data)[5]
+        if len(data) < 24:
+            return None
+        _, flags, ext, _, _, plen = SEND_HEAD.unpack_from(data)
+        check_send_head(flags, ext)
+        return 24 + ext + plen
     if cmd == SETUP:
         return None if len(data) < 8 else 8 + SETUP_HEAD.unpack_from(data)[3]
     if cmd == READ:
@@ -418,9 +437,32 @@ def ack_error(status: int, text: bytes | bytearray | memoryview) -> TransferdErr
     return PeerAnswered(err.message) if type(err) is PeerUnreachable else err
 
 
-def encode_send(op: int, part: int, length: int) -> bytes:
-    """A SEND's header; the message follows it."""
+def encode_send(op: int, part: int, length: int, ext: bytes = b"") -> bytes:
+    """A SEND's header and, with ``ext``, its extension block (TX_EXT: peer_ext, the
+    trace id); the message follows it.  Without ``ext``: the frame of before, byte for
+    byte."""
+    if ext:
+        return SEND_HEAD.pack(SEND, TX_EXT, len(ext), part, op, length) + ext
     return SEND_HEAD.pack(SEND, 0, 0, part, op, length)
+
+
+def check_send_head(flags: int, ext: int) -> None:
+    """BadFrame for a SEND header whose size cannot be trusted (the link cannot go on)."""
+    if flags & ~KNOWN_SEND_FLAGS:
+        raise BadFrame(f"peer SEND: unknown flag bits 0x{flags & ~KNOWN_SEND_FLAGS:02x}")
+    if ext and not flags & TX_EXT:
+        raise BadFrame(f"peer SEND: an extension block of {ext} bytes without TX_EXT")
+    if ext > MAX_EXT:
+        raise BadFrame(f"peer SEND with a {ext}-byte extension block (at most {MAX_EXT})")
+
+
+def parse_send_ext(buf: bytes | bytearray | memoryview, pos: int, n: int) -> bytes | None:
+    """The trace id of a SEND's ``n``-byte extension block at ``pos`` (None for none);
+    BadRequest for a block that is framed but wrong (the message is refused)."""
+    got, trace = parse_ext(buf, pos, n, "SEND")
+    if got is not None:
+        raise BadRequest("peer SEND: a CRC32C entry in a SEND's extension block")
+    return trace
 
 
 def encode_setup(blob: bytes | None, error: TransferdError | None = None) -> bytes:
@@ -441,8 +483,10 @@ def parse_message(msg: bytes | bytearray | memoryview
     n = len(view)
     cmd = view[0] if n else 0
     if cmd == SEND and n >= 24:
-        _, _, _, part, op, plen = SEND_HEAD.unpack_from(view)
-        if 24 + plen == n:
+        _, flags, ext, part, op, plen = SEND_HEAD.unpack_from(view)
+        # (A message transport's SEND carries no extension block: its link's responder
+        # does not say send-ext.)
+        if 24 + plen == n and not flags and not ext:
             return SEND, op, part, view[24:], None
     elif cmd == ACK and n >= 16:
         _, status, mlen, part, op = ACK_HEAD.unpack_from(view)
@@ -468,6 +512,7 @@ __all__ = [
     "SEND_HEAD",
     "SETUP",
     "SPAN",
+    "TX_EXT",
     "UNIFORM",
     "WID",
     "WRITE",
@@ -477,6 +522,7 @@ __all__ = [
     "WriteHeader",
     "ack_error",
     "check_read_head",
+    "check_send_head",
     "check_write_head",
     "encode_ack",
     "encode_read",
@@ -487,6 +533,7 @@ __all__ = [
     "frame_size",
     "parse_message",
     "parse_read",
+    "parse_send_ext",
     "parse_write",
     "read_ext_len",
     "read_size",

@@ -51,6 +51,7 @@ from transferd.protocol.errors import (
 )
 from transferd.protocol.integers import integer, unsigned
 from transferd.protocol.messages import Tensor
+from transferd.protocol.trace import format as trace_text
 from transferd.protocol.values import MrDesc, NetAddr, Pages, ScatterDst
 
 from . import tensors
@@ -79,7 +80,9 @@ Admitted = Op | Awaitable[Op]
 # A posted receive's delivery: (sender's (node, group), message) -> whether the caller
 # took it all now (the sender's ACK goes at once) or the engine must wait for
 # Service.drained(caller).
-Arrived = Callable[[tuple[int, int], bytes], bool]
+# (A post made ``traced`` is called with a third argument: the message's traceparent
+# text, or None when its SEND carried none.)
+Arrived = Callable[..., bool]
 
 U32 = 0xFFFFFFFF
 U64 = 0xFFFFFFFFFFFFFFFF
@@ -537,13 +540,29 @@ class Service:
             raise BadRequest("a peer group needs at least one NetAddr")
         return self._engine().add_peer_group(addrs, caller)
 
-    def submit_recvs(self, caller: Caller, length: int, count: int, arrived: Arrived) -> None:
-        """Post ``count`` receives of up to ``length`` bytes (engine/receives.py)."""
+    def submit_recvs(self, caller: Caller, length: int, count: int, arrived: Arrived, *,
+                     traced: bool = False) -> None:
+        """Post ``count`` receives of up to ``length`` bytes (engine/receives.py: a
+        ``length`` over the largest message this daemon accepts, 1 MiB, is clamped to
+        it).  ``traced``: ``arrived(peer, msg, traceparent)``, the sender's W3C
+        traceparent (text) when its SEND carried one, else None."""
         engine = self._engine()
         # Unsigned 64-bit integers, as the wire's fields are (an inproc caller's too).
         length = unsigned(length, "submit_recvs' length", U64)
         count = unsigned(count, "submit_recvs' count", U64)
-        engine.submit_recvs(caller, length, count, arrived)
+        if not traced:
+            engine.submit_recvs(caller, length, count, arrived)
+            return
+
+        def with_trace(peer: tuple[int, int], msg: bytes, trace: bytes | None) -> bool:
+            text = None
+            if trace is not None:
+                # (26 bytes a peer sent: one that is not a valid traceparent is not passed on.)
+                with contextlib.suppress(BadRequest):
+                    text = trace_text(trace)
+            return arrived(peer, msg, text)
+
+        engine.submit_recvs(caller, length, count, with_trace, traced=True)
 
     # -- the engine: counts ------------------------------------------------------------
 

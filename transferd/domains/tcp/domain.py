@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -23,7 +24,7 @@ from typing import ClassVar
 
 from transferd import tracing
 from transferd.fds import AcceptGuard, LinkBudget, LogEvery
-from transferd.logs import peer_warning, trace_fields
+from transferd.logs import hostport, peer_warning, trace_fields
 from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import (
@@ -287,9 +288,15 @@ class TcpDomain(Domain):
     def incoming(self) -> list[Incoming]:
         out = []
         for peer in list(self._inbound):
-            now = peer.core.incoming()
+            core = peer.core
+            now = core.incoming()
             if now is not None:
                 out.append(now)
+            answering = core.answering()
+            if answering:
+                # (Whose READs: the peer's end of the link, as an owner is named.)
+                owner = hostport(peer.io.peername())
+                out.extend(dataclasses.replace(a, owner=owner) for a in answering)
         return out
 
     # -- inbound ------------------------------------------------------------------------
@@ -436,7 +443,7 @@ class PeerLink:
                       part.into, part.verify, part.trace)
         else:
             assert isinstance(part, SendPart)
-            core.send(transfer, part.op, part.index, part.msg)
+            core.send(transfer, part.op, part.index, part.msg, part.trace)
         io = self.io
         if io is not None and core.state is LinkState.READY:
             if not self._bursting:
@@ -550,12 +557,16 @@ class InboundPeer:
             # Acknowledged when a client has the message, which may be later (it waits
             # for a receive) and on another thread.  Its sender is the peer this link
             # authenticated, whatever the frame says.
-            loop, ref = d.loop, event.ref
+            loop, ref, trace = d.loop, event.ref, event.trace
 
             def ack(err: TransferdError | None) -> None:
-                loop.call_soon_threadsafe(self._delivered, ref, err)
+                loop.call_soon_threadsafe(self._delivered, ref, err, trace)
 
-            d.port.deliver(event.peer, event.message, ack, self)
+            if trace is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("rail %d: message part %d of op %d from node %016x arrived (%d "
+                          "bytes)", d.rail, ref[1], ref[0], event.peer[0],
+                          len(event.message), extra=trace_fields(trace))
+            d.port.deliver(event.peer, event.message, ack, self, trace=trace, op=ref[0])
         elif type(event) is Land:
             loop, land = d.loop, event
 
@@ -621,7 +632,18 @@ class InboundPeer:
             d.port.links.probes.cancel(self)
             self.core.carrier_ready()
 
-    def _delivered(self, ref: tuple[int, int], error: TransferdError | None) -> None:
+    def _delivered(self, ref: tuple[int, int], error: TransferdError | None,
+                   trace: bytes | None = None) -> None:
+        if trace is not None:
+            # The receiver's record of a traced message's end (its log, with the trace id).
+            peer = self.core.peer
+            if error is not None:
+                peer_warning("peer message refused", peer.node if peer else None,
+                             self.domain.rail, self.io.peername(), error, trace)
+            elif log.isEnabledFor(logging.DEBUG):
+                log.debug("rail %d: message part %d of op %d from node %s delivered",
+                          self.domain.rail, ref[1], ref[0],
+                          f"{peer.node:016x}" if peer else "?", extra=trace_fields(trace))
         self.core.delivered(ref, error)
         self.io._after()
 
