@@ -75,10 +75,21 @@ def test_the_frame_without_a_trace_is_the_one_of_before_and_with_one_exactly() -
         check_send_head(0, 28)
     with pytest.raises(BadFrame, match="at most"):
         check_send_head(TX_EXT, 4097)
-    # A message transport's SEND is one whole frame with no block (verbs says no
-    # send-ext): one with the flag is not one it reads.
-    with pytest.raises(BadFrame):
-        parse_message(framed + b"hello")
+    # A message transport's SEND (a verbs rail's) is one whole frame, its block read too.
+    cmd, op, part, payload, err, trace = parse_message(framed + b"hello")
+    assert (cmd, op, part, bytes(payload or b""), err, trace) == (SEND, 9, 2, b"hello", None, TP)
+    cmd, op, part, payload, err, trace = parse_message(encode_send(9, 2, 5) + b"hello")
+    assert (bytes(payload or b""), err, trace) == (b"hello", None, None)
+    for cut in (framed + b"hell", framed + b"hello!", framed[:30]):
+        with pytest.raises(BadFrame):  # not exactly one frame
+            parse_message(cut)
+    with pytest.raises(BadFrame, match="unknown flag"):
+        parse_message(bytes([0x43, 0x03]) + framed[2:] + b"hello")
+    # A block framed but wrong (a CRC32C entry): that message refused, nothing delivered.
+    crc = encode_ext(7, None)
+    cmd, op, part, payload, err, trace = parse_message(encode_send(9, 2, 5, crc) + b"hello")
+    assert cmd == SEND and payload is None and trace is None
+    assert isinstance(err, BadRequest) and "CRC32C" in err.message
 
 
 def test_a_traced_send_reaches_the_receiver_and_an_untraced_one_is_unchanged() -> None:
@@ -132,10 +143,11 @@ def test_to_a_responder_that_does_not_say_send_ext_the_trace_stays_home() -> Non
     assert ev.trace is None and ev.message == b"hello"
 
 
-def test_a_verbs_responder_says_no_send_ext() -> None:
+def test_a_verbs_responder_says_send_ext_too() -> None:
+    """Its messages come whole (parse_message), their blocks read as a stream's are."""
     hs = InboundLink(identity(1), 0, SECRET, 0.0, landing=Landing(HostMemory(1), 1),
                      timeout=5.0, max_message=MAX_MESSAGE, stream_frames=False).hs
-    assert hs.features == ()
+    assert hs.features == (SEND_EXT,)
 
 
 def test_a_malformed_handshake_features_list_is_refused() -> None:

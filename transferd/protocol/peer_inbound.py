@@ -115,11 +115,11 @@ class InboundLink(LinkEnd):
                  abort: Callable[[], None] | None = None, stream_frames: bool = True,
                  random: Callable[[int], bytes] | None = None) -> None:
         kw: dict[str, Any] = {} if random is None else {"random": random}
-        # A SEND's extension block is read here on a link that carries frames (a verbs
-        # rail's messages go by the NIC, parsed whole: none there): its HELLO reply says so.
+        # A SEND's extension block is read here on a link that carries frames, and by
+        # peer_wire.parse_message where a verbs rail's messages come whole: its HELLO
+        # reply says so.
         super().__init__(PeerHandshake(Role.RESPONDER, me, rail, secret, now, timeout=timeout,
-                                       admit=admit,
-                                       features=(SEND_EXT,) if stream_frames else (), **kw))
+                                       admit=admit, features=(SEND_EXT,), **kw))
         self.rail = rail
         self.stream_frames = stream_frames
         self.landing = landing

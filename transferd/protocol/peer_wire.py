@@ -475,23 +475,31 @@ def encode_setup(blob: bytes | None, error: TransferdError | None = None) -> byt
 
 
 def parse_message(msg: bytes | bytearray | memoryview
-                  ) -> tuple[int, int, int, memoryview | None, TransferdError | None]:
+                  ) -> tuple[int, int, int, memoryview | None, TransferdError | None,
+                             bytes | None]:
     """A SEND or an ACK that came whole in one message (a message transport):
-    (cmd, op, part, the SEND's payload, the ACK's error); BadFrame unless the message
-    is exactly that one frame."""
+    (cmd, op, part, the SEND's payload, the ACK's error, the SEND's trace id).  A SEND
+    whose extension block is framed but wrong comes back without its payload, its
+    refusal in the error's place (the message is refused, the link goes on); BadFrame
+    unless the message is exactly that one frame."""
     view = memoryview(msg).cast("B")
     n = len(view)
     cmd = view[0] if n else 0
     if cmd == SEND and n >= 24:
         _, flags, ext, part, op, plen = SEND_HEAD.unpack_from(view)
-        # (A message transport's SEND carries no extension block: its link's responder
-        # does not say send-ext.)
-        if 24 + plen == n and not flags and not ext:
-            return SEND, op, part, view[24:], None
+        check_send_head(flags, ext)
+        if 24 + ext + plen == n:
+            if not ext:
+                return SEND, op, part, view[24:], None, None
+            try:
+                trace = parse_send_ext(view, 24, ext)
+            except BadRequest as exc:
+                return SEND, op, part, None, exc, None
+            return SEND, op, part, view[24 + ext:], None, trace
     elif cmd == ACK and n >= 16:
         _, status, mlen, part, op = ACK_HEAD.unpack_from(view)
         if 16 + mlen == n and (status or not mlen):
-            return ACK, op, part, None, ack_error(status, view[16:])
+            return ACK, op, part, None, ack_error(status, view[16:]), None
     raise BadFrame(f"a message of {n} bytes is not one SEND or ACK frame")
 
 

@@ -28,10 +28,12 @@ import socket
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from transferd.logs import peer_warning
 from transferd.parts import ReadPart, SendPart, Transfer, WritePart
 from transferd.preauth import Ticket, Why
 from transferd.protocol.errors import BadRequest, PeerUnreachable, TransferdError
-from transferd.protocol.peer_handshake import Probe, Ready
+from transferd.protocol.peer_ext import encode_ext
+from transferd.protocol.peer_handshake import SEND_EXT, Probe, Ready
 from transferd.protocol.peer_inbound import InboundLink
 from transferd.protocol.peer_link import (
     Event,
@@ -51,8 +53,9 @@ if TYPE_CHECKING:
     from .domain import QpEnd, VerbsDomain
 
 CONNECT_TIMEOUT = 10.0
-# A message as parse_message gives it: (cmd, op, part, a SEND's payload, an ACK's error).
-Message = tuple[int, int, int, Any, TransferdError | None]
+# A message as parse_message gives it: (cmd, op, part, a SEND's payload, an ACK's error
+# or a SEND's refusal, a SEND's trace id).
+Message = tuple[int, int, int, Any, TransferdError | None, bytes | None]
 
 
 class _SetupLink:
@@ -231,16 +234,23 @@ class OutLink(_SetupLink):
             if err is not None and self._pending.pop(key, None) is transfer:
                 transfer.fail(err)
 
+        head = encode_send(part.op, part.index, len(part.msg))
+        if part.trace is not None and SEND_EXT in self.core.hs.peer_features:
+            traced = encode_send(part.op, part.index, len(part.msg),
+                                 encode_ext(None, part.trace))
+            from .domain import MSG_LEN
+
+            if len(traced) + len(part.msg) <= MSG_LEN:
+                head = traced  # (else the message as it is: its trace stays here)
         try:
-            self.send.send_frame(encode_send(part.op, part.index, len(part.msg)), part.msg,
-                                 sent)
+            self.send.send_frame(head, part.msg, sent)
         except TransferdError as exc:
             self._pending.pop(key, None)
             transfer.fail(exc)
 
     def on_message(self, msg: Message) -> None:
         """An ACK for one of our messages (the peer's client has it, or cannot)."""
-        cmd, op, part, _payload, error = msg
+        cmd, op, part, _payload, error, _trace = msg
         if cmd != ACK:
             self.close(BadRequest(f"unexpected message 0x{cmd:02x} on a verbs link"))
             return
@@ -324,16 +334,21 @@ class InLink(_SetupLink):
 
     def on_message(self, msg: Message) -> None:
         """A two-sided message from the peer this link authenticated."""
-        cmd, op, part, payload, _ = msg
+        cmd, op, part, payload, refusal, trace = msg
         if cmd != SEND or self.peer is None:
             self.close(BadRequest(f"unexpected message 0x{cmd:02x} on a verbs link"))
+            return
+        if refusal is not None:  # its extension block is wrong: refused, the link goes on
+            peer_warning("peer message refused", self.peer[0], self.domain.rail,
+                         self.io.peername() if self.io is not None else None, refusal, None)
+            self._ack(op, part, refusal)
             return
         loop = self.domain.loop
 
         def ack(err: TransferdError | None) -> None:
             loop.call_soon_threadsafe(self._ack, op, part, err)
 
-        self.domain.port.deliver(self.peer, bytes(payload), ack, self)
+        self.domain.port.deliver(self.peer, bytes(payload), ack, self, trace=trace, op=op)
 
     def _ack(self, op: int, part: int, error: TransferdError | None) -> None:
         if self.send is None or self._closed:

@@ -31,13 +31,14 @@ def encode_into(slot: memoryview, head: bytes, payload: bytes | memoryview = b""
     return n
 
 
-def parse(message: memoryview) -> tuple[int, int, int, bytes | None, TransferdError | None]:
+def parse(message: memoryview) -> tuple[int, int, int, bytes | None, TransferdError | None,
+                                        bytes | None]:
     """One whole received message: (cmd, op, part, a SEND's payload copied out of the
-    slot, an ACK's error)."""
-    cmd, op, part, payload, error = parse_message(message)
+    slot, an ACK's error or a SEND's refusal, a SEND's trace id)."""
+    cmd, op, part, payload, error, trace = parse_message(message)
     data = None
     if payload is not None:
         data = bytes(payload)
         if COUNTING:
             count("verbs.parse", len(data))
-    return cmd, op, part, data, error
+    return cmd, op, part, data, error, trace
