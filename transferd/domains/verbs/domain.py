@@ -58,6 +58,7 @@ from ..strangers import RailStrangers
 from . import messages
 from .bind import create
 from .links import InLink, OutLink
+from .messages import MSG_LEN
 from .reads import ReadWindow
 from .sender import Posted, Sender
 from .sendq import SendQueue
@@ -70,7 +71,6 @@ log = logging.getLogger("transferd.verbs")
 SEND_DEPTH = 512  # send work requests in flight per queue pair
 WRITE_RECV_DEPTH = 1024  # WRITE_WITH_IMMs towards us in flight per peer and rail
 MSG_DEPTH = 32  # message slots per send/recv queue pair, each way
-MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
 WR_IDS = 1 << 16  # work requests in flight per NIC
 CONNECT_TIMEOUT = 10.0
 CLOSE_GRACE_S = 5.0

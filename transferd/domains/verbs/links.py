@@ -48,6 +48,7 @@ from transferd.rdma.exchange import RailSetup, check_pair
 
 from ..link_io import SocketLink
 from ..rails import parse_rail
+from .messages import MSG_LEN
 
 if TYPE_CHECKING:
     from .domain import QpEnd, VerbsDomain
@@ -73,7 +74,7 @@ class _SetupLink:
         return self.core.state
 
     def _make_qps(self) -> RailSetup:
-        from .domain import MSG_DEPTH, MSG_LEN, WRITE_RECV_DEPTH, QpEnd
+        from .domain import MSG_DEPTH, WRITE_RECV_DEPTH, QpEnd
 
         self.send = QpEnd(self.domain, self, write=False)
         # Our own write queue pair is never written to with an immediate: no receives.
@@ -238,8 +239,6 @@ class OutLink(_SetupLink):
         if part.trace is not None and SEND_EXT in self.core.hs.peer_features:
             traced = encode_send(part.op, part.index, len(part.msg),
                                  encode_ext(None, part.trace))
-            from .domain import MSG_LEN
-
             if len(traced) + len(part.msg) <= MSG_LEN:
                 head = traced  # (else the message as it is: its trace stays here)
         try:

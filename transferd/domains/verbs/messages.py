@@ -16,6 +16,8 @@ from transferd.copies import COUNTING, count
 from transferd.protocol.errors import BadRequest, TransferdError
 from transferd.protocol.peer_wire import parse_message
 
+MSG_LEN = 64 * 1024  # one message slot: the largest two-sided frame on a verbs rail
+
 
 def encode_into(slot: memoryview, head: bytes, payload: bytes | memoryview = b"") -> int:
     """Write one frame (``head`` then ``payload``) into ``slot``; returns its length
