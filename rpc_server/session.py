@@ -219,6 +219,12 @@ class Session(asyncio.BufferedProtocol):
         if self.carrier is not None:
             self.carrier.close()
         session_closed(self)  # what this connection owned and waited on
+        # No reference cycle through this session is left for the cyclic collector: its
+        # connection lets go of the session's methods, and the session of its transport
+        # (uvloop's TLS transport keeps this session's buffer_updated after the loss).
+        self.conn.detach()
+        self.transport = None
+        self.carrier = None
         log.debug("connection from %s closed (%s)", self.peer, exc or "eof")
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -394,9 +400,12 @@ class Session(asyncio.BufferedProtocol):
         if cmd is not None:
             ctx.stats.commands[cmd] += 1
             self._metrics.command(cmd, HEADER_SIZE + frame.body_len + frame.payload_len)
+        if frame.refused is not None:  # the connection's checks, or the sink's
+            # Answered as raised, but not raised: a traceback on the error the frame
+            # holds would be a reference cycle (through this frame of _run) per refusal.
+            self._fail(frame, frame.refused)
+            return
         try:
-            if frame.refused is not None:  # the connection's checks, or the sink's
-                raise frame.refused
             if ctx.draining and not frame.payload_len:
                 # A payload frame was judged by its sink when its header came.
                 raise _stopping()

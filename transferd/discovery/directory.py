@@ -53,6 +53,10 @@ class Entry:
         return self.region is None or not getattr(self.region, "closed", False)
 
 
+def _ended(change: Change, new: bool) -> None:
+    """An ended subscription's deliver (never called: ``ended`` is checked first)."""
+
+
 @dataclass(eq=False)
 class Subscription:
     prefix: str
@@ -343,6 +347,10 @@ class Directory:
         if sub.ended:
             return False
         sub.ended = True
+        # Its deliver is never called again; it is a method of what holds this
+        # subscription (a WATCH's stream), a reference cycle otherwise, left for the
+        # cyclic collector at every unwatch and every close of a watching connection.
+        sub.deliver = _ended
         self._subs.remove(sub)
         self._subs_of[sub.owner] -= 1
         if self._subs_of[sub.owner] <= 0:

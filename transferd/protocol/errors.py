@@ -17,7 +17,7 @@ classes for the same ``(code, fatal)`` are a TypeError at import.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .constants import ErrorCode
 
@@ -156,6 +156,26 @@ class ConnectionLost(TransferdError, register=False):
     """Client side only: the connection closed with requests outstanding."""
 
     code = ErrorCode.CANCELLED
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def untraced(exc: E) -> E:
+    """``exc`` and the exceptions it was raised from, without their tracebacks: to be
+    kept (on a frame, an operation) past the handler that caught it. A traceback holds
+    the frames it went through, and they what refers back to the keeper (the request's
+    Frame, a connection): a reference cycle only the cyclic collector frees."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += (e.__cause__, e.__context__)
+    return exc
 
 
 def error_class(code: str, fatal: bool | None = None) -> type[TransferdError]:

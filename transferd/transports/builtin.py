@@ -193,6 +193,8 @@ class _TlsHandshake:
         finally:
             if self._admission is not None and self._ticket is not None:
                 self._admission.release(self._ticket)
+            # The ticket's owner is this handshake: no cycle is left behind.
+            self._ticket = None
 
     def give_way(self, why: Why) -> None:
         log.debug("%s: TLS handshake closed: %s", self._url, why.value)

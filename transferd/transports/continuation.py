@@ -17,6 +17,7 @@ buffers.  ``sockets.SocketTransport`` (seqpacket) and ``msgtransport.MessageTran
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -107,6 +108,28 @@ class Continuation:
         self.payload_left = payload_len
 
 
+class _Gone(asyncio.BufferedProtocol):
+    """The protocol of a transport whose connection is lost (every call a no-op).
+
+    A transport holds its protocol and the protocol (a session, a client connection)
+    holds its transport: once ``connection_lost`` has been called the transport lets go
+    of it for this, as asyncio's own transports do, so that the pair is not a reference
+    cycle left for the cyclic collector at every close."""
+
+    def get_buffer(self, sizehint: int) -> memoryview:  # pragma: no cover - never read
+        return memoryview(bytearray(1))
+
+    def buffer_updated(self, nbytes: int) -> None:  # pragma: no cover - never read
+        pass
+
+
+GONE = _Gone()
+
+
+def _drop(msg: memoryview) -> None:
+    """A closed reader's deliver."""
+
+
 class MessageReader(Continuation):
     """Judges whole received messages in order; ``deliver`` gets each one that is right."""
 
@@ -118,6 +141,11 @@ class MessageReader(Continuation):
     def feed(self, msg: memoryview) -> None:
         self.judge(msg, len(msg))
         self._deliver(msg)
+
+    def close(self) -> None:
+        """No message is delivered again (``deliver``, a method of what holds this
+        reader, is let go: no reference cycle is left once the transport is lost)."""
+        self._deliver = _drop
 
 
 class _Receiving(Protocol):

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from transferd.protocol.errors import BadRequest, ProtocolError, TransferdError
 
-from .continuation import MIN_MAX_MESSAGE, MessageReader, cut, scatter
+from .continuation import GONE, MIN_MAX_MESSAGE, MessageReader, cut, scatter
 
 log = logging.getLogger("transferd.transports")
 
@@ -36,6 +36,10 @@ class Carrier(Protocol):
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def close(self) -> None: ...
+
+
+def _ignore(arg: object) -> None:
+    """A lost transport's carrier callbacks."""
 
 
 class MessageTransport(asyncio.Transport):
@@ -185,5 +189,11 @@ class MessageTransport(asyncio.Transport):
         try:
             self._protocol.connection_lost(err)
         finally:
+            # Nothing comes in again: no reference cycle (the protocol holding this
+            # transport, the carrier and the reader holding its methods) is left behind.
+            self._protocol = GONE
+            self.continuation.close()
+            carrier = self._carrier
+            carrier.on_message, carrier.on_close, carrier.on_drain = _ignore, _ignore, None
             if self._on_lost is not None:
                 self._on_lost()

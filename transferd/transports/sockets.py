@@ -43,7 +43,7 @@ from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, ProtocolError
 
-from .continuation import MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks, scatter
+from .continuation import GONE, MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks, scatter
 
 log = logging.getLogger("transferd.transports")
 
@@ -447,6 +447,7 @@ class SocketTransport(asyncio.Transport):
         try:
             self._protocol.connection_lost(exc)
         finally:
+            self._protocol = GONE  # (no transport <-> protocol cycle left behind)
             self._sock.close()
             while self.received_fds:
                 with contextlib.suppress(OSError):

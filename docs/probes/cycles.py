@@ -1,0 +1,309 @@
+# What a real daemon leaves to the cyclic collector per operation (stop 37).
+#
+#   .venv/bin/python docs/probes/cycles.py [N] [SCENARIO ...]
+#
+# Runs a daemon in this process (fuzzing.harness.InProcessDaemon: the real Session,
+# handlers, service and transports on a uvloop loop in a thread; listeners on tcp, unix,
+# seqpacket and tls), plays N rounds of each scenario with a raw client socket, and
+# prints how many objects gc.collect() then finds in cycles (gc.DEBUG_SAVEALL keeps
+# them), per round and by type. The collector is off during the rounds, so nothing is
+# collected behind the count. The client's own objects (tests.helpers.RawConn: a socket
+# and a decoder) make no cycles; every type counted is the daemon's. Scenarios:
+#   conn, unix, seqpacket, tls: HELLO then close, over that transport
+#   use: HELLO, ALLOC, SET, GET, WATCH, LEASE, EXPECT_IMM_COUNT left waiting, close
+#   errors: refused requests (bad fields, unknown command, NOT_FOUND, a refused SET)
+#   watch: WATCH then CANCEL, on one connection
+#   names: WATCH, PUBLISH and UNPUBLISH (two change EVENTs), CANCEL
+#   lease: LEASE then END_LEASE
+#   expect: EXPECT_IMM_COUNT then CANCEL
+#   write: SINGLE_WRITE to this daemon's own peer address, waited for
+#   uvm: ALLOC_UVM_WATCHER, one change EVENT, close
+# CYCLES_SHOW=1: each cycle's edges after one round (who refers to whom, by attribute).
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import itertools
+import mmap
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.environ.get("TREE", os.getcwd()))
+
+from fuzzing.harness import InProcessDaemon
+from tests.helpers import RawConn
+from transferd.protocol.constants import Command, Flag
+from transferd.protocol.frames import FrameDecoder
+
+
+class Probe(InProcessDaemon):
+    """InProcessDaemon with every listener kind: tcp, unix, seqpacket, tls."""
+
+    def __init__(self, where: str) -> None:
+        cert, key = f"{where}/cert.pem", f"{where}/key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+        super().__init__({"server.unix_socket": f"{where}/s.sock", "server.tls_cert": cert,
+                          "server.tls_key": key,
+                          "server.listen": [f"seqpacket://{where}/q.sock",
+                                            "tls://127.0.0.1:0"]})
+        self.urls: dict[str, str] = {}
+
+    async def _up(self) -> None:
+        from rpc_server.server import RpcFrontend
+        from transferd.daemon import Daemon
+
+        d = self._daemon = Daemon(self.config)
+        await d.node.start_engine()
+        d.node.start_service()
+        self._frontend = RpcFrontend()
+        for url in await self._frontend.start(d):
+            self.urls[url.partition(":")[0]] = url
+        self.port = int(self.urls["tcp"].rpartition(":")[2])
+        self._make_baseline()
+
+
+def raw(d: Probe, kind: str = "tcp") -> RawConn:
+    url = d.urls[kind]
+    if kind in ("tcp", "unix"):
+        c = RawConn.at(url)
+    else:
+        c = RawConn.__new__(RawConn)
+        c.decoder, c.frames, c.seq = FrameDecoder(), [], 0
+        if kind == "seqpacket":  # one frame a message (RawConn sends each in one call)
+            c.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.sock.settimeout(10)
+            c.sock.connect(url[len("seqpacket://"):])
+        else:
+            ctx = ssl.create_default_context(cafile=d.config.server.tls_cert)
+            host, _, port = url[len("tls://"):].rpartition(":")
+            c.sock = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
+                                     server_hostname=host)
+    assert not c.hello().is_error
+    return c
+
+
+def ok(f: Any) -> dict:
+    assert not f.is_error, f.body
+    return f.body
+
+
+def req(c: RawConn, cmd: int, body: dict, payload: bytes = b"") -> dict:
+    """A request's reply (EVENTs of earlier requests before it are dropped)."""
+    return ok(answer(c, cmd, body, payload))
+
+
+def answer(c: RawConn, cmd: int, body: dict, payload: bytes = b"") -> Any:
+    seq = c.send(cmd, body, payload)
+    while True:
+        f = c.recv()
+        if f.seq == seq and not f.flags & int(Flag.EVENT):
+            return f
+
+
+def event(c: RawConn, seq: int) -> Any:
+    while True:
+        f = c.recv()
+        if f.seq == seq and f.flags & int(Flag.EVENT):
+            return f
+
+
+def until_closed(d: Probe, keep: int) -> None:
+    """Wait until the daemon holds no client session but the probe's own (and its loop
+    has run what the closes scheduled)."""
+    deadline = time.monotonic() + 5
+    while (n := d.call(lambda: _sessions(d))) > keep:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the daemon still holds {n} sessions")
+        time.sleep(0.01)
+
+
+async def _sessions(d: Probe) -> int:
+    import asyncio
+
+    for _ in range(5):
+        await asyncio.sleep(0)
+    return len(d._frontend.ctx.sessions)
+
+
+LEASES = itertools.count()
+
+
+def s_conn(d: Probe, c: RawConn | None, kind: str = "tcp") -> None:
+    raw(d, kind).close()
+
+
+def s_use(d: Probe, c: RawConn | None) -> None:
+    r = raw(d)
+    buf = req(r, Command.ALLOC_BUFFER, {"device": "cpu", "size": 4096})["buffer"]
+    req(r, Command.SET_TENSOR, {"tensor": [buf, 0, 4096]}, payload=b"\x01" * 4096)
+    req(r, Command.GET_TENSOR, {"tensor": [buf, 0, 4096]})
+    r.send(Command.WATCH, {"prefix": "cyc/"})
+    ok(r.recv())
+    req(r, Command.LEASE, {"lease": f"cyc-{next(LEASES)}", "ttl_ms": 60_000})
+    r.send(Command.EXPECT_IMM_COUNT, {"imm": 5, "count": 1, "timeout_ms": 60_000},
+           flags=int(Flag.NO_REPLY))
+    req(r, Command.SYNCHRONIZE, {})
+    r.close()
+
+
+def s_errors(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    assert answer(c, Command.ALLOC_BUFFER, {"device": "cpu", "size": "x"}).is_error
+    assert answer(c, 0x7E, {}).is_error
+    assert answer(c, Command.FREE_BUFFER, {"buffer": 99_999}).is_error
+    assert answer(c, Command.SET_TENSOR, {"tensor": [99_999, 0, 64]}, b"\0" * 64).is_error
+    assert answer(c, Command.SINGLE_WRITE, {"len": 1, "src": [99_999, 0],
+                                            "dst": [d.known["desc"], 0]}).is_error
+
+
+def s_watch(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    seq = c.send(Command.WATCH, {"prefix": "cyc/"})
+    ok(c.recv())
+    req(c, Command.CANCEL, {"seq": seq})
+    req(c, Command.SYNCHRONIZE, {})
+    c.frames.clear()
+
+
+def s_names(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    seq = c.send(Command.WATCH, {"prefix": "cyn/"})
+    ok(c.recv())
+    req(c, Command.PUBLISH, {"name": "cyn/a", "kind": "bytes", "value": b"v"})
+    req(c, Command.UNPUBLISH, {"name": "cyn/a"})  # (its change EVENTs came before)
+    req(c, Command.CANCEL, {"seq": seq})
+    req(c, Command.SYNCHRONIZE, {})
+    c.frames.clear()
+
+
+def s_lease(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    req(c, Command.LEASE, {"lease": "cyc-l", "ttl_ms": 60_000})
+    req(c, Command.END_LEASE, {"lease": "cyc-l"})
+
+
+def s_expect(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    seq = c.send(Command.EXPECT_IMM_COUNT, {"imm": 6, "count": 1, "timeout_ms": 60_000},
+                 flags=int(Flag.NO_REPLY))
+    req(c, Command.CANCEL, {"seq": seq})
+    req(c, Command.SYNCHRONIZE, {})
+    c.frames.clear()
+
+
+def s_write(d: Probe, c: RawConn | None) -> None:
+    assert c is not None
+    seq = c.send(Command.SINGLE_WRITE, {"len": 64, "src": [d.known["mr"], 0],
+                                        "dst": [d.known["desc"], 64]})
+    ok(event(c, seq))
+
+
+def s_uvm(d: Probe, c: RawConn | None) -> None:
+    r = raw(d)
+    seq = r.send(Command.ALLOC_UVM_WATCHER, {})
+    w = ok(r.recv())
+    fd = os.open(w["path"], os.O_RDWR)
+    with contextlib.closing(mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED)) as m:
+        os.close(fd)
+        m[w["offset"]: w["offset"] + 8] = (5).to_bytes(8, "little")
+        ok(event(r, seq))
+    r.close()
+
+
+SCENARIOS = {
+    "conn": (s_conn, False),
+    "unix": (lambda d, c: s_conn(d, c, "unix"), False),
+    "seqpacket": (lambda d, c: s_conn(d, c, "seqpacket"), False),
+    "tls": (lambda d, c: s_conn(d, c, "tls"), False),
+    "use": (s_use, False),
+    "errors": (s_errors, True),
+    "watch": (s_watch, True),
+    "names": (s_names, True),
+    "lease": (s_lease, True),
+    "expect": (s_expect, True),
+    "write": (s_write, True),
+    "uvm": (s_uvm, False),
+}
+
+
+def _name(o: object) -> str:
+    t = type(o)
+    if t.__name__ == "method":
+        return f"method {type(o.__self__).__qualname__}.{o.__func__.__name__}"  # type: ignore
+    if t.__name__ == "function":
+        return f"function {o.__qualname__}"  # type: ignore[attr-defined]
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def show(garbage: list[object]) -> None:
+    """Every reference between the objects found (by attribute where it has one)."""
+    ids = {id(o) for o in garbage}
+    for o in garbage:
+        for r in gc.get_referents(o):
+            if id(r) not in ids:
+                continue
+            how = ""
+            with contextlib.suppress(TypeError):
+                how = next((f".{k}" for k, v in vars(o).items() if v is r), "")
+            for k in getattr(type(o), "__slots__", ()):
+                if getattr(o, k, None) is r:
+                    how = f".{k}"
+            print(f"      {_name(o)}@{id(o) % 10**6} -{how}-> {_name(r)}@{id(r) % 10**6}")
+
+
+def measure(d: Probe, name: str, n: int) -> None:
+    fn, shared = SCENARIOS[name]
+    c = raw(d) if shared else None
+    try:
+        fn(d, c)  # warm: what is made once (imports, caches) is not counted
+        until_closed(d, 1 if shared else 0)
+        gc.collect()
+        gc.garbage.clear()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.disable()
+        try:
+            for _ in range(n):
+                fn(d, c)
+            until_closed(d, 1 if shared else 0)
+            found = gc.collect()
+            kinds = collections.Counter(_name(o) for o in gc.garbage)
+            if os.environ.get("CYCLES_SHOW") and found:
+                show(gc.garbage[: found // n])
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    finally:
+        if c is not None:
+            c.close()
+    print(f"{name}: {found} objects in cycles after {n} rounds, {found / n:.1f} per round")
+    for kind, count in kinds.most_common(30):
+        print(f"    {count / n:8.1f}  {kind}")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    n = int(args.pop(0)) if args and args[0].isdigit() else 50
+    names = args or list(SCENARIOS)
+    where = tempfile.mkdtemp(prefix="td-probe-cycles-")
+    try:
+        with Probe(where) as d:
+            for name in names:
+                measure(d, name, n)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
