@@ -103,7 +103,8 @@ class TransferEngine:
             self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable(config.max_regions)
-        self.counter = ImmCounter(notify=self._notify, now=self._notify_now)
+        self.counter = ImmCounter(notify=self._notify, now=self._notify_now,
+                                  max_counters=config.max_counters)
         # What every group lands writes and delivers messages through.
         self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
         # What the configured kind of Domain can do (asked, never its name).

@@ -78,6 +78,10 @@ class Memory(Protocol):
         """Add ``n`` to immediate ``imm`` (thread safe); how many expectations that met
         (their callbacks may have run), or None."""
 
+    def room(self, imm: int) -> None:
+        """Raise the TransferdError refusing a write with ``imm`` before it lands when
+        its count could not be held (engine.max_counters: OutOfMemory); else nothing."""
+
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
                abort: Callable[[], None] | None) -> Placement:
         """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
@@ -246,6 +250,9 @@ class Landing:
                 if self.write_ids.claim(peer, w) is Seen.APPLIED:
                     return Admission(self, peer, w, None, None, False)
                 claimed = True
+            if w.imm is not None:
+                # (A count nobody consumes is held for good: their number is bounded.)
+                self.memory.room(w.imm)
             placement = self.memory.place(w.rkey, rail, w.addrs, w.lens, payload_len, abort)
         except TransferdError as exc:
             if claimed:
