@@ -201,9 +201,7 @@ class Reads:
         assert e.loop is not None
         io, devs, places, need = plan_staging(region, pages)
         held = region.buffer.ref()
-        if e._staging_lock is None:
-            e._staging_lock = asyncio.Lock()
-        lock = e._staging_lock
+        lock = e.staging_lock(io)
         inflight = e.inflight
         nbytes = sum(n for _, n in pages)
 
