@@ -34,6 +34,7 @@ from tests.integration.engine_cluster import (
     start_many,
     stopped,
 )
+from transferd.protocol.errors import BadRequest
 
 KiB = 1024
 CHUNK, CHUNKS = 256 * KiB, 4
@@ -41,7 +42,7 @@ PEER_TIMEOUT_S = 6
 WAIT = 30.0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def trio() -> Iterator[list[DaemonProcess]]:
     """A (two stand-in devices), B (to be stopped) and C (healthy): host memory."""
     a_env = engine_env(["127.0.0.17"], secret_file=secret_file(), peer_timeout_s=PEER_TIMEOUT_S)
@@ -98,3 +99,25 @@ async def test_a_stopped_peer_holds_up_only_its_own_devices_staging(
     finally:
         for cl in (a, b, c):
             await cl.close()
+
+
+@async_test(timeout=60)
+async def test_a_read_into_device_memory_too_large_for_its_staging_says_read(
+        trio: list[DaemonProcess]) -> None:
+    """Refused before anything moves, named as what it is (it said "a write from")."""
+    a, c = await Client.connect(trio[0].url), await Client.connect(trio[2].url)
+    try:
+        whole = CHUNK * CHUNKS
+        host = await c.alloc_buffer(2 * whole)
+        _, desc = await c.reg_mr(host, access="r")
+        dev = await a.alloc_buffer(2 * whole, device="standin:1")
+        mr, _ = await a.reg_mr(dev)
+        r = await a.submit_single_read(whole + 4096, (mr, 0), (desc, 0))
+        with pytest.raises(BadRequest, match=f"a read into standin:1 memory needs "
+                                             f"{CHUNKS + 1} staging chunks, its pool has "
+                                             f"{CHUNKS}"):
+            await r.wait(WAIT)
+        await (await a.submit_single_read(whole, (mr, 0), (desc, 0))).wait(WAIT)  # fits
+    finally:
+        await a.close()
+        await c.close()

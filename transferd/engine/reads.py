@@ -199,7 +199,7 @@ class Reads:
         transfer's stages while it reads, LANDING while the copies run."""
         e = self.engine
         assert e.loop is not None
-        io, devs, places, need = plan_staging(region, pages)
+        io, devs, places, need = plan_staging(region, pages, "a read into")
         held = region.buffer.ref()
         lock = e.staging_lock(io)
         inflight = e.inflight
