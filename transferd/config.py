@@ -306,6 +306,13 @@ class _Loader:
         except ValueError as exc:  # an integer past Python's 4300 digits
             self.errors.append(f"{path}: not valid TOML: {str(exc)[:200]}")
             return
+        except RecursionError:
+            # tomllib descends once per nested array or inline table: a 1 MiB file of
+            # "a = [[[[..." is past the interpreter's stack (a traceback of thousands
+            # of lines, the reload "failed: maximum recursion depth exceeded").
+            self.errors.append(f"{path}: not valid TOML: arrays or inline tables nested "
+                               "too deep")
+            return
         for section, table in data.items():
             if section not in self.sections:
                 self.errors.append(
