@@ -194,7 +194,13 @@ class Connection(asyncio.BufferedProtocol):
             if "max_message" in body:  # (judged here: a refusal closes, as any above)
                 self.set_max_message(int(body["max_message"]))
         except TransferdError:
-            await self.close()
+            # Nothing a failed handshake sent needs the server's answer: closed at once
+            # (close()'s linger waited 5 s more for a server that may never close,
+            # past connect_timeout), and its future, which the close fails, is taken.
+            ready_fut = self._ready
+            if ready_fut is not None and not ready_fut.done():
+                ready_fut.cancel()
+            await self.close(linger=0)
             raise
         return body
 
