@@ -164,7 +164,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             _, conn = await transports.connect(url, functools.partial(cls, kind), opts)
         except (TimeoutError, OSError) as exc:
-            raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
+            raise PeerUnreachable(f"cannot connect to {url}: {str(exc) or 'timed out'}") from None
         c = cast(Connection, conn)
         c.url = url
         c.private = kind.private

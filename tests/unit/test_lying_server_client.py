@@ -350,3 +350,25 @@ def test_a_handshake_that_fails_ends_within_connect_timeout(lie: str) -> None:
 
     run(main(), timeout=30, loop="asyncio")
     assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported
+
+
+def test_a_tls_server_that_never_answers_the_tls_handshake_says_timed_out() -> None:
+    """A listener that takes the TCP connection and never speaks TLS: connect fails at
+    connect_timeout with PEER_UNREACHABLE, and the reason said why (it ended in ': ',
+    a TimeoutError having no text)."""
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.sleep(30)
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"tls://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(TransferdError) as info:
+                await Client.connect(url, connect_timeout=0.5)
+            assert info.value.code is ErrorCode.PEER_UNREACHABLE, info.value
+            assert info.value.message == f"cannot connect to {url}: timed out", info.value
+        finally:
+            srv.close()
+
+    run(main(), timeout=30, loop="asyncio")
