@@ -250,9 +250,6 @@ class Landing:
                 if self.write_ids.claim(peer, w) is Seen.APPLIED:
                     return Admission(self, peer, w, None, None, False)
                 claimed = True
-            if w.imm is not None:
-                # (A count nobody consumes is held for good: their number is bounded.)
-                self.memory.room(w.imm)
             placement = self.memory.place(w.rkey, rail, w.addrs, w.lens, payload_len, abort)
         except TransferdError as exc:
             if claimed:
@@ -265,6 +262,17 @@ class Landing:
             placement.release()
             self.landed.duplicates += 1
             return Admission(self, peer, w, None, None, claimed, rail)
+        if w.imm is not None:
+            # (A count nobody consumes is held for good: their number is bounded.  Asked
+            # after a re-sent part that landed is known: that one counts nothing more.)
+            try:
+                self.memory.room(w.imm)
+            except TransferdError as exc:
+                placement.release()
+                if claimed:
+                    self.write_ids.failed(peer, w)
+                self.refused(exc)
+                raise
         partial = None
         if w.span is not None:
             try:
