@@ -87,7 +87,7 @@ def test_a_long_verified_read_is_checksummed_off_the_loop(daemon_factory: Daemon
             time.sleep(0.005)
 
     peers = []
-    for _ in range(6):
+    for _ in range(8):
         p = FakePeer(addr, 0, SECRET)
         p.handshake()
         peers.append(p)
@@ -103,6 +103,7 @@ def test_a_long_verified_read_is_checksummed_off_the_loop(daemon_factory: Daemon
     time.sleep(0.1)
     stop.set()
     th.join(10)
-    assert worst[0] < 0.25, f"another client waited {worst[0]:.2f} s"
+    # (Before: 1.28 s with six such READs; the CRC32C of all eight takes about 1.4 s.)
+    assert worst[0] < 0.5, f"another client waited {worst[0]:.2f} s"
     assert not c.request(Command.GET_DEVICES, {}).is_error
     assert "Traceback" not in b.stderr, b.output()

@@ -88,10 +88,10 @@ SMALL_PAYLOAD = 16 * 1024
 MISMATCH_CUTOFF = 4
 # A verified READ's answer (RX_CRC) of up to this many bytes has its checksum taken on
 # the link's loop before it goes (our own readers ask in parts of 8 MiB up to 512 MiB);
-# a longer one's is taken on a thread (the CRC32C functions let go of the GIL) while the
-# link reads nothing more, as a READ of device memory waits for its staging copy: a
-# peer's READ of a whole 4 GiB region held the daemon's loop 0.17 s per READ (more with
-# a slower CRC32C), one per link it dialled.
+# a longer one's is taken on a thread (one, so that a core is left to the loop; the
+# CRC32C functions let go of the GIL) while the link reads nothing more, as a READ of
+# device memory waits for its staging copy: a peer's READ of a whole 4 GiB region held
+# the daemon's loop 0.17 s per READ (more with a slower CRC32C), one per link it dialled.
 CRC_INLINE_MAX = 16 << 20
 
 
@@ -112,7 +112,7 @@ def _crc_threads() -> ThreadPoolExecutor:
     global _crc_pool
     with _crc_pool_lock:
         if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-crc")
+            _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-crc")
         return _crc_pool
 
 
