@@ -164,7 +164,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             _, conn = await transports.connect(url, functools.partial(cls, kind), opts)
         except (TimeoutError, OSError) as exc:
-            raise PeerUnreachable(f"cannot connect to {url}: {exc or 'timed out'}") from None
+            raise PeerUnreachable(f"cannot connect to {url}: {str(exc) or 'timed out'}") from None
         c = cast(Connection, conn)
         c.url = url
         c.private = kind.private
@@ -194,7 +194,13 @@ class Connection(asyncio.BufferedProtocol):
             if "max_message" in body:  # (judged here: a refusal closes, as any above)
                 self.set_max_message(int(body["max_message"]))
         except TransferdError:
-            await self.close()
+            # Nothing a failed handshake sent needs the server's answer: closed at once
+            # (close()'s linger waited 5 s more for a server that may never close,
+            # past connect_timeout), and its future, which the close fails, is taken.
+            ready_fut = self._ready
+            if ready_fut is not None and not ready_fut.done():
+                ready_fut.cancel()
+            await self.close(linger=0)
             raise
         return body
 

@@ -67,6 +67,9 @@ class _Memory:
     def count(self, imm: int, n: int) -> None:
         self.counted += n
 
+    def room(self, imm: int) -> None:
+        pass
+
 
 def _pump(a: InboundLink | OutboundLink, b: InboundLink | OutboundLink) -> None:
     for _ in range(8):

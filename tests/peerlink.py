@@ -124,6 +124,9 @@ class HostMemory:
     def count(self, imm: int, n: int) -> None:
         self.counts[imm] += n
 
+    def room(self, imm: int) -> None:
+        pass
+
 
 def identity(rails: int = 2, node: int | None = None) -> PeerIdentity:
     """A daemon's identity; its node id its addresses' (as without a secret) unless given."""

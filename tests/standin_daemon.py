@@ -10,7 +10,9 @@ rpc_server.device_io -> transferd.memory.staging) runs end to end over real
 sockets on a machine without a GPU.  ``standin:0`` is never offered by the
 product: only this test entry point registers it.
 
-Environment: ``STANDIN_CHUNK`` / ``STANDIN_CHUNKS`` (staging), ``STANDIN_DELAY_S``
+Environment: ``STANDIN_DEVICES`` (how many: ``standin:0`` and on, each a group of its
+own with its own stream and staging, as a host's GPUs are; default 1),
+``STANDIN_CHUNK`` / ``STANDIN_CHUNKS`` (staging of each), ``STANDIN_DELAY_S``
 (a slow device), ``STANDIN_LIMIT_MIB``, ``STANDIN_HOLD_FILE`` (the stream is held
 while that file exists: a test holds the device of another process),
 ``STANDIN_FAULT_FILE`` (every copy fails while that file exists: a broken device).
@@ -74,19 +76,20 @@ class StandinMemory(Memory):
 class StandinGroup(MemorySource):
     """The stand-in device's group: its stream, event waiter and staging."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.stream = StandinStream(
-            "standin:0", delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
+            self.name, delay_s=float(os.environ.get("STANDIN_DELAY_S", "0")),
             hold_path=os.environ.get("STANDIN_HOLD_FILE") or None,
             fault_path=os.environ.get("STANDIN_FAULT_FILE") or None, strict=True)
         pool = self.stream.pin(StagingPool(int(os.environ.get("STANDIN_CHUNK", str(256 * 1024))),
                                            int(os.environ.get("STANDIN_CHUNKS", "4")),
-                                           name="staging of standin:0"))
+                                           name=f"staging of {self.name}"))
         self.io = DeviceIO(self.stream, EventWaiter(self.stream), pool)
 
     @property
     def name(self) -> str:
-        return "standin:0"
+        return f"standin:{self.index}"
 
     def create(self, size: int) -> StandinMemory:
         return StandinMemory(self.name, size, self.io)
@@ -96,10 +99,10 @@ def main() -> None:
     register_kind("standin", StandinMemory)
     limit = int(os.environ.get("STANDIN_LIMIT_MIB", "256")) << 20
     devices = cfgmod.Config.devices
-    group = StandinGroup()
+    groups = [StandinGroup(i) for i in range(int(os.environ.get("STANDIN_DEVICES", "1")))]
 
     def with_standin(self: cfgmod.Config) -> list[DeviceSpec]:
-        return [*devices(self), DeviceSpec("standin:0", limit, None, 256, group)]
+        return [*devices(self), *(DeviceSpec(g.name, limit, None, 256, g) for g in groups)]
 
     cfgmod.Config.devices = with_standin  # type: ignore[method-assign]
     from rpc_server.cli import main as rpc_main

@@ -50,6 +50,7 @@ from transferd.config_sections import (
     key,
 )
 from transferd.domains import registry as domain_registry
+from transferd.logs import one_line
 from transferd.memory.buffers import DeviceSpec
 
 __all__ = [
@@ -273,13 +274,16 @@ class _Loader:
         sec = getattr(self.cfg, section, None) if section in self.sections else None
         if sec is None:
             self.errors.append(
-                f"{dotted}: unknown section {section!r}{_unknown(section, self.sections)}"
+                f"{one_line(dotted)}: unknown section {section!r}"
+                f"{_unknown(section, self.sections)}"
             )
             return
         fields = {f.name: f for f in dataclasses.fields(sec)}
         if name not in fields:
-            self.errors.append(_from(f"{dotted}: unknown key{_unknown(dotted, all_keys())}",
-                                     source))
+            # (A key of the file's or a variable's, any text: shown escaped, as every
+            # line that prints it goes to a terminal or the journal.)
+            self.errors.append(_from(f"{one_line(dotted)}: unknown key"
+                                     f"{_unknown(dotted, all_keys())}", source))
             return
         try:
             setattr(sec, name, _coerce(dotted, fields[name], getattr(sec, name), value,
@@ -306,10 +310,18 @@ class _Loader:
         except ValueError as exc:  # an integer past Python's 4300 digits
             self.errors.append(f"{path}: not valid TOML: {str(exc)[:200]}")
             return
+        except RecursionError:
+            # tomllib descends once per nested array or inline table: a 1 MiB file of
+            # "a = [[[[..." is past the interpreter's stack (a traceback of thousands
+            # of lines, the reload "failed: maximum recursion depth exceeded").
+            self.errors.append(f"{path}: not valid TOML: arrays or inline tables nested "
+                               "too deep")
+            return
         for section, table in data.items():
             if section not in self.sections:
+                shown = one_line(section)
                 self.errors.append(
-                    f"{section}: unknown section [{section}]{_unknown(section, self.sections)}"
+                    f"{shown}: unknown section [{shown}]{_unknown(section, self.sections)}"
                 )
                 continue
             if not isinstance(table, dict):

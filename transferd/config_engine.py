@@ -391,6 +391,16 @@ class EngineConfig:
         "of their own: 270 MiB), and one client may open many connections.",
         min=1, max=1 << 24,
     )
+    max_counters: int = key(
+        1 << 20,
+        "Most immediates this daemon holds a count of that no expectation has consumed "
+        "yet (the writes that landed with them, waiting for an EXPECT_IMM_COUNT). Each "
+        "costs about 70 bytes and a write may name any of 2^32: past this, a peer's "
+        "write with an immediate that has no count yet is refused with OUT_OF_MEMORY "
+        "before a byte of it lands (one whose immediate has a count or an expectation "
+        "waiting still lands). Counts go when expectations consume them.",
+        min=1, max=1 << 26,
+    )
     expect_timeout_s: float = key(
         300.0,
         "The deadline of an EXPECT_IMM_COUNT that names none (timeout_ms): not reached by "

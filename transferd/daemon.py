@@ -320,6 +320,13 @@ class Daemon:
                                                          self.config.engine.secret)
         applied, restart = diff(self.config, new)
         restart += kept
+        # A device the new configuration serves that this daemon does not (memory.
+        # shm_limit_mib from 0) is made only at a start: said so, not "applied".
+        served = {spec.name for spec in new.devices()}
+        if "shm" in served and "shm" not in self.buffers.devices:
+            for a in [a for a in applied if a.startswith("memory.shm_limit_mib ")]:
+                applied.remove(a)
+                restart.append(f"{a} (the shm device is made at a start)")
         swapped = secret_files.changes(self.secrets, secrets, new)
         if not applied and not restart and not swapped:
             log.info("SIGHUP: configuration unchanged")
@@ -338,6 +345,12 @@ class Daemon:
             if spec.name in self.buffers.devices:
                 self.buffers.set_limit(spec.name, spec.limit, spec.max_size)
                 self.metrics.buffer_limit.labels(spec.name).set(spec.limit)
+        if "shm" in self.buffers.devices and "shm" not in served:
+            # memory.shm_limit_mib = 0, no longer served: a limit of 0, so no new shared
+            # buffer; those held keep their memory until freed.  (GPUs are not in the
+            # configuration's devices: they keep theirs.)
+            self.buffers.set_limit("shm", 0, None)
+            self.metrics.buffer_limit.labels("shm").set(0)
         # Reloadable keys take their new values; the others keep the running ones.
         for name, f, value in new.items():
             if f.metadata.get("reload"):

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import unicodedata
 from typing import Any
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -91,9 +92,48 @@ def fatal(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+# The characters a line of text never passes on as they are (the categories a published
+# name may not hold, transferd/discovery/names.py): C0 and C1 controls (a line break
+# starts a line of the writer's choosing; ESC, CSI: a terminal runs them), format
+# characters (bidi overrides reorder the rest of a line), line and paragraph
+# separators, surrogates.
+HOSTILE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def escaped_char(ch: str) -> str:
+    """``ch`` as it is, or a hostile one (above) as Python writes it in a repr."""
+    if unicodedata.category(ch) not in HOSTILE:
+        return ch
+    o = ord(ch)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def one_line(text: str) -> str:
+    """``text`` with every hostile character escaped, line breaks and tabs included:
+    what a log line says is one line, whatever text of a peer's or a client's it holds."""
+    if text.isprintable():  # the fast path: printable holds none of them
+        return text
+    return "".join(_BREAKS.get(ch) or escaped_char(ch) for ch in text)
+
+
+_BREAKS = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 class TextFormatter(logging.Formatter):
     """The text format, with a record's trace id (``trace_fields``) after its message,
-    so that ``grep TRACEID`` finds every line about a traced transfer."""
+    so that ``grep TRACEID`` finds every line about a traced transfer.  The message is
+    one line (:func:`one_line`): a peer's refusal, a client's field, an etcd record's
+    text may hold line breaks and escapes, and written as they came they made lines of
+    the journal of their sender's choosing (``...refused the handshake: no\\n2026-...
+    ERROR transferd: FORGED``); a traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = one_line(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)

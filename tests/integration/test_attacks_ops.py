@@ -287,3 +287,45 @@ def test_a_hello_whose_major_is_text_is_named_as_text() -> None:
     with lying_daemon({}, {**hello, "major": "9" * 100_000}) as url:
         r = cli("ping", url)
     assert r.returncode == Exit.FAILURE and len(r.stderr) < 2000, r.stderr[:300]
+
+
+def test_a_config_file_nested_past_the_stack_is_a_config_error(tmp_path: Path) -> None:
+    """tomllib descends once per nested array or inline table: 100,000 of them (200 KB)
+    were a RecursionError traceback of thousands of lines from check-config and serve,
+    and a reload that 'failed: maximum recursion depth exceeded', the same traceback in
+    the daemon's journal.  Now a ConfigError naming the file, exit 3; a reload keeps the
+    running configuration and says why."""
+    import signal
+    import subprocess
+    import sys
+
+    from client import SyncClient
+    from tests.helpers import DaemonProcess, wait_until
+    from tests.integration.test_cli import SERVE
+
+    for name, text in (("arrays", "a = " + "[" * 100_000 + "]" * 100_000 + "\n"),
+                       ("tables", "a = " + "{b = " * 50_000 + "1" + "}" * 50_000 + "\n")):
+        deep = tmp_path / f"{name}.toml"
+        deep.write_text(text)
+        for args in (("check-config", str(deep)), ("serve", "-c", str(deep))):
+            r = cli(*args)
+            assert r.returncode == Exit.CONFIG, r.stdout + r.stderr
+            assert "Traceback" not in r.stderr, r.stderr[-2000:]
+            assert f"{deep}: not valid TOML: arrays or inline tables nested too deep" in \
+                r.stdout + r.stderr, r.stdout + r.stderr
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[server]\nport = 0\n[metrics]\nport = 0\n")
+    with DaemonProcess(command=[*SERVE, "-c", str(cfg)]) as d:
+        assert d.proc is not None
+        cfg.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+        r = subprocess.run([sys.executable, "-m", "transferd.cli", "reload", str(d.proc.pid),
+                            "--timeout", "10"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == Exit.FAILURE, r.stdout + r.stderr
+        assert "refused: the configuration is invalid, the running one stays" in r.stderr, \
+            r.stderr
+        assert "nested too deep" in r.stderr, r.stderr
+        assert wait_until(lambda: "nested too deep" in d.stderr, 5), d.output()
+        assert "Traceback" not in d.stderr, d.stderr[-2000:]
+        with SyncClient(d.url, timeout=5) as c:
+            assert c.get_devices()
+        d.proc.send_signal(signal.SIGTERM)

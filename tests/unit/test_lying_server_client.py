@@ -301,3 +301,74 @@ def test_a_watch_fed_more_changes_than_it_may_hold_ends_over_limit(
             srv.close()
 
     run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("lie", ["silent", "dribble", "impostor"])
+def test_a_handshake_that_fails_ends_within_connect_timeout(lie: str) -> None:
+    """A server that accepts and then says nothing (or dribbles its HELLO reply a byte at
+    a time, or proves nothing when a secret is held) and keeps its socket open: the
+    handshake fails (Timeout; Unauthorized), and the failed connection was closed with
+    close()'s 5 s linger for the server to finish what it was sent, so
+    Client.connect(connect_timeout=1) took 6 s.  Nothing a failed handshake sent needs
+    an answer: it is closed at once, and the handshake's future, failed later by the
+    close, is not left for asyncio to report as never retrieved."""
+    reported: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        hello = encode_frame(int(Command.HELLO), int(Flag.REPLY), 1,
+                             dict(_HELLO, server="x" * 20_000))
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                await reader.read(65536)
+                if lie == "impostor":
+                    writer.write(hello)  # no auth, no proof
+                elif lie == "dribble":
+                    for i in range(len(hello)):
+                        writer.write(hello[i:i + 1])
+                        await asyncio.sleep(0.05)
+                await asyncio.sleep(30)
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(TransferdError) as info:
+                await Client.connect(url, connect_timeout=1, token="a-secret" * 4 if
+                                     lie == "impostor" else None)
+            took = asyncio.get_running_loop().time() - t0
+            assert info.value.code in (ErrorCode.TIMEOUT, ErrorCode.UNAUTHORIZED), info.value
+            assert took < 2.5, f"connect took {took:.1f} s with connect_timeout=1"
+        finally:
+            srv.close()
+        await asyncio.sleep(0.1)
+        import gc
+
+        gc.collect()
+        await asyncio.sleep(0)
+
+    run(main(), timeout=30, loop="asyncio")
+    assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported
+
+
+def test_a_tls_server_that_never_answers_the_tls_handshake_says_timed_out() -> None:
+    """A listener that takes the TCP connection and never speaks TLS: connect fails at
+    connect_timeout with PEER_UNREACHABLE, and the reason said why (it ended in ': ',
+    a TimeoutError having no text)."""
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.sleep(30)
+
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"tls://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(TransferdError) as info:
+                await Client.connect(url, connect_timeout=0.5)
+            assert info.value.code is ErrorCode.PEER_UNREACHABLE, info.value
+            assert info.value.message == f"cannot connect to {url}: timed out", info.value
+        finally:
+            srv.close()
+
+    run(main(), timeout=30, loop="asyncio")

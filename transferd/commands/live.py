@@ -111,7 +111,7 @@ def _metrics(host: str, port: int, timeout: float) -> tuple[bool, str]:
                     break
                 got += data
     except OSError as exc:
-        return False, f"{url} does not answer as transferd's metrics: {exc or 'timed out'}"
+        return False, f"{url} does not answer as transferd's metrics: {str(exc) or 'timed out'}"
     head, _, body = bytes(got).partition(b"\r\n\r\n")
     status = head.split(b"\r\n", 1)[0].split()
     if len(status) < 2 or not status[0].startswith(b"HTTP/") or status[1] != b"200":

@@ -26,6 +26,7 @@ import time
 
 import click
 
+from transferd.commands.remote import say
 from transferd.exits import Exit
 from transferd.lifecycle import reload_socket
 
@@ -117,6 +118,6 @@ def reload(pid: int, timeout: float) -> None:
         why = getattr(exc, "strerror", None) or str(exc)
         click.echo(f"transferd reload: {pid}: {why}", err=True)
         sys.exit(Exit.FAILURE)
-    click.echo(f"transferd reload: {pid}: {'reloaded' if ok else 'refused'}: {text}",
-               err=not ok)
+    # (What the daemon answered: shown escaped, as every command prints a daemon's words.)
+    say(f"transferd reload: {pid}: {'reloaded' if ok else 'refused'}: {text}", err=not ok)
     sys.exit(Exit.OK if ok else Exit.FAILURE)

@@ -14,41 +14,28 @@ import json
 import os
 import sys
 import time
-import unicodedata
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import click
 
 from transferd.exits import Exit
+from transferd.logs import escaped_char
 
 T = TypeVar("T")
 
-# The characters a listing never passes to a terminal as they are (the categories a
-# published name may not hold, transferd/discovery/names.py): C0 and C1 controls (ESC,
-# CSI: a terminal runs them as commands), format characters (bidi overrides reorder the
-# rest of a line), line and paragraph separators, surrogates.
-_HOSTILE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-
 
 def shown(text: str) -> str:
-    """``text`` for a terminal: each hostile character (above) but a newline written as
-    Python writes it in a repr (``\\x1b``, ``\\u202e``). What a listing prints comes
-    from a daemon's answer, and through it from clients and from whoever can write to
-    etcd (a node's name is any bytes of its key): printed as it came, ESC [2J cleared
-    the operator's screen, ESC [1A ESC [2K hid the line above."""
+    """``text`` for a terminal: each hostile character (:data:`transferd.logs.HOSTILE`)
+    but a newline written as Python writes it in a repr (``\\x1b``, ``\\u202e``). What
+    a listing prints comes from a daemon's answer, and through it from clients and from
+    whoever can write to etcd (a node's name is any bytes of its key): printed as it
+    came, ESC [2J cleared the operator's screen, ESC [1A ESC [2K hid the line above."""
     lines = text.split("\n")
     for i, line in enumerate(lines):
         if not line.isprintable():  # the fast path: printable holds none of them
-            lines[i] = "".join(_escaped(ch) for ch in line)
+            lines[i] = "".join(escaped_char(ch) for ch in line)
     return "\n".join(lines)
-
-
-def _escaped(ch: str) -> str:
-    if unicodedata.category(ch) not in _HOSTILE:
-        return ch
-    o = ord(ch)
-    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
 
 
 def say(text: str, err: bool = False) -> None:

@@ -54,7 +54,7 @@ def discovery_checks(cfg: Config) -> list[tuple[str, str, str]]:
     except NotEtcd as exc:
         return [("FAIL", "discovery", str(exc))]
     except (Unavailable, StoreError, TimeoutError, OSError) as exc:
-        return [("FAIL", "discovery", f"etcd at {d.url} does not answer: {exc or 'timed out'} "
+        return [("FAIL", "discovery", f"etcd at {d.url} does not answer: {str(exc) or 'timed out'} "
                  "(the daemon would serve its own names and keep trying)")]
     who = f" as {d.user}" if d.user else ""
     return [("ok", "discovery", f"etcd {version} at {client.where}{who}, "

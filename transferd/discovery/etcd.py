@@ -364,7 +364,7 @@ class EtcdBackend(Backend):
     def _urls_of(self, kv: dict[str, Any]) -> str:
         try:
             urls = json.loads(kv_value(kv)).get("urls")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # (nested past the stack)
             urls = None
         if isinstance(urls, list) and urls:
             return "at " + ", ".join(str(u)[:100] for u in urls[:4])
@@ -648,7 +648,7 @@ class EtcdBackend(Backend):
     def _holder(self, kv: dict[str, Any]) -> str:
         try:
             body = json.loads(kv_value(kv))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the stack
             return "?"
         return str(body.get("node", "?")) if isinstance(body, dict) else "?"
 

@@ -13,10 +13,11 @@ from transferd.protocol.errors import BadRequest, OutOfBounds
 from .regions import Region
 
 
-def plan_staging(region: Region, pages: list[tuple[int, int]]
+def plan_staging(region: Region, pages: list[tuple[int, int]], what: str = "a write from"
                  ) -> tuple[Any, list[int], list[tuple[int, int]], int]:
     """(the region's device I/O, each page's device address, each page's (chunk,
-    offset) in staging, how many chunks) for pages of (absolute address, length)."""
+    offset) in staging, how many chunks) for pages of (absolute address, length);
+    ``what``: the transfer as its refusal names it ("a write from", "a read into")."""
     io = region.staging
     assert io is not None
     device_address = region.device_address  # bounds checked
@@ -30,7 +31,7 @@ def plan_staging(region: Region, pages: list[tuple[int, int]]
             raise OutOfBounds(f"[0x{a:x}, +{n}) is outside region {region.id} "
                               f"[0x{region.ptr:x}, +{region.size})")
         if n > pool.chunk_size:
-            raise BadRequest(f"a write of {n} bytes from {region.buffer.device} memory is "
+            raise BadRequest(f"{what} {region.buffer.device} memory: a page of {n} bytes is "
                              f"larger than a staging chunk ({pool.chunk_size} bytes)")
         devs.append(device_address(off, n))
         if used + n > pool.chunk_size:
@@ -39,6 +40,6 @@ def plan_staging(region: Region, pages: list[tuple[int, int]]
         used += n
     need = ci + 1
     if need > pool.capacity:
-        raise BadRequest(f"a write from {region.buffer.device} memory needs {need} staging "
-                         f"chunks, the pool has {pool.capacity}")
+        raise BadRequest(f"{what} {region.buffer.device} memory needs {need} staging "
+                         f"chunks, its pool has {pool.capacity}")
     return io, devs, places, need

@@ -103,7 +103,8 @@ class TransferEngine:
             self.hosts = ["127.0.0.1"]
         self.node = secrets.randbits(64) or 1
         self.regions = RegionTable(config.max_regions)
-        self.counter = ImmCounter(notify=self._notify, now=self._notify_now)
+        self.counter = ImmCounter(notify=self._notify, now=self._notify_now,
+                                  max_counters=config.max_counters)
         # What every group lands writes and delivers messages through.
         self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
         # What the configured kind of Domain can do (asked, never its name).
@@ -114,8 +115,10 @@ class TransferEngine:
         # Write ids by the connection that submitted them (write_scope.py).
         self.write_ids = WriteIdScope(time.monotonic, config.write_id_window,
                                       config.write_id_ttl_s)
-        # Taken by a write from device memory while it gathers its staging chunks.
-        self._staging_lock: asyncio.Lock | None = None
+        # Taken by a transfer through device memory while it gathers its staging chunks,
+        # one per pool (a device's group): a transfer waiting for one device's chunks
+        # (held by transfers to a stopped peer) holds up no other device's.
+        self._staging_locks: dict[Any, asyncio.Lock] = {}
         # Pages of the paged writes and reads in flight (engine.max_pages_in_flight).
         self._pages_in_flight = 0
         self.peer_groups = PeerGroups(config.max_peer_groups, config.max_group_peers,
@@ -482,6 +485,15 @@ class TransferEngine:
         """The id ``owner``'s write ``wid`` carries on the wire (write_scope.py)."""
         return self.write_ids.wire_id(owner, wid, what)
 
+    def staging_lock(self, io: Any) -> asyncio.Lock:
+        """What a transfer through ``io``'s staging holds while it takes its chunks (all
+        it needs at once, one transfer at a time, so two never hold half each): one
+        lock per pool, never one for every device."""
+        lock = self._staging_locks.get(io.pool)
+        if lock is None:
+            lock = self._staging_locks[io.pool] = asyncio.Lock()
+        return lock
+
     def _from_device(self, op: int, region: Region, pages: list[tuple[int, int]],
                      plan: Callable[[list[memoryview]], list[WritePart | SendPart]],
                      owner: Hashable = None, tag: Tag = (False, None), kind: str = ""
@@ -500,9 +512,7 @@ class TransferEngine:
         traced = tag[1]
         spans = tracing.SPANS if traced is not None else None
         span = spans.transfer(kind, op, traced) if spans is not None and traced else None
-        if self._staging_lock is None:
-            self._staging_lock = asyncio.Lock()
-        lock = self._staging_lock
+        lock = self.staging_lock(io)
 
         async def run() -> None:
             # Back to the pool only once its copies ended, however this ends.

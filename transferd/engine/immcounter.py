@@ -42,8 +42,11 @@ class ImmCounter:
     not a scan of every waiting expectation per one (which was quadratic).
     """
 
-    def __init__(self, notify: Notify | None = None, now: Notify | None = None) -> None:
+    def __init__(self, notify: Notify | None = None, now: Notify | None = None,
+                 max_counters: int = 1 << 20) -> None:
         self._counts: defaultdict[int, int] = defaultdict(int)
+        # engine.max_counters: the counts held (nonzero, nobody consumed them yet).
+        self.max_counters = max_counters
         self._waiting: dict[int, OrderedDict[int, Expectation]] = {}
         self._by_callback: dict[Callable[[], None], list[Expectation]] = {}
         self._keys = itertools.count(1)
@@ -56,6 +59,22 @@ class ImmCounter:
     def value(self, imm: int) -> int:
         with self._lock:
             return self._counts.get(imm, 0)
+
+    def room(self, imm: int) -> bool:
+        """Whether a write with ``imm`` may land: its count is held already, an
+        expectation waits on it (its count is consumed as it lands), or there is room
+        for one more count (engine.max_counters).  Asked before a write's bytes land,
+        so the table holds at most the cap plus the writes landing meanwhile."""
+        counts = self._counts
+        if imm in counts or len(counts) < self.max_counters:
+            return True
+        with self._lock:
+            return imm in self._counts or imm in self._waiting \
+                or len(self._counts) < self.max_counters
+
+    def held(self) -> int:
+        """How many immediates have a count held (engine.max_counters bounds them)."""
+        return len(self._counts)
 
     def pending(self) -> int:
         """How many expectations wait (all immediates)."""

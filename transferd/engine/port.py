@@ -277,6 +277,14 @@ class EnginePort:
     def count(self, imm: int, n: int) -> int:
         return self.counter.add(imm, n)
 
+    def room(self, imm: int) -> None:
+        counter = self.counter
+        if not counter.room(imm):
+            raise OutOfMemory(f"this daemon holds the counts of {counter.held():,} "
+                              f"immediates no expectation has consumed (engine.max_counters "
+                              f"= {counter.max_counters:,}): a write with immediate {imm}, "
+                              "which has none, is refused")
+
     def deliver(self, peer: tuple[int, int], msg: bytes, ack: Ack, source: Hashable, *,
                 trace: bytes | None = None, op: int = 0) -> None:
         self._deliver(peer, msg, ack, source, trace, op)

@@ -199,11 +199,9 @@ class Reads:
         transfer's stages while it reads, LANDING while the copies run."""
         e = self.engine
         assert e.loop is not None
-        io, devs, places, need = plan_staging(region, pages)
+        io, devs, places, need = plan_staging(region, pages, "a read into")
         held = region.buffer.ref()
-        if e._staging_lock is None:
-            e._staging_lock = asyncio.Lock()
-        lock = e._staging_lock
+        lock = e.staging_lock(io)
         inflight = e.inflight
         nbytes = sum(n for _, n in pages)
 

@@ -78,6 +78,10 @@ class Memory(Protocol):
         """Add ``n`` to immediate ``imm`` (thread safe); how many expectations that met
         (their callbacks may have run), or None."""
 
+    def room(self, imm: int) -> None:
+        """Raise the TransferdError refusing a write with ``imm`` before it lands when
+        its count could not be held (engine.max_counters: OutOfMemory); else nothing."""
+
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
                abort: Callable[[], None] | None) -> Placement:
         """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
@@ -258,6 +262,17 @@ class Landing:
             placement.release()
             self.landed.duplicates += 1
             return Admission(self, peer, w, None, None, claimed, rail)
+        if w.imm is not None:
+            # (A count nobody consumes is held for good: their number is bounded.  Asked
+            # after a re-sent part that landed is known: that one counts nothing more.)
+            try:
+                self.memory.room(w.imm)
+            except TransferdError as exc:
+                placement.release()
+                if claimed:
+                    self.write_ids.failed(peer, w)
+                self.refused(exc)
+                raise
         partial = None
         if w.span is not None:
             try:

@@ -407,7 +407,7 @@ class PeerLink:
         except (TimeoutError, OSError) as exc:
             sock.close()
             err = PeerUnreachable(
-                f"rail {d.rail}: cannot connect to {host}:{port}: {exc or 'timed out'}")
+                f"rail {d.rail}: cannot connect to {host}:{port}: {str(exc) or 'timed out'}")
             d.dial_failed(self.dst.rails[0], err)
             self.close(err)
             return

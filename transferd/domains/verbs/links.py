@@ -153,7 +153,7 @@ class OutLink(_SetupLink):
         except (TimeoutError, OSError) as exc:
             sock.close()
             self.close(PeerUnreachable(f"verbs rail {d.rail}: cannot reach {host}:{port}: "
-                                       f"{exc or 'timed out'}"))
+                                       f"{str(exc) or 'timed out'}"))
             return
         if self._closed:
             sock.close()
