@@ -333,3 +333,10 @@ def test_names_refuse_control_format_and_separator_characters() -> None:
             check_name(bad)
     for good in ("kv/é", "日本/0", "a b", "\U0001f600", "a\u00a0b", "a/../b"):
         assert check_name(good) == good
+
+
+def test_a_name_refuses_exactly_what_a_log_line_or_a_listing_escapes() -> None:
+    from transferd.discovery import names
+    from transferd.logs import HOSTILE
+
+    assert frozenset(names._REFUSED) == HOSTILE

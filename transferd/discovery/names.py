@@ -41,7 +41,8 @@ def check_text(text: Any, what: str, most: int = MAX_NAME, empty: bool = True) -
     return text
 
 
-# The categories a name may not hold, and what to call them in a message.
+# The categories a name may not hold (those a log line or a listing escapes,
+# transferd.logs.HOSTILE), and what to call them in a message.
 _REFUSED = {"Cc": "control", "Cf": "format (invisible)", "Zl": "line separator",
             "Zp": "paragraph separator", "Cs": "surrogate"}
 
