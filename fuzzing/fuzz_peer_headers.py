@@ -28,6 +28,7 @@ TRACE = bytes(range(26))
 
 class _Placement:
     deferred = False
+    crc = None  # (the link takes a READ's checksum)
 
     def __init__(self, mem: _Memory, views: list[memoryview]) -> None:
         self.mem, self.views = mem, views
@@ -61,7 +62,7 @@ class _Memory:
         return _Placement(self, views)
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: object) -> _Placement:
+               abort: object, checksum: bool = False) -> _Placement:
         return self.place(rkey, rail, addrs, lens, sum(lens), abort)
 
     def count(self, imm: int, n: int) -> None:

@@ -51,6 +51,8 @@ class HostRegion:
 
 
 class _Placement:
+    crc = None  # (the link takes a READ's checksum)
+
     def __init__(self, region: HostRegion, views: list[memoryview],
                  deferred: bool = False) -> None:
         self.region = region
@@ -101,7 +103,7 @@ class HostMemory:
         return _Placement(r, views, self.deferred)
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Any) -> _Placement:
+               abort: Any, checksum: bool = False) -> _Placement:
         r = self._open(rkey, rail, "r")
         return _Placement(r, self._views(r, addrs, lens))
 

@@ -21,10 +21,10 @@ from tests.conftest import DaemonFactory
 from tests.helpers import RawConn, pattern
 from tests.integration.engine_cluster import SECRET, engine_env, secret_file
 from tests.integration.fake_peer import FakePeer
+from transferd.engine.port import CRC_INLINE_MAX
 from transferd.protocol.constants import Command
 from transferd.protocol.crc import crc_of
 from transferd.protocol.peer_ext import parse_ext
-from transferd.protocol.peer_inbound import CRC_INLINE_MAX
 from transferd.protocol.peer_wire import READ_DATA, READ_DATA_HEAD, encode_read
 from transferd.protocol.values import MrDesc
 

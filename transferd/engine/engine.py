@@ -246,6 +246,7 @@ class TransferEngine:
 
     async def close(self) -> None:
         self.inflight.close()
+        self.port.close()
         for worker, group in zip(self.workers, self.groups, strict=False):
             with contextlib.suppress(TimeoutError, RuntimeError):
                 await asyncio.wait_for(asyncio.wrap_future(worker.run(_call(group.close))), 5)

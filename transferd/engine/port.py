@@ -14,17 +14,28 @@ the write counts, and is acknowledged, only once its bytes are on the device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transferd.memory.staging import GatedLanding, release_after
 from transferd.parts import Ack
+from transferd.protocol import crc as crc32c
 from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
 
 from .immcounter import ImmCounter
 from .regions import Admitted, Region, RegionTable
 
 Done = Callable[[TransferdError | None], None]
+# A peer's verified READ of host memory answers with the CRC32C of its bytes, taken on
+# the link's loop before the first byte goes, up to this many bytes (our own readers
+# ask in parts of 8 MiB, up to 512 MiB); a longer one's is taken on the port's checksum
+# thread (one, so that a core is left to the loops; the CRC32C functions let go of the
+# GIL) while the link reads nothing more, as a READ of device memory waits for its
+# staging copy (ChecksummedSource): a peer's READ of a whole 4 GiB region held the
+# daemon's loop 0.17 s per READ (more with a slower CRC32C), one per link it dialled.
+CRC_INLINE_MAX = 16 << 20
 # deliver(peer, msg, ack, source, trace, op): the engine's receive side.
 Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable, "bytes | None", int], None]
 
@@ -34,6 +45,7 @@ class HostPlacement:
 
     __slots__ = ("_ref", "views")
     deferred = False
+    crc = None  # (a READ's checksum is the link's to take)
 
     def __init__(self, views: list[memoryview], ref: Admitted) -> None:
         self.views = views
@@ -46,6 +58,44 @@ class HostPlacement:
         self._ref.release()
 
 
+class ChecksummedSource:
+    """A peer's verified READ of host memory past CRC_INLINE_MAX: deferred as a READ of
+    device memory is, its ``land`` taking the CRC32C of the pages on the port's
+    checksum thread (``run``) before ``done``; then sent from the same views with
+    :attr:`crc`."""
+
+    __slots__ = ("_inner", "_run", "crc")
+    deferred = True
+
+    def __init__(self, inner: HostPlacement, run: Callable[[Callable[[], None]], None]
+                 ) -> None:
+        self._inner = inner
+        self._run = run
+        self.crc: int | None = None
+
+    @property
+    def views(self) -> list[memoryview]:
+        return self._inner.views
+
+    def land(self, done: Done) -> None:
+        views = self._inner.views
+
+        def take() -> None:  # the checksum thread
+            try:
+                self.crc = crc32c.crc_of(views)
+            except TransferdError as exc:
+                done(exc)
+            except Exception as exc:  # (a view let go under it: the answer is refused)
+                done(BadRequest(f"the checksum of a READ's answer failed: {exc}"))
+            else:
+                done(None)
+
+        self._run(take)
+
+    def release(self) -> None:
+        self._inner.release()
+
+
 class StagedPlacement:
     """A write into device memory: received into staging chunks, copied to the device.
 
@@ -55,6 +105,7 @@ class StagedPlacement:
 
     __slots__ = ("_admitted", "_chunks", "_handed", "_io", "_pages", "views")
     deferred = True
+    crc = None  # (a write's: never asked)
 
     def __init__(self, io: Any, chunks: list[Any], pages: list[tuple[int, int]],
                  admitted: Admitted, nbytes: int) -> None:
@@ -132,6 +183,7 @@ class StagedSource:
 
     __slots__ = ("_admitted", "_chunks", "_fence", "_io", "_pages", "views")
     deferred = True
+    crc = None  # (taken by the link from the staging chunks)
 
     def __init__(self, io: Any, chunks: list[Any], pages: list[tuple[int, int]],
                  admitted: Admitted, nbytes: int) -> None:
@@ -177,6 +229,24 @@ class EnginePort:
         self.counter = counter
         self._deliver = deliver
         self._sender_gone = sender_gone
+        # Long READ checksums (ChecksummedSource), made at the first.
+        self._checksums: ThreadPoolExecutor | None = None
+        self._checksums_lock = threading.Lock()  # (links on several workers' loops)
+
+    def close(self) -> None:
+        """The engine stops: the checksum thread ends once its work is done."""
+        with self._checksums_lock:
+            pool, self._checksums = self._checksums, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def _on_checksum_thread(self, fn: Callable[[], None]) -> None:
+        with self._checksums_lock:
+            if self._checksums is None:
+                self._checksums = ThreadPoolExecutor(max_workers=1,
+                                                     thread_name_prefix="read-crc")
+            pool = self._checksums
+        pool.submit(fn)
 
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
@@ -200,10 +270,13 @@ class EnginePort:
         return HostPlacement(views, region.admit(abort))
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None) -> HostPlacement | StagedSource:
+               abort: Callable[[], None] | None, checksum: bool = False
+               ) -> HostPlacement | StagedSource | ChecksummedSource:
         """A peer's READ: the region ``rkey`` opens for reading on ``rail`` (NotFound, as
         for an unknown rkey, when it was registered without "r"), every page inside it
-        (OutOfBounds), admitted like a write until the bytes were sent (released)."""
+        (OutOfBounds), admitted like a write until the bytes were sent (released).
+        ``checksum`` past CRC_INLINE_MAX of host memory: its CRC32C taken here, off the
+        link's loop (ChecksummedSource)."""
         region = self.regions.by_rkey(rkey, rail, "r")
         io = region.staging
         if io is not None:
@@ -214,7 +287,10 @@ class EnginePort:
             views = region.views(addrs, lens[0])
         else:
             views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
-        return HostPlacement(views, region.admit(abort))
+        src = HostPlacement(views, region.admit(abort))
+        if checksum and sum(lens) > CRC_INLINE_MAX:
+            return ChecksummedSource(src, self._on_checksum_thread)
+        return src
 
     def _staged_source(self, region: Region, io: Any, addrs: list[int], lens: list[int],
                        abort: Callable[[], None] | None) -> StagedSource:

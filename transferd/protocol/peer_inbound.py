@@ -12,10 +12,8 @@ device memory is in flight.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import islice, pairwise
 from operator import sub
 from typing import Any
@@ -88,13 +86,6 @@ MAX_GUESS_TABLE = 48 + 8 + 8 * 256 + MAX_GUESS_EXT
 SMALL_PAYLOAD = 16 * 1024
 # Checksum mismatches in a row after which an inbound link is closed.
 MISMATCH_CUTOFF = 4
-# A verified READ's answer (RX_CRC) of up to this many bytes has its checksum taken on
-# the link's loop before it goes (our own readers ask in parts of 8 MiB up to 512 MiB);
-# a longer one's is taken on a thread (one, so that a core is left to the loop; the
-# CRC32C functions let go of the GIL) while the link reads nothing more, as a READ of
-# device memory waits for its staging copy: a peer's READ of a whole 4 GiB region held
-# the daemon's loop 0.17 s per READ (more with a slower CRC32C), one per link it dialled.
-CRC_INLINE_MAX = 16 << 20
 
 
 def _disjoint(addrs: list[int], lens: list[int]) -> bool:
@@ -104,56 +95,6 @@ def _disjoint(addrs: list[int], lens: list[int]) -> bool:
         return not lens[0] or min(map(sub, s[1:], s)) >= lens[0]
     pages = sorted((a, n) for a, n in zip(addrs, lens, strict=True) if n)
     return all(a + n <= b for (a, n), (b, _) in pairwise(pages))
-
-
-_crc_pool: ThreadPoolExecutor | None = None
-_crc_pool_lock = threading.Lock()
-
-
-def _crc_threads() -> ThreadPoolExecutor:
-    global _crc_pool
-    with _crc_pool_lock:
-        if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-crc")
-        return _crc_pool
-
-
-class _Checksummed:
-    """A verified READ's host pages whose CRC32C is taken off the link's loop: deferred
-    like a READ of device memory (its ``land`` takes the checksum on a thread, then
-    ``done``), sent from the same views once ``value`` is known."""
-
-    __slots__ = ("_inner", "value")
-
-    def __init__(self, inner: Placement) -> None:
-        self._inner = inner
-        self.value: int | None = None
-
-    @property
-    def views(self) -> Sequence[memoryview]:
-        return self._inner.views
-
-    @property
-    def deferred(self) -> bool:
-        return True
-
-    def land(self, done: Callable[[TransferdError | None], None]) -> None:
-        views = self._inner.views
-
-        def take() -> None:
-            try:
-                self.value = crc.crc_of(views)
-            except TransferdError as exc:
-                done(exc)
-            except Exception as exc:  # (a view let go under it: the answer is refused)
-                done(BadRequest(f"the checksum of a READ's answer failed: {exc}"))
-            else:
-                done(None)
-
-        _crc_threads().submit(take)
-
-    def release(self) -> None:
-        self._inner.release()
 
 
 class InboundLink(LinkEnd):
@@ -541,9 +482,10 @@ class InboundLink(LinkEnd):
             r = parse_read(buf, start, head)
             if r.crc:
                 crc.require()  # (none here: refused, saying what to install)
-            src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort)
-            if r.crc and r.nbytes > CRC_INLINE_MAX and not src.deferred:
-                src = _Checksummed(src)  # (its checksum on a thread: CRC_INLINE_MAX)
+            # With RX_CRC the memory side may take the checksum itself, off this loop
+            # (a long answer's: the source is then deferred until it has).
+            src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort,
+                                    checksum=r.crc)
         except TransferdError as exc:
             self.events.append(Refused((op, part), exc, r.trace if r is not None else None,
                                        what="read"))
@@ -590,7 +532,7 @@ class InboundLink(LinkEnd):
         views: Sequence[memoryview] = src.views
         ext = b""
         if checked:
-            taken = getattr(src, "value", None)  # (a long one's, taken on a thread)
+            taken = src.crc  # (the memory side's, where it took it)
             ext = encode_ext(crc.crc_of(views) if taken is None else taken, None)
         corrupt = self.landing.corrupt_read
         if corrupt is not None and nbytes:

@@ -57,6 +57,12 @@ class Placement(Protocol):
     def land(self, done: Done) -> None:
         """Deferred only: move the received bytes home; ``done`` from any thread."""
 
+    @property
+    def crc(self) -> int | None:
+        """A READ's source asked with ``checksum``: the CRC32C of :attr:`views` where
+        the memory side took it (set by the time :meth:`land` is done); None: not
+        taken, the link takes it."""
+
     def release(self) -> None:
         """Let go of the memory (once; the write landed or failed)."""
 
@@ -83,9 +89,11 @@ class Memory(Protocol):
         its count could not be held (engine.max_counters: OutOfMemory); else nothing."""
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None) -> Placement:
+               abort: Callable[[], None] | None, checksum: bool = False) -> Placement:
         """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
         ``rail``, checked and admitted (its ``views`` are what is sent back).
+        ``checksum``: the answer carries the CRC32C of those bytes, which the memory
+        side may take itself (:attr:`Placement.crc`; e.g. off the link's loop).
 
         NotFound (no such region, or one registered without "r": the same answer),
         OutOfBounds (a page outside it), BadRequest (memory it cannot read from).
@@ -287,12 +295,12 @@ class Landing:
         return Admission(self, peer, w, placement, partial, claimed, rail)
 
     def read(self, rail: int, rkey: int, addrs: list[int], lens: list[int],
-             abort: Callable[[], None] | None = None) -> Placement:
+             abort: Callable[[], None] | None = None, checksum: bool = False) -> Placement:
         """Check a peer's READ against memory and admit it (release once sent); raises
         the TransferdError that refuses it (counted).  Nothing is counted: a READ
         carries no immediate."""
         try:
-            src = self.memory.source(rkey, rail, addrs, lens, abort)
+            src = self.memory.source(rkey, rail, addrs, lens, abort, checksum)
         except TransferdError as exc:
             code = exc.code.value
             self.reads_refused_by[code] = self.reads_refused_by.get(code, 0) + 1
