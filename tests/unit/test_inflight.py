@@ -70,3 +70,30 @@ def test_expectations_and_order() -> None:
     assert first["kind"] == "expectation" and (first["done"], first["total"]) == (2, 3)
     assert second["op"] == 8 and second["age_s"] == 0.0
     assert t.stalled() == []  # stall_warn_s = 0: never
+
+
+def test_a_costly_listing_is_handed_again_for_nine_times_its_cost() -> None:
+    """Twenty connections listing 131,072 expectations at once (0.1 s each) held every
+    other client 0.5 s. A listing that took longer than ``reuse_over_s`` is now the
+    answer again, the same body, for nine times what it cost; a cheap one never is."""
+    import time
+
+    t = InFlight(Clock())
+    t.add("a", "expectation", stage=Stage.EXPECTING)
+    first = t.listing()
+    t.add("b", "expectation", stage=Stage.EXPECTING)
+    second = t.listing()  # cheap (one entry): made again, the new entry in it
+    assert second is not first and len(second["entries"]) == 2
+    t.reuse_over_s = 0.0  # every listing counts as costly here
+    for i in range(2000):
+        t.add(i, "expectation", stage=Stage.EXPECTING)
+    began = time.perf_counter()
+    big = t.listing()
+    cost = time.perf_counter() - began
+    t.add("late", "expectation", stage=Stage.EXPECTING)
+    if time.perf_counter() - began < 9 * cost * 0.9:  # (a stalled test host: not judged)
+        assert t.listing() is big and len(big["entries"]) == 2002
+    assert t.listing(limit=5) is not big  # another limit is another listing
+    time.sleep(10 * cost + 0.01)
+    fresh = t.listing()
+    assert fresh is not big and len(fresh["entries"]) == 2003
