@@ -270,28 +270,22 @@ class Landing:
             placement.release()
             self.landed.duplicates += 1
             return Admission(self, peer, w, None, None, claimed, rail)
-        if w.imm is not None:
-            # (A count nobody consumes is held for good: their number is bounded.  Asked
-            # after a re-sent part that landed is known: that one counts nothing more.)
-            try:
-                self.memory.room(w.imm)
-            except TransferdError as exc:
-                placement.release()
-                if claimed:
-                    self.write_ids.failed(peer, w)
-                self.refused(exc)
-                raise
         partial = None
-        if w.span is not None:
-            try:
+        try:
+            if w.imm is not None:
+                # (A count nobody consumes is held for good: their number is bounded.
+                # Asked after a re-sent part that landed is known: that one counts
+                # nothing more.)
+                self.memory.room(w.imm)
+            if w.span is not None:
                 partial = self.coverage.reserve(_cover_key(peer, w), w.span, w.addrs[0],
                                                 w.lens[0], w.imm, w.again)
-            except TransferdError as exc:
-                placement.release()
-                if claimed:
-                    self.write_ids.failed(peer, w)
-                self.refused(exc)
-                raise
+        except TransferdError as exc:
+            placement.release()
+            if claimed:
+                self.write_ids.failed(peer, w)
+            self.refused(exc)
+            raise
         return Admission(self, peer, w, placement, partial, claimed, rail)
 
     def read(self, rail: int, rkey: int, addrs: list[int], lens: list[int],
