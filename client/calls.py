@@ -12,12 +12,18 @@ import it, client.py imports the parts, and nothing imports client.py back.
   reported meanwhile are raised there).
 - :class:`Queue`: that, plus the client's queue itself, for the async
   copies, whose SETs wait in it for their device copies.
+
+Once the client closes, its parts hold it as a :class:`Closed` (weakly): a part held
+the client and the client its parts, a reference cycle only the cyclic collector frees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+
+from transferd.protocol.errors import ConnectionLost
 
 if TYPE_CHECKING:
     from transferd.protocol.constants import Command
@@ -66,3 +72,32 @@ class Queue(Calls, Protocol):
     async def set_tensor(self, t: Any, data: Any) -> None: ...
 
     async def get_tensor(self, t: Any, out: Any = None) -> Any: ...
+
+
+class Closed:
+    """A closed Client as its parts hold it: weakly. Every attribute is the client's
+    while something else refers to it (a call after the close fails as it did, a
+    reopened client works as before); once the client is gone, ConnectionLost."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, client: object) -> None:
+        self._ref = weakref.ref(client)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (what vars(), copy, pickle look for: not the client's)
+            raise AttributeError(name)
+        c = self._ref()
+        if c is None:
+            raise ConnectionLost("this client was closed")
+        return getattr(c, name)
+
+
+def weak_method(held: Closed, name: str) -> Callable[..., Any]:
+    """The client's method ``name`` through ``held``, looked up at each call (a bound
+    method would hold the client)."""
+
+    def call(*args: Any, **kw: Any) -> Any:
+        return getattr(held, name)(*args, **kw)
+
+    return call

@@ -30,6 +30,7 @@ from transferd.protocol.frames import Frame
 from transferd.protocol.messages import Tensor
 
 from .buffers import RemoteBuffer
+from .calls import Closed, weak_method
 from .connection import Connection
 from .copies import Copies
 from .cuda_ipc import CudaIpc
@@ -234,6 +235,20 @@ class Client:
                 shared, self._shared = self._shared, {}
                 for buf in shared.values():
                     buf.unmap()
+                self._detach_parts()
+
+    def _detach_parts(self) -> None:
+        """The parts hold this client weakly from now on (:class:`client.calls.Closed`):
+        each held it, and it them, a reference cycle per client that only the cyclic
+        collector frees (some 35 objects with everything they reach)."""
+        held = Closed(self)
+        c: Any = held
+        self.engine._client = self.copies._client = self.cuda_ipc._client = c
+        self.watchers._client = c
+        self.leases.client = c
+        self.leases.alloc = weak_method(held, "alloc_buffer")
+        if self._names is not None:
+            self._names._flush = weak_method(held, "flush")
 
     async def __aenter__(self) -> Client:
         if self._conn is None:

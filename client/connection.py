@@ -44,7 +44,7 @@ from transferd.protocol.errors import (
 )
 from transferd.protocol.frames import Frame, Phase, Sink
 from transferd.transports import TransportKind
-from transferd.transports.carriers import Carrier
+from transferd.transports.carriers import Carrier, FdChannel
 
 # The most one-way failures kept between two flush points: a server that sends error
 # frames for requests never made (or one that fails thousands at once) costs a count past
@@ -99,6 +99,9 @@ class Connection(asyncio.BufferedProtocol):
         self.kind = kind
         self.transport: asyncio.Transport | None = None
         self.carrier: Carrier | None = None
+        # The carrier's descriptor channel (unix, seqpacket): kept past the loss, for the
+        # descriptors of a reply that came just before it.
+        self._fds: FdChannel | None = None
         self.stats = ClientStats()
         self._closed: asyncio.Future[None] | None = None
         self._ready: asyncio.Future[Ready] | None = None
@@ -214,7 +217,7 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def carries_fds(self) -> bool:
         """True on unix:// and seqpacket:// connections (SCM_RIGHTS both ways)."""
-        return self.carrier is not None and self.carrier.fds is not None
+        return self._fds is not None
 
     def take_fds(self, n: int) -> list[int]:
         """The ``n`` oldest file descriptors received (the caller closes them).
@@ -223,9 +226,9 @@ class Connection(asyncio.BufferedProtocol):
         that frame is handled here they have arrived; a frame that announces
         ``n`` of them takes them with this.  BadFrame if fewer came.
         """
-        if self.carrier is None or self.carrier.fds is None:
+        if self._fds is None:
             raise BadRequest("file descriptors travel only over unix:// and seqpacket://")
-        return self.carrier.fds.take(n)
+        return self._fds.take(n)
 
     # -- asyncio callbacks --------------------------------------------------------
 
@@ -236,6 +239,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closed = self._loop.create_future()
         kind = self.kind or transports.get("tcp://")
         self.carrier = kind.carrier(transport, server=False, join_counter="client.send_join")
+        self._fds = self.carrier.fds
 
     def transport_error(self, exc: ProtocolError) -> None:
         """A message transport found a message that breaks the message rules."""
@@ -309,6 +313,22 @@ class Connection(asyncio.BufferedProtocol):
         self._wake_drain()
         if self.carrier is not None:
             self.carrier.close()
+        # Nothing comes in again: let go of what named this connection's owner back (the
+        # Client's methods), of the decoder's sink (a method of the machine that holds
+        # the decoder), and of the transport and its carrier (a TLS transport, asyncio's
+        # or uvloop's, keeps this connection's buffer_updated after the loss). Each was a
+        # reference cycle only the cyclic collector frees. (What is sent from now on is
+        # ConnectionLost, as it was: every write checks for a transport.)
+        self.on_event = self.on_lost = None
+        self.machine.detach()
+        t: Any = self.transport
+        if getattr(t, "_read_ready_cb", None) is not None:
+            # Python 3.11's asyncio socket transport keeps a bound method of itself for
+            # its reads after the loss (a cycle of 7 objects a connection); 3.12 drops it
+            # at close (python/cpython#100348), and so does this, once nothing is read.
+            t._read_ready_cb = None
+        self.transport = None
+        self.carrier = None
 
     def pause_writing(self) -> None:
         self._paused = True

@@ -455,6 +455,7 @@ class InprocClient(Client):
             # the connection's loss ends it), or that the node's close left: ended now.
             for c in list(self._completions.values()):
                 c.end(ConnectionLost(f"{c.what}: the inproc node closed before it ended"))
+            self._detach_parts()
 
     def _release_spans(self) -> None:
         if self._spans:

@@ -76,6 +76,9 @@ class SyncClient:
             raise
         finally:
             self._waiting.discard(fut)
+            # The error it raised holds this frame (its traceback), the frame held the
+            # future and the future the error: a reference cycle per failed call.
+            del fut
 
     def _call_soon(self, fn: Callable[[], T]) -> T:
         """Run a plain method on the loop thread and return its result."""

@@ -18,9 +18,22 @@
 #   expect: EXPECT_IMM_COUNT then CANCEL
 #   write: SINGLE_WRITE to this daemon's own peer address, waited for
 #   uvm: ALLOC_UVM_WATCHER, one change EVENT, close
-# CYCLES_SHOW=1: each cycle's edges after one round (who refers to whom, by attribute).
+# and the Python client library's own (client.Client on an asyncio loop of this thread,
+# uvloop's with CLIENT_LOOP=uvloop; client.SyncClient on its loop thread): the daemon's
+# side leaves nothing now, so every type these count is the client's (inproc's: its node's
+# too, made in this process).
+#   client, client-unix: Client.connect, then ALLOC, SET, GET, a batched flush (a
+#       set_tensor_async and a get_tensor_async), a WATCH closed, a FREE_BUFFER of no
+#       buffer (NotFound raised and caught), FREE_BUFFER, close; over tcp, over unix
+#   sync, sync-unix: the same with SyncClient
+#   client-conn: Client.connect then close, nothing else (tcp)
+#   client-tls: the client scenario over tls
+#   inproc: Client.connect("inproc://") then close (the engine in this process)
+# CYCLES_SHOW=1: each cycle's edges after one round (who refers to whom, by attribute);
+# CYCLES_SHOW=2: only the references that make each cycle (not what the cycles keep).
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import gc
@@ -221,6 +234,85 @@ def s_uvm(d: Probe, c: RawConn | None) -> None:
     r.close()
 
 
+# The async Client's loop (one for every round, as an application's): asyncio's own, or
+# with CLIENT_LOOP=uvloop uvloop's.
+LOOP = asyncio.new_event_loop() if os.environ.get("CLIENT_LOOP") != "uvloop" \
+    else __import__("uvloop").new_event_loop()
+INPROC = {"engine.peer_port": 0, "engine.host_rails": "127.0.0.1", "metrics.enabled": False,
+          "memory.host_limit_mib": 64}
+
+
+async def client_use(c: Any) -> None:
+    """What the client scenarios do with a connected Client (c), every call awaited."""
+    from transferd.protocol.errors import NotFound
+
+    buf = await c.alloc_buffer(4096)
+    await c.set_tensor(buf.tensor(), b"\x01" * 4096)
+    assert bytes(await c.get_tensor(buf.tensor(0, 16))) == b"\x01" * 16
+    c.set_tensor_async(buf.tensor(0, 64), b"\x02" * 64)
+    got = c.get_tensor_async(buf.tensor(0, 64))
+    await c.flush()
+    assert bytes(await got) == b"\x02" * 64
+    async with c.watch("cyc/"):
+        pass
+    try:
+        await c.free_buffer(99_999)
+    except NotFound:
+        pass
+    else:
+        raise AssertionError("FREE_BUFFER of no buffer succeeded")
+    await c.free_buffer(buf)
+
+
+def s_client(d: Probe, c: RawConn | None, kind: str = "tcp", use: bool = True) -> None:
+    from client import Client
+
+    async def one() -> None:
+        tls = {"tls_ca": d.config.server.tls_cert} if kind == "tls" else {}
+        cl = await Client.connect(d.urls[kind], **tls)
+        try:
+            if use:
+                await client_use(cl)
+        finally:
+            await cl.close()
+
+    LOOP.run_until_complete(one())
+
+
+def s_sync(d: Probe, c: RawConn | None, kind: str = "tcp") -> None:
+    from client import SyncClient
+    from transferd.protocol.errors import NotFound
+
+    cl = SyncClient.connect(d.urls[kind])
+    try:
+        buf = cl.alloc_buffer(4096)
+        cl.set_tensor(buf.tensor(), b"\x01" * 4096)
+        assert bytes(cl.get_tensor(buf.tensor(0, 16))) == b"\x01" * 16
+        cl.set_tensor_async(buf.tensor(0, 64), b"\x02" * 64)
+        got = cl.get_tensor_async(buf.tensor(0, 64))
+        cl.flush()
+        assert bytes(got.result(10)) == b"\x02" * 64
+        with cl.watch("cyc/"):
+            pass
+        try:
+            cl.free_buffer(99_999)
+        except NotFound:
+            pass
+        cl.free_buffer(buf)
+    finally:
+        cl.close()
+
+
+def s_inproc(d: Probe, c: RawConn | None) -> None:
+    from client import Client
+
+    async def one() -> None:
+        cl = await Client.connect("inproc://", overrides=INPROC)
+        await cl.close()
+
+    LOOP.run_until_complete(one())
+
+
 SCENARIOS = {
     "conn": (s_conn, False),
     "unix": (lambda d, c: s_conn(d, c, "unix"), False),
@@ -234,6 +326,13 @@ SCENARIOS = {
     "expect": (s_expect, True),
     "write": (s_write, True),
     "uvm": (s_uvm, False),
+    "client": (s_client, False),
+    "client-unix": (lambda d, c: s_client(d, c, "unix"), False),
+    "client-conn": (lambda d, c: s_client(d, c, "tcp", use=False), False),
+    "client-tls": (lambda d, c: s_client(d, c, "tls"), False),
+    "sync": (s_sync, False),
+    "sync-unix": (lambda d, c: s_sync(d, c, "unix"), False),
+    "inproc": (s_inproc, False),
 }
 
 
@@ -246,10 +345,64 @@ def _name(o: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def show(garbage: list[object]) -> None:
-    """Every reference between the objects found (by attribute where it has one)."""
-    ids = {id(o) for o in garbage}
-    for o in garbage:
+def cycles(garbage: list[object]) -> list[set[int]]:
+    """The cycles among the objects found: their strongly connected components (by id),
+    one object referring to itself included; the rest is only what they keep."""
+    ids = {id(o): o for o in garbage}
+    edges = {i: [id(r) for r in gc.get_referents(o) if id(r) in ids] for i, o in ids.items()}
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    stack: list[int] = []
+    on: set[int] = set()
+    out: list[set[int]] = []
+    for root in ids:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:  # Tarjan's, without recursion
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = len(index)
+                stack.append(v)
+                on.add(v)
+            for j in range(i, len(edges[v])):
+                w = edges[v][j]
+                if w not in index:
+                    work += [(v, j + 1), (w, 0)]
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.add(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1 or v in edges[v]:
+                        out.append(comp)
+                if work:
+                    u = work[-1][0]
+                    low[u] = min(low[u], low[v])
+    return out
+
+
+def show(garbage: list[object], only_cycles: bool = False) -> None:
+    """Every reference between the objects found (by attribute where it has one); with
+    ``only_cycles`` (CYCLES_SHOW=2) only those of each cycle, a cycle at a time."""
+    if only_cycles:
+        byid = {id(o): o for o in garbage}
+        for n, comp in enumerate(cycles(garbage)):
+            print(f"    cycle {n}: {len(comp)} objects")
+            _edges([byid[i] for i in comp], comp)
+        return
+    _edges(garbage, {id(o) for o in garbage})
+
+
+def _edges(objs: list[object], ids: set[int]) -> None:
+    for o in objs:
         for r in gc.get_referents(o):
             if id(r) not in ids:
                 continue
@@ -279,7 +432,7 @@ def measure(d: Probe, name: str, n: int) -> None:
             found = gc.collect()
             kinds = collections.Counter(_name(o) for o in gc.garbage)
             if os.environ.get("CYCLES_SHOW") and found:
-                show(gc.garbage[: found // n])
+                show(gc.garbage[: found // n], os.environ["CYCLES_SHOW"] == "2")
         finally:
             gc.set_debug(0)
             gc.garbage.clear()

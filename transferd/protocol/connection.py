@@ -1359,3 +1359,9 @@ class ClientConnection(_Machine):
             self._go(Input.LOST)
         pending, self.pending = self.pending, {}
         return list(pending.values())
+
+    def detach(self) -> None:
+        """The transport is gone and no byte comes in again: let go of the decoder's
+        sink, a method of this connection (the decoder is held by it: a reference cycle
+        only the cyclic collector frees, as :meth:`ServerConnection.detach`'s)."""
+        self.decoder._sink_factory = None
