@@ -22,7 +22,13 @@ from typing import Any
 from transferd.memory.staging import GatedLanding, release_after
 from transferd.parts import Ack
 from transferd.protocol import crc as crc32c
-from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
+from transferd.protocol.errors import (
+    BadRequest,
+    OutOfBounds,
+    OutOfMemory,
+    PeerUnreachable,
+    TransferdError,
+)
 
 from .immcounter import ImmCounter
 from .regions import Admitted, Region, RegionTable
@@ -232,21 +238,33 @@ class EnginePort:
         # Long READ checksums (ChecksummedSource), made at the first.
         self._checksums: ThreadPoolExecutor | None = None
         self._checksums_lock = threading.Lock()  # (links on several workers' loops)
+        self._closed = False
 
     def close(self) -> None:
-        """The engine stops: the checksum thread ends once its work is done."""
+        """The engine stops: the checksum thread ends once its work is done, and no
+        checksum is taken from now on (a READ asking for one is refused)."""
         with self._checksums_lock:
+            self._closed = True
             pool, self._checksums = self._checksums, None
         if pool is not None:
             pool.shutdown(wait=False)
 
     def _on_checksum_thread(self, fn: Callable[[], None]) -> None:
+        # Closed: PeerUnreachable, raised to the link (which refuses the READ and lets go
+        # of its placement once), not a new thread nobody shuts down; submit's
+        # RuntimeError (a shutdown under it, or the interpreter's) is that too.
         with self._checksums_lock:
+            if self._closed:
+                raise PeerUnreachable("this daemon's engine is closing: a READ's checksum "
+                                      "is not taken")
             if self._checksums is None:
                 self._checksums = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="read-crc")
             pool = self._checksums
-        pool.submit(fn)
+            try:
+                pool.submit(fn)
+            except RuntimeError as exc:
+                raise PeerUnreachable(f"a READ's checksum cannot be taken: {exc}") from None
 
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
