@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from transferd.engine.immcounter import ImmCounter
 from transferd.engine.port import CRC_INLINE_MAX, EnginePort
 from transferd.engine.regions import RegionTable
@@ -62,6 +64,62 @@ def test_a_closed_port_takes_no_checksum_and_starts_no_thread() -> None:
         assert len(got) == 1 and isinstance(got[0], TransferdError), got
         assert len(_crc_threads()) == before == 0, _crc_threads()
         src.release()
+        assert region.admitted == 0
+    finally:
+        port.close()
+        buf.release()
+
+
+def test_checksums_queued_at_the_close_are_not_taken_and_let_go_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: each queued checksum was taken after the close all the same (a 4 GiB
+    READ's is seconds of a core, for a link already gone), and one whose link's loop
+    had closed (its ``done`` raising RuntimeError) was never let go."""
+    from transferd.engine import port as port_mod
+
+    gate, began = threading.Event(), threading.Event()
+    taken: list[int] = []
+    real = port_mod.crc32c.crc_of
+
+    def slow(views: list[memoryview]) -> int:
+        taken.append(1)
+        began.set()
+        assert gate.wait(10)
+        return real(views)
+
+    monkeypatch.setattr(port_mod.crc32c, "crc_of", slow)
+    buf = Buffer.host(1, SIZE)
+    table = RegionTable()
+    region = table.register(buf, 1, "r")
+    port = EnginePort(table, ImmCounter(), lambda *a: None, lambda s: None)
+    try:
+        got: list[TransferdError | None] = []
+        ended = threading.Semaphore(0)
+
+        def done(err: TransferdError | None) -> None:
+            got.append(err)
+            ended.release()
+
+        def gone(err: TransferdError | None) -> None:  # a closed loop's call_soon_threadsafe
+            got.append(err)
+            ended.release()
+            raise RuntimeError("Event loop is closed")
+
+        srcs = [port.source(region.rkeys[0], 0, [region.ptr], [SIZE], None, checksum=True)
+                for _ in range(3)]
+        srcs[0].land(done)
+        assert began.wait(10)  # the first is being taken; two wait their turn
+        srcs[1].land(done)
+        srcs[2].land(gone)
+        port.close()
+        gate.set()
+        for _ in range(3):
+            assert ended.acquire(timeout=10)
+        assert taken == [1], "a checksum queued at the close was taken"
+        assert got[0] is None
+        assert all(isinstance(e, TransferdError) for e in got[1:]), got
+        srcs[0].release()
+        srcs[1].release()  # (srcs[2]: let go by the port, its done having raised)
         assert region.admitted == 0
     finally:
         port.close()

@@ -73,10 +73,10 @@ class ChecksummedSource:
     __slots__ = ("_inner", "_run", "crc")
     deferred = True
 
-    def __init__(self, inner: HostPlacement, run: Callable[[Callable[[], None]], None]
-                 ) -> None:
+    def __init__(self, inner: HostPlacement,
+                 run: Callable[[Callable[[bool], None]], None]) -> None:
         self._inner = inner
-        self._run = run
+        self._run = run  # run(take): take(closed) on the checksum thread
         self.crc: int | None = None
 
     @property
@@ -86,15 +86,26 @@ class ChecksummedSource:
     def land(self, done: Done) -> None:
         views = self._inner.views
 
-        def take() -> None:  # the checksum thread
-            try:
-                self.crc = crc32c.crc_of(views)
-            except TransferdError as exc:
-                done(exc)
-            except Exception as exc:  # (a view let go under it: the answer is refused)
-                done(BadRequest(f"the checksum of a READ's answer failed: {exc}"))
+        def take(closed: bool) -> None:  # the checksum thread
+            err: TransferdError | None = None
+            if closed:
+                # The engine closed while this one waited its turn: not taken (a
+                # queue of 4 GiB checksums went on for seconds per READ after it).
+                err = PeerUnreachable("this daemon's engine closed: a READ's checksum "
+                                      "is not taken")
             else:
-                done(None)
+                try:
+                    self.crc = crc32c.crc_of(views)
+                except TransferdError as exc:
+                    err = exc
+                except Exception as exc:  # (a view let go under it: the answer is refused)
+                    err = BadRequest(f"the checksum of a READ's answer failed: {exc}")
+            try:
+                done(err)
+            except RuntimeError:
+                # Its link's loop is closed (the engine stopped): nobody will answer or
+                # let go of this READ but here, once.
+                self.release()
 
         self._run(take)
 
@@ -241,15 +252,15 @@ class EnginePort:
         self._closed = False
 
     def close(self) -> None:
-        """The engine stops: the checksum thread ends once its work is done, and no
-        checksum is taken from now on (a READ asking for one is refused)."""
+        """The engine stops: the checksum thread ends once the one it is taking is done;
+        none queued, nor asked for from now on, is taken (those READs are refused)."""
         with self._checksums_lock:
             self._closed = True
             pool, self._checksums = self._checksums, None
         if pool is not None:
             pool.shutdown(wait=False)
 
-    def _on_checksum_thread(self, fn: Callable[[], None]) -> None:
+    def _on_checksum_thread(self, fn: Callable[[bool], None]) -> None:
         # Closed: PeerUnreachable, raised to the link (which refuses the READ and lets go
         # of its placement once), not a new thread nobody shuts down; submit's
         # RuntimeError (a shutdown under it, or the interpreter's) is that too.
@@ -262,7 +273,7 @@ class EnginePort:
                                                      thread_name_prefix="read-crc")
             pool = self._checksums
             try:
-                pool.submit(fn)
+                pool.submit(lambda: fn(self._closed))
             except RuntimeError as exc:
                 raise PeerUnreachable(f"a READ's checksum cannot be taken: {exc}") from None
 
