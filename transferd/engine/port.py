@@ -22,7 +22,13 @@ from typing import Any
 from transferd.memory.staging import GatedLanding, release_after
 from transferd.parts import Ack
 from transferd.protocol import crc as crc32c
-from transferd.protocol.errors import BadRequest, OutOfBounds, OutOfMemory, TransferdError
+from transferd.protocol.errors import (
+    BadRequest,
+    OutOfBounds,
+    OutOfMemory,
+    PeerUnreachable,
+    TransferdError,
+)
 
 from .immcounter import ImmCounter
 from .regions import Admitted, Region, RegionTable
@@ -67,10 +73,10 @@ class ChecksummedSource:
     __slots__ = ("_inner", "_run", "crc")
     deferred = True
 
-    def __init__(self, inner: HostPlacement, run: Callable[[Callable[[], None]], None]
-                 ) -> None:
+    def __init__(self, inner: HostPlacement,
+                 run: Callable[[Callable[[bool], None]], None]) -> None:
         self._inner = inner
-        self._run = run
+        self._run = run  # run(take): take(closed) on the checksum thread
         self.crc: int | None = None
 
     @property
@@ -80,15 +86,26 @@ class ChecksummedSource:
     def land(self, done: Done) -> None:
         views = self._inner.views
 
-        def take() -> None:  # the checksum thread
-            try:
-                self.crc = crc32c.crc_of(views)
-            except TransferdError as exc:
-                done(exc)
-            except Exception as exc:  # (a view let go under it: the answer is refused)
-                done(BadRequest(f"the checksum of a READ's answer failed: {exc}"))
+        def take(closed: bool) -> None:  # the checksum thread
+            err: TransferdError | None = None
+            if closed:
+                # The engine closed while this one waited its turn: not taken (a
+                # queue of 4 GiB checksums went on for seconds per READ after it).
+                err = PeerUnreachable("this daemon's engine closed: a READ's checksum "
+                                      "is not taken")
             else:
-                done(None)
+                try:
+                    self.crc = crc32c.crc_of(views)
+                except TransferdError as exc:
+                    err = exc
+                except Exception as exc:  # (a view let go under it: the answer is refused)
+                    err = BadRequest(f"the checksum of a READ's answer failed: {exc}")
+            try:
+                done(err)
+            except RuntimeError:
+                # Its link's loop is closed (the engine stopped): nobody will answer or
+                # let go of this READ but here, once.
+                self.release()
 
         self._run(take)
 
@@ -232,21 +249,33 @@ class EnginePort:
         # Long READ checksums (ChecksummedSource), made at the first.
         self._checksums: ThreadPoolExecutor | None = None
         self._checksums_lock = threading.Lock()  # (links on several workers' loops)
+        self._closed = False
 
     def close(self) -> None:
-        """The engine stops: the checksum thread ends once its work is done."""
+        """The engine stops: the checksum thread ends once the one it is taking is done;
+        none queued, nor asked for from now on, is taken (those READs are refused)."""
         with self._checksums_lock:
+            self._closed = True
             pool, self._checksums = self._checksums, None
         if pool is not None:
             pool.shutdown(wait=False)
 
-    def _on_checksum_thread(self, fn: Callable[[], None]) -> None:
+    def _on_checksum_thread(self, fn: Callable[[bool], None]) -> None:
+        # Closed: PeerUnreachable, raised to the link (which refuses the READ and lets go
+        # of its placement once), not a new thread nobody shuts down; submit's
+        # RuntimeError (a shutdown under it, or the interpreter's) is that too.
         with self._checksums_lock:
+            if self._closed:
+                raise PeerUnreachable("this daemon's engine is closing: a READ's checksum "
+                                      "is not taken")
             if self._checksums is None:
                 self._checksums = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="read-crc")
             pool = self._checksums
-        pool.submit(fn)
+            try:
+                pool.submit(lambda: fn(self._closed))
+            except RuntimeError as exc:
+                raise PeerUnreachable(f"a READ's checksum cannot be taken: {exc}") from None
 
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
