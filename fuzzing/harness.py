@@ -121,6 +121,7 @@ class InProcessDaemon:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+        self.urls: dict[str, str] = {}
         self.known: dict[str, Any] = {}
         self._baseline: set[int] = set()
         self._errors = _Errors()
@@ -174,8 +175,9 @@ class InProcessDaemon:
         await d.node.start_engine()
         d.node.start_service()
         self._frontend = RpcFrontend()
-        (url,) = await self._frontend.start(d)
-        self.port = int(url.rpartition(":")[2])
+        # Every listener's URL by its scheme (a config may name several: server.listen).
+        self.urls = {u.partition(":")[0]: u for u in await self._frontend.start(d)}
+        self.port = int(self.urls["tcp"].rpartition(":")[2])
         self._make_baseline()
 
     def _make_baseline(self) -> None:

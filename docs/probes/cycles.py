@@ -70,20 +70,6 @@ class Probe(InProcessDaemon):
                           "server.tls_key": key,
                           "server.listen": [f"seqpacket://{where}/q.sock",
                                             "tls://127.0.0.1:0"]})
-        self.urls: dict[str, str] = {}
-
-    async def _up(self) -> None:
-        from rpc_server.server import RpcFrontend
-        from transferd.daemon import Daemon
-
-        d = self._daemon = Daemon(self.config)
-        await d.node.start_engine()
-        d.node.start_service()
-        self._frontend = RpcFrontend()
-        for url in await self._frontend.start(d):
-            self.urls[url.partition(":")[0]] = url
-        self.port = int(self.urls["tcp"].rpartition(":")[2])
-        self._make_baseline()
 
 
 def raw(d: Probe, kind: str = "tcp") -> RawConn:

@@ -31,10 +31,11 @@ from tests.integration.engine_cluster import (
 )
 from tests.integration.fake_peer import FakePeer
 from tests.integration.test_engine_reads import region
+from tests.integration.test_receives import stalled_reader
 from transferd.protocol import trace
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import NotFound
-from transferd.protocol.frames import Frame, FrameDecoder
+from transferd.protocol.frames import Frame
 from transferd.protocol.peer_ext import encode_ext
 from transferd.protocol.peer_handshake import SEND_EXT
 from transferd.protocol.peer_wire import encode_read
@@ -102,21 +103,6 @@ async def test_a_traced_send_waiting_for_a_receive_is_listed_and_logged_at_the_r
             assert not listed()
     finally:
         reader.close()
-
-
-def stalled_reader(d: DaemonProcess, length: int, count: int, trace: bool) -> RawConn:
-    """A client of ``d`` that posts receives and then reads nothing (a small receive
-    buffer, so the kernel holds little for it)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    sock.settimeout(WAIT)
-    sock.connect(d.host_port)
-    conn = RawConn.__new__(RawConn)
-    conn.sock, conn.decoder, conn.frames, conn.seq = sock, FrameDecoder(), [], 0
-    conn.hello()
-    r = conn.request(Command.SUBMIT_RECVS, {"len": length, "count": count, "trace": trace})
-    assert not r.is_error, r.body
-    return conn
 
 
 def read_events(conn: RawConn, want: int) -> list[Frame]:

@@ -53,7 +53,8 @@ def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
         assert "Traceback" not in d.stderr and " ERROR " not in d.stderr, d.output()
 
 
-def stalled_reader(d: DaemonProcess, length: int = MiB, count: int = 1000) -> RawConn:
+def stalled_reader(d: DaemonProcess, length: int = MiB, count: int = 1000,
+                   trace: bool | None = None) -> RawConn:
     """A client of ``d`` that posts receives and then reads nothing (a small receive
     buffer, so the kernel holds little for it)."""
     sock = socket.socket()
@@ -63,7 +64,10 @@ def stalled_reader(d: DaemonProcess, length: int = MiB, count: int = 1000) -> Ra
     conn = RawConn.__new__(RawConn)
     conn.sock, conn.decoder, conn.frames, conn.seq = sock, FrameDecoder(), [], 0
     conn.hello()
-    r = conn.request(Command.SUBMIT_RECVS, {"len": length, "count": count})
+    body: dict[str, object] = {"len": length, "count": count}
+    if trace is not None:
+        body["trace"] = trace
+    r = conn.request(Command.SUBMIT_RECVS, body)
     assert not r.is_error, r.body
     return conn
 

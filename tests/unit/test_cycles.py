@@ -88,20 +88,6 @@ class _Daemon(InProcessDaemon):
             more.update({"server.tls_cert": cert, "server.tls_key": key})
             more["server.listen"].append("tls://127.0.0.1:0")
         super().__init__(more)
-        self.urls: dict[str, str] = {}
-
-    async def _up(self) -> None:
-        from rpc_server.server import RpcFrontend
-        from transferd.daemon import Daemon
-
-        d = self._daemon = Daemon(self.config)
-        await d.node.start_engine()
-        d.node.start_service()
-        self._frontend = RpcFrontend()
-        for url in await self._frontend.start(d):
-            self.urls[url.partition(":")[0]] = url
-        self.port = int(self.urls["tcp"].rpartition(":")[2])
-        self._make_baseline()
 
     def sessions(self) -> int:
         async def count() -> int:
