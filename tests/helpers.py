@@ -316,19 +316,29 @@ class RawConn:
         return cls(*daemon.host_port, timeout=timeout)
 
     @classmethod
-    def at(cls, url: str, timeout: float = 10.0) -> RawConn:
-        """A raw connection to a tcp:// or unix:// URL (stream transports)."""
-        if url.startswith("unix://"):
-            self = cls.__new__(cls)
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout)
-            self.sock.connect(url[len("unix://"):])
-            self.decoder = FrameDecoder()
-            self.frames = []
-            self.seq = 0
+    def at(cls, url: str, timeout: float = 10.0, cafile: str | None = None) -> RawConn:
+        """A raw connection to a tcp://, unix://, seqpacket:// (a frame a message: each
+        is sent in one call) or tls:// URL (``cafile``: the server's certificate)."""
+        scheme, _, where = url.partition("://")
+        if scheme == "tcp":
+            host, _, port = where.rpartition(":")
+            return cls(host.strip("[]"), int(port), timeout=timeout)
+        self = cls.__new__(cls)
+        self.decoder, self.frames, self.seq = FrameDecoder(), [], 0
+        if scheme == "tls":
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=cafile)
+            host, _, port = where.rpartition(":")
+            self.sock = ctx.wrap_socket(
+                socket.create_connection((host, int(port)), timeout=timeout),
+                server_hostname=host)
             return self
-        host, _, port = url[len("tcp://"):].rpartition(":")
-        return cls(host.strip("[]"), int(port), timeout=timeout)
+        kind = socket.SOCK_SEQPACKET if scheme == "seqpacket" else socket.SOCK_STREAM
+        self.sock = socket.socket(socket.AF_UNIX, kind)
+        self.sock.settimeout(timeout)
+        self.sock.connect(where)
+        return self
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)

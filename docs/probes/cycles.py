@@ -41,8 +41,6 @@ import itertools
 import mmap
 import os
 import shutil
-import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -54,7 +52,6 @@ sys.path.insert(0, os.environ.get("TREE", os.getcwd()))
 from fuzzing.harness import InProcessDaemon
 from tests.helpers import RawConn
 from transferd.protocol.constants import Command, Flag
-from transferd.protocol.frames import FrameDecoder
 
 
 class Probe(InProcessDaemon):
@@ -73,21 +70,7 @@ class Probe(InProcessDaemon):
 
 
 def raw(d: Probe, kind: str = "tcp") -> RawConn:
-    url = d.urls[kind]
-    if kind in ("tcp", "unix"):
-        c = RawConn.at(url)
-    else:
-        c = RawConn.__new__(RawConn)
-        c.decoder, c.frames, c.seq = FrameDecoder(), [], 0
-        if kind == "seqpacket":  # one frame a message (RawConn sends each in one call)
-            c.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            c.sock.settimeout(10)
-            c.sock.connect(url[len("seqpacket://"):])
-        else:
-            ctx = ssl.create_default_context(cafile=d.config.server.tls_cert)
-            host, _, port = url[len("tls://"):].rpartition(":")
-            c.sock = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
-                                     server_hostname=host)
+    c = RawConn.at(d.urls[kind], cafile=d.config.server.tls_cert)
     assert not c.hello().is_error
     return c
 

@@ -28,8 +28,6 @@ import gc
 import mmap
 import os
 import shutil
-import socket
-import ssl
 import subprocess
 import tempfile
 import time
@@ -44,7 +42,7 @@ from transferd.discovery.directory import Directory
 from transferd.discovery.records import Change
 from transferd.protocol.constants import Command, Flag
 from transferd.protocol.errors import NotFound, TransferdError
-from transferd.protocol.frames import Frame, FrameDecoder
+from transferd.protocol.frames import Frame
 
 TLS = shutil.which("openssl") is not None
 
@@ -115,21 +113,7 @@ def daemon() -> Iterator[_Daemon]:
 
 
 def connect(d: _Daemon, kind: str = "tcp") -> RawConn:
-    url = d.urls[kind]
-    if kind in ("tcp", "unix"):
-        c = RawConn.at(url)
-    else:
-        c = RawConn.__new__(RawConn)
-        c.decoder, c.frames, c.seq = FrameDecoder(), [], 0
-        if kind == "seqpacket":  # RawConn sends a frame in one call: one message
-            c.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            c.sock.settimeout(10)
-            c.sock.connect(url[len("seqpacket://"):])
-        else:
-            ctx = ssl.create_default_context(cafile=d.config.server.tls_cert)
-            host, _, port = url[len("tls://"):].rpartition(":")
-            c.sock = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
-                                     server_hostname=host)
+    c = RawConn.at(d.urls[kind], cafile=d.config.server.tls_cert)
     assert not c.hello().is_error
     return c
 
