@@ -146,6 +146,14 @@ async def _has(c: Client, n: int) -> bool:
     return len(await c.peers()) >= n
 
 
+async def _names(c: Client, name: str) -> bool:
+    try:
+        await c.lookup(name)
+    except NotFound:
+        return False
+    return True
+
+
 def test_sigkill_leaves_peers_and_lookup_within_the_ttl(etcd: EtcdServer) -> None:
     ds = daemons(2, disc_env(etcd))
     try:
@@ -231,6 +239,8 @@ async def _restart(ds: list[DaemonProcess], etcd: EtcdServer) -> None:
         dst = await b.alloc_buffer(size * 8)
         _, desc = await b.reg_mr(dst)
         await b.publish("load/dst", desc)
+        # (Published through B; A mirrors it from etcd's watch, a moment later.)
+        await until(lambda: _names(a, "load/dst"), 10, "A sees load/dst")
         found = await a.lookup("load/dst")
         src = await a.alloc_buffer(size)
         mr, _ = await a.reg_mr(src)

@@ -120,8 +120,11 @@ async def test_sigterm_under_load_finishes_what_it_reported_done() -> None:
         _exit_within(a, t0, drain_s + SLACK)
 
         ok = sum(o is None for os_ in outcomes for o in os_)
-        # The drain let in-flight writes finish instead of dropping them.
-        assert ok > done_at_signal, (ok, done_at_signal)
+        total = sum(len(cs) for cs in completions)
+        # The drain let in-flight writes finish instead of dropping them (unless every
+        # write had ended before the signal was sent: a host this fast leaves nothing in
+        # flight to judge that by; the rest below still holds).
+        assert ok > done_at_signal or done_at_signal == total, (ok, done_at_signal, total)
         for os_ in outcomes:
             for o in os_:
                 # B is healthy: what did not finish was refused (never run), not lost.
