@@ -142,17 +142,12 @@ def nodes_of(nodes: dict[str, Any], addr: NetAddr) -> str:
     return next(name for name, p in nodes.items() if p.addr == addr)
 
 
+async def _seen(c: Client, name: str) -> bool:
+    return not await gone(c, name)
+
+
 async def _has(c: Client, n: int) -> bool:
     return len(await c.peers()) >= n
-
-
-async def _names(c: Client, name: str) -> bool:
-    try:
-        await c.lookup(name)
-    except NotFound:
-        return False
-    return True
-
 
 def test_sigkill_leaves_peers_and_lookup_within_the_ttl(etcd: EtcdServer) -> None:
     ds = daemons(2, disc_env(etcd))
@@ -240,7 +235,7 @@ async def _restart(ds: list[DaemonProcess], etcd: EtcdServer) -> None:
         _, desc = await b.reg_mr(dst)
         await b.publish("load/dst", desc)
         # (Published through B; A mirrors it from etcd's watch, a moment later.)
-        await until(lambda: _names(a, "load/dst"), 10, "A sees load/dst")
+        await until(lambda: _seen(a, "load/dst"), 10, "A sees load/dst")
         found = await a.lookup("load/dst")
         src = await a.alloc_buffer(size)
         mr, _ = await a.reg_mr(src)
