@@ -25,7 +25,7 @@ from transferd.protocol.frames import encode_frame
 
 def test_closing_with_many_expectations_leaves_no_long_collector_pass(
         daemon_factory: DaemonFactory) -> None:
-    """Three connections in turn each wait on 65,536 immediates, then close. Before,
+    """Two connections in turn each wait on 65,536 immediates, then close. Before,
     each close left 1.9 million objects in cycles, and the collector's full pass over
     them (during the next connection's requests) held the loop 2.1-2.5 s each time;
     another client's round trips, timed throughout, show it."""
@@ -45,7 +45,7 @@ def test_closing_with_many_expectations_leaves_no_long_collector_pass(
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
     try:
-        for _ in range(3):
+        for _ in range(2):
             c = RawConn.to(d, timeout=120)
             c.hello()
             c.send_raw(b"".join(encode_frame(
@@ -70,8 +70,7 @@ def test_an_expectations_objects_are_freed_without_the_collector() -> None:
     gc.collect()
     gc.disable()
     try:
-        before = gc.collect()
-        assert before == 0 or before > 0  # (whatever the process had)
+        gc.collect()  # (whatever the process had left, before the count that matters)
         fired: list[int] = []
         for i in range(10):  # fired
             table.expect("a", 7, 1, lambda i=i: fired.append(i))
