@@ -35,7 +35,8 @@ def test_sends_held_for_a_stopped_peer_are_charged_to_the_memory_limit(
         daemon_factory: DaemonFactory) -> None:
     env = engine_env(["127.0.0.1"], "tcp", secret_file=secret_file(), peer_timeout_s=30)
     a = daemon_factory(["-m", str(LIMIT_MIB)], env=env)
-    b = daemon_factory(env=env)
+    # (B drops what waits for its one receive after 1 s, not 5: A's charge back sooner)
+    b = daemon_factory(env={**env, "TRANSFERD_ENGINE_RECV_WAIT_S": "1"})
     assert b.proc is not None
     rb = RawConn.to(b, timeout=10)
     rb.hello()
@@ -55,7 +56,7 @@ def test_sends_held_for_a_stopped_peer_are_charged_to_the_memory_limit(
             c = RawConn.to(a, timeout=60)
             c.hello()
             wire = [encode_frame(Command.SEND, Flag.NO_REPLY, 10 + i, {"addr": baddr},
-                                 len(msg)) + msg for i in range(300)]
+                                 len(msg)) + msg for i in range(100)]
             t = threading.Thread(target=lambda c=c, w=wire: [c.send_raw(x) for x in w],
                                  daemon=True)
             t.start()
