@@ -40,6 +40,9 @@ class _Placement:
     def release(self) -> None:
         self.mem.admitted -= 1
 
+    def abandon(self) -> None:
+        self.release()
+
 
 class _Memory:
     def __init__(self) -> None:

@@ -69,6 +69,9 @@ class _Placement:
         self.released = True
         self.region.admitted -= 1
 
+    def abandon(self) -> None:
+        self.release()
+
 
 class HostMemory:
     """Regions in bytearrays, checked the way the engine's are."""

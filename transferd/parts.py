@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from transferd.protocol.crc import crc_of
 from transferd.protocol.errors import TransferdError
 from transferd.protocol.peer_ext import encode_ext
-from transferd.protocol.peer_landing import Placement
+from transferd.protocol.peer_landing import Placement, Source
 from transferd.protocol.values import NetAddr
 
 Peer = tuple[int, int]
@@ -72,7 +72,7 @@ class EnginePort(Protocol):
     def room(self, imm: int) -> None: ...
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None, checksum: bool = False) -> Placement: ...
+               abort: Callable[[], None] | None, checksum: bool = False) -> Source: ...
 
     def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable, *,
                 trace: bytes | None = None, op: int = 0) -> None:

@@ -5,9 +5,11 @@ what the core's :meth:`get_buffers` names (a write's pages, straight into the re
 or the core's buffer), tells the core what arrived, sends what the core's output
 holds (``sendmsg`` over the views where the bytes lie), runs the handshake's timer,
 follows the core's PAUSED state (an inbound link reads nothing while its ACKs go
-unread or a device landing is in flight), completes what the core says is done
-and hands the core's events to its owner (the Domain).  Used by the tcp Domain for
-its links, and by verbs for the TCP connection its queue pairs are set up over.
+unread, a device landing is in flight or a READ waits for its staging or checksum;
+in that last case watching for its peer hanging up: :class:`HangupWatch`), completes
+what the core says is done and hands the core's events to its owner (the Domain).
+Used by the tcp Domain for its links, and by verbs for the TCP connection its queue
+pairs are set up over.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import select
 import socket
 import struct
 from typing import Any, Protocol
@@ -29,6 +33,8 @@ log = logging.getLogger("transferd.peer")
 
 # Receives per readable callback before other sockets get a turn.
 READS_PER_WAKEUP = 16
+# The peer shut its side (a FIN) or reset: signalled while frames wait unread (Linux).
+_RDHUP: int | None = getattr(select, "EPOLLRDHUP", None) if hasattr(select, "epoll") else None
 
 
 class LinkOwner(Protocol):
@@ -45,12 +51,87 @@ def abort(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+class HangupWatch:
+    """Sockets of links that read nothing while a READ waits for its memory side (its
+    checksum, its staging copy), watched for their peer hanging up.
+
+    Not reading, such a link would not see a FIN or a reset until it read again, and
+    what it waits for went on for nobody (a queue of abandoned 4000 MiB checksums ahead
+    of an honest peer's).  Each socket is in one epoll set (per rail) for EPOLLRDHUP
+    alone (a reset is EPOLLHUP or EPOLLERR, always reported): the frames a peer sends
+    meanwhile stay in the kernel unread, the back-pressure as before.  The set's own
+    descriptor is what the loop watches, made at the first link held so.  Where epoll
+    has no EPOLLRDHUP (not Linux) nothing is watched: the link sees the end once it
+    reads again.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._ep: select.epoll | None = None  # made at the first link watched
+        self._links: dict[int, SocketLink] = {}
+        self._closed = False
+
+    def watch(self, link: SocketLink) -> bool:
+        """Watch ``link``'s socket until :meth:`unwatch`; False where it cannot be."""
+        if _RDHUP is None or self._closed:
+            return False
+        if self._ep is None:
+            try:
+                self._ep = select.epoll()
+            except OSError:  # (out of descriptors: the link waits as it did before)
+                return False
+            self._loop.add_reader(self._ep.fileno(), self._ready)
+        try:
+            self._ep.register(link.fileno, _RDHUP)
+        except OSError:
+            return False
+        self._links[link.fileno] = link
+        return True
+
+    def unwatch(self, link: SocketLink) -> None:
+        fd = link.fileno
+        if self._links.get(fd) is link:
+            del self._links[fd]
+            if self._ep is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.unregister(fd)
+
+    def _ready(self) -> None:
+        ep = self._ep
+        if ep is None:
+            return
+        try:
+            ready = ep.poll(0)
+        except OSError:
+            return
+        for fd, events in ready:
+            link = self._links.get(fd)
+            if link is None:  # (gone meanwhile)
+                with contextlib.suppress(OSError, ValueError):
+                    ep.unregister(fd)
+                continue
+            link.hung_up(events)
+            if self._links.get(fd) is link:  # (it did not close: no wake-up per turn)
+                self.unwatch(link)
+
+    def close(self) -> None:
+        self._closed = True
+        ep, self._ep = self._ep, None
+        self._links.clear()
+        if ep is not None:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._loop.remove_reader(ep.fileno())
+            ep.close()
+
+
 class SocketLink:
-    """One core link (``core``: an OutboundLink or InboundLink) over ``sock``."""
+    """One core link (``core``: an OutboundLink or InboundLink) over ``sock``;
+    ``hangups``: where an inbound link held for a READ's memory side is watched for its
+    peer hanging up (:class:`HangupWatch`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                  core: OutboundLink | InboundLink, owner: LinkOwner, *,
-                 reset_on_close: bool = False) -> None:
+                 reset_on_close: bool = False, hangups: HangupWatch | None = None) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
@@ -68,6 +149,8 @@ class SocketLink:
         self.closed = False
         self._reading = True
         self._peer_gone = False  # the other end closed (or broke) the connection
+        self._hangups = hangups
+        self._watched = False  # in ``hangups`` now
         # Who is at the other end, for a failed handshake's count and log (authlog).
         self.source: Any = self.peername()
         loop.add_reader(self._fd, self._readable)
@@ -118,6 +201,22 @@ class SocketLink:
         if core.in_frame and not self.closed:
             self._after()  # (nothing is due, but the last reads' state is handed on)
 
+    def hung_up(self, events: int) -> None:
+        """The peer shut its side or reset while this link read nothing (HangupWatch):
+        the link ends as if it had read that end."""
+        if self.closed:
+            return
+        self._peer_gone = True
+        err = 0
+        with contextlib.suppress(OSError):
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        self.close(PeerUnreachable(f"{self._what()} broken: {os.strerror(err)}" if err
+                                   else f"{self._what()} closed by the peer"))
+
+    @property
+    def fileno(self) -> int:
+        return self._fd
+
     def _tick(self) -> None:
         self._timer = None
         self.core.tick(self.loop.time())
@@ -156,10 +255,14 @@ class SocketLink:
             if reading != self._reading:
                 self._reading = reading
                 if reading:
+                    if self._watched:
+                        self._unwatch()
                     self.loop.add_reader(self._fd, self._readable)
                     self.loop.call_soon(self._readable)  # what came while it was held
                 else:
                     self.loop.remove_reader(self._fd)
+                    if self._hangups is not None and core.staging:  # type: ignore[union-attr]
+                        self._watched = self._hangups.watch(self)
         if self._timer is not None and core.authenticated:
             self._timer.cancel()
             self._timer = None
@@ -191,6 +294,8 @@ class SocketLink:
             reading = core.reading  # type: ignore[union-attr]
             if reading and not self._reading:
                 self._reading = True
+                if self._watched:
+                    self._unwatch()
                 self.loop.add_reader(self._fd, self._readable)
                 self.loop.call_soon(self._readable)
 
@@ -230,6 +335,8 @@ class SocketLink:
             if self._writing:
                 self.loop.remove_writer(self._fd)
         self._reading = self._writing = False
+        if self._watched:
+            self._unwatch()
         if self.reset_on_cut or (self.reset_on_close and type(error) is PeerUnreachable):
             # Its parts may be re-sent on another rail: none of this link's bytes
             # may arrive after them.
@@ -238,6 +345,11 @@ class SocketLink:
             self.sock.close()
         self._handshake_outcome()
         self.owner.link_closed(self, error)
+
+    def _unwatch(self) -> None:
+        self._watched = False
+        assert self._hangups is not None
+        self._hangups.unwatch(self)
 
     def _handshake_outcome(self) -> None:
         """A handshake that failed is counted (and, receiving, logged) where it failed;

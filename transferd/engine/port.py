@@ -14,6 +14,7 @@ the write counts, and is acknowledged, only once its bytes are on the device.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,12 @@ Done = Callable[[TransferdError | None], None]
 # GIL) while the link reads nothing more, as a READ of device memory waits for its
 # staging copy (ChecksummedSource): a peer's READ of a whole 4 GiB region held the
 # daemon's loop 0.17 s per READ (more with a slower CRC32C), one per link it dialled.
+# A link held so watches for its peer hanging up: then its checksum is not taken
+# (abandon).
 CRC_INLINE_MAX = 16 << 20
+# A long checksum is taken this much at a time: one whose link went meanwhile stops
+# within a piece (a few ms), not at its end (a READ may name up to 4096 pages).
+CRC_PIECE = 64 << 20
 # deliver(peer, msg, ack, source, trace, op): the engine's receive side.
 Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable, "bytes | None", int], None]
 
@@ -63,14 +69,29 @@ class HostPlacement:
     def release(self) -> None:
         self._ref.release()
 
+    def abandon(self) -> None:
+        self._ref.release()
+
+
+class Turn(enum.Enum):
+    """Where a ChecksummedSource's checksum is."""
+
+    NEW = "new"  # land not called yet
+    QUEUED = "queued"  # waiting for the port's thread
+    TAKING = "taking"  # on the thread now
+    HANDED = "handed"  # its outcome given to ``done``: the link lets go of it
+    DROPPED = "dropped"  # its link went first: let go, nothing more taken
+    LEFT = "left"  # its link went while it was taken: let go by the thread, once
+
 
 class ChecksummedSource:
     """A peer's verified READ of host memory past CRC_INLINE_MAX: deferred as a READ of
     device memory is, its ``land`` taking the CRC32C of the pages on the port's
     checksum thread (``run``) before ``done``; then sent from the same views with
-    :attr:`crc`."""
+    :attr:`crc`.  Its link gone first (:meth:`abandon`), a checksum not begun is not
+    taken, one begun stops within CRC_PIECE; either way it is let go once."""
 
-    __slots__ = ("_inner", "_run", "crc")
+    __slots__ = ("_inner", "_lock", "_run", "_turn", "crc")
     deferred = True
 
     def __init__(self, inner: HostPlacement,
@@ -78,15 +99,26 @@ class ChecksummedSource:
         self._inner = inner
         self._run = run  # run(take): take(closed) on the checksum thread
         self.crc: int | None = None
+        self._turn = Turn.NEW
+        # (The link's loop abandons it while the checksum thread may be taking it.)
+        self._lock = threading.Lock()
 
     @property
     def views(self) -> list[memoryview]:
         return self._inner.views
 
+    @property
+    def turn(self) -> Turn:
+        return self._turn
+
     def land(self, done: Done) -> None:
         views = self._inner.views
 
         def take(closed: bool) -> None:  # the checksum thread
+            with self._lock:
+                if self._turn is Turn.DROPPED:
+                    return  # its link went while it waited: nobody wants it
+                self._turn = Turn.TAKING
             err: TransferdError | None = None
             if closed:
                 # The engine closed while this one waited its turn: not taken (a
@@ -95,11 +127,20 @@ class ChecksummedSource:
                                       "is not taken")
             else:
                 try:
-                    self.crc = crc32c.crc_of(views)
+                    value = self._take(views)
                 except TransferdError as exc:
                     err = exc
                 except Exception as exc:  # (a view let go under it: the answer is refused)
                     err = BadRequest(f"the checksum of a READ's answer failed: {exc}")
+                else:
+                    if value is not None:
+                        self.crc = value
+            with self._lock:
+                left = self._turn is Turn.LEFT
+                self._turn = Turn.HANDED
+            if left:
+                self._inner.release()  # (its link is gone: nobody else will)
+                return
             try:
                 done(err)
             except RuntimeError:
@@ -107,7 +148,40 @@ class ChecksummedSource:
                 # let go of this READ but here, once.
                 self.release()
 
-        self._run(take)
+        with self._lock:
+            if self._turn is not Turn.NEW:
+                return  # (abandoned before its link handed it on: nothing to take)
+            self._turn = Turn.QUEUED
+        try:
+            self._run(take)
+        except TransferdError:
+            with self._lock:
+                self._turn = Turn.HANDED  # (refused: the link lets go of it)
+            raise
+
+    def _take(self, views: list[memoryview]) -> int | None:
+        """The CRC32C of ``views``, a piece at a time; None once its link went."""
+        value = 0
+        for v in views:
+            for off in range(0, len(v), CRC_PIECE):
+                if self._turn is Turn.LEFT:
+                    return None
+                value = crc32c.crc_of([v[off:off + CRC_PIECE]], value)
+        return value
+
+    def abandon(self) -> None:
+        """Its link closed before it was answered (any time after it was made, from
+        the link's loop): let go once, now unless the checksum is being taken (then by
+        the checksum thread once it stopped); ``done`` may come after, or not."""
+        with self._lock:
+            turn = self._turn
+            if turn is Turn.TAKING:
+                self._turn = Turn.LEFT
+                return
+            if turn is Turn.LEFT or turn is Turn.DROPPED:
+                return
+            self._turn = Turn.DROPPED
+        self._inner.release()
 
     def release(self) -> None:
         self._inner.release()
@@ -198,7 +272,7 @@ class StagedSource:
     region's group (:meth:`land`), then sent from them (``views``); the chunks go back
     once the bytes were sent and the last copy on them ended (:meth:`release`)."""
 
-    __slots__ = ("_admitted", "_chunks", "_fence", "_io", "_pages", "views")
+    __slots__ = ("_admitted", "_chunks", "_fence", "_gone", "_io", "_pages", "views")
     deferred = True
     crc = None  # (taken by the link from the staging chunks)
 
@@ -209,6 +283,7 @@ class StagedSource:
         self._pages = pages
         self._admitted = admitted
         self._fence: Any = None
+        self._gone = False  # abandoned: its link closed before it was answered
         left, views = nbytes, []
         for c in chunks:
             k = min(left, c.size)
@@ -220,6 +295,8 @@ class StagedSource:
         """The D2H copies into staging, then ``done`` (the waiter's thread): None, or the
         device's fault (nothing of it may be sent)."""
         io = self._io
+        if self._gone:
+            return  # (its link closed before it was handed on: no copy for nobody)
         if not self._chunks:
             done(None)
             return
@@ -235,6 +312,19 @@ class StagedSource:
         chunks, self._chunks = self._chunks, []
         release_after(self._io, chunks, self._fence)
         self._admitted.release()
+
+    def abandon(self) -> None:
+        """Its link closed before it was answered (from the link's loop): let go once
+        its copies ended (they read the region: its memory is held until then), at once
+        if none was enqueued; ``done`` still comes, and is for nobody."""
+        if self._gone:
+            return
+        self._gone = True
+        fence = self._fence
+        if fence is None or fence.outcome() is not False:
+            self.release()
+        else:
+            self._io.waiter.watch(fence, lambda _outcome: self.release())
 
 
 class EnginePort:

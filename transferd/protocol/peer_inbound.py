@@ -25,7 +25,7 @@ from .errors import BadFrame, BadRequest, IntegrityError, TransferdError
 from .keyring import Keyring
 from .peer_ext import encode_ext
 from .peer_handshake import SEND_EXT, PeerHandshake, PeerIdentity, Role
-from .peer_landing import Admission, Landing, Placement
+from .peer_landing import Admission, Landing, Placement, Source
 from .peer_link import (
     ACK_HIGH,
     ACK_LOW,
@@ -169,8 +169,9 @@ class InboundLink(LinkEnd):
         self._sent_total = 0
         self._served_any = False
         self._read_held = False
-        # READs of device memory whose bytes are on their way to staging.
-        self._staging: list[Placement] = []
+        # READs whose memory side is not ready yet (device memory: its bytes on their
+        # way to staging; a long checksum being taken): abandoned if the link closes.
+        self._staging: list[Source] = []
         #: A write landed here met an expectation: the I/O side sends the ACKs after
         #: this turn's callbacks (the receiver's client hears first), and clears it.
         self.acks_later = False
@@ -183,6 +184,13 @@ class InboundLink(LinkEnd):
     @property
     def in_frame(self) -> bool:
         return self._kind != 0
+
+    @property
+    def staging(self) -> bool:
+        """A READ waits for its memory side (its staging copy, its checksum): the link
+        reads nothing, and the I/O side should watch for the peer hanging up meanwhile
+        (:meth:`close`: what waits is abandoned, not answered for nobody)."""
+        return bool(self._staging)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -507,12 +515,11 @@ class InboundLink(LinkEnd):
     def staged(self, ev: StageRead, error: TransferdError | None) -> None:
         """A READ's bytes reached staging (None) or could not (the device's fault): answer
         it, and read on."""
+        if self.state is LinkState.CLOSED:
+            return  # (abandoned at the close: let go by its memory side)
         src = ev.source
         if src in self._staging:
             self._staging.remove(src)
-        if self.state is LinkState.CLOSED:
-            src.release()
-            return
         op, part = ev.ref
         if error is not None:
             src.release()
@@ -676,7 +683,12 @@ class InboundLink(LinkEnd):
             self.out.clear()
             while self._serving:
                 self._serving.popleft()[1].release()
-        # (A READ still staging is let go when its copy reports: staged() sees CLOSED.)
+        # A READ whose memory side is not ready yet: nothing more is done for it (a
+        # checksum not begun is not taken), and it is let go once whatever runs on it
+        # ended; its staged() comes for nobody.
+        staging, self._staging = self._staging, []
+        for src in staging:
+            src.abandon()
         # What is in :attr:`out` (a refusal's reason, ACKs) may still be sent once.
         adm, self._adm = self._adm, None
         if adm is not None and self._kind:

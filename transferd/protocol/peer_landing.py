@@ -67,6 +67,17 @@ class Placement(Protocol):
         """Let go of the memory (once; the write landed or failed)."""
 
 
+class Source(Placement, Protocol):
+    """Memory a checked READ is answered from, held (admitted) until :meth:`release`
+    or :meth:`abandon`."""
+
+    def abandon(self) -> None:
+        """Deferred only: the link closed before ``land``'s ``done`` was answered.  Let go
+        of the memory once: now, or once what runs on it ended (a checksum stops, a
+        device's copy ends); nothing more is started, and a ``done`` after this is for
+        nobody.  Instead of :meth:`release`, never with it."""
+
+
 class Memory(Protocol):
     """The engine's side of landing: regions and the immediate counter."""
 
@@ -89,7 +100,7 @@ class Memory(Protocol):
         its count could not be held (engine.max_counters: OutOfMemory); else nothing."""
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None, checksum: bool = False) -> Placement:
+               abort: Callable[[], None] | None, checksum: bool = False) -> Source:
         """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
         ``rail``, checked and admitted (its ``views`` are what is sent back).
         ``checksum``: the answer carries the CRC32C of those bytes, which the memory
@@ -289,7 +300,7 @@ class Landing:
         return Admission(self, peer, w, placement, partial, claimed, rail)
 
     def read(self, rail: int, rkey: int, addrs: list[int], lens: list[int],
-             abort: Callable[[], None] | None = None, checksum: bool = False) -> Placement:
+             abort: Callable[[], None] | None = None, checksum: bool = False) -> Source:
         """Check a peer's READ against memory and admit it (release once sent); raises
         the TransferdError that refuses it (counted).  Nothing is counted: a READ
         carries no immediate."""
@@ -318,4 +329,4 @@ def _cover_key(peer: Peer, w: WriteHeader) -> tuple[int, int, int]:
     return (peer[0], peer[1], w.op if w.wid is None else -1 - w.wid)
 
 
-__all__ = ["Admission", "Landing", "Memory", "Placement"]
+__all__ = ["Admission", "Landing", "Memory", "Placement", "Source"]

@@ -60,7 +60,7 @@ from ..base import (
     count_links,
     link_key,
 )
-from ..link_io import SocketLink
+from ..link_io import HangupWatch, SocketLink
 from ..rails import parse_rail, rail_bytes
 from ..strangers import RailStrangers
 
@@ -127,6 +127,9 @@ class TcpDomain(Domain):
         # used only for the address it authenticated at.
         self._links: dict[LinkKey, PeerLink] = {}
         self._inbound: set[InboundPeer] = set()
+        # Inbound links held for a READ's checksum or staging, watched for their peer
+        # going meanwhile (one epoll descriptor, made at the first).
+        self.hangups = HangupWatch(self.loop)
         # Inbound links in their handshake: at most 64, 16 from one source, each for at
         # most the handshake timeout (strangers.py, the client ports' pre-auth admission).
         self.strangers = RailStrangers(f"rail {rail} ({host}:{self.port_number})",
@@ -355,6 +358,7 @@ class TcpDomain(Domain):
             link.close(PeerUnreachable("engine is shutting down"))
         for inbound in list(self._inbound):
             inbound.io.close(None)
+        self.hangups.close()
 
 
 _STATE_LABEL = {LinkState.CONNECTING: "connecting", LinkState.HANDSHAKE: "connecting",
@@ -539,7 +543,7 @@ class InboundPeer:
         self.core: InboundLink = port.links.inbound(domain.rail, port.landing, loop.time(),
                                                     abort=self._abort)
         self.ticket: Ticket | None = None  # its pre-auth slot, until the handshake ends
-        self.io = SocketLink(loop, sock, self.core, self)
+        self.io = SocketLink(loop, sock, self.core, self, hangups=domain.hangups)
 
     def give_room(self) -> None:
         """A newcomer at the link budget's cap takes its descriptor (inbound_room.py)."""
