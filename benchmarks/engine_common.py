@@ -136,6 +136,20 @@ async def crc_remote(client: Any, buf: Any, size: int, step: int = 64 * MiB) -> 
     return crc
 
 
+async def write_rtts(client: Any, mr: Any, desc: Any, size: int, n: int) -> list[float]:
+    """``n`` sequential writes of ``size`` bytes from region ``mr`` (offset 0) to
+    ``desc`` (offset 0), each timed from its submit to its completion (seconds)."""
+    submit = client.submit_single_write
+    src, dst = (mr, 0), (desc, 0)
+    clock = time.perf_counter
+    out = []
+    for _ in range(n):
+        t0 = clock()
+        await (await submit(size, None, src, dst))
+        out.append(clock() - t0)
+    return out
+
+
 def run_loop(coro: Any) -> Any:
     import uvloop
 
