@@ -351,6 +351,26 @@ class PeerPair:
         self.target.stop()
 
 
+@contextlib.contextmanager
+def pair_and_floor(s: Sides, size: int, notes: list[str]
+                   ) -> Iterator[tuple[ServerProcess, ServerProcess, PeerPair | None]]:
+    """Daemons A and B (:func:`start_pair`) and the plain-socket floor of ``size`` bytes
+    (None where it cannot start, the reason added to ``notes``); all stopped after."""
+    a, b = start_pair(s)
+    sock: PeerPair | None = None
+    try:
+        try:
+            sock = PeerPair("socket", size, s)
+        except PeerUnavailable as exc:
+            notes.append(f"plain socket floor not available: {exc}")
+        yield a, b, sock
+    finally:
+        if sock is not None:
+            sock.stop()
+        a.stop()
+        b.stop()
+
+
 def only_running(pairs: Iterable[PeerPair], running: object = None) -> None:
     """Every baseline pair but ``running`` (a PeerPair, or anything else: none of them)
     paused, that one continued: each arm is measured with no other arm's process
