@@ -405,8 +405,11 @@ class TransferdArm:
     (``cb``) in this process, on a uvloop of its own, with ``size`` bytes allocated on
     each and registered: A's ``src`` as region ``mr``, B's ``dst`` as ``desc``.
 
-    :meth:`fill` (before registering) sets what the two buffers hold.
+    :meth:`fill` (before registering) sets what the two buffers hold; ``access`` is what
+    B's ``dst`` is registered for ("rw": read arms pull its bytes back into ``src``).
     """
+
+    access = "w"
 
     def __init__(self, a_url: str, b_url: str, size: int) -> None:
         import uvloop
@@ -426,7 +429,7 @@ class TransferdArm:
         self.dst = await self.cb.alloc_buffer(self.size)
         await self.fill()
         self.mr, _ = await self.ca.reg_mr(self.src)
-        _, self.desc = await self.cb.reg_mr(self.dst)
+        _, self.desc = await self.cb.reg_mr(self.dst, self.access)
 
     async def fill(self) -> None:
         """Zero B's buffer (which touches every destination page)."""
@@ -440,6 +443,15 @@ class TransferdArm:
 
         self.loop.run_until_complete(close())
         self.loop.close()
+
+
+class FilledArm(TransferdArm):
+    """A transferd arm whose ``src`` holds :func:`fill_chunks` (its CRC-32 in
+    ``source_crc``), written before B's ``dst`` is zeroed."""
+
+    async def fill(self) -> None:
+        self.source_crc = await fill_remote(self.ca, self.src, self.size)
+        await super().fill()
 
 
 T = TypeVar("T", bound=TransferdArm)
