@@ -29,12 +29,11 @@ import time
 from .engine_common import (
     LABELS,
     SECTION,
+    FilledArm,
     GiB,
     MiB,
-    TransferdArm,
     client_on,
     crc_remote,
-    fill_remote,
     only_running,
     sides,
     start_arms,
@@ -63,12 +62,8 @@ PEERS = ("socket", "mooncake", "nixl")
 TIMEOUT = 120.0
 
 
-class _Transferd(TransferdArm):
+class _Transferd(FilledArm):
     """Daemons A and B, 1 GiB registered on each, driven by a client in this process."""
-
-    async def fill(self) -> None:
-        self.source_crc = await fill_remote(self.ca, self.src, self.size)
-        await super().fill()
 
     async def _write(self, size: int) -> float:
         t0 = time.perf_counter()

@@ -136,6 +136,20 @@ async def crc_remote(client: Any, buf: Any, size: int, step: int = 64 * MiB) -> 
     return crc
 
 
+async def write_rtts(client: Any, mr: Any, desc: Any, size: int, n: int) -> list[float]:
+    """``n`` sequential writes of ``size`` bytes from region ``mr`` (offset 0) to
+    ``desc`` (offset 0), each timed from its submit to its completion (seconds)."""
+    submit = client.submit_single_write
+    src, dst = (mr, 0), (desc, 0)
+    clock = time.perf_counter
+    out = []
+    for _ in range(n):
+        t0 = clock()
+        await (await submit(size, None, src, dst))
+        out.append(clock() - t0)
+    return out
+
+
 def run_loop(coro: Any) -> Any:
     import uvloop
 
@@ -337,6 +351,26 @@ class PeerPair:
         self.target.stop()
 
 
+@contextlib.contextmanager
+def pair_and_floor(s: Sides, size: int, notes: list[str]
+                   ) -> Iterator[tuple[ServerProcess, ServerProcess, PeerPair | None]]:
+    """Daemons A and B (:func:`start_pair`) and the plain-socket floor of ``size`` bytes
+    (None where it cannot start, the reason added to ``notes``); all stopped after."""
+    a, b = start_pair(s)
+    sock: PeerPair | None = None
+    try:
+        try:
+            sock = PeerPair("socket", size, s)
+        except PeerUnavailable as exc:
+            notes.append(f"plain socket floor not available: {exc}")
+        yield a, b, sock
+    finally:
+        if sock is not None:
+            sock.stop()
+        a.stop()
+        b.stop()
+
+
 def only_running(pairs: Iterable[PeerPair], running: object = None) -> None:
     """Every baseline pair but ``running`` (a PeerPair, or anything else: none of them)
     paused, that one continued: each arm is measured with no other arm's process
@@ -371,8 +405,11 @@ class TransferdArm:
     (``cb``) in this process, on a uvloop of its own, with ``size`` bytes allocated on
     each and registered: A's ``src`` as region ``mr``, B's ``dst`` as ``desc``.
 
-    :meth:`fill` (before registering) sets what the two buffers hold.
+    :meth:`fill` (before registering) sets what the two buffers hold; ``access`` is what
+    B's ``dst`` is registered for ("rw": read arms pull its bytes back into ``src``).
     """
+
+    access = "w"
 
     def __init__(self, a_url: str, b_url: str, size: int) -> None:
         import uvloop
@@ -392,7 +429,7 @@ class TransferdArm:
         self.dst = await self.cb.alloc_buffer(self.size)
         await self.fill()
         self.mr, _ = await self.ca.reg_mr(self.src)
-        _, self.desc = await self.cb.reg_mr(self.dst)
+        _, self.desc = await self.cb.reg_mr(self.dst, self.access)
 
     async def fill(self) -> None:
         """Zero B's buffer (which touches every destination page)."""
@@ -406,6 +443,15 @@ class TransferdArm:
 
         self.loop.run_until_complete(close())
         self.loop.close()
+
+
+class FilledArm(TransferdArm):
+    """A transferd arm whose ``src`` holds :func:`fill_chunks` (its CRC-32 in
+    ``source_crc``), written before B's ``dst`` is zeroed."""
+
+    async def fill(self) -> None:
+        self.source_crc = await fill_remote(self.ca, self.src, self.size)
+        await super().fill()
 
 
 T = TypeVar("T", bound=TransferdArm)

@@ -43,6 +43,7 @@ from .engine_common import (
     sides,
     start_pair,
     start_peers,
+    write_rtts,
 )
 from .harness import (
     BenchResult,
@@ -108,15 +109,7 @@ class Side:
         self.group = await self.c.add_peer_group([d.rkeys[0][0] for _, d in self.pdst])
 
     async def lat(self, n: int) -> list[float]:
-        submit = self.c.submit_single_write
-        src, dst = (self.mr, 0), (self.desc, 0)
-        clock = time.perf_counter
-        out = []
-        for _ in range(n):
-            t0 = clock()
-            await (await submit(SMALL, None, src, dst))
-            out.append(clock() - t0)
-        return out
+        return await write_rtts(self.c, self.mr, self.desc, SMALL, n)
 
     async def bulk(self) -> float:
         t0 = time.perf_counter()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +45,7 @@ from .engine_common import (
     sides,
     start_pair,
     start_peers,
+    write_rtts,
 )
 from .harness import (
     BenchResult,
@@ -78,19 +78,9 @@ class _Transferd(TransferdArm):
         await self.ca.buffer_clear(self.src, 0x5A)
         await super().fill()
 
-    async def _lat(self, n: int, size: int) -> list[float]:
-        submit = self.ca.submit_single_write
-        src, dst = (self.mr, 0), (self.desc, 0)
-        clock = time.perf_counter
-        out = []
-        for _ in range(n):
-            t0 = clock()
-            await (await submit(size, None, src, dst))
-            out.append(clock() - t0)
-        return out
-
     def lat(self, n: int, size: int) -> list[float]:
-        return list(self.loop.run_until_complete(self._lat(n, size)))
+        return list(self.loop.run_until_complete(
+            write_rtts(self.ca, self.mr, self.desc, size, n)))
 
     def check(self) -> bool:
         async def check() -> bool:

@@ -36,11 +36,10 @@ from typing import Any
 from .engine_common import (
     SECTION,
     PeerPair,
-    PeerUnavailable,
     client_on,
     fill_remote,
+    pair_and_floor,
     sides,
-    start_pair,
 )
 from .harness import (
     BenchResult,
@@ -146,20 +145,8 @@ def run(opts: Options) -> BenchResult:
 
     res = BenchResult(NAME, TITLE, SECTION)
     s = sides(opts)
-    a, b = start_pair(s)
-    sock: PeerPair | None = None
-    try:
-        try:
-            sock = PeerPair("socket", SIZE, s)
-        except PeerUnavailable as exc:
-            res.notes.append(f"plain socket floor not available: {exc}")
-        with client_on(s.initiator):
-            m = uvloop.run(_measure(opts, a.url, b.url, sock))
-    finally:
-        if sock is not None:
-            sock.stop()
-        a.stop()
-        b.stop()
+    with pair_and_floor(s, SIZE, res.notes) as (a, b, sock), client_on(s.initiator):
+        m = uvloop.run(_measure(opts, a.url, b.url, sock))
     pr = m["per_round"]
 
     def ratio_of(contig: str, paged: str) -> float:

@@ -35,14 +35,13 @@ from typing import Any
 
 from .engine_common import (
     SECTION,
+    FilledArm,
     GiB,
     MiB,
     PeerPair,
     PeerUnavailable,
-    TransferdArm,
     client_on,
     crc_remote,
-    fill_remote,
     only_running,
     sides,
     start_arms,
@@ -92,21 +91,14 @@ def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, floa
     return xs[k - 1], xs[n - k]
 
 
-class _Transferd(TransferdArm):
+class _Transferd(FilledArm):
     """A's ``src`` (region ``mr``) and B's ``dst`` (``desc``, readable): writes go
     A -> B, reads B -> A, into the same region A writes from."""
 
-    async def _setup(self) -> None:
-        from client import Client
+    access = "rw"
 
-        self.ca = await Client.connect(self.a_url)
-        self.cb = await Client.connect(self.b_url)
-        self.src = await self.ca.alloc_buffer(self.size)
-        self.dst = await self.cb.alloc_buffer(self.size)
-        self.source_crc = await fill_remote(self.ca, self.src, self.size)
-        await self.cb.buffer_clear(self.dst, 0)
-        self.mr, _ = await self.ca.reg_mr(self.src)
-        _, self.desc = await self.cb.reg_mr(self.dst, access="rw")
+    async def _setup(self) -> None:
+        await super()._setup()
         rng = random.Random(19)
         n = min(PAGES, self.size // PAGE)
         from client import Pages

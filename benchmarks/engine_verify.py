@@ -26,11 +26,10 @@ import time
 
 from .engine_common import (
     SECTION,
+    FilledArm,
     GiB,
     MiB,
-    TransferdArm,
     client_on,
-    fill_remote,
     sides,
     start_pair,
 )
@@ -54,19 +53,9 @@ SMALL = 4096
 TIMEOUT = 120.0
 
 
-class _Arm(TransferdArm):
-    async def _setup(self) -> None:
-        from client import Client
-
-        self.ca = await Client.connect(self.a_url)
-        self.cb = await Client.connect(self.b_url)
-        self.src = await self.ca.alloc_buffer(self.size)
-        self.dst = await self.cb.alloc_buffer(self.size)
-        await fill_remote(self.ca, self.src, self.size)
-        await self.cb.buffer_clear(self.dst, 0)
-        self.mr, _ = await self.ca.reg_mr(self.src)
-        # Readable too: the read arms pull B's bytes back into A's region.
-        _, self.desc = await self.cb.reg_mr(self.dst, access="rw")
+class _Arm(FilledArm):
+    # Readable too: the read arms pull B's bytes back into A's region.
+    access = "rw"
 
     async def _bulk(self, size: int, verify: bool, read: bool) -> float:
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ import random
 import time
 from typing import Any
 
-from .engine_common import PeerPair, PeerUnavailable, client_on, sides, start_pair
+from .engine_common import PeerPair, client_on, pair_and_floor, sides
 from .harness import BenchResult, Check, Options, Table, fmt_ratio, median, quiet_gc
 from .scale_common import SECTION, cpu_seconds
 
@@ -161,22 +161,10 @@ def run(opts: Options, pages: tuple[int, ...] | None = None,
     pages = pages or opts.pick(PAGES, (256, 1024, 4096))
     res = BenchResult(NAME, TITLE, SECTION)
     s = sides(opts)
-    a, b = start_pair(s)
-    sock: PeerPair | None = None
-    try:
-        try:
-            sock = PeerPair("socket", region, s)
-        except PeerUnavailable as exc:
-            res.notes.append(f"plain socket floor not available: {exc}")
-        with client_on(s.initiator):
-            pids = {"transferd": [a.pid, b.pid],
-                    "plain socket": [sock.initiator.pid, sock.target.pid] if sock else []}
-            m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes, region, pids))
-    finally:
-        if sock is not None:
-            sock.stop()
-        a.stop()
-        b.stop()
+    with pair_and_floor(s, region, res.notes) as (a, b, sock), client_on(s.initiator):
+        pids = {"transferd": [a.pid, b.pid],
+                "plain socket": [sock.initiator.pid, sock.target.pid] if sock else []}
+        m = uvloop.run(_measure(opts, a.url, b.url, sock, pages, page_sizes, region, pids))
     per, cpu = m["per"], m["cpu"]
     summary: dict[str, Any] = {}
     arms = ("transferd", "plain socket")

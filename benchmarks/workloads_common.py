@@ -29,13 +29,13 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from .engine_common import PeerProcess
+from .engine_common import PeerProcess, PeerUnavailable
 from .harness import Options, Pinning, ServerProcess, daemon_command, percentile
 
 SECTION = "Workloads (issue 25)"
@@ -260,6 +260,24 @@ def roles(specs: Sequence[tuple[str, str, dict[str, Any], Pinning]],
     finally:
         for r in reversed(started):
             r.stop()
+
+
+T = TypeVar("T")
+
+
+def peer_arms(stack: contextlib.ExitStack, kinds: Sequence[str],
+              start: Callable[[str], contextlib.AbstractContextManager[T]]
+              ) -> tuple[list[T], dict[str, str]]:
+    """The arm of each of ``kinds`` (another engine's) that starts, entered on ``stack`` in
+    order; the others map to the reason they cannot."""
+    arms: list[T] = []
+    missing: dict[str, str] = {}
+    for kind in kinds:
+        try:
+            arms.append(stack.enter_context(start(kind)))
+        except PeerUnavailable as exc:
+            missing[kind] = str(exc)
+    return arms, missing
 
 
 def all_of(procs: Sequence[RoleProcess], timeout: float | None = None, **c: Any

@@ -68,6 +68,7 @@ from .workloads_common import (
     load_steps,
     p50,
     p99,
+    peer_arms,
     placements,
     roles,
 )
@@ -374,12 +375,8 @@ def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinni
                 roles([(MODULE, "floor-prefill", {"shape": shape, "port": fd.ready["port"]},
                         pins[0])]) as (fp,), contextlib.ExitStack() as more:
             arms.append(Arm("plain sockets", fp, fd))
-            missing = {}
-            for kind in peers:
-                try:
-                    arms.append(more.enter_context(PEER_ARMS[kind](shape, pins)))
-                except PeerUnavailable as exc:
-                    missing[kind] = str(exc)
+            found, missing = peer_arms(more, peers, lambda kind: PEER_ARMS[kind](shape, pins))
+            arms += found
             yield arms, missing
 
 

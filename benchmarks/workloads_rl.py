@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .engine_common import LABELS, PeerUnavailable, peer_python
+from .engine_common import LABELS, peer_python
 from .harness import BenchResult, Check, Options, Pinning, Table, fmt_ratio, median
 from .workloads_common import (
     SECTION,
@@ -44,6 +44,7 @@ from .workloads_common import (
     describe_cpus,
     load_note,
     load_now,
+    peer_arms,
     placements,
     process_cpu_s,
     roles,
@@ -297,12 +298,8 @@ def arms_of(wheres: Sequence[Placement], shape: dict[str, int], pins: list[Pinni
         arms = [stack.enter_context(_td_arm(w, shape, pins, groups)) for w in wheres]
         arms.append(Arm("plain sockets", fl_tx, fl_rx, size,
                         ([fl_tx.pid], [r.pid for r in fl_rx])))
-        missing = {}
-        for kind in peers:
-            try:
-                arms.append(more.enter_context(PEER_ARMS[kind](shape, pins)))
-            except PeerUnavailable as exc:
-                missing[kind] = str(exc)
+        found, missing = peer_arms(more, peers, lambda kind: PEER_ARMS[kind](shape, pins))
+        arms += found
         yield arms, missing
 
 

@@ -27,7 +27,7 @@ from transferd.protocol.constants import (
 )
 from transferd.protocol.errors import BadFrame, BadRequest, TransferdError
 from transferd.protocol.frames import Frame
-from transferd.protocol.messages import Tensor
+from transferd.protocol.messages import Tensor, as_tensor
 
 from .buffers import RemoteBuffer
 from .calls import Closed, weak_method
@@ -72,10 +72,6 @@ __all__ = ["Client", "RemoteBuffer", "Switches"]
 
 def _as_view(data: Any) -> memoryview:
     return memoryview(data).cast("B")
-
-
-def _tensor(t: Tensor | Sequence[int]) -> Tensor:
-    return t if type(t) is Tensor else Tensor(*t)
 
 
 # Module-level aliases for the per-request path: in Python 3.11 ``Command.X``
@@ -358,7 +354,7 @@ class Client:
     # -- tensors, synchronous ---------------------------------------------------------
 
     async def set_tensor(self, t: Tensor | Sequence[int], data: Any) -> None:
-        t = _tensor(t)
+        t = as_tensor(t)
         view = _as_view(data)
         if view.nbytes != t.size:
             raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
@@ -374,7 +370,7 @@ class Client:
 
     async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
         if type(t) is not Tensor:
-            t = _tensor(t)
+            t = as_tensor(t)
         if self._shared and t.buffer in self._shared:
             if self._queued():
                 await self.flush()
@@ -391,7 +387,7 @@ class Client:
 
     async def copy_tensor(self, src: Tensor | Sequence[int], dst: Tensor | Sequence[int]) -> None:
         await self._call(
-            Command.COPY_TENSOR, {"src": _tensor(src).to_wire(), "dst": _tensor(dst).to_wire()}
+            Command.COPY_TENSOR, {"src": as_tensor(src).to_wire(), "dst": as_tensor(dst).to_wire()}
         )
 
     async def synchronize(self) -> None:
@@ -415,7 +411,7 @@ class Client:
         immutable ``bytes`` are held as they are.
         """
         if type(t) is not Tensor:
-            t = _tensor(t)
+            t = as_tensor(t)
         if self._shared and t.buffer in self._shared:
             # Shared memory: written now, in this process (no queue, no wire).
             view = _as_view(data)
@@ -457,7 +453,7 @@ class Client:
         received straight into it and the future resolves to ``out``.
         """
         if type(t) is not Tensor:
-            t = _tensor(t)
+            t = as_tensor(t)
         spare = self._spare
         fut: asyncio.Future[Any] = spare.pop() if spare else \
             (self._loop or asyncio.get_running_loop()).create_future()

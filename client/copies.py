@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transferd.protocol.errors import BadRequest, TransferdError
-from transferd.protocol.messages import Tensor
+from transferd.protocol.messages import Tensor, as_tensor
 
 from .devices import capture_stream, device_range
 from .queue import QueuedSet
@@ -57,6 +57,16 @@ COPY_CHUNKS = 8
 # Event-waiter threads per client at most, and streams remembered.
 MAX_WAITERS = 4
 MAX_STREAMS = 64
+
+
+def _matched(t: Tensor | tuple[int, int, int], device: Any) -> tuple[Tensor, int]:
+    """A copy's remote tensor and the pointer of its device side, which must hold as
+    many bytes as the tensor."""
+    t = as_tensor(t)
+    ptr, nbytes = device_range(device)
+    if nbytes != t.size:
+        raise BadRequest(f"{nbytes} device bytes for a tensor of {t.size}")
+    return t, ptr
 
 
 @dataclass(slots=True)
@@ -158,10 +168,7 @@ class Copies:
     async def copy_from_device(self, t: Tensor | tuple[int, int, int], src: Any, *,
                                stream: Any = None) -> None:
         """Device -> remote tensor ``t``: enqueued on ``stream``, sent once copied."""
-        t = t if type(t) is Tensor else Tensor(*t)
-        ptr, nbytes = device_range(src)
-        if nbytes != t.size:
-            raise BadRequest(f"{nbytes} device bytes for a tensor of {t.size}")
+        t, ptr = _matched(t, src)
         s = self._stream(stream)
         client = self._client
         if not client.switches.async_copy:
@@ -261,10 +268,7 @@ class Copies:
     async def copy_to_device(self, dst: Any, t: Tensor | tuple[int, int, int], *,
                              stream: Any = None) -> None:
         """Remote tensor ``t`` -> device: read into staging, async H2D on ``stream``."""
-        t = t if type(t) is Tensor else Tensor(*t)
-        ptr, nbytes = device_range(dst)
-        if nbytes != t.size:
-            raise BadRequest(f"{nbytes} device bytes for a tensor of {t.size}")
+        t, ptr = _matched(t, dst)
         s = self._stream(stream)
         client = self._client
         if not client.switches.async_copy:

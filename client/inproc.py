@@ -48,7 +48,7 @@ from transferd.protocol.errors import (
     TransferdError,
     UnknownCommand,
 )
-from transferd.protocol.messages import Tensor
+from transferd.protocol.messages import Tensor, as_tensor
 
 from .buffers import RemoteBuffer
 from .client import Client
@@ -89,10 +89,6 @@ _OK = {"ok": True}
 
 def is_inproc(url: str) -> bool:
     return url.split(":", 1)[0].lower() == SCHEME
-
-
-def _tensor(t: Tensor | Sequence[int]) -> Tensor:
-    return t if type(t) is Tensor else Tensor(*t)
 
 
 def _view(data: Any) -> memoryview:
@@ -593,14 +589,14 @@ class InprocClient(Client):
     # -- tensors ---------------------------------------------------------------------------
 
     async def set_tensor(self, t: Tensor | Sequence[int], data: Any) -> None:
-        t = _tensor(t)
+        t = as_tensor(t)
         view = _view(data)
         await self.flush()
         self._counted("SET_TENSOR", out=view.nbytes)
         await _done(self.service.set_tensor(self.caller, t, view))
 
     async def get_tensor(self, t: Tensor | Sequence[int], out: Any = None) -> Any:
-        t = _tensor(t)
+        t = as_tensor(t)
         await self.flush()
         dest = bytearray(t.size) if out is None else out
         self._counted("GET_TENSOR", into=t.size)
@@ -611,13 +607,13 @@ class InprocClient(Client):
                           ) -> None:
         await self.flush()
         self._counted("COPY_TENSOR")
-        await _done(self.service.copy_tensor(self.caller, _tensor(src), _tensor(dst)))
+        await _done(self.service.copy_tensor(self.caller, as_tensor(src), as_tensor(dst)))
 
     def set_tensor_async(self, t: Tensor | Sequence[int], data: Any, *, copy: bool = True
                          ) -> None:
         """Queue a write, done at the next flush point (in order with the queue).  Data
         in a mutable buffer is copied now unless ``copy=False``."""
-        t = _tensor(t)
+        t = as_tensor(t)
         view = _view(data)
         if view.nbytes != t.size:
             raise BadRequest(f"{view.nbytes} bytes of data for a tensor of {t.size}")
@@ -637,7 +633,7 @@ class InprocClient(Client):
                          ) -> asyncio.Future[Any]:
         """Queue a read; the future resolves at the next flush point (to ``out`` if
         given, else a bytearray)."""
-        t = _tensor(t)
+        t = as_tensor(t)
         fut: asyncio.Future[Any] = (self._loop or asyncio.get_running_loop()).create_future()
         dest = bytearray(t.size) if out is None else out
         dview = _view(dest)

@@ -10,7 +10,7 @@ says the submit was accepted.  docs/protocol.md has every body field.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from transferd.engine.limits import MAX_MESSAGE
@@ -211,6 +211,23 @@ def add_peer_group(session: Session, frame: Frame) -> Reply:
     return Reply({"group": service.add_peer_group(session.caller, peers)})
 
 
+def _fours(service: Service, body: dict[str, Any], name: str, shape: str, what: str,
+           named: str = "destinations") -> Iterator[tuple[str, list[Any]]]:
+    """A SCATTER's ``dsts`` or a GATHER's ``srcs``: a list, counted against
+    engine.max_scatter_dsts before any entry is decoded, of lists of four (``shape``
+    names them); each entry comes checked, with what to call it (``dsts[3]``), just
+    before the caller decodes it."""
+    raw = field(body, name)
+    if not isinstance(raw, list):
+        raise BadRequest(f"field {name!r} must be a list of {shape}")
+    assert service.engine is not None  # (_service: a daemon with its engine)
+    few_enough(service.engine, raw, what, named)
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise BadRequest(f"{name}[{i}] must be {shape}")
+        yield f"{name}[{i}]", entry
+
+
 def _group(body: dict[str, Any]) -> int | None:
     return None if body.get("group") is None else uint_field(body, "group")
 
@@ -220,17 +237,10 @@ def scatter(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] |
     b = frame.body
     service = _service(session)
     mr = uint_field(b, "mr")
-    raw = field(b, "dsts")
-    if not isinstance(raw, list):
-        raise BadRequest("field 'dsts' must be a list of [len, src, desc, dst_offset]")
-    assert service.engine is not None  # (_service: a daemon with its engine)
-    few_enough(service.engine, raw, "SCATTER")  # counted before any is decoded
     dsts = []
-    for i, d in enumerate(raw):
-        if not isinstance(d, list) or len(d) != 4:
-            raise BadRequest(f"dsts[{i}] must be [len, src, desc, dst_offset]")
-        dsts.append(ScatterDst(_uint(d[0], f"dsts[{i}].len"), _uint(d[1], f"dsts[{i}].src"),
-                               (MrDesc.from_wire(d[2]), _uint(d[3], f"dsts[{i}].dst"))))
+    for at, d in _fours(service, b, "dsts", "[len, src, desc, dst_offset]", "SCATTER"):
+        dsts.append(ScatterDst(_uint(d[0], f"{at}.len"), _uint(d[1], f"{at}.src"),
+                               (MrDesc.from_wire(d[2]), _uint(d[3], f"{at}.dst"))))
     imm, gid = _opt_imm(b), _group(b)
     return _admitted(frame, service.submit_scatter(
         session.caller, frame.seq, gid, imm, mr, dsts, **_tags(b),

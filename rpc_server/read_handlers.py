@@ -17,13 +17,12 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from transferd.protocol.constants import Command
-from transferd.protocol.errors import BadRequest
 from transferd.protocol.frames import Frame
-from transferd.protocol.messages import field, uint_field
+from transferd.protocol.messages import uint_field
 from transferd.protocol.values import MrDesc, Pages
-from transferd.service.service import few_enough, few_pages
+from transferd.service.service import few_pages
 
-from .engine_handlers import _admitted, _ended, _pair, _service, _tags, _timeout, _uint
+from .engine_handlers import _admitted, _ended, _fours, _pair, _service, _tags, _timeout, _uint
 from .handlers import Reply, handler
 
 if TYPE_CHECKING:
@@ -65,17 +64,11 @@ def gather(session: Session, frame: Frame) -> Reply | Awaitable[Reply | None] | 
     b = frame.body
     service = _service(session)
     mr = uint_field(b, "mr")
-    raw = field(b, "srcs")
-    if not isinstance(raw, list):
-        raise BadRequest("field 'srcs' must be a list of [len, dst_offset, desc, src_offset]")
-    assert service.engine is not None  # (_service: a daemon with its engine)
-    few_enough(service.engine, raw, "GATHER", "sources")  # counted before any is decoded
     srcs = []
-    for i, s in enumerate(raw):
-        if not isinstance(s, list) or len(s) != 4:
-            raise BadRequest(f"srcs[{i}] must be [len, dst_offset, desc, src_offset]")
-        srcs.append((_uint(s[0], f"srcs[{i}].len"), _uint(s[1], f"srcs[{i}].dst"),
-                     MrDesc.from_wire(s[2]), _uint(s[3], f"srcs[{i}].src")))
+    for at, s in _fours(service, b, "srcs", "[len, dst_offset, desc, src_offset]", "GATHER",
+                        "sources"):
+        srcs.append((_uint(s[0], f"{at}.len"), _uint(s[1], f"{at}.dst"),
+                     MrDesc.from_wire(s[2]), _uint(s[3], f"{at}.src")))
     return _admitted(frame, service.submit_gather(
         session.caller, frame.seq, mr, srcs, timeout=_timeout(frame),
         on_end=_ended(session, frame), **_tags(b)))

@@ -7,6 +7,7 @@ naming the field, so a malformed request is answered, never crashed on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .errors import BadRequest
@@ -23,6 +24,11 @@ class Tensor(NamedTuple):
 
     def to_wire(self) -> list[int]:
         return [self.buffer, self.offset, self.size]
+
+
+def as_tensor(t: Tensor | Sequence[int]) -> Tensor:
+    """A Tensor, or the (buffer, offset, size) a caller gave for one, as a Tensor."""
+    return t if type(t) is Tensor else Tensor(*t)
 
 
 def _uint(value: Any, what: str, limit: int = U64_MAX) -> int:

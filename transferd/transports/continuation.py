@@ -12,12 +12,15 @@ messages, :class:`Continuation` judges each received message (how long the next 
 be, and whether the one that came is right), :class:`MessageReader` judges and hands
 on, :func:`scatter` copies one message into an ``asyncio.BufferedProtocol``'s
 buffers.  ``sockets.SocketTransport`` (seqpacket) and ``msgtransport.MessageTransport``
-(rdma://, or any carrier of whole messages) drive them.
+(rdma://, or any carrier of whole messages) drive them; both take asyncio's write
+limits from :func:`write_limits` and tell their protocol of a refused frame through
+:func:`report_refused`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -30,6 +33,8 @@ from transferd.protocol.errors import BadFrame, TooLarge
 MIN_MAX_MESSAGE = 65536
 HELLO_MESSAGE = HEADER_SIZE + 4096
 _lengths = struct.Struct("<8xIIQ").unpack_from  # body_len, reserved, payload_len
+
+log = logging.getLogger("transferd.transports")
 
 
 class SplitFrame(BadFrame):
@@ -126,6 +131,27 @@ class _Gone(asyncio.BufferedProtocol):
 GONE = _Gone()
 
 
+def write_limits(high: int | None, low: int | None) -> tuple[int, int]:
+    """``set_write_buffer_limits``'s (high, low), as asyncio's transports default them:
+    64 KiB, or four times ``low``; a quarter of ``high``."""
+    if high is None:
+        high = 64 * 1024 if low is None else 4 * low
+    if low is None:
+        low = high // 4
+    return high, low
+
+
+def report_refused(protocol: Any, exc: Exception, peername: Any) -> None:
+    """A frame the transport refused, told to its protocol (its ``transport_error``, a
+    session's or a client connection's), or logged where it has none; the transport
+    closes after."""
+    tell = getattr(protocol, "transport_error", None)
+    if tell is not None:
+        tell(exc)
+    else:
+        log.info("%s: %s", peername, exc)
+
+
 def _drop(msg: memoryview) -> None:
     """A closed reader's deliver."""
 
@@ -182,4 +208,4 @@ def scatter(data: memoryview, protocol: Any, transport: _Receiving) -> memoryvie
 
 
 __all__ = ["HELLO_MESSAGE", "MIN_MAX_MESSAGE", "Continuation", "MessageReader", "SplitFrame",
-           "chunks", "cut", "scatter"]
+           "chunks", "cut", "report_refused", "scatter", "write_limits"]

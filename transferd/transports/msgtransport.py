@@ -13,15 +13,20 @@ is true; writers use :meth:`MessageTransport.write_frame`.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from transferd.protocol.errors import BadRequest, ProtocolError, TransferdError
 
-from .continuation import GONE, MIN_MAX_MESSAGE, MessageReader, cut, scatter
-
-log = logging.getLogger("transferd.transports")
+from .continuation import (
+    GONE,
+    MIN_MAX_MESSAGE,
+    MessageReader,
+    cut,
+    report_refused,
+    scatter,
+    write_limits,
+)
 
 
 class Carrier(Protocol):
@@ -98,11 +103,7 @@ class MessageTransport(asyncio.Transport):
         self._carrier.resume()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = 64 * 1024 if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        self._high, self._low = high, low
+        self._high, self._low = write_limits(high, low)
         self._maybe_pause_protocol()
 
     def get_write_buffer_size(self) -> int:
@@ -170,11 +171,7 @@ class MessageTransport(asyncio.Transport):
         try:
             self.continuation.feed(msg)
         except ProtocolError as exc:
-            report = getattr(self._protocol, "transport_error", None)
-            if report is not None:
-                report(exc)
-            else:
-                log.info("%s: %s", self._extra.get("peername"), exc)
+            report_refused(self._protocol, exc, self._extra.get("peername"))
             self.close()
 
     def _scatter(self, data: memoryview) -> None:

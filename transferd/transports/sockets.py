@@ -43,7 +43,16 @@ from transferd.copies import COUNTING, count
 from transferd.protocol.constants import HEADER_SIZE
 from transferd.protocol.errors import BadFrame, ProtocolError
 
-from .continuation import GONE, MIN_MAX_MESSAGE, Continuation, SplitFrame, chunks, scatter
+from .continuation import (
+    GONE,
+    MIN_MAX_MESSAGE,
+    Continuation,
+    SplitFrame,
+    chunks,
+    report_refused,
+    scatter,
+    write_limits,
+)
 
 log = logging.getLogger("transferd.transports")
 
@@ -167,11 +176,7 @@ class SocketTransport(asyncio.Transport):
         self._loop.add_reader(self._fd, self._on_readable)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = 64 * 1024 if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        self._high, self._low = high, low
+        self._high, self._low = write_limits(high, low)
         self._maybe_pause_protocol()
 
     def get_write_buffer_size(self) -> int:
@@ -306,11 +311,7 @@ class SocketTransport(asyncio.Transport):
             self.close()
 
     def _protocol_error(self, exc: ProtocolError) -> None:
-        report = getattr(self._protocol, "transport_error", None)
-        if report is not None:
-            report(exc)
-        else:
-            log.info("%s: %s", self._extra.get("peername"), exc)
+        report_refused(self._protocol, exc, self._extra.get("peername"))
         self.close()
 
     # -- writing ----------------------------------------------------------------------
