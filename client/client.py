@@ -216,7 +216,9 @@ class Client:
         if self.switches.stats_ms:
             self._stats_task = asyncio.ensure_future(self._print_stats(self.switches.stats_ms))
 
-    async def close(self) -> None:
+    async def close(self, *, linger: float | None = None) -> None:
+        """Flush, half-close, and wait up to ``linger`` seconds (None: 5) for the
+        server to run what was sent and close its side, then close outright."""
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._conn is not None:
@@ -224,7 +226,7 @@ class Client:
                 if self._conn.lost is None:
                     await self.flush()
             finally:
-                await self._conn.close()
+                await self._conn.close(*(() if linger is None else (linger,)))
                 self.copies.close()
                 # The daemon frees this connection's shared buffers; our
                 # mappings go too (arrays still over one keep it until they go).

@@ -421,10 +421,11 @@ class InprocClient(Client):
         self.server = self.name
         self.features = ["inproc", "names"]
 
-    async def close(self) -> None:
+    async def close(self, *, linger: float | None = None) -> None:
         """What this client owned goes (buffers freed, their rkeys revoked, names and
         expectations ended), then the node: its links to peers close, so every peer
-        forgets it as it forgets a daemon that went."""
+        forgets it as it forgets a daemon that went. (``linger``: no server to wait
+        for here.)"""
         node, self.node = self.node, None
         if node is None:
             return

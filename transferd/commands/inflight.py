@@ -15,7 +15,7 @@ import click
 
 from transferd.exits import Exit
 
-from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, say, unreadable
+from .remote import TIMEOUT, TOKEN, URL, _size, _with_client, ask, say, unreadable
 
 
 def _done(e: dict[str, Any]) -> str:
@@ -39,7 +39,7 @@ def inflight(url: str, token: str | None, timeout: float, as_json: bool) -> None
     from transferd.protocol.constants import Command
 
     async def work(c: Any) -> dict[str, Any]:
-        return dict((await c.conn.request(Command.STATS, {"inflight": True})).body)
+        return dict((await ask(c, Command.STATS, {"inflight": True})).body)
 
     body = _with_client(url, token, timeout, work)
     listing = body.get("inflight")

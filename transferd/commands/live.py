@@ -87,8 +87,10 @@ async def _hello(url: str, token: str | None, timeout: float) -> tuple[bool, str
                 addr = await asyncio.wait_for(c.main_address(), timeout)
         return True, what, addr
     finally:
+        # Only asked (each answer waited for or given up on): nothing needs the server
+        # to finish, so no linger for one that stopped answering and keeps its socket.
         with contextlib.suppress(Exception):
-            await c.close()
+            await c.close(linger=0.0)
 
 
 def _metrics(host: str, port: int, timeout: float) -> tuple[bool, str]:

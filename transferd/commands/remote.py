@@ -85,25 +85,45 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
+async def ask(c: Any, cmd: int, body: dict[str, Any] | None = None) -> Any:
+    """One request of a command, its reply frame: within ``--timeout`` (the client's),
+    as every call of the client library is. (A bare ``conn.request`` has no timer: a
+    server that answered HELLO and then stalled held ``inflight`` and ``buffers`` for
+    as long as it kept its socket open.)"""
+    return await c.conn.request(cmd, body, timeout=c.timeout)
+
+
 def _with_client(url: str, token: str | None, timeout: float,
                  work: Callable[[Any], Awaitable[T]]) -> T:
     """Connect, run ``work(client)``, close; exit 1 naming the reason when it fails."""
     from client import Client
     from transferd.protocol.errors import TransferdError
 
+    greeted = False  # HELLO answered: a later timeout is not the handshake's
+
     async def go() -> T:
+        nonlocal greeted
         c = await asyncio.wait_for(
             Client.connect(url, token=token, timeout=timeout, connect_timeout=timeout), timeout)
+        greeted = True
+        failed = True
         try:
-            return await work(c)
+            out = await work(c)
+            failed = False
+            return out
         finally:
-            await c.close()
+            # Every command here asks and waits for its answers, so once ``work`` is
+            # over nothing sent needs the server any more: close() waits for it to close
+            # its side no longer than --timeout, and not at all after a failure (a
+            # server that stopped answering and kept its socket open held the command
+            # 5 s, close()'s own linger, past its timeout).
+            await c.close(linger=0.0 if failed else timeout)
 
     try:
         with unreadable(url):  # what ``work`` makes of the answers
             return asyncio.run(go())
     except (OSError, TimeoutError, TransferdError) as exc:
-        say(f"transferd: {url}: {explain(url, exc, token, timeout)}", err=True)
+        say(f"transferd: {url}: {explain(url, exc, token, timeout, greeted)}", err=True)
         sys.exit(Exit.FAILURE)
 
 
@@ -125,9 +145,11 @@ def unreadable(url: str) -> Iterator[None]:
         sys.exit(Exit.FAILURE)
 
 
-def explain(url: str, exc: BaseException, token: str | None, timeout: float) -> str:
+def explain(url: str, exc: BaseException, token: str | None, timeout: float,
+            greeted: bool = False) -> str:
     """What went wrong reaching ``url``, in words: what answers there instead of a
-    transferd RPC port, and where the token comes from when it was refused."""
+    transferd RPC port, and where the token comes from when it was refused.
+    ``greeted``: the server had answered HELLO (so it speaks the protocol)."""
     from transferd import transports
     from transferd.protocol.constants import ErrorCode
     from transferd.protocol.errors import TransferdError
@@ -136,6 +158,12 @@ def explain(url: str, exc: BaseException, token: str | None, timeout: float) -> 
     where = f"{ep.host}:{ep.port}" if not ep.path else ep.path
     rpc = "the daemon prints its RPC URL at start: 'transferd: listening on ...'"
     code = exc.code if isinstance(exc, TransferdError) else None
+    if greeted and (isinstance(exc, TimeoutError) or code is ErrorCode.TIMEOUT):
+        # Not "no HELLO reply" (what a port that is no RPC port gets): it answered one.
+        what = (exc.message if isinstance(exc, TransferdError)
+                else f"no answer within {timeout:g} s")
+        return (f"{what}: it answered HELLO, then stopped answering (a daemon stopped or "
+                "overloaded, or not a transferd one)")
     if code is ErrorCode.NO_HELLO:
         # An RPC server answers HELLO; a peer port speaks the same frames, not HELLO.
         return (f"{where} is a transferd peer port (the engine's rails, daemon to daemon), "
@@ -240,9 +268,8 @@ async def _sample(c: Any) -> dict[str, Any]:
 
     # summary: uptime, connections, errors, the engine; discovery: where the daemon's
     # names live and whether that store is up (a daemon before them ignores them).
-    stats = dict((await c.conn.request(Command.STATS, {"summary": True,
-                                                       "discovery": True})).body)
-    devices = (await c.conn.request(Command.GET_DEVICES)).body.get("devices", [])
+    stats = dict((await ask(c, Command.STATS, {"summary": True, "discovery": True})).body)
+    devices = (await ask(c, Command.GET_DEVICES)).body.get("devices", [])
     stats["devices"] = list(devices)
     stats["t"] = time.monotonic()
     return stats
@@ -383,7 +410,7 @@ def buffers(url: str, token: str | None, timeout: float, as_json: bool) -> None:
     from transferd.protocol.constants import Command
 
     async def work(c: Any) -> dict[str, Any]:
-        return dict((await c.conn.request(Command.STATS, {"buffers": True})).body)
+        return dict((await ask(c, Command.STATS, {"buffers": True})).body)
 
     body = _with_client(url, token, timeout, work)
     if "buffers" not in body:
