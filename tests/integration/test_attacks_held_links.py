@@ -30,12 +30,12 @@ from tests.conftest import DaemonFactory
 from tests.helpers import DaemonProcess, RawConn, pattern, wait_until
 from tests.integration.engine_cluster import SECRET, engine_env, secret_file
 from tests.integration.fake_peer import FakePeer
+from tests.integration.test_attacks_read_checksum import exact, region
 from transferd.engine.port import CRC_INLINE_MAX
 from transferd.protocol.constants import Command
 from transferd.protocol.crc import crc_of
 from transferd.protocol.peer_ext import parse_ext
 from transferd.protocol.peer_wire import READ_DATA, READ_DATA_HEAD, encode_read
-from transferd.protocol.values import MrDesc
 
 MiB = 1 << 20
 BIG = 4000 * MiB  # untouched (zero pages): no memory of the box's taken
@@ -43,34 +43,10 @@ LINKS = 16
 CLOSE_WAIT = "08"
 
 
-def _region(c: RawConn, size: int, data: bytes | None = None, device: str | None = None
-            ) -> MrDesc:
-    body: dict[str, object] = {"size": size}
-    if device is not None:
-        body["device"] = device
-    reply = c.request(Command.ALLOC_BUFFER, body)
-    assert not reply.is_error, reply.body
-    buf = reply.body["buffer"]
-    if data is not None:
-        assert not c.request(Command.SET_TENSOR, {"tensor": [buf, 0, len(data)]}, data).is_error
-    return MrDesc.from_wire(c.request(Command.REG_MR, {"buffer": buf, "access": "r"})
-                            .body["desc"])
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(min(n - len(out), 1 << 20))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return bytes(out)
-
-
 def _head(sock: socket.socket, op: int, n: int) -> int:
     """A READ_DATA's header for ``op``, of ``n`` bytes and with a checksum: its length."""
     cmd, status, mlen, part, got_op, plen = READ_DATA_HEAD.unpack(
-        _exact(sock, READ_DATA_HEAD.size))
+        exact(sock, READ_DATA_HEAD.size))
     assert (cmd, status, got_op, part, plen) == (READ_DATA, 0, op, 0, n), (cmd, status, plen)
     return mlen
 
@@ -112,8 +88,8 @@ def test_abandoned_verified_reads_do_not_delay_an_honest_one(daemon_factory: Dae
     n = 40 * MiB  # the honest READ: past CRC_INLINE_MAX, so on the checksum thread too
     assert n > CRC_INLINE_MAX
     data = pattern(n, seed=11)
-    small = _region(c, n, data)
-    big = _region(c, BIG)
+    small = region(c, n, data)
+    big = region(c, BIG)
     (addr, rkey), = big.rkeys
     (_, small_rkey), = small.rkeys
     honest = FakePeer(addr, 0, SECRET)
@@ -145,8 +121,8 @@ def test_abandoned_verified_reads_do_not_delay_an_honest_one(daemon_factory: Dae
         sock.sendall(encode_read(7, 0, small_rkey, [small.ptr], [n], crc=True))
         mlen = _head(sock, 7, n)  # (it comes once its checksum was taken)
         took = time.monotonic() - t0
-        want, _ = parse_ext(_exact(sock, mlen), 0, mlen, "READ_DATA")
-        assert _exact(sock, n) == data and want == crc_of([data])
+        want, _ = parse_ext(exact(sock, mlen), 0, mlen, "READ_DATA")
+        assert exact(sock, n) == data and want == crc_of([data])
         # (Before: 0.67 to 0.94 s here, sixteen checksums of 4000 MiB at 0.05 s; now
         # milliseconds: at most a piece of one already begun.)
         assert took < LINKS / 2 * one, (f"the honest READ waited {took:.2f} s; one "
@@ -191,7 +167,7 @@ def test_a_device_read_waiting_for_staging_sees_its_peer_go(
     c.hello()
     whole = CHUNK * CHUNKS  # a READ of this takes every staging chunk of the device
     data = pattern(whole, seed=5)
-    dev = _region(c, whole, data, device="standin:0")
+    dev = region(c, whole, data, device="standin:0")
     (addr, rkey), = dev.rkeys
     with FakePeer(addr, 0, SECRET) as p:
         p.handshake()
@@ -213,14 +189,14 @@ def test_a_device_read_waiting_for_staging_sees_its_peer_go(
         want: int | None = None
         for _ in range(20):  # (the copy's end, then its chunks back: soon after)
             p.conn.sock.sendall(encode_read(2, 0, rkey, [dev.ptr], [whole], crc=True))
-            head = READ_DATA_HEAD.unpack(_exact(p.conn.sock, READ_DATA_HEAD.size))
+            head = READ_DATA_HEAD.unpack(exact(p.conn.sock, READ_DATA_HEAD.size))
             status, mlen = head[1], head[2]
             if status == 0:
                 assert head[4:] == (2, whole), head
-                want, _ = parse_ext(_exact(p.conn.sock, mlen), 0, mlen, "READ_DATA")
-                got = _exact(p.conn.sock, whole)
+                want, _ = parse_ext(exact(p.conn.sock, mlen), 0, mlen, "READ_DATA")
+                got = exact(p.conn.sock, whole)
                 break
-            _exact(p.conn.sock, mlen)  # (OUT_OF_MEMORY: the chunks not back yet)
+            exact(p.conn.sock, mlen)  # (OUT_OF_MEMORY: the chunks not back yet)
             time.sleep(0.05)
         assert want is not None, "the staging of an abandoned READ never came back"
         assert got == data and want == crc_of([data])

@@ -32,15 +32,21 @@ MiB = 1 << 20
 BIG = 4000 * MiB  # untouched (zero pages): no memory of the box's taken
 
 
-def _region(c: RawConn, size: int, data: bytes | None = None) -> MrDesc:
-    buf = c.request(Command.ALLOC_BUFFER, {"size": size}).body["buffer"]
+def region(c: RawConn, size: int, data: bytes | None = None, device: str | None = None
+            ) -> MrDesc:
+    body: dict[str, object] = {"size": size}
+    if device is not None:
+        body["device"] = device
+    reply = c.request(Command.ALLOC_BUFFER, body)
+    assert not reply.is_error, reply.body
+    buf = reply.body["buffer"]
     if data is not None:
         assert not c.request(Command.SET_TENSOR, {"tensor": [buf, 0, len(data)]}, data).is_error
     return MrDesc.from_wire(c.request(Command.REG_MR, {"buffer": buf, "access": "r"})
                             .body["desc"])
 
 
-def _exact(sock: socket.socket, n: int) -> bytes:
+def exact(sock: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
         got = sock.recv(min(n - len(out), 1 << 20))
@@ -60,20 +66,20 @@ def test_a_long_verified_read_is_checksummed_off_the_loop(daemon_factory: Daemon
     n = 40 * MiB
     assert n > CRC_INLINE_MAX
     data = pattern(n, seed=9)
-    small = _region(c, n, data)
+    small = region(c, n, data)
     (addr, rkey), = small.rkeys
     with FakePeer(addr, 0, SECRET) as p:
         p.handshake()
         p.conn.sock.sendall(encode_read(1, 0, rkey, [small.ptr], [n], crc=True))
-        head = _exact(p.conn.sock, READ_DATA_HEAD.size)
+        head = exact(p.conn.sock, READ_DATA_HEAD.size)
         cmd, status, mlen, part, op, plen = READ_DATA_HEAD.unpack(head)
         assert (cmd, status, op, part, plen) == (READ_DATA, 0, 1, 0, n), (cmd, status, plen)
-        want, _ = parse_ext(_exact(p.conn.sock, mlen), 0, mlen, "READ_DATA")
-        got = _exact(p.conn.sock, n)
+        want, _ = parse_ext(exact(p.conn.sock, mlen), 0, mlen, "READ_DATA")
+        got = exact(p.conn.sock, n)
         assert got == data and want == crc_of([data])
     # Links that each ask for the whole of a 4000 MiB region, verified, and go: another
     # client's round trips meanwhile.
-    big = _region(c, BIG)
+    big = region(c, BIG)
     (addr, rkey), = big.rkeys
     probe = RawConn.to(b, timeout=30)
     probe.hello()
@@ -97,7 +103,7 @@ def test_a_long_verified_read_is_checksummed_off_the_loop(daemon_factory: Daemon
     for k, p in enumerate(peers):
         p.conn.sock.sendall(encode_read(100 + k, 0, rkey, [big.ptr], [BIG], crc=True))
     for p in peers:  # each answer's header comes once its checksum is taken
-        head = _exact(p.conn.sock, READ_DATA_HEAD.size)
+        head = exact(p.conn.sock, READ_DATA_HEAD.size)
         assert READ_DATA_HEAD.unpack(head)[1] == 0
         p.close()
     time.sleep(0.1)
