@@ -446,6 +446,34 @@ async def lying_server(lie: Lie, max_payload: int = 1 << 30,
         srv.close()
 
 
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.contextmanager
+def served_on_thread(serve: Serve) -> Any:
+    """An asyncio server on loopback calling ``serve`` per connection, on a loop and
+    thread of its own: for a command line (a subprocess, or a blocking call) held to a
+    server that is not a daemon.  Yields its ``tcp://`` URL; the loop stops at the end."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    url: list[str] = []
+
+    async def start() -> None:
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url.append(f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+        ready.set()
+
+    t = threading.Thread(target=lambda: (loop.run_until_complete(start()),
+                                         loop.run_forever()), daemon=True)
+    t.start()
+    assert ready.wait(10), "the server on its thread did not start"
+    try:
+        yield url[0]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """Fetch a Prometheus text page; keys are ``name{labels}`` exactly as printed."""
     with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -6,13 +6,13 @@ and does not blame the handshake."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
+from tests.helpers import served_on_thread
 from tests.integration.test_operator_cli import cli
 from transferd.exits import Exit
 
@@ -27,9 +27,6 @@ def stalling_daemon(half: bool) -> Iterator[str]:
 
     hello = {"major": 1, "minor": 2, "patch": 0, "server": "staller",
              "features": ["engine", "names"], "max_body": 1 << 22, "max_payload": 1 << 30}
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    url: list[str] = []
     held: list[asyncio.StreamWriter] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -48,20 +45,8 @@ def stalling_daemon(half: bool) -> Iterator[str]:
                                               {"pad": "x" * 200})[:30])
         # EOF from the client: the socket is kept open all the same.
 
-    async def start() -> None:
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url.append(f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
-        ready.set()
-
-    t = threading.Thread(target=lambda: (loop.run_until_complete(start()),
-                                         loop.run_forever()), daemon=True)
-    t.start()
-    assert ready.wait(10)
-    try:
-        yield url[0]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
+    with served_on_thread(serve) as url:
+        yield url
 
 
 @pytest.mark.parametrize("command", [["stats", "--once"], ["ping"], ["inflight"],

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import served_on_thread
 from tests.integration.test_doctor import cli
 from transferd.exits import Exit
 
@@ -166,9 +167,6 @@ def lying_daemon(stats: dict[str, Any], hello: dict[str, Any] | None = None
 
     hello = hello or {"major": 1, "minor": 2, "patch": 0, "server": "liar",
                       "features": ["engine"], "max_body": 1 << 22, "max_payload": 1 << 30}
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    url: list[str] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         dec = FrameDecoder()
@@ -181,20 +179,8 @@ def lying_daemon(stats: dict[str, Any], hello: dict[str, Any] | None = None
             await writer.drain()
         writer.close()
 
-    async def start() -> None:
-        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url.append(f"tcp://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
-        ready.set()
-
-    t = threading.Thread(target=lambda: (loop.run_until_complete(start()),
-                                         loop.run_forever()), daemon=True)
-    t.start()
-    assert ready.wait(10)
-    try:
-        yield url[0]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
+    with served_on_thread(serve) as url:
+        yield url
 
 
 LIES: list[Any] = [
