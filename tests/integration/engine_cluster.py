@@ -118,6 +118,24 @@ def start_many(specs: Sequence[Mapping[str, Any]]) -> list[DaemonProcess]:
     return daemons
 
 
+# A real rpc-server with the host stand-in device (tests/standin_daemon.py): its
+# STANDIN_* variables in the env say how its staging is made and how it fails.
+STANDIN_COMMAND = [sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1", "-p", "0",
+                   "--metrics-port", "-1"]
+
+
+@contextlib.contextmanager
+def standin_pair(a_env: Mapping[str, str], b_env: Mapping[str, str]
+                 ) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """Two stand-in daemons, started in parallel, stopped at the end."""
+    ds = start_many([{"command": STANDIN_COMMAND, "env": e} for e in (a_env, b_env)])
+    try:
+        yield ds[0], ds[1]
+    finally:
+        for d in ds:
+            d.stop()
+
+
 @dataclass
 class Cluster:
     domain: str

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from collections.abc import Iterator
 
@@ -27,6 +26,7 @@ import pytest
 from client import Client
 from tests.helpers import DaemonProcess, async_test, digest, wait_until
 from tests.integration.engine_cluster import (
+    STANDIN_COMMAND,
     engine_env,
     inflight,
     secret_file,
@@ -49,8 +49,7 @@ def trio() -> Iterator[list[DaemonProcess]]:
     a_env.update({"STANDIN_DEVICES": "2", "STANDIN_CHUNK": str(CHUNK),
                   "STANDIN_CHUNKS": str(CHUNKS)})
     ds = start_many([
-        {"command": [sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1", "-p",
-                     "0", "--metrics-port", "-1"], "env": a_env},
+        {"command": STANDIN_COMMAND, "env": a_env},
         {"env": engine_env(["127.0.0.18"], secret_file=secret_file())},
         {"env": engine_env(["127.0.0.19"], secret_file=secret_file())}])
     yield ds

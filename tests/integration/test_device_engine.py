@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 
@@ -23,7 +22,7 @@ import pytest
 
 from client import Client, MrHandle, Pages
 from tests.helpers import DaemonProcess, async_test, digest
-from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file
+from tests.integration.engine_cluster import engine_env, fresh_imm, secret_file, standin_pair
 from transferd.protocol.errors import BadRequest, Cancelled, Internal, OutOfBounds, Timeout
 
 KiB = 1024
@@ -44,23 +43,14 @@ def fault_file(hold_file: str) -> str:
 
 @pytest.fixture(scope="module")
 def pair(hold_file: str, fault_file: str) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
-    daemons = []
+    envs = []
     for rail, hold, fault in (("127.0.0.10", "", ""), ("127.0.0.11", hold_file, fault_file)):
         env = engine_env([rail], secret_file=secret_file())
         env.update({"STANDIN_CHUNK": str(CHUNK), "STANDIN_CHUNKS": str(CHUNKS),
                     "STANDIN_HOLD_FILE": hold, "STANDIN_FAULT_FILE": fault})
-        daemons.append(DaemonProcess(
-            command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1",
-                     "-p", "0", "--metrics-port", "-1"], env=env))
-    try:
-        for d in daemons:
-            d.start()
-        for d in daemons:
-            d.wait_ready()
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.stop()
+        envs.append(env)
+    with standin_pair(*envs) as pair:
+        yield pair
 
 
 @contextlib.asynccontextmanager

@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from client import Client
 from tests.helpers import DaemonProcess, async_test
+from tests.integration.engine_cluster import STANDIN_COMMAND
 from transferd.protocol.constants import Command
 from transferd.protocol.errors import BadRequest, ConnectionLost, Internal, OutOfBounds
 
@@ -38,8 +38,7 @@ def fault_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def standin(fault_file: str) -> Iterator[DaemonProcess]:
     d = DaemonProcess(
-        command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1", "-p", "0",
-                 "--metrics-port", "-1"],
+        command=STANDIN_COMMAND,
         env={"STANDIN_CHUNK": str(256 * KiB), "STANDIN_CHUNKS": "4", "STANDIN_DELAY_S": "0.001",
              "STANDIN_FAULT_FILE": fault_file},
     )

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from client import Client, Pages
 from tests.helpers import DaemonProcess, async_test, digest, wait_until
-from tests.integration.engine_cluster import engine_env, inflight, secret_file, stopped
+from tests.integration.engine_cluster import (
+    engine_env,
+    inflight,
+    secret_file,
+    standin_pair,
+    stopped,
+)
 from transferd.protocol.errors import BadRequest
 
 KiB = 1024
@@ -25,22 +30,13 @@ CHUNK, CHUNKS = 256 * KiB, 4
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
-    daemons = []
+    envs = []
     for rail in ("127.0.0.12", "127.0.0.13"):
         env = engine_env([rail], secret_file=secret_file())
         env.update({"STANDIN_CHUNK": str(CHUNK), "STANDIN_CHUNKS": str(CHUNKS)})
-        daemons.append(DaemonProcess(
-            command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1",
-                     "-p", "0", "--metrics-port", "-1"], env=env))
-    try:
-        for d in daemons:
-            d.start()
-        for d in daemons:
-            d.wait_ready()
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.stop()
+        envs.append(env)
+    with standin_pair(*envs) as pair:
+        yield pair
 
 
 @async_test(timeout=90)

@@ -16,7 +16,6 @@ import asyncio
 import hashlib
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ import pytest
 
 from client import Client
 from tests.helpers import DaemonProcess, RawConn, async_test
+from tests.integration.engine_cluster import STANDIN_COMMAND
 from transferd.protocol.constants import HEADER_SIZE, Command, Flag
 
 KiB = 1 << 10
@@ -35,8 +35,7 @@ N = 12
 @pytest.fixture(scope="module")
 def slow_standin() -> Iterator[DaemonProcess]:
     d = DaemonProcess(
-        command=[sys.executable, "-m", "tests.standin_daemon", "-H", "127.0.0.1", "-p", "0",
-                 "--metrics-port", "-1"],
+        command=STANDIN_COMMAND,
         env={"STANDIN_CHUNK": str(256 * KiB), "STANDIN_CHUNKS": "1",
              "STANDIN_DELAY_S": "0.3"},
     )
