@@ -398,7 +398,9 @@ class EngineConfig:
         "costs about 70 bytes and a write may name any of 2^32: past this, a peer's "
         "write with an immediate that has no count yet is refused with OUT_OF_MEMORY "
         "before a byte of it lands (one whose immediate has a count or an expectation "
-        "waiting still lands). Counts go when expectations consume them.",
+        "waiting still lands). On verbs the NIC places such a write before the daemon "
+        "sees it: its count is not held, its link is closed (the initiator's next writes "
+        "fail) and it is logged. Counts go when expectations consume them.",
         min=1, max=1 << 26,
     )
     expect_timeout_s: float = key(

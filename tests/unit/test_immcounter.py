@@ -1,5 +1,6 @@
 """ImmCounter: counting, expectations (before and after landing), consumption, order,
-independence of immediates, cancel, and adds from many threads at once."""
+independence of immediates, cancel, adds from many threads at once, and the cap on
+counts held (engine.max_counters) where the NIC lands before anyone asks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import random
 import threading
 from collections.abc import Callable
 
+import pytest
+
 from transferd.engine.immcounter import ImmCounter
+from transferd.engine.port import EnginePort
+from transferd.engine.regions import RegionTable
+from transferd.protocol.errors import OutOfMemory
+from transferd.protocol.peer_landing import Landing
 
 
 class Fired:
@@ -261,3 +268,24 @@ def test_what_an_add_meets_runs_through_now_and_a_met_expect_through_notify() ->
     assert g.n == 0 and len(later) == 1  # met already: handed on, not run
     later[0]()
     assert g.n == 1
+
+
+def test_a_count_the_nic_placed_past_max_counters_is_refused_not_held() -> None:
+    """verbs: a WRITE_WITH_IMM's bytes are placed before anyone asks for room, so the
+    count itself is what is refused (its link then closed by the Domain): the table
+    stays at the cap however many immediates a peer makes up."""
+    counter = ImmCounter(max_counters=2)
+    landing = Landing(EnginePort(RegionTable(), counter, lambda *a: None, lambda s: None))
+    landing.landed_imm(1, 4096)
+    landing.landed_imm(2, 4096)
+    with pytest.raises(OutOfMemory, match="max_counters"):
+        landing.landed_imm(3, 4096)
+    assert counter.held() == 2 and counter.value(3) == 0
+    assert landing.refused_by == {OutOfMemory.code.value: 1}
+    landing.landed_imm(2 | (1 << 32), 4096)  # (an immediate is 32 bits) one held: counts
+    assert counter.value(2) == 2 and landing.imms_in == 3
+    fired = Fired()
+    counter.expect(1, 1, fired)  # consumes 1's count: room for one more
+    assert fired.n == 1
+    landing.landed_imm(3, 4096)
+    assert counter.value(3) == 1

@@ -316,10 +316,20 @@ class Landing:
 
     def landed_imm(self, imm: int, nbytes: int) -> None:
         """A unit with its immediate landed where the NIC counts (verbs WRITE_WITH_IMM):
-        one count, the bytes placed by the NIC."""
+        one count, the bytes placed by the NIC.  The NIC placed them before anyone could
+        ask for room, so a count past engine.max_counters is not held but refused here
+        (OutOfMemory, counted, raised: its link is to be closed, so that the initiator's
+        writes fail from now on rather than the table growing with every immediate a
+        peer makes up)."""
+        imm &= 0xFFFFFFFF
         self.bytes_in += nbytes
         self.writes_in += 1
-        self.memory.count(imm & 0xFFFFFFFF, 1)
+        try:
+            self.memory.room(imm)
+        except TransferdError as exc:
+            self.refused(exc)
+            raise
+        self.memory.count(imm, 1)
         self.imms_in += 1
 
 

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from transferd.logs import peer_warning
 from transferd.parts import ReadPart, RegionInfo, SendPart, Transfer, WritePart
 from transferd.protocol.errors import (
     BadRequest,
@@ -447,7 +448,12 @@ class VerbsDomain(Domain):
         owner = qp.owner
         if isinstance(owner, InLink) and owner.peer is not None:
             # One WRITE_WITH_IMM completion is one unit: it adds 1 (counting.py).
-            self.port.landing.landed_imm(imm, nbytes)
+            try:
+                self.port.landing.landed_imm(imm, nbytes)
+            except TransferdError as exc:  # (the counts table is full: see landed_imm)
+                peer_warning("peer write refused", owner.peer[0], self.rail,
+                             owner.io.peername() if owner.io is not None else None, exc)
+                owner.close(exc)
 
     def _on_message(self, qp: QpEnd, qpn: int, slot: int, nbytes: int) -> None:
         try:
