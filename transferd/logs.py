@@ -48,7 +48,29 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        return json_line(json.dumps(out, ensure_ascii=False))
+
+
+def json_line(text: str) -> str:
+    """A JSON text with every hostile character (HOSTILE, below) that JSON lets through
+    as it is written as its ``\\uXXXX`` escape instead: the same JSON to a parser, but
+    a C1 control (U+009B is a terminal's CSI), a bidi override or a line separator in
+    a peer's or a client's words no longer reaches whoever reads the journal with
+    ``journalctl`` or ``tail``.  (``json.dumps`` escapes C0 controls itself; outside
+    strings a JSON text holds none of these.)"""
+    if text.isprintable():  # the fast path: printable holds none of them
+        return text
+    return "".join(_json_escaped(ch) for ch in text)
+
+
+def _json_escaped(ch: str) -> str:
+    if unicodedata.category(ch) not in HOSTILE:
+        return ch
+    o = ord(ch)
+    if o < 0x10000:
+        return f"\\u{o:04x}"
+    o -= 0x10000  # (past the BMP, JSON writes a surrogate pair)
+    return f"\\u{0xD800 | (o >> 10):04x}\\u{0xDC00 | (o & 0x3FF):04x}"
 
 
 def priority(levelno: int) -> int:

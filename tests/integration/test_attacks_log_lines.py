@@ -13,6 +13,7 @@ is one line: line breaks, ESC, bidi and separator characters written escaped
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import socket
 import threading
@@ -31,7 +32,7 @@ from transferd.protocol.frames import FrameDecoder, encode_frame
 
 # Lines of the daemon's own log, as the listener would like them read.
 FORGED = ("no\n2026-01-01 00:00:00,000 ERROR transferd: FORGED line\r\n<3>ERROR "
-          "transferd: FORGED too\x1b[2K\u2028\u202eFORGED")
+          "transferd: FORGED too\x1b[2K\u2028\u202eFORGED\x9b2Jlast")
 
 
 class Refuser:
@@ -82,9 +83,11 @@ class Refuser:
             s.close()
 
 
-@pytest.fixture
-def reader() -> Iterator[DaemonProcess]:
-    (d,) = start_many([{"env": engine_env(RAILS["a"])}])
+@pytest.fixture(params=["text", "json"])
+def reader(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    env = engine_env(RAILS["a"])
+    env["TRANSFERD_LOG_FORMAT"] = request.param
+    (d,) = start_many([{"env": env}])
     yield d
     d.stop()
 
@@ -108,9 +111,15 @@ async def test_a_peers_refusal_text_is_one_line_of_the_log(reader: DaemonProcess
             lines = err.splitlines()
             assert not [ln for ln in lines if "FORGED" in ln and "peer link broken" not in ln
                         ], err[-2000:]
-            assert "\x1b" not in err and "\u2028" not in err and "\u202e" not in err
+            assert not {"\x1b", "\u2028", "\u202e", "\x9b"} & set(err)
             assert "no\\n2026-01-01 00:00:00,000 ERROR transferd: FORGED line\\r\\n<3>" in err
-            assert "\\x1b[2K\\u2028\\u202eFORGED" in err
+            if reader.env.get("TRANSFERD_LOG_FORMAT") == "json":
+                # The same escapes, JSON's own: a parser reads the words as they were said.
+                assert "\\u001b[2K\\u2028\\u202eFORGED\\u009b2Jlast" in err
+                said = [r["msg"] for r in map(json.loads, lines) if "FORGED" in r["msg"]]
+                assert said and FORGED in said[0], said
+            else:
+                assert "\\x1b[2K\\u2028\\u202eFORGED\\x9b2Jlast" in err
             # The daemon serves on.
             other = await a.client.alloc_buffer(4096)
             await a.client.set_tensor(other.tensor(), b"\x5a" * 4096)
