@@ -322,13 +322,13 @@ class Landing:
         writes fail from now on rather than the table growing with every immediate a
         peer makes up)."""
         imm &= 0xFFFFFFFF
-        self.bytes_in += nbytes
-        self.writes_in += 1
         try:
             self.memory.room(imm)
         except TransferdError as exc:
-            self.refused(exc)
+            self.refused(exc)  # (a refused write, as on tcp: not among those landed)
             raise
+        self.bytes_in += nbytes
+        self.writes_in += 1
         self.memory.count(imm, 1)
         self.imms_in += 1
 
