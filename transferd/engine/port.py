@@ -219,6 +219,25 @@ class ChecksummedSource:
         self._inner.release()
 
 
+class Hold(enum.Enum):
+    """Where a staged placement's or source's chunks and region admission are."""
+
+    HELD = "held"  # its link's (to answer from, or land): let go by it, once
+    ABANDONED = "abandoned"  # (a READ's) its link went: let go once its copies ended
+    LET_GO = "let-go"  # chunks back (after their last copy), admission let go: once
+
+
+def _report(done: Done, outcome: TransferdError | None, let_go: Callable[[], None]) -> None:
+    """``done(outcome)`` from the event waiter's thread.  Its RuntimeError is the link's
+    loop closed under it (the engine stopped: ``call_soon_threadsafe`` refused): nobody
+    will answer it nor let go of its staging and admission but here (the waiter only
+    logs a callback's error)."""
+    try:
+        done(outcome)
+    except RuntimeError:
+        let_go()
+
+
 class StagedPlacement:
     """A write into device memory: received into staging chunks, copied to the device.
 
@@ -226,7 +245,8 @@ class StagedPlacement:
     cannot wait); the link reads nothing more until :meth:`land` said it is done.
     """
 
-    __slots__ = ("_admitted", "_chunks", "_handed", "_io", "_pages", "views")
+    __slots__ = ("_admitted", "_chunks", "_handed", "_hold", "_io", "_lock", "_pages",
+                 "views")
     deferred = True
     crc = None  # (a write's: never asked)
 
@@ -237,6 +257,9 @@ class StagedPlacement:
         self._pages = pages
         self._admitted = admitted
         self._handed = 0  # chunks given to the copies (they go back to the pool after)
+        self._hold = Hold.HELD
+        # (Let go by the link's loop, or by the waiter's thread when that loop closed.)
+        self._lock = threading.Lock()
         left, views = nbytes, []
         for c in chunks:
             k = min(left, c.size)
@@ -267,21 +290,29 @@ class StagedPlacement:
             left[0] -= 1
             if not left[0]:
                 # A copy the device failed: nothing of this write counts (it fails).
-                done(faults[0] if faults else None)
+                _report(done, faults[0] if faults else None, self.release)
 
         if not chunks:
-            done(None)
+            _report(done, None, self.release)
             return
         for chunk, pieces in zip(chunks, per_chunk, strict=True):
             self._handed += 1
             gate.land(chunk, pieces, copied)
 
     def release(self) -> None:
+        with self._lock:
+            if self._hold is Hold.LET_GO:
+                return  # (a chunk given back twice would be two writers' at once)
+            self._hold = Hold.LET_GO
+            unused, self._chunks = self._chunks[self._handed:], self._chunks[:self._handed]
         # Chunks never handed to a copy (closed mid-payload) go back unused.
-        for chunk in self._chunks[self._handed:]:
+        for chunk in unused:
             self._io.pool.release(chunk)
-        self._chunks = self._chunks[:self._handed]
         self._admitted.release()
+
+    @property
+    def hold(self) -> Hold:
+        return self._hold
 
 
 def _pieces(pages: list[tuple[int, int]], step: int, chunks: int
@@ -304,7 +335,8 @@ class StagedSource:
     region's group (:meth:`land`), then sent from them (``views``); the chunks go back
     once the bytes were sent and the last copy on them ended (:meth:`release`)."""
 
-    __slots__ = ("_admitted", "_chunks", "_fence", "_gone", "_io", "_pages", "views")
+    __slots__ = ("_admitted", "_chunks", "_fence", "_hold", "_io", "_lock", "_pages",
+                 "views")
     deferred = True
     crc = None  # (taken by the link from the staging chunks)
 
@@ -315,7 +347,10 @@ class StagedSource:
         self._pages = pages
         self._admitted = admitted
         self._fence: Any = None
-        self._gone = False  # abandoned: its link closed before it was answered
+        self._hold = Hold.HELD
+        # (Let go by the link's loop, by the waiter's thread once an abandoned one's
+        # copies ended, or by it when the link's loop closed before its copies did.)
+        self._lock = threading.Lock()
         left, views = nbytes, []
         for c in chunks:
             k = min(left, c.size)
@@ -327,10 +362,10 @@ class StagedSource:
         """The D2H copies into staging, then ``done`` (the waiter's thread): None, or the
         device's fault (nothing of it may be sent)."""
         io = self._io
-        if self._gone:
+        if self._hold is not Hold.HELD:
             return  # (its link closed before it was handed on: no copy for nobody)
         if not self._chunks:
-            done(None)
+            _report(done, None, self.release)
             return
         stream = io.stream
         for chunk, pieces in zip(self._chunks, _pieces(self._pages, io.pool.chunk_size,
@@ -338,20 +373,31 @@ class StagedSource:
             for dev, off, n in pieces:
                 stream.copy_d2h(chunk.ptr + off, dev, n)
         self._fence = event = stream.record()
-        io.waiter.watch(event, done)
+        io.waiter.watch(event, lambda outcome: _report(done, outcome, self.release))
 
     def release(self) -> None:
-        chunks, self._chunks = self._chunks, []
+        """Let go once (whoever comes first of the link, an abandon's watch on its copies
+        and a ``done`` refused by a closed loop): its chunks back after its last copy."""
+        with self._lock:
+            if self._hold is Hold.LET_GO:
+                return  # (a chunk given back twice would be two READs' at once)
+            self._hold = Hold.LET_GO
+            chunks, self._chunks = self._chunks, []
         release_after(self._io, chunks, self._fence)
         self._admitted.release()
+
+    @property
+    def hold(self) -> Hold:
+        return self._hold
 
     def abandon(self) -> None:
         """Its link closed before it was answered (from the link's loop): let go once
         its copies ended (they read the region: its memory is held until then), at once
         if none was enqueued; ``done`` still comes, and is for nobody."""
-        if self._gone:
-            return
-        self._gone = True
+        with self._lock:
+            if self._hold is not Hold.HELD:
+                return
+            self._hold = Hold.ABANDONED
         fence = self._fence
         if fence is None or fence.outcome() is not False:
             self.release()
