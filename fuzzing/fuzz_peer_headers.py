@@ -65,7 +65,7 @@ class _Memory:
         return _Placement(self, views)
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: object, checksum: bool = False) -> _Placement:
+               abort: object, checksum: bool = False, peer: object = None) -> _Placement:
         return self.place(rkey, rail, addrs, lens, sum(lens), abort)
 
     def count(self, imm: int, n: int) -> None:

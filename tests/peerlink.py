@@ -106,7 +106,7 @@ class HostMemory:
         return _Placement(r, views, self.deferred)
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Any, checksum: bool = False) -> _Placement:
+               abort: Any, checksum: bool = False, peer: Any = None) -> _Placement:
         r = self._open(rkey, rail, "r")
         return _Placement(r, self._views(r, addrs, lens))
 

@@ -72,7 +72,8 @@ class EnginePort(Protocol):
     def room(self, imm: int) -> None: ...
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None, checksum: bool = False) -> Source: ...
+               abort: Callable[[], None] | None, checksum: bool = False,
+               peer: Peer | None = None) -> Source: ...
 
     def deliver(self, peer: Peer, msg: bytes, ack: Ack, source: Hashable, *,
                 trace: bytes | None = None, op: int = 0) -> None:

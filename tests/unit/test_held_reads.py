@@ -55,7 +55,7 @@ class _DeferredReads(HostMemory):
         self.sources: list[_Deferred] = []
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Any, checksum: bool = False) -> _Deferred:
+               abort: Any, checksum: bool = False, peer: Any = None) -> _Deferred:
         r = self._open(rkey, rail, "r")
         src = _Deferred(r, self._views(r, addrs, lens))
         self.sources.append(src)

@@ -106,7 +106,8 @@ class TransferEngine:
         self.counter = ImmCounter(notify=self._notify, now=self._notify_now,
                                   max_counters=config.max_counters)
         # What every group lands writes and delivers messages through.
-        self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone)
+        self.port = EnginePort(self.regions, self.counter, self._deliver, self._sender_gone,
+                               max_checksums=config.max_links)
         # What the configured kind of Domain can do (asked, never its name).
         self.capabilities = registry.capabilities(config.domain)
         self._ops = itertools.count(1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transferd.memory.staging import GatedLanding, release_after
@@ -27,10 +26,10 @@ from transferd.protocol.errors import (
     BadRequest,
     OutOfBounds,
     OutOfMemory,
-    PeerUnreachable,
     TransferdError,
 )
 
+from .fair_pieces import PieceThread
 from .immcounter import ImmCounter
 from .regions import Admitted, Region, RegionTable
 
@@ -45,9 +44,13 @@ Done = Callable[[TransferdError | None], None]
 # A link held so watches for its peer hanging up: then its checksum is not taken
 # (abandon).
 CRC_INLINE_MAX = 16 << 20
-# A long checksum is taken this much at a time: one whose link went meanwhile stops
-# within a piece (a few ms), not at its end (a READ may name up to 4096 pages).
+# A long checksum is taken this much at a time, in turn with other peers' READs
+# (fair_pieces: one peer's READ of 4096 pages of 4000 MiB holds nobody else's behind
+# it), and one whose link went meanwhile stops within a piece (a few ms), not at its end.
 CRC_PIECE = 64 << 20
+# The checksums that may wait for the thread, where the engine says no other bound
+# (engine.max_links' default: a tcp link holds one such READ at a time).
+MAX_CHECKSUMS = 4096
 # deliver(peer, msg, ack, source, trace, op): the engine's receive side.
 Deliver = Callable[[tuple[int, int], bytes, Ack, Hashable, "bytes | None", int], None]
 
@@ -77,29 +80,34 @@ class Turn(enum.Enum):
     """Where a ChecksummedSource's checksum is."""
 
     NEW = "new"  # land not called yet
-    QUEUED = "queued"  # waiting for the port's thread
-    TAKING = "taking"  # on the thread now
+    QUEUED = "queued"  # waiting for its next piece's turn on the port's thread
+    TAKING = "taking"  # a piece of it on the thread now
     HANDED = "handed"  # its outcome given to ``done``: the link lets go of it
-    DROPPED = "dropped"  # its link went first: let go, nothing more taken
-    LEFT = "left"  # its link went while it was taken: let go by the thread, once
+    DROPPED = "dropped"  # its link went while it waited: let go, nothing more taken
+    LEFT = "left"  # its link went while a piece was taken: let go by the thread, once
 
 
 class ChecksummedSource:
     """A peer's verified READ of host memory past CRC_INLINE_MAX: deferred as a READ of
     device memory is, its ``land`` taking the CRC32C of the pages on the port's
-    checksum thread (``run``) before ``done``; then sent from the same views with
-    :attr:`crc`.  Its link gone first (:meth:`abandon`), a checksum not begun is not
-    taken, one begun stops within CRC_PIECE; either way it is let go once."""
+    checksum thread, a piece at a time in turn with other peers' (fair_pieces), before
+    ``done``; then sent from the same views with :attr:`crc`.  Its link gone first
+    (:meth:`abandon`), a checksum waiting is taken no further, one being taken stops
+    at the end of its piece; either way it is let go once."""
 
-    __slots__ = ("_inner", "_lock", "_run", "_turn", "crc")
+    __slots__ = ("_done", "_inner", "_lane", "_lock", "_pos", "_thread", "_turn", "_value",
+                 "crc")
     deferred = True
 
-    def __init__(self, inner: HostPlacement,
-                 run: Callable[[Callable[[bool], None]], None]) -> None:
+    def __init__(self, inner: HostPlacement, thread: PieceThread, lane: Hashable) -> None:
         self._inner = inner
-        self._run = run  # run(take): take(closed) on the checksum thread
+        self._thread = thread
+        self._lane = lane  # whose turn it waits for: the READ's peer
         self.crc: int | None = None
         self._turn = Turn.NEW
+        self._done: Done | None = None
+        self._value = 0  # the CRC32C so far, up to _pos (view, offset in it)
+        self._pos = (0, 0)
         # (The link's loop abandons it while the checksum thread may be taking it.)
         self._lock = threading.Lock()
 
@@ -112,67 +120,89 @@ class ChecksummedSource:
         return self._turn
 
     def land(self, done: Done) -> None:
-        views = self._inner.views
-
-        def take(closed: bool) -> None:  # the checksum thread
-            with self._lock:
-                if self._turn is Turn.DROPPED:
-                    return  # its link went while it waited: nobody wants it
-                self._turn = Turn.TAKING
-            err: TransferdError | None = None
-            if closed:
-                # The engine closed while this one waited its turn: not taken (a
-                # queue of 4 GiB checksums went on for seconds per READ after it).
-                err = PeerUnreachable("this daemon's engine closed: a READ's checksum "
-                                      "is not taken")
-            else:
-                try:
-                    value = self._take(views)
-                except TransferdError as exc:
-                    err = exc
-                except Exception as exc:  # (a view let go under it: the answer is refused)
-                    err = BadRequest(f"the checksum of a READ's answer failed: {exc}")
-                else:
-                    if value is not None:
-                        self.crc = value
-            with self._lock:
-                left = self._turn is Turn.LEFT
-                self._turn = Turn.HANDED
-            if left:
-                self._inner.release()  # (its link is gone: nobody else will)
-                return
-            try:
-                done(err)
-            except RuntimeError:
-                # Its link's loop is closed (the engine stopped): nobody will answer or
-                # let go of this READ but here, once.
-                self.release()
-
         with self._lock:
             if self._turn is not Turn.NEW:
                 return  # (abandoned before its link handed it on: nothing to take)
             self._turn = Turn.QUEUED
+            self._done = done
         try:
-            self._run(take)
+            self._thread.submit(self._lane, self)
         except TransferdError:
             with self._lock:
                 self._turn = Turn.HANDED  # (refused: the link lets go of it)
             raise
 
-    def _take(self, views: list[memoryview]) -> int | None:
-        """The CRC32C of ``views``, a piece at a time; None once its link went."""
-        value = 0
-        for v in views:
-            for off in range(0, len(v), CRC_PIECE):
-                if self._turn is Turn.LEFT:
-                    return None
-                value = crc32c.crc_of([v[off:off + CRC_PIECE]], value)
-        return value
+    def step(self) -> bool:
+        """One piece (the checksum thread); True while there is more to take."""
+        with self._lock:
+            if self._turn is not Turn.QUEUED:
+                return False  # (dropped while it waited: let go, nobody wants it)
+            self._turn = Turn.TAKING
+        err: TransferdError | None = None
+        more = False
+        try:
+            more = self._piece()
+        except TransferdError as exc:
+            err = exc
+        except Exception as exc:  # (a view let go under it: the answer is refused)
+            err = BadRequest(f"the checksum of a READ's answer failed: {exc}")
+        with self._lock:
+            left = self._turn is Turn.LEFT
+            if not left:
+                if more and err is None:
+                    self._turn = Turn.QUEUED  # (abandoned from now: dropped, not left)
+                    return True
+                self._turn = Turn.HANDED
+        if left:
+            self._inner.release()  # (its link is gone: nobody else will)
+            return False
+        if err is None:
+            self.crc = self._value
+        self._hand(err)
+        return False
+
+    def _piece(self) -> bool:
+        """Continue the CRC32C over the next CRC_PIECE bytes of the views (several short
+        pages in one piece: a piece's worth of work per turn, whatever the pages)."""
+        views = self._inner.views
+        i, off = self._pos
+        want = CRC_PIECE
+        piece: list[memoryview] = []
+        while i < len(views) and want > 0:
+            v = views[i]
+            k = min(len(v) - off, want)
+            if k > 0:
+                piece.append(v if k == len(v) else v[off:off + k])
+            off += k
+            want -= k
+            if off >= len(v):
+                i, off = i + 1, 0
+        self._value = crc32c.crc_of(piece, self._value)
+        self._pos = (i, off)
+        return i < len(views)
+
+    def refuse(self, error: TransferdError) -> None:
+        """The port closed while it waited (the checksum thread): answered ``error``."""
+        with self._lock:
+            if self._turn is not Turn.QUEUED:
+                return  # (dropped: let go already)
+            self._turn = Turn.HANDED
+        self._hand(error)
+
+    def _hand(self, error: TransferdError | None) -> None:
+        done = self._done
+        assert done is not None
+        try:
+            done(error)
+        except RuntimeError:
+            # Its link's loop is closed (the engine stopped): nobody will answer or
+            # let go of this READ but here, once.
+            self.release()
 
     def abandon(self) -> None:
         """Its link closed before it was answered (any time after it was made, from
-        the link's loop): let go once, now unless the checksum is being taken (then by
-        the checksum thread once it stopped); ``done`` may come after, or not."""
+        the link's loop): let go once, now unless a piece is being taken (then by the
+        checksum thread once it stopped); ``done`` may come after, or not."""
         with self._lock:
             turn = self._turn
             if turn is Turn.TAKING:
@@ -181,10 +211,31 @@ class ChecksummedSource:
             if turn is Turn.LEFT or turn is Turn.DROPPED:
                 return
             self._turn = Turn.DROPPED
+        if turn is Turn.QUEUED:
+            self._thread.withdraw(self._lane, self)  # (its place is another's now)
         self._inner.release()
 
     def release(self) -> None:
         self._inner.release()
+
+
+class Hold(enum.Enum):
+    """Where a staged placement's or source's chunks and region admission are."""
+
+    HELD = "held"  # its link's (to answer from, or land): let go by it, once
+    ABANDONED = "abandoned"  # (a READ's) its link went: let go once its copies ended
+    LET_GO = "let-go"  # chunks back (after their last copy), admission let go: once
+
+
+def _report(done: Done, outcome: TransferdError | None, let_go: Callable[[], None]) -> None:
+    """``done(outcome)`` from the event waiter's thread.  Its RuntimeError is the link's
+    loop closed under it (the engine stopped: ``call_soon_threadsafe`` refused): nobody
+    will answer it nor let go of its staging and admission but here (the waiter only
+    logs a callback's error)."""
+    try:
+        done(outcome)
+    except RuntimeError:
+        let_go()
 
 
 class StagedPlacement:
@@ -194,7 +245,8 @@ class StagedPlacement:
     cannot wait); the link reads nothing more until :meth:`land` said it is done.
     """
 
-    __slots__ = ("_admitted", "_chunks", "_handed", "_io", "_pages", "views")
+    __slots__ = ("_admitted", "_chunks", "_handed", "_hold", "_io", "_lock", "_pages",
+                 "views")
     deferred = True
     crc = None  # (a write's: never asked)
 
@@ -205,6 +257,9 @@ class StagedPlacement:
         self._pages = pages
         self._admitted = admitted
         self._handed = 0  # chunks given to the copies (they go back to the pool after)
+        self._hold = Hold.HELD
+        # (Let go by the link's loop, or by the waiter's thread when that loop closed.)
+        self._lock = threading.Lock()
         left, views = nbytes, []
         for c in chunks:
             k = min(left, c.size)
@@ -235,21 +290,29 @@ class StagedPlacement:
             left[0] -= 1
             if not left[0]:
                 # A copy the device failed: nothing of this write counts (it fails).
-                done(faults[0] if faults else None)
+                _report(done, faults[0] if faults else None, self.release)
 
         if not chunks:
-            done(None)
+            _report(done, None, self.release)
             return
         for chunk, pieces in zip(chunks, per_chunk, strict=True):
             self._handed += 1
             gate.land(chunk, pieces, copied)
 
     def release(self) -> None:
+        with self._lock:
+            if self._hold is Hold.LET_GO:
+                return  # (a chunk given back twice would be two writers' at once)
+            self._hold = Hold.LET_GO
+            unused, self._chunks = self._chunks[self._handed:], self._chunks[:self._handed]
         # Chunks never handed to a copy (closed mid-payload) go back unused.
-        for chunk in self._chunks[self._handed:]:
+        for chunk in unused:
             self._io.pool.release(chunk)
-        self._chunks = self._chunks[:self._handed]
         self._admitted.release()
+
+    @property
+    def hold(self) -> Hold:
+        return self._hold
 
 
 def _pieces(pages: list[tuple[int, int]], step: int, chunks: int
@@ -272,7 +335,8 @@ class StagedSource:
     region's group (:meth:`land`), then sent from them (``views``); the chunks go back
     once the bytes were sent and the last copy on them ended (:meth:`release`)."""
 
-    __slots__ = ("_admitted", "_chunks", "_fence", "_gone", "_io", "_pages", "views")
+    __slots__ = ("_admitted", "_chunks", "_fence", "_hold", "_io", "_lock", "_pages",
+                 "views")
     deferred = True
     crc = None  # (taken by the link from the staging chunks)
 
@@ -283,7 +347,10 @@ class StagedSource:
         self._pages = pages
         self._admitted = admitted
         self._fence: Any = None
-        self._gone = False  # abandoned: its link closed before it was answered
+        self._hold = Hold.HELD
+        # (Let go by the link's loop, by the waiter's thread once an abandoned one's
+        # copies ended, or by it when the link's loop closed before its copies did.)
+        self._lock = threading.Lock()
         left, views = nbytes, []
         for c in chunks:
             k = min(left, c.size)
@@ -295,10 +362,10 @@ class StagedSource:
         """The D2H copies into staging, then ``done`` (the waiter's thread): None, or the
         device's fault (nothing of it may be sent)."""
         io = self._io
-        if self._gone:
+        if self._hold is not Hold.HELD:
             return  # (its link closed before it was handed on: no copy for nobody)
         if not self._chunks:
-            done(None)
+            _report(done, None, self.release)
             return
         stream = io.stream
         for chunk, pieces in zip(self._chunks, _pieces(self._pages, io.pool.chunk_size,
@@ -306,20 +373,31 @@ class StagedSource:
             for dev, off, n in pieces:
                 stream.copy_d2h(chunk.ptr + off, dev, n)
         self._fence = event = stream.record()
-        io.waiter.watch(event, done)
+        io.waiter.watch(event, lambda outcome: _report(done, outcome, self.release))
 
     def release(self) -> None:
-        chunks, self._chunks = self._chunks, []
+        """Let go once (whoever comes first of the link, an abandon's watch on its copies
+        and a ``done`` refused by a closed loop): its chunks back after its last copy."""
+        with self._lock:
+            if self._hold is Hold.LET_GO:
+                return  # (a chunk given back twice would be two READs' at once)
+            self._hold = Hold.LET_GO
+            chunks, self._chunks = self._chunks, []
         release_after(self._io, chunks, self._fence)
         self._admitted.release()
+
+    @property
+    def hold(self) -> Hold:
+        return self._hold
 
     def abandon(self) -> None:
         """Its link closed before it was answered (from the link's loop): let go once
         its copies ended (they read the region: its memory is held until then), at once
         if none was enqueued; ``done`` still comes, and is for nobody."""
-        if self._gone:
-            return
-        self._gone = True
+        with self._lock:
+            if self._hold is not Hold.HELD:
+                return
+            self._hold = Hold.ABANDONED
         fence = self._fence
         if fence is None or fence.outcome() is not False:
             self.release()
@@ -331,41 +409,22 @@ class EnginePort:
     """What the engine's domain groups land writes through (see the module doc)."""
 
     def __init__(self, regions: RegionTable, counter: ImmCounter, deliver: Deliver,
-                 sender_gone: Callable[[Hashable], None]) -> None:
+                 sender_gone: Callable[[Hashable], None], *,
+                 max_checksums: int = MAX_CHECKSUMS) -> None:
         self.regions = regions
         self.counter = counter
         self._deliver = deliver
         self._sender_gone = sender_gone
-        # Long READ checksums (ChecksummedSource), made at the first.
-        self._checksums: ThreadPoolExecutor | None = None
-        self._checksums_lock = threading.Lock()  # (links on several workers' loops)
-        self._closed = False
+        # Long READ checksums (ChecksummedSource), round-robin across their peers; a
+        # thread only while one waits.  Bounded by the links (one such READ each: the
+        # engine passes engine.max_links), refused past it (OutOfMemory).
+        self.checksums = PieceThread(max_checksums)
 
     def close(self) -> None:
-        """The engine stops: the checksum thread ends once the one it is taking is done;
-        none queued, nor asked for from now on, is taken (those READs are refused)."""
-        with self._checksums_lock:
-            self._closed = True
-            pool, self._checksums = self._checksums, None
-        if pool is not None:
-            pool.shutdown(wait=False)
-
-    def _on_checksum_thread(self, fn: Callable[[bool], None]) -> None:
-        # Closed: PeerUnreachable, raised to the link (which refuses the READ and lets go
-        # of its placement once), not a new thread nobody shuts down; submit's
-        # RuntimeError (a shutdown under it, or the interpreter's) is that too.
-        with self._checksums_lock:
-            if self._closed:
-                raise PeerUnreachable("this daemon's engine is closing: a READ's checksum "
-                                      "is not taken")
-            if self._checksums is None:
-                self._checksums = ThreadPoolExecutor(max_workers=1,
-                                                     thread_name_prefix="read-crc")
-            pool = self._checksums
-            try:
-                pool.submit(lambda: fn(self._closed))
-            except RuntimeError as exc:
-                raise PeerUnreachable(f"a READ's checksum cannot be taken: {exc}") from None
+        """The engine stops: the checksum thread ends once the piece it is taking is
+        done; none queued, nor asked for from now on, is taken (those READs are
+        refused, PeerUnreachable)."""
+        self.checksums.close()
 
     def place(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
               payload_len: int, abort: Callable[[], None] | None
@@ -389,13 +448,15 @@ class EnginePort:
         return HostPlacement(views, region.admit(abort))
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None, checksum: bool = False
+               abort: Callable[[], None] | None, checksum: bool = False,
+               peer: Hashable = None
                ) -> HostPlacement | StagedSource | ChecksummedSource:
         """A peer's READ: the region ``rkey`` opens for reading on ``rail`` (NotFound, as
         for an unknown rkey, when it was registered without "r"), every page inside it
         (OutOfBounds), admitted like a write until the bytes were sent (released).
         ``checksum`` past CRC_INLINE_MAX of host memory: its CRC32C taken here, off the
-        link's loop (ChecksummedSource)."""
+        link's loop (ChecksummedSource), in turn with other peers' READs (``peer``:
+        the authenticated one asking; None: one lane for all that name none)."""
         region = self.regions.by_rkey(rkey, rail, "r")
         io = region.staging
         if io is not None:
@@ -408,7 +469,7 @@ class EnginePort:
             views = [region.view(a, n) for a, n in zip(addrs, lens, strict=True)]
         src = HostPlacement(views, region.admit(abort))
         if checksum and sum(lens) > CRC_INLINE_MAX:
-            return ChecksummedSource(src, self._on_checksum_thread)
+            return ChecksummedSource(src, self.checksums, peer)
         return src
 
     def _staged_source(self, region: Region, io: Any, addrs: list[int], lens: list[int],

@@ -493,7 +493,7 @@ class InboundLink(LinkEnd):
             # With RX_CRC the memory side may take the checksum itself, off this loop
             # (a long answer's: the source is then deferred until it has).
             src = self.landing.read(self.rail, r.rkey, r.addrs, r.lens, self._abort,
-                                    checksum=r.crc)
+                                    checksum=r.crc, peer=self._key)
         except TransferdError as exc:
             self.events.append(Refused((op, part), exc, r.trace if r is not None else None,
                                        what="read"))

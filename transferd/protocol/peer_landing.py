@@ -100,11 +100,13 @@ class Memory(Protocol):
         its count could not be held (engine.max_counters: OutOfMemory); else nothing."""
 
     def source(self, rkey: int, rail: int, addrs: list[int], lens: list[int],
-               abort: Callable[[], None] | None, checksum: bool = False) -> Source:
+               abort: Callable[[], None] | None, checksum: bool = False,
+               peer: Peer | None = None) -> Source:
         """A peer's READ: the pages of the region ``rkey`` opens *for reading* on
         ``rail``, checked and admitted (its ``views`` are what is sent back).
         ``checksum``: the answer carries the CRC32C of those bytes, which the memory
-        side may take itself (:attr:`Placement.crc`; e.g. off the link's loop).
+        side may take itself (:attr:`Placement.crc`; e.g. off the link's loop, in turn
+        with other peers' READs: ``peer`` is the authenticated one asking).
 
         NotFound (no such region, or one registered without "r": the same answer),
         OutOfBounds (a page outside it), BadRequest (memory it cannot read from).
@@ -300,12 +302,13 @@ class Landing:
         return Admission(self, peer, w, placement, partial, claimed, rail)
 
     def read(self, rail: int, rkey: int, addrs: list[int], lens: list[int],
-             abort: Callable[[], None] | None = None, checksum: bool = False) -> Source:
-        """Check a peer's READ against memory and admit it (release once sent); raises
-        the TransferdError that refuses it (counted).  Nothing is counted: a READ
-        carries no immediate."""
+             abort: Callable[[], None] | None = None, checksum: bool = False,
+             peer: Peer | None = None) -> Source:
+        """Check a peer's READ (from the authenticated ``peer``) against memory and admit
+        it (release once sent); raises the TransferdError that refuses it (counted).
+        Nothing is counted: a READ carries no immediate."""
         try:
-            src = self.memory.source(rkey, rail, addrs, lens, abort, checksum)
+            src = self.memory.source(rkey, rail, addrs, lens, abort, checksum, peer)
         except TransferdError as exc:
             code = exc.code.value
             self.reads_refused_by[code] = self.reads_refused_by.get(code, 0) + 1
