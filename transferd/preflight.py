@@ -136,6 +136,16 @@ def machine_memory() -> int | None:
         return None
 
 
+def reloadable_problems(cfg: Config) -> list[Problem]:
+    """What this machine refuses of keys a SIGHUP applies: the reload asks this too,
+    else a limit refused at a start would be taken at the next reload."""
+    total = machine_memory()
+    if total is not None and cfg.host_limit > total:
+        return [Problem("memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more "
+                        f"than this machine's memory ({total >> 20} MiB)", Kind.MACHINE)]
+    return []
+
+
 def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[Problem]:
     """Every problem ``serve`` would hit with ``cfg``; see the module's doc."""
     problems: list[Problem] = []
@@ -177,11 +187,7 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                                     f"{rails.index(host)} already: one address per rail",
                                     Kind.CONFIG))
     if this_machine:
-        total = machine_memory()
-        if total is not None and cfg.host_limit > total:
-            problems.append(Problem(
-                "memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more than this "
-                f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
+        problems += reloadable_problems(cfg)
         # Secret files another user could read or rewrite (transferd.secret_files).
         from transferd.secret_files import problems as secret_problems
 
