@@ -119,12 +119,14 @@ class SyncClient:
     def copy_from_device(self, t: Any, src: Any, *, stream: Any = None) -> None:
         """:meth:`Client.copy_from_device` on the caller's stream (this thread's current
         one when ``stream`` is None)."""
-        s = capture_stream(stream)
+        # (In process there is no staging to copy through: the client refuses the copy,
+        # typed, and no stream needs resolving, nor CuPy importing, for that.)
+        s = stream if self._client.in_process else capture_stream(stream)
         self._run(self._client.copy_from_device(t, src, stream=s))
 
     def copy_to_device(self, dst: Any, t: Any, *, stream: Any = None) -> None:
         """:meth:`Client.copy_to_device` on the caller's stream (as copy_from_device)."""
-        s = capture_stream(stream)
+        s = stream if self._client.in_process else capture_stream(stream)
         self._run(self._client.copy_to_device(dst, t, stream=s))
 
     def register_cuda_memory(self, mem: Any, *, device: str | None = None) -> Any:

@@ -792,3 +792,15 @@ def test_a_sync_close_asked_while_another_thread_closes_waits_for_it() -> None:
         a.close()
         b.close()
 
+
+def test_a_sync_inproc_device_copy_is_refused_typed_without_cupy() -> None:
+    # Before the fix SyncClient resolved a CuPy stream first: without CuPy the inproc
+    # refusal was a ModuleNotFoundError (with it, a stream made for nothing).
+    from transferd.protocol.errors import UnknownCommand
+
+    with SyncClient.connect("inproc://", timeout=WAIT) as sc:
+        buf = sc.alloc_buffer(4096)
+        with pytest.raises(UnknownCommand, match="register the CuPy array"):
+            sc.copy_from_device(buf.tensor(0, 16), bytearray(16))
+        with pytest.raises(UnknownCommand, match="register the CuPy array"):
+            sc.copy_to_device(bytearray(16), buf.tensor(0, 16))
