@@ -363,8 +363,15 @@ class InprocClient(Client):
     def load_config(self) -> Config:
         """The daemon's configuration: the file, TRANSFERD_* variables, the overrides."""
         from transferd import config as configuration
+        from transferd import preflight
 
-        return configuration.load(self.config_path, overrides=self.overrides)
+        cfg = configuration.load(self.config_path, overrides=self.overrides)
+        # What serve refuses of it at its start (preflight) is refused here: a node in
+        # process has no other start.
+        unfit = preflight.limit_problems(cfg)
+        if unfit:
+            raise configuration.ConfigError([str(p) for p in unfit])
+        return cfg
 
     async def open(self) -> None:
         if self.node is not None:

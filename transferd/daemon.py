@@ -298,7 +298,7 @@ class Daemon:
                       "; ".join(exc.errors))
             return ReloadOutcome(False, "the configuration is invalid, the running one "
                                  "stays: " + "; ".join(exc.errors))
-        unfit = preflight.reloadable_problems(new)
+        unfit = preflight.limit_problems(new)
         if unfit:
             shown = "; ".join(map(str, unfit))
             log.error("SIGHUP: the configuration does not fit this machine, the running one "

@@ -136,9 +136,10 @@ def machine_memory() -> int | None:
         return None
 
 
-def reloadable_problems(cfg: Config) -> list[Problem]:
-    """What this machine refuses of keys a SIGHUP applies: the reload asks this too,
-    else a limit refused at a start would be taken at the next reload."""
+def limit_problems(cfg: Config) -> list[Problem]:
+    """What this machine refuses of the limits a configuration sets.  Asked at a start,
+    and by whatever takes a configuration without a start's checks: a SIGHUP (these
+    keys are reloadable) and an inproc node (client/inproc.py)."""
     total = machine_memory()
     if total is not None and cfg.host_limit > total:
         return [Problem("memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more "
@@ -187,7 +188,7 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                                     f"{rails.index(host)} already: one address per rail",
                                     Kind.CONFIG))
     if this_machine:
-        problems += reloadable_problems(cfg)
+        problems += limit_problems(cfg)
         # Secret files another user could read or rewrite (transferd.secret_files).
         from transferd.secret_files import problems as secret_problems
 

@@ -804,3 +804,19 @@ def test_a_sync_inproc_device_copy_is_refused_typed_without_cupy() -> None:
             sc.copy_from_device(buf.tensor(0, 16), bytearray(16))
         with pytest.raises(UnknownCommand, match="register the CuPy array"):
             sc.copy_to_device(bytearray(16), buf.tensor(0, 16))
+
+
+@async_test(timeout=60)
+async def test_an_inproc_memory_limit_past_the_machines_is_refused_as_serve_refuses_it(
+) -> None:
+    # Before the fix the node took it and promised the memory (GET_DEVICES: 95 TiB).
+    from transferd.preflight import machine_memory
+
+    total = machine_memory()
+    assert total is not None
+    huge = (total >> 20) * 2
+    with pytest.raises(ConfigError, match=rf"memory\.host_limit_mib: {huge} MiB is more "
+                       "than this machine's memory"):
+        await Client.connect("inproc://", overrides={"memory.host_limit_mib": huge})
+    async with engine(**{"memory.host_limit_mib": 64}) as me:
+        assert (await me.get_devices())[0]["total"] == 64 << 20
