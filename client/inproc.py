@@ -346,6 +346,9 @@ class InprocClient(Client):
         self._counts: collections.Counter[str] = collections.Counter()
         self._bytes_out = self._bytes_in = 0
         self._forwarded: _Forward | None = None
+        # While the node closes, and after: a close asked meanwhile (another task's)
+        # returns once the node is closed, not at once.
+        self._closing: asyncio.Future[None] | None = None
         self.leases = InprocLeases(self, self.alloc_buffer)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -360,8 +363,15 @@ class InprocClient(Client):
     def load_config(self) -> Config:
         """The daemon's configuration: the file, TRANSFERD_* variables, the overrides."""
         from transferd import config as configuration
+        from transferd import preflight
 
-        return configuration.load(self.config_path, overrides=self.overrides)
+        cfg = configuration.load(self.config_path, overrides=self.overrides)
+        # What serve refuses of it at its start (preflight) is refused here: a node in
+        # process has no other start.
+        unfit = preflight.limit_problems(cfg)
+        if unfit:
+            raise configuration.ConfigError([str(p) for p in unfit])
+        return cfg
 
     async def open(self) -> None:
         if self.node is not None:
@@ -415,6 +425,7 @@ class InprocClient(Client):
             self._release_spans()
             raise
         self.node, self._service = node, service
+        self._closing = None
         self._op_type, self._open_state = Op, CallerState.OPEN
         self._caller = Caller(peer=f"inproc:{os.getpid()}", source="inproc")
         self.version = (PROTO_MAJOR, min(PROTO_MINOR, cfg.server.protocol_minor), PROTO_PATCH)
@@ -426,9 +437,20 @@ class InprocClient(Client):
         expectations ended), then the node: its links to peers close, so every peer
         forgets it as it forgets a daemon that went. (``linger``: no server to wait
         for here.)"""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
         node, self.node = self.node, None
         if node is None:
             return
+        closing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._closing = closing
+        try:
+            await self._close(node)
+        finally:
+            closing.set_result(None)
+
+    async def _close(self, node: Node) -> None:
         try:
             if self._ops:
                 with contextlib.suppress(TransferdError):

@@ -43,6 +43,9 @@ class SyncClient:
         self._thread.start()
         # Set by the first close: a call after it (from any thread) is ConnectionLost.
         self._closing = False
+        # Set once that close is over: a close another thread asks meanwhile returns
+        # then, not while the engine (inproc://) or the connection is still open.
+        self._closed = threading.Event()
         # Calls handed to the loop and not yet answered (under _lock): a call another
         # thread handed over as the loop stopped would never be answered; the close
         # ends those with ConnectionLost once the loop is closed.
@@ -116,12 +119,14 @@ class SyncClient:
     def copy_from_device(self, t: Any, src: Any, *, stream: Any = None) -> None:
         """:meth:`Client.copy_from_device` on the caller's stream (this thread's current
         one when ``stream`` is None)."""
-        s = capture_stream(stream)
+        # (In process there is no staging to copy through: the client refuses the copy,
+        # typed, and no stream needs resolving, nor CuPy importing, for that.)
+        s = stream if self._client.in_process else capture_stream(stream)
         self._run(self._client.copy_from_device(t, src, stream=s))
 
     def copy_to_device(self, dst: Any, t: Any, *, stream: Any = None) -> None:
         """:meth:`Client.copy_to_device` on the caller's stream (as copy_from_device)."""
-        s = capture_stream(stream)
+        s = stream if self._client.in_process else capture_stream(stream)
         self._run(self._client.copy_to_device(dst, t, stream=s))
 
     def register_cuda_memory(self, mem: Any, *, device: str | None = None) -> Any:
@@ -150,13 +155,19 @@ class SyncClient:
     def close(self) -> None:
         """Close the client (once; from any thread): a call another thread is blocked in
         ends, with its Completion's error or ConnectionLost, before the loop stops."""
-        if self._closing:
+        with self._lock:
+            first, self._closing = not self._closing, True
+        if not first:
+            # Another thread's close is under way: over when this returns.  (Never waited
+            # for on the loop's own thread, which that close needs.)
+            if threading.current_thread() is not self._thread:
+                self._closed.wait()
             return
-        self._closing = True
         try:
             self._run(self._close())
         finally:
             self._stop_loop()
+            self._closed.set()
 
     async def _close(self) -> None:
         await self._client.close()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
-from transferd import secret_files
+from transferd import preflight, secret_files
 from transferd.config import Config, ConfigError
 from transferd.exits import Exit
 from transferd.lifecycle import (
@@ -298,6 +298,13 @@ class Daemon:
                       "; ".join(exc.errors))
             return ReloadOutcome(False, "the configuration is invalid, the running one "
                                  "stays: " + "; ".join(exc.errors))
+        unfit = preflight.limit_problems(new)
+        if unfit:
+            shown = "; ".join(map(str, unfit))
+            log.error("SIGHUP: the configuration does not fit this machine, the running one "
+                      "stays: %s", shown)
+            return ReloadOutcome(False, "the configuration does not fit this machine, the "
+                                 "running one stays: " + shown)
         try:
             secrets = secret_files.load(new)
         except ConfigError as exc:
@@ -384,8 +391,6 @@ def run_daemon(config: Config, frontends: Sequence[Frontend],
     fails later.
     """
     import uvloop
-
-    from transferd import preflight
 
     problems = preflight.check(config)
     if problems:

@@ -267,8 +267,9 @@ def peer_warning(event: str, node: int | None, rail: int, addr: Any, error: Any,
                  trace: bytes | None = None) -> None:
     """Log a peer-plane failure at WARNING: ``event: node N rail R (host:port): error``.
 
-    ``event`` is one of a small fixed set ("peer link broken", "transfer timed out",
-    "peer write refused", "peer message refused"), so the rate limit groups them.
+    ``event`` is one of a small fixed set ("peer link broken", "peer link cut",
+    "transfer timed out", "peer write refused", "peer message refused"), so the rate
+    limit groups them.
     JSON logs get ``peer_node``, ``rail``, ``peer_addr`` and ``code`` as fields, and
     ``trace_id`` when the transfer carried one (``trace``: its 26 wire bytes).
     """

@@ -136,6 +136,17 @@ def machine_memory() -> int | None:
         return None
 
 
+def limit_problems(cfg: Config) -> list[Problem]:
+    """What this machine refuses of the limits a configuration sets.  Asked at a start,
+    and by whatever takes a configuration without a start's checks: a SIGHUP (these
+    keys are reloadable) and an inproc node (client/inproc.py)."""
+    total = machine_memory()
+    if total is not None and cfg.host_limit > total:
+        return [Problem("memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more "
+                        f"than this machine's memory ({total >> 20} MiB)", Kind.MACHINE)]
+    return []
+
+
 def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[Problem]:
     """Every problem ``serve`` would hit with ``cfg``; see the module's doc."""
     problems: list[Problem] = []
@@ -177,11 +188,7 @@ def check(cfg: Config, *, this_machine: bool = True, bind: bool = True) -> list[
                                     f"{rails.index(host)} already: one address per rail",
                                     Kind.CONFIG))
     if this_machine:
-        total = machine_memory()
-        if total is not None and cfg.host_limit > total:
-            problems.append(Problem(
-                "memory.host_limit_mib", f"{cfg.memory.host_limit_mib} MiB is more than this "
-                f"machine's memory ({total >> 20} MiB)", Kind.MACHINE))
+        problems += limit_problems(cfg)
         # Secret files another user could read or rewrite (transferd.secret_files).
         from transferd.secret_files import problems as secret_problems
 

@@ -740,3 +740,83 @@ async def test_an_arm_with_an_immediate_or_page_length_no_write_takes_is_refused
                                       (mr, Pages([0], 4096)), (desc, Pages([1], 4096)))
         w.set(5)
         await asyncio.wait_for(ok.wait(), WAIT)
+
+
+@async_test(timeout=60)
+async def test_a_close_asked_while_another_closes_returns_once_the_node_is_closed() -> None:
+    # Before the fix the second close returned at once: its caller went on with the
+    # node still open (its rail listening, its expectation not ended yet).
+    from transferd.domains.rails import parse_rail
+
+    a = await Client.connect("inproc://", timeout=WAIT)
+    mine = await a.expect_imm_count(4243, 1, wait=False)
+    rail = parse_rail((await a.main_address()).rails[0])
+    first = asyncio.ensure_future(a.close())
+    await asyncio.sleep(0)  # (the first is under way)
+    await asyncio.wait_for(a.close(), WAIT)
+    assert first.done() and mine.done()
+    with pytest.raises(ConnectionLost):
+        await mine
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(rail, 1).close()
+    await asyncio.wait_for(a.close(), WAIT)  # and a third: nothing
+
+
+def test_a_sync_close_asked_while_another_thread_closes_waits_for_it() -> None:
+    # A receive callback holds the engine's loop (the user's code, on its thread) while
+    # one thread closes: before the fix a close from a second thread returned at once,
+    # the first not even begun.
+    a = SyncClient.connect("inproc://", timeout=WAIT)
+    b = SyncClient.connect("inproc://", timeout=WAIT)
+    try:
+        held = threading.Event()
+
+        def slow(_msg: bytes) -> None:
+            held.set()
+            time.sleep(0.5)
+
+        a.submit_recvs(16, 1, slow)
+        mine = a.expect_imm_count(4244, 1, wait=False)
+        sent = b.submit_send(a.main_address(), b"hold")
+        assert held.wait(WAIT)
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        deadline = time.monotonic() + WAIT
+        while not a._closing and time.monotonic() < deadline:
+            time.sleep(0.001)
+        a.close()
+        assert mine.done() and not closer.is_alive()
+        assert isinstance(mine.exception(), ConnectionLost), mine.exception()
+        b.wait(sent, WAIT)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_sync_inproc_device_copy_is_refused_typed_without_cupy() -> None:
+    # Before the fix SyncClient resolved a CuPy stream first: without CuPy the inproc
+    # refusal was a ModuleNotFoundError (with it, a stream made for nothing).
+    from transferd.protocol.errors import UnknownCommand
+
+    with SyncClient.connect("inproc://", timeout=WAIT) as sc:
+        buf = sc.alloc_buffer(4096)
+        with pytest.raises(UnknownCommand, match="register the CuPy array"):
+            sc.copy_from_device(buf.tensor(0, 16), bytearray(16))
+        with pytest.raises(UnknownCommand, match="register the CuPy array"):
+            sc.copy_to_device(bytearray(16), buf.tensor(0, 16))
+
+
+@async_test(timeout=60)
+async def test_an_inproc_memory_limit_past_the_machines_is_refused_as_serve_refuses_it(
+) -> None:
+    # Before the fix the node took it and promised the memory (GET_DEVICES: 95 TiB).
+    from transferd.preflight import machine_memory
+
+    total = machine_memory()
+    assert total is not None
+    huge = (total >> 20) * 2
+    with pytest.raises(ConfigError, match=rf"memory\.host_limit_mib: {huge} MiB is more "
+                       "than this machine's memory"):
+        await Client.connect("inproc://", overrides={"memory.host_limit_mib": huge})
+    async with engine(**{"memory.host_limit_mib": 64}) as me:
+        assert (await me.get_devices())[0]["total"] == 64 << 20

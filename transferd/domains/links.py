@@ -11,12 +11,15 @@ every Domain's links run the same handshake with the same rules.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transferd.fds import LinkBudget
+from transferd.logs import peer_warning
+from transferd.protocol.errors import PeerUnreachable
 from transferd.protocol.keyring import Keyring
 from transferd.protocol.peer_handshake import PeerIdentity
 from transferd.protocol.peer_inbound import InboundLink
+from transferd.protocol.peer_link import LinkEnd
 from transferd.protocol.peer_outbound import OutboundLink
 from transferd.protocol.values import NetAddr
 
@@ -68,3 +71,14 @@ class LinkContext:
         return InboundLink(self.identity, rail, self.secret, now, landing=landing,
                            timeout=self.handshake_timeout_s, max_message=self.max_message,
                            admit=self.bind_peer, abort=abort, stream_frames=stream_frames)
+
+    @staticmethod
+    def inbound_ended(core: LinkEnd, rail: int, addr: Any) -> None:
+        """A proved link this daemon cut for what its peer sent (a frame past a limit,
+        framing it cannot trust, checksums that kept failing) is logged, with why: the
+        data phase has no frame to tell the peer, which sees its connection reset, and
+        nothing else would name it.  (PeerUnreachable: the socket ended, or this daemon
+        closed the link for its own reasons: said where they are.)"""
+        err, peer = core.error, core.peer
+        if peer is not None and err is not None and not isinstance(err, PeerUnreachable):
+            peer_warning("peer link cut", peer.node, rail, addr, err)

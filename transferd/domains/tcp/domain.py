@@ -677,5 +677,6 @@ class InboundPeer:
             # (A failed handshake is counted and logged where it failed: authlog.)
             log.debug("rail %d: peer handshake ended: %s", d.rail, error.message)
         if self.core.authenticated:
+            d.port.links.inbound_ended(self.core, d.rail, link.source)
             d.port.sender_gone(self)  # its messages still waiting go
         d.inbound_closed(self)

@@ -366,6 +366,8 @@ class InLink(_SetupLink):
         d = self.domain
         d.port.links.probes.cancel(self)
         if self.peer is not None:
+            d.port.links.inbound_ended(self.core, d.rail,
+                                       self.io.source if self.io is not None else None)
             d.port.sender_gone(self)  # its messages still waiting for a receive go
         d.inbound_closed(self)
         self._close_qps()
