@@ -388,7 +388,11 @@ class InprocClient(Client):
         except (tracing.TracingUnavailable, OSError) as exc:
             raise BadRequest(f"log.otel = {cfg.log.otel!r}: {exc}") from exc
         self._spans = True
-        node = Node(cfg, name=self.name)
+        try:
+            node = Node(cfg, name=self.name)
+        except BaseException:
+            self._release_spans()  # (a secret file others may read: refused here)
+            raise
         try:
             try:
                 await asyncio.wait_for(node.start_engine(), self.connect_timeout)
@@ -421,8 +425,10 @@ class InprocClient(Client):
                 self._forwarded = _Forward(node.metrics.registry)
                 self.registry.register(self._forwarded)
         except BaseException:
-            await node.close()
-            self._release_spans()
+            try:
+                await node.close()
+            finally:
+                self._release_spans()
             raise
         self.node, self._service = node, service
         self._closing = None

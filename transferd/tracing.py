@@ -257,6 +257,11 @@ def acquire(mode: str, path: str = "") -> None:
     _embedded += 1
 
 
+def embedded() -> int:
+    """How many embedded engines hold a share of the spans now."""
+    return _embedded
+
+
 def release() -> None:
     """An embedded engine closed: the last one out exports what is left and stops the
     spans, if the first one turned them on."""
@@ -281,4 +286,4 @@ def shutdown() -> None:
 
 
 __all__ = ["MODES", "SPANS", "PartSpan", "Spans", "TracingUnavailable", "acquire", "configure",
-           "shutdown", "wanted", "wire"]
+           "embedded", "shutdown", "wanted", "wire"]

@@ -43,6 +43,7 @@ from tests.integration.engine_cluster import (
     start_many,
 )
 from tests.integration.fake_peer import FakePeer
+from transferd import tracing
 from transferd.config import ConfigError
 from transferd.protocol.errors import BadRequest, ConnectionLost, TransferdError
 
@@ -235,6 +236,7 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
         port = held.getsockname()[1]
         gc.collect()
         threads, fds, tasks = threading.active_count(), _open_fds(), asyncio.all_tasks()
+        shares = tracing.embedded()
         with pytest.raises(BadRequest, match=f"metrics_port {port} .*in use"):
             await Client.connect("inproc://", metrics_port=port)
         with pytest.raises(BadRequest, match=rf"engine\.peer_port {port}.*in use"):
@@ -254,6 +256,9 @@ async def test_a_port_taken_or_a_bad_config_is_a_typed_error_with_nothing_left_r
         assert threading.active_count() == threads
         assert _open_fds() == fds
         assert asyncio.all_tasks() == tasks
+        # Nor a share of the spans (the next engine of the process then found them taken
+        # and made none for its own log.otel).
+        assert tracing.embedded() == shares
     # Two engines with every default, and two metrics ports of 0: no collision.
     async with engine() as a, engine() as b:
         assert (await a.main_address()) != (await b.main_address())
