@@ -112,14 +112,20 @@ def _done() -> tuple[list[TransferdError | None], threading.Event, Any]:
     return got, ended, done
 
 
-def _small_alone(port: EnginePort, small: Any) -> float:
+def _small(port: EnginePort, small: Any) -> tuple[float, Any]:
+    """Peer 2's small verified READ, answered: how long its checksum took, and it (not
+    yet released)."""
     got, ended, done = _done()
     src = port.source(small.rkeys[0], 0, [small.ptr], [SMALL], None, checksum=True,
                       peer=(2, 0))
     t0 = time.monotonic()
     src.land(done)
     assert ended.wait(10) and got == [None]
-    took = time.monotonic() - t0
+    return time.monotonic() - t0, src
+
+
+def _small_alone(port: EnginePort, small: Any) -> float:
+    took, src = _small(port, small)
     src.release()
     return took
 
@@ -136,13 +142,7 @@ def test_an_honest_read_is_not_held_behind_a_huge_one(port: Any,
     huge.land(hdone)
     time.sleep(0.05)  # (the huge one has the thread to itself a while)
     assert huge.turn in (Turn.TAKING, Turn.QUEUED)
-    got, ended, done = _done()
-    src = port.source(small.rkeys[0], 0, [small.ptr], [SMALL], None, checksum=True,
-                      peer=(2, 0))
-    t0 = time.monotonic()
-    src.land(done)
-    assert ended.wait(10) and got == [None]
-    took = time.monotonic() - t0
+    took, src = _small(port, small)
     assert src.crc == crc_of([bufs[1].view(0, SMALL)])
     src.release()
     # The huge one is far from done (32 GiB of CRC32C: seconds), and the small one took
