@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import wait_until
 from tests.standin_stream import StandinDeviceMemory, StandinStream
 from transferd.engine.port import Hold, StagedPlacement, StagedSource
 from transferd.engine.regions import Region, RegionTable
@@ -62,14 +63,6 @@ def _closed_loop_done(calls: list[TransferdError | None]) -> Callable[[Any], Non
     return done
 
 
-def _until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.002)
-    return pred()
-
 
 def _settled(io: DeviceIO, region: Region) -> bool:
     return io.pool.free == CHUNKS and region.admitted == 0
@@ -85,7 +78,7 @@ def _source(io: DeviceIO, region: Region, dev: StandinDeviceMemory) -> StagedSou
 def _exactly_once(io: DeviceIO, region: Region) -> None:
     """Let go, and only once: every chunk back, none twice (a chunk in the free list
     twice would be handed to two READs at once), the admission let go."""
-    assert _until(lambda: _settled(io, region)), (io.pool.free, region.admitted)
+    assert wait_until(lambda: _settled(io, region)), (io.pool.free, region.admitted)
     time.sleep(0.02)  # (a second let-go would come from the waiter's thread now)
     assert io.pool.free == CHUNKS and io.pool.in_use == 0
     got = [io.pool.try_acquire() for _ in range(CHUNKS + 1)]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.helpers import wait_until
 from tests.standin_stream import StandinDeviceMemory, StandinStream
 from transferd.engine.immcounter import ImmCounter
 from transferd.memory.staging import (
@@ -282,14 +283,6 @@ def test_event_waiter_survives_a_failing_callback(waiter: EventWaiter) -> None:
     assert done.wait(5)
 
 
-def _until(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
-
 
 def test_a_cancelled_get_keeps_its_staging_until_the_copies_ended(waiter: EventWaiter) -> None:
     # Issue 24.1: a GET cancelled while its D2H copies are queued must not hand
@@ -320,7 +313,7 @@ def test_a_cancelled_get_keeps_its_staging_until_the_copies_ended(waiter: EventW
         stream.resume()
 
     _run(main())
-    assert _until(lambda: pool.free == pool.capacity)
+    assert wait_until(lambda: pool.free == pool.capacity)
 
 
 def test_a_cancelled_set_keeps_its_staging_until_the_copy_ended(waiter: EventWaiter) -> None:
@@ -345,7 +338,7 @@ def test_a_cancelled_set_keeps_its_staging_until_the_copy_ended(waiter: EventWai
         stream.resume()
 
     _run(main())
-    assert _until(lambda: pool.free == 1)
+    assert wait_until(lambda: pool.free == 1)
     assert bytes(dev.host_array()) == b"s" * CHUNK
 
 
@@ -366,7 +359,7 @@ def test_a_claim_goes_back_after_its_fence_only(waiter: EventWaiter) -> None:
         stream.resume()
 
     _run(main())
-    assert _until(lambda: pool.free == 2)
+    assert wait_until(lambda: pool.free == 2)
     # Ended before its fence (a copy may be on the stream already): the event recorded
     # at release covers it.
     unfenced = Claim(DeviceIO(stream, waiter, pool))
@@ -376,7 +369,7 @@ def test_a_claim_goes_back_after_its_fence_only(waiter: EventWaiter) -> None:
     time.sleep(0.05)
     assert pool.free == 1
     stream.resume()
-    assert _until(lambda: pool.free == 2)
+    assert wait_until(lambda: pool.free == 2)
 
 
 def test_a_device_fault_fails_the_wait_and_lands_nothing(waiter: EventWaiter) -> None:
@@ -404,7 +397,7 @@ def test_a_device_fault_fails_the_wait_and_lands_nothing(waiter: EventWaiter) ->
     assert got.wait(5)
     assert isinstance(told[0], DeviceFault) and counter.value(9) == 0
     assert bytes(dev.host_array()[:8]) == b"d" * 8  # the copy never ran
-    assert _until(lambda: pool.free == 2)
+    assert wait_until(lambda: pool.free == 2)
     sent: list[bytes] = []
 
     async def send(view: memoryview) -> None:
@@ -419,7 +412,7 @@ def test_a_device_fault_fails_the_wait_and_lands_nothing(waiter: EventWaiter) ->
 
     _run(main())
     assert sent == []  # stale staging was never sent for it
-    assert _until(lambda: pool.free == 2)
+    assert wait_until(lambda: pool.free == 2)
     stream.heal()
 
     async def healed() -> None:
